@@ -1,0 +1,123 @@
+"""Text of the node script, the phase sbatch files and submit.sh. Pure: specs in, strings out.
+
+The templates ship in `megatron_hpc.slurm/templates` and use `{{name}}` placeholders, which
+cannot clash with the bash `$VAR`s around them. The sbatch directives follow the reference
+Trainium scripts (shared/reference/neuron-xla.md 3.1-3.2: --nodes, --exclusive, --requeue,
+--open-mode=append, one srun task per node) plus --kill-on-bad-exit so one failed node ends the
+step, and --cpu-bind=none because Slurm >= 22.05 srun otherwise binds every task to the cores
+of the first one.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass
+from importlib import resources
+
+from megatron_hpc import __version__
+from megatron_hpc.plan.jobs import MASTER_PORT_BASE, MASTER_PORT_SPAN, PhaseSpec
+from megatron_hpc.plan.planner import Plan
+
+SRUN_ARGS = ("--kill-on-bad-exit=1", "--cpu-bind=none")
+_PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SlurmOptions:
+    """Site settings given on the command line."""
+
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    exclude: str | None = None
+    time_limit_min: int | None = None
+    """Overrides launch.time_limit_min for both phases."""
+
+
+def load_template(name: str) -> str:
+    return (resources.files("megatron_hpc.slurm") / "templates" / name).read_text()
+
+
+def render(template: str, values: dict[str, object]) -> str:
+    """Fill `{{name}}` placeholders; a missing value is a bug, so it raises KeyError."""
+    return _PLACEHOLDER.sub(lambda m: str(values[m.group(1)]), template)
+
+
+def render_node_script(spec: PhaseSpec, *, recipe: str, run_dir: str, bin_dir: str) -> str:
+    exports = "\n".join(f"export {key}={shlex.quote(value)}" for key, value in sorted(spec.env.items()))
+    return render(load_template("node.sh"), {
+        "recipe": recipe,
+        "version": __version__,
+        "run_dir": shlex.quote(run_dir),
+        "nofile_limit": spec.nofile_limit,
+        "bin_dir": shlex.quote(bin_dir),
+        "env_exports": exports,
+        "port_base": MASTER_PORT_BASE,
+        "port_span": MASTER_PORT_SPAN,
+        "nproc_per_node": spec.nproc_per_node,
+    })
+
+
+def sbatch_directives(spec: PhaseSpec, *, log_dir: str, options: SlurmOptions) -> list[tuple[str, str | None]]:
+    """(flag, value) pairs of the #SBATCH header; value None is a bare flag."""
+    flags: list[tuple[str, str | None]] = [
+        ("job-name", spec.job_name),
+        ("nodes", str(spec.num_nodes)),
+        ("ntasks-per-node", "1"),
+        ("output", f"{log_dir}/%x-%j.out"),
+        ("open-mode", "append"),
+        ("time", str(options.time_limit_min or spec.time_limit_min)),
+    ]
+    if spec.exclusive:
+        flags.append(("exclusive", None))
+    if spec.requeue:
+        flags.append(("requeue", None))
+    for key, value in (("partition", options.partition), ("account", options.account),
+                       ("qos", options.qos), ("exclude", options.exclude)):
+        if value:
+            flags.append((key, value))
+    return flags
+
+
+def render_sbatch(spec: PhaseSpec, plan: Plan, *, node_script: str, log_dir: str, out_dir: str,
+                  options: SlurmOptions, depends_on: str | None = None) -> str:
+    lines = [f"#SBATCH --{k}" if v is None else f"#SBATCH --{k}={v}"
+             for k, v in sbatch_directives(spec, log_dir=log_dir, options=options)]
+    if depends_on:
+        note = (f"# Dependency: start only after the {depends_on} phase succeeded. submit.sh passes\n"
+                f"#   sbatch --dependency=afterok:$COMPILE_JOB_ID {spec.phase}.sbatch\n"
+                f"# COMPILE_JOB_ID is the job id of {depends_on}.sbatch.")
+    else:
+        note = ""
+    command = shlex.join([*spec.wrapper, "bash", node_script, spec.phase])
+    return render(load_template("phase.sbatch"), {
+        "phase": spec.phase,
+        "recipe": plan.recipe,
+        "num_nodes": spec.num_nodes,
+        "platform": plan.platform,
+        "nproc_per_node": spec.nproc_per_node,
+        "tp": plan.tensor_parallel,
+        "dp": plan.data_parallel,
+        "version": __version__,
+        "out_dir": out_dir,
+        "sbatch_lines": "\n".join(lines),
+        "dependency_note": note,
+        "srun_args": " ".join(SRUN_ARGS),
+        "command": command,
+    })
+
+
+def render_submit_script(phases: tuple[PhaseSpec, ...], *, out_dir: str) -> str:
+    """A script that submits the phases in order, each afterok on the one before."""
+    q = shlex.quote
+    lines = ["#!/usr/bin/env bash", "# Submit the phases written by `megatron-hpc submit --dry-run`.",
+             "set -euo pipefail", f"cd {q(out_dir)}"]
+    previous = None
+    for spec in phases:
+        var = f"{spec.phase.upper()}_JOB_ID"
+        dep = f"--dependency=afterok:${previous} " if previous else ""
+        lines.append(f"{var}=$(sbatch --parsable {dep}{spec.phase}.sbatch)")
+        lines.append(f'echo "{spec.phase} phase: job ${var}"')
+        previous = var
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,231 @@
+"""Submit the compile and run phases: locally with submitit's local executor, or to SLURM.
+
+Everything that can be checked is checked before the first job is queued: the plan (by the
+caller), the cluster tools, and that the run folder is writable. Never imports torch.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from megatron_hpc.compile_cache.paths import cache_env
+from megatron_hpc.config.loader import config_to_dict
+from megatron_hpc.config.platforms import Platform
+from megatron_hpc.config.schema import RunConfig
+from megatron_hpc.errors import LaunchError
+from megatron_hpc.launch.node_task import NodeTask
+from megatron_hpc.launch.run_dir import NODE_SCRIPT, python_bin_dir, write_json, write_script
+from megatron_hpc.launch.scripts import (
+    SRUN_ARGS,
+    SlurmOptions,
+    render_node_script,
+    render_sbatch,
+    render_submit_script,
+)
+from megatron_hpc.plan.jobs import PhaseSpec, make_phases
+from megatron_hpc.plan.planner import Plan
+
+Cluster = Literal["local", "slurm"]
+_FINISHED_OK = "COMPLETED"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SubmitRequest:
+    cfg: RunConfig
+    plan: Plan
+    platform: Platform
+    cluster: Cluster
+    run_dir: Path
+    options: SlurmOptions = field(default_factory=SlurmOptions)
+    cache_root: Path | None = None
+    """Shared compile cache; defaults to <run folder>/../../compile-cache."""
+
+
+@dataclass(kw_only=True, slots=True)
+class PhaseJob:
+    phase: str
+    job_id: str
+    state: str = "SUBMITTED"
+    depends_on: str | None = None
+
+
+@dataclass(kw_only=True, slots=True)
+class SubmitResult:
+    run_dir: Path
+    jobs: list[PhaseJob]
+    ok: bool = True
+    reason: str = ""
+
+
+def check_cluster(cluster: Cluster, *, num_nodes: int, platform: Platform) -> None:
+    """Refuse a cluster that cannot run this job, with the fix."""
+    if cluster == "slurm":
+        missing = [tool for tool in ("sbatch", "srun", "sacct") if shutil.which(tool) is None]
+        if missing:
+            raise LaunchError(f"--cluster slurm needs {', '.join(missing)} on PATH, not found; "
+                              "run on a SLURM login node, or use --cluster local to run on this machine")
+        return
+    if num_nodes != 1:
+        raise LaunchError(f"--cluster local runs on this one machine, but --nodes {num_nodes} was asked; "
+                          "use --nodes 1, or --cluster slurm for several nodes")
+    if platform.backend == "xla" and shutil.which("neuron_parallel_compile") is None:
+        raise LaunchError(f"--platform {platform.name} needs the Neuron SDK (neuron_parallel_compile not "
+                          "found); use --platform cpu to run locally, or --dry-run to write the scripts")
+
+
+def write_run_files(req: SubmitRequest) -> tuple[PhaseSpec, ...]:
+    """Config, plan, node script, sbatch files and submit.sh in the run folder."""
+    cache_root = req.cache_root or req.run_dir.parent.parent / "compile-cache"
+    phases = make_phases(req.cfg, req.plan, req.platform,
+                         extra_env=cache_env(backend=req.platform.backend, root=str(cache_root)))
+    write_json(req.run_dir / "config.json", config_to_dict(req.cfg))
+    write_json(req.run_dir / "plan.json", req.plan.to_json())
+    node_script = req.run_dir / NODE_SCRIPT
+    write_script(node_script, render_node_script(phases[0], recipe=req.cfg.name, run_dir=str(req.run_dir),
+                                                 bin_dir=python_bin_dir()))
+    previous = None
+    for spec in phases:
+        text = render_sbatch(spec, req.plan, node_script=str(node_script), log_dir=str(req.run_dir / "logs"),
+                             out_dir=str(req.run_dir), options=req.options, depends_on=previous)
+        write_script(req.run_dir / f"{spec.phase}.sbatch", text)
+        previous = spec.phase
+    write_script(req.run_dir / "submit.sh", render_submit_script(phases, out_dir=str(req.run_dir)))
+    return phases
+
+
+def submit(req: SubmitRequest, *, wait: bool, echo: Callable[[str], None] | None = None) -> SubmitResult:
+    """Write the run files and queue the phases; with `wait`, follow them to the end."""
+    check_cluster(req.cluster, num_nodes=req.plan.num_nodes, platform=req.platform)
+    phases = write_run_files(req)
+    if req.cluster == "local":
+        result = _run_local(req, phases, echo=echo)
+    else:
+        result = _submit_slurm(req, phases)
+        if wait:
+            _wait_slurm(result, req)
+    write_json(req.run_dir / "submission.json", {
+        "cluster": req.cluster,
+        "jobs": [{"phase": j.phase, "job_id": j.job_id, "state": j.state, "depends_on": j.depends_on}
+                 for j in result.jobs],
+        "ok": result.ok,
+        "reason": result.reason,
+    })
+    return result
+
+
+def _task(req: SubmitRequest, spec: PhaseSpec) -> NodeTask:
+    return NodeTask(node_script=str(req.run_dir / NODE_SCRIPT), phase=spec.phase, wrapper=spec.wrapper)
+
+
+def _log_tail(req: SubmitRequest, phase: str, *, lines: int = 15) -> str:
+    logs = sorted((req.run_dir / "logs").glob(f"{phase}-node*.log"))
+    text = "".join(p.read_text(errors="replace") for p in logs[:1])
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _run_local(req: SubmitRequest, phases: tuple[PhaseSpec, ...],
+               echo: Callable[[str], None] | None) -> SubmitResult:
+    import submitit
+
+    executor = submitit.LocalExecutor(folder=str(req.run_dir / "submitit"))
+    timeout = req.options.time_limit_min or req.cfg.launch.time_limit_min
+    result = SubmitResult(run_dir=req.run_dir, jobs=[])
+    for spec in phases:
+        executor.update_parameters(timeout_min=timeout, nodes=1, tasks_per_node=1)
+        job = executor.submit(_task(req, spec))
+        entry = PhaseJob(phase=spec.phase, job_id=str(job.job_id), state="RUNNING")
+        result.jobs.append(entry)
+        _follow_log(job, req.run_dir / "logs" / f"{spec.phase}-node0.log", echo)
+        try:
+            job.result()
+            entry.state = _FINISHED_OK
+        except Exception as exc:  # submitit re-raises whatever the task raised, as FailedJobError
+            entry.state = "FAILED"
+            result.ok = False
+            result.reason = (f"{spec.phase} phase failed ({type(exc).__name__}); "
+                             f"last lines of its log:\n{_log_tail(req, spec.phase)}")
+            return result
+    return result
+
+
+def _follow_log(job: object, log: Path, echo: Callable[[str], None] | None) -> None:
+    """Print the phase's log as it grows, until the job ends."""
+    offset = 0
+    while True:
+        done = job.done()  # type: ignore[attr-defined]
+        if echo and log.exists():
+            with log.open(errors="replace") as fh:
+                fh.seek(offset)
+                chunk = fh.read()
+                offset = fh.tell()
+            for line in chunk.splitlines():
+                echo(line)
+        if done:
+            return
+        time.sleep(0.5)
+
+
+def _submit_slurm(req: SubmitRequest, phases: tuple[PhaseSpec, ...]) -> SubmitResult:
+    import submitit
+
+    executor = submitit.SlurmExecutor(folder=str(req.run_dir / "submitit"), python=sys.executable)
+    result = SubmitResult(run_dir=req.run_dir, jobs=[])
+    previous: PhaseJob | None = None
+    for spec in phases:
+        extra: dict[str, object] = {"open_mode": "append"}
+        if spec.requeue:
+            extra["requeue"] = True
+        if previous is not None:
+            extra["dependency"] = f"afterok:{previous.job_id}"
+            # Without this a failed compile leaves the run pending forever (DependencyNeverSatisfied).
+            extra["kill_on_invalid_dep"] = "yes"
+        params: dict[str, object] = dict(
+            job_name=spec.job_name, nodes=spec.num_nodes, ntasks_per_node=1,
+            time=req.options.time_limit_min or spec.time_limit_min, srun_args=list(SRUN_ARGS),
+            additional_parameters=extra,
+        )
+        if spec.exclusive:
+            params["exclusive"] = True
+        for key in ("partition", "account", "qos", "exclude"):
+            value = getattr(req.options, key)
+            if value:
+                params[key] = value
+        executor.update_parameters(**params)
+        try:
+            job = executor.submit(_task(req, spec))
+        except Exception as exc:  # submitit raises a bare error carrying sbatch's stderr
+            raise LaunchError(f"sbatch refused the {spec.phase} phase: {exc}",
+                              script=str(req.run_dir / f"{spec.phase}.sbatch")) from None
+        entry = PhaseJob(phase=spec.phase, job_id=str(job.job_id),
+                         depends_on=previous.job_id if previous else None)
+        result.jobs.append(entry)
+        previous = entry
+    return result
+
+
+def _wait_slurm(result: SubmitResult, req: SubmitRequest, *, poll_s: float = 2.0) -> None:
+    """Follow the jobs with sacct until each has ended; explain a failed compile."""
+    from megatron_hpc.launch.slurm_state import job_state
+
+    pending = list(result.jobs)
+    while pending:
+        for entry in list(pending):
+            entry.state = job_state(entry.job_id)
+            if entry.state in _ENDED:
+                pending.remove(entry)
+                if entry.state != _FINISHED_OK and result.ok:
+                    result.ok = False
+                    result.reason = (f"{entry.phase} phase (job {entry.job_id}) ended {entry.state}; "
+                                     f"last lines of its log:\n{_log_tail(req, entry.phase)}")
+        if pending:
+            time.sleep(poll_s)
+
+
+_ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL",
+          "DEADLINE", "PREEMPTED"}

@@ -1,0 +1,34 @@
+"""Arguments shared by `plan` and `submit`, and turning them into a config and a plan."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from megatron_hpc.config.loader import load_recipe
+from megatron_hpc.config.platforms import PLATFORMS, Platform, get_platform
+from megatron_hpc.config.schema import RunConfig
+from megatron_hpc.plan.planner import Plan, make_plan
+
+
+def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--recipe", required=True, help="recipe name (e.g. tiny, gpt3_6.7b) or a YAML path")
+    parser.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
+    parser.add_argument("--platform", choices=sorted(PLATFORMS), default=None,
+                        help="hardware of the nodes (default: the recipe's launch.platform)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a recipe key, e.g. --set train.num_steps=100 (repeatable)")
+    parser.add_argument("--json", action="store_true", help="print JSON for scripts")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Resolved:
+    cfg: RunConfig
+    platform: Platform
+    plan: Plan
+
+
+def resolve(args: argparse.Namespace) -> Resolved:
+    cfg = load_recipe(args.recipe, args.overrides)
+    platform = get_platform(args.platform or cfg.launch.platform)
+    return Resolved(cfg=cfg, platform=platform, plan=make_plan(cfg, num_nodes=args.nodes, platform=platform))

@@ -1,0 +1,67 @@
+"""Entry point of the `megatron-hpc` command.
+
+An ordered registry maps each command to its module and a one-line summary; only the chosen
+command's module is imported, so `--help` and `plan` never import torch. Each command module
+exposes `add_arguments(parser)` and `run(args) -> int`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import traceback
+
+from megatron_hpc import __version__
+from megatron_hpc.errors import MegatronHpcError
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "submit": ("megatron_hpc.cli.submit_cmd", "plan, write and queue the compile and run phases"),
+    "plan": ("megatron_hpc.cli.plan_cmd", "check a recipe against a cluster and print the mesh, batch and memory"),
+    "train": ("megatron_hpc.cli.train_cmd", "per-rank training entry point (what torchrun starts)"),
+}
+
+
+def _build_parser(selected: str | None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megatron-hpc",
+        description="Launch, train and resume Megatron-style GPT runs on SLURM.",
+    )
+    parser.add_argument("--version", action="version", version=f"megatron-hpc {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, summary) in COMMANDS.items():
+        cmd = sub.add_parser(name, help=summary, description=summary)
+        cmd.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                         help="show tracebacks of errors")
+        if name == selected:
+            importlib.import_module(module).add_arguments(cmd)
+    return parser
+
+
+def _selected_command(argv: list[str]) -> str | None:
+    for token in argv:
+        if not token.startswith("-"):
+            return token if token in COMMANDS else None
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    selected = _selected_command(argv)
+    parser = _build_parser(selected)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    module = importlib.import_module(COMMANDS[args.command][0])
+    try:
+        return int(module.run(args) or 0)
+    except MegatronHpcError as exc:
+        if getattr(args, "debug", False):
+            traceback.print_exc()
+        print(f"megatron-hpc: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("megatron-hpc: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,150 @@
+"""The typed, frozen configuration tree a recipe loads into.
+
+Each section is a frozen dataclass; a function takes the section it needs, never the whole
+tree. Derived values (data-parallel size, micro-batch count, padded vocabulary) are computed by
+`megatron_hpc.plan` and never written back here. The docstring under each field is what
+`megatron-hpc plan --help` users read; names follow Megatron's flags where one exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Precision = Literal["fp32", "bf16", "fp16"]
+DecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"]
+PositionEmbedding = Literal["learned", "rope"]
+DataSource = Literal["synthetic", "indexed"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelConfig:
+    num_layers: int
+    """Transformer layers (Megatron --num-layers)."""
+    hidden_size: int
+    """Model width h (--hidden-size)."""
+    num_attention_heads: int
+    """Attention heads; must be divisible by the tensor-parallel size."""
+    seq_length: int
+    """Tokens per sample (--seq-length)."""
+    max_position_embeddings: int
+    """Learned position table size; seq_length may not exceed it."""
+    vocab_size: int = 50257
+    """True tokenizer vocabulary (GPT-2 BPE: 50257); padded by the planner."""
+    ffn_hidden_size: int | None = None
+    """MLP width; None means 4 * hidden_size, as in GPT-3."""
+    make_vocab_size_divisible_by: int = 128
+    """Pad the vocabulary to a multiple of this times TP (Megatron's rule)."""
+    position_embedding: PositionEmbedding = "learned"
+    """learned (GPT-3) or rope (rotary)."""
+    rotary_percent: float = 1.0
+    """Fraction of each head rotated when position_embedding is rope (Pythia: 0.25)."""
+    tie_embeddings: bool = True
+    """Share the input embedding with the output layer."""
+    init_method_std: float = 0.02
+    """Std of the normal init; output projections use std / sqrt(2 * num_layers)."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities (0 in the Neuron reference)."""
+    hidden_dropout: float = 0.0
+    """Dropout on residual branches (0 in the Neuron reference)."""
+    layernorm_epsilon: float = 1e-5
+    """LayerNorm epsilon."""
+    recompute: bool = False
+    """Recompute each layer's activations in backward (full activation checkpointing)."""
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size if self.ffn_hidden_size is not None else 4 * self.hidden_size
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParallelConfig:
+    tensor: int = 1
+    """Tensor-parallel size; must divide workers per node, heads and FFN size."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig:
+    num_steps: int
+    """Optimizer steps of the run phase (Megatron --train-iters)."""
+    micro_batch_size: int
+    """Samples per worker per forward pass."""
+    global_batch_size: int
+    """Samples per optimizer step across all data-parallel ranks."""
+    seed: int = 1234
+    """Seed of the weights and of the data order."""
+    precision: Precision = "fp32"
+    """fp32; bf16 (autocast on CUDA/CPU, pure bf16 with stochastic rounding on XLA); fp16."""
+    log_interval: int = 1
+    """Print Megatron's iteration line every this many steps."""
+    compile: bool = False
+    """Wrap the model with torch.compile (not on XLA)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OptimConfig:
+    lr: float
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Floor of the decay."""
+    weight_decay: float = 0.01
+    """AdamW decoupled weight decay; biases and norms get none."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Global L2 gradient-norm clip; 0 disables."""
+    lr_decay_style: DecayStyle = "cosine"
+    """Decay after warmup."""
+    lr_warmup_iters: int = 0
+    """Linear warmup length in steps; use this or lr_warmup_fraction."""
+    lr_warmup_fraction: float | None = None
+    """Warmup as a fraction of lr_decay_iters (Megatron --lr-warmup-fraction)."""
+    lr_decay_iters: int | None = None
+    """Steps over which the LR decays; None means train.num_steps."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataConfig:
+    source: DataSource = "synthetic"
+    """synthetic (deterministic generated tokens, like Megatron --mock-data) or indexed (.bin/.idx)."""
+    path: str | None = None
+    """Prefix of the Megatron .bin/.idx pair when source is indexed."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CompilePhaseConfig:
+    enabled: bool = True
+    """Run a compile phase before the run phase (afterok)."""
+    num_steps: int = 5
+    """Steps of the trial run (the Neuron reference uses 325 for 6.7B)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LaunchConfig:
+    platform: str = "cpu"
+    """Default platform (trn1, trn2, p5, cpu); --platform overrides it."""
+    workers_per_node: int | None = None
+    """Processes per node on the cpu platform; None takes the platform's default."""
+    nofile_limit: int = 65535
+    """ulimit -n raised on every node before torchrun."""
+    time_limit_min: int = 60
+    """SLURM time limit of each phase, minutes."""
+    exclusive: bool = True
+    """Ask SLURM for whole nodes."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunConfig:
+    name: str
+    """Recipe name; names the run folder."""
+    model: ModelConfig
+    train: TrainConfig
+    optim: OptimConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    compile: CompilePhaseConfig = field(default_factory=CompilePhaseConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)

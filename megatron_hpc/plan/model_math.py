@@ -1,0 +1,43 @@
+"""Parameter count and FLOPs per token of a dense GPT. Pure.
+
+FLOPs use Megatron's classic formula (Narayanan et al. 2021, "Efficient Large-Scale Language
+Model Training on GPU Clusters"; shared/reference/megatron-and-launchers.md 4.4), which counts
+forward + backward, no activation recomputation, full (not causal-halved) attention and the
+padded vocabulary: per token 12*L*h^2*(2 + s/h + ffn/h) + 6*h*V, i.e. 72*L*h^2 + 12*L*h*s + 6*h*V
+for ffn = 4h. GPT-3 6.7B gives 43.11 GFLOP/token.
+"""
+
+from __future__ import annotations
+
+from megatron_hpc.config.schema import ModelConfig
+
+FLOPS_FORMULA = "megatron-classic: 12*L*h^2*(2 + s/h + ffn/h) + 6*h*V_padded per token (Narayanan et al. 2021)"
+
+
+def num_parameters(model: ModelConfig, *, padded_vocab: int) -> int:
+    """Parameters of the full (unsharded) model."""
+    h, f, layers = model.hidden_size, model.ffn_size, model.num_layers
+    per_layer = (
+        3 * h * h + 3 * h  # fused QKV
+        + h * h + h  # attention output projection
+        + h * f + f  # MLP up
+        + f * h + h  # MLP down
+        + 4 * h  # two LayerNorms
+    )
+    embeddings = padded_vocab * h
+    if model.position_embedding == "learned":
+        embeddings += model.max_position_embeddings * h
+    output = 0 if model.tie_embeddings else padded_vocab * h
+    return layers * per_layer + embeddings + output + 2 * h
+
+
+def flops_per_token(model: ModelConfig, *, padded_vocab: int) -> float:
+    """Training FLOPs (forward + backward) per token, Megatron's classic convention."""
+    h, layers, s = model.hidden_size, model.num_layers, model.seq_length
+    dense = 12.0 * layers * h * h * (2.0 + s / h + model.ffn_size / h)
+    return dense + 6.0 * h * padded_vocab
+
+
+def flops_per_token_6n(model: ModelConfig, *, padded_vocab: int) -> float:
+    """The 6*N rule of thumb, reported beside the classic formula for comparison."""
+    return 6.0 * num_parameters(model, padded_vocab=padded_vocab)
