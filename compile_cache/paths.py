@@ -9,6 +9,10 @@ holds TorchInductor's and Triton's caches.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+CACHE_DIR_ENV = "MEGATRON_HPC_CACHE_DIR"
 NEURON_DEFAULT_ROOT = "/var/tmp/neuron-compile-cache"
 
 
@@ -20,3 +24,15 @@ def cache_env(*, backend: str, root: str) -> dict[str, str]:
         "TORCHINDUCTOR_CACHE_DIR": f"{root}/inductor",
         "TRITON_CACHE_DIR": f"{root}/triton",
     }
+
+
+def default_cache_root() -> Path:
+    """$MEGATRON_HPC_CACHE_DIR, else ~/.cache/megatron-hpc/compile-cache.
+
+    Home folders are usually on the cluster's shared filesystem, which is where the Neuron
+    launchers keep their cache too (neuron-xla.md 2.3: NEURON_COMPILE_CACHE_URL=$HOME/neuron_cache).
+    """
+    explicit = os.environ.get(CACHE_DIR_ENV)
+    if explicit:
+        return Path(explicit).expanduser().resolve()
+    return Path.home() / ".cache" / "megatron-hpc" / "compile-cache"

@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass
 
 
-class PhaseFailed(RuntimeError):
+class PhaseFailedError(RuntimeError):
     """The node script exited non-zero; submitit records the job as FAILED."""
 
 
@@ -29,5 +29,5 @@ class NodeTask:
         sys.stdout.flush()
         code = subprocess.call(self.command())
         if code != 0:
-            raise PhaseFailed(f"{self.phase} phase: `{' '.join(self.command())}` exited with {code}")
+            raise PhaseFailedError(f"{self.phase} phase: `{' '.join(self.command())}` exited with {code}")
         return code

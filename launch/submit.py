@@ -14,11 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from megatron_hpc.compile_cache.paths import cache_env
-from megatron_hpc.config.loader import config_to_dict
-from megatron_hpc.config.platforms import Platform
-from megatron_hpc.config.schema import RunConfig
-from megatron_hpc.errors import LaunchError
+from megatron_hpc.compile_cache.paths import cache_env, default_cache_root
 from megatron_hpc.launch.node_task import NodeTask
 from megatron_hpc.launch.run_dir import NODE_SCRIPT, python_bin_dir, write_json, write_script
 from megatron_hpc.launch.scripts import (
@@ -28,6 +24,11 @@ from megatron_hpc.launch.scripts import (
     render_sbatch,
     render_submit_script,
 )
+
+from megatron_hpc.config.loader import config_to_dict
+from megatron_hpc.config.platforms import Platform
+from megatron_hpc.config.schema import RunConfig
+from megatron_hpc.errors import LaunchError
 from megatron_hpc.plan.jobs import PhaseSpec, make_phases
 from megatron_hpc.plan.planner import Plan
 
@@ -43,8 +44,8 @@ class SubmitRequest:
     cluster: Cluster
     run_dir: Path
     options: SlurmOptions = field(default_factory=SlurmOptions)
-    cache_root: Path | None = None
-    """Shared compile cache; defaults to <run folder>/../../compile-cache."""
+    cache_root: Path = field(default_factory=lambda: default_cache_root())
+    """Shared compile cache (on a filesystem every node sees)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -81,9 +82,8 @@ def check_cluster(cluster: Cluster, *, num_nodes: int, platform: Platform) -> No
 
 def write_run_files(req: SubmitRequest) -> tuple[PhaseSpec, ...]:
     """Config, plan, node script, sbatch files and submit.sh in the run folder."""
-    cache_root = req.cache_root or req.run_dir.parent.parent / "compile-cache"
     phases = make_phases(req.cfg, req.plan, req.platform,
-                         extra_env=cache_env(backend=req.platform.backend, root=str(cache_root)))
+                         extra_env=cache_env(backend=req.platform.backend, root=str(req.cache_root)))
     write_json(req.run_dir / "config.json", config_to_dict(req.cfg))
     write_json(req.run_dir / "plan.json", req.plan.to_json())
     node_script = req.run_dir / NODE_SCRIPT

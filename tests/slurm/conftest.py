@@ -1,0 +1,143 @@
+"""Fixtures for tests that need a real Slurm cluster.
+
+``slurm_cluster`` (session scope) starts the single-machine Slurm 22.05 cluster of
+``slurm/local-cluster-start.sh`` (installing the Debian packages on first use), exports
+``SLURM_CONF`` for the whole session and stops the cluster at the end. It fails - never skips -
+when the cluster cannot be started. Knobs: the ``MHPC_SLURM_*`` variables of the start script.
+
+``sacct_job`` returns a function that reads one job's accounting record.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, Iterator, Optional
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+START_SCRIPT = REPO_ROOT / "slurm" / "local-cluster-start.sh"
+STOP_SCRIPT = REPO_ROOT / "slurm" / "local-cluster-stop.sh"
+
+START_TIMEOUT_S = 900  # includes apt-get install on a fresh machine
+STOP_TIMEOUT_S = 120
+SACCT_FIELDS = ("JobID", "State", "Start", "End", "ExitCode", "NodeList")
+TERMINAL_STATES = (
+    "BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED",
+    "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "TIMEOUT",
+)
+
+
+@dataclass(frozen=True)
+class LocalCluster:
+    conf_path: Path
+    num_nodes: int
+    partition: str
+    log_dir: Path
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    registered = config.getini("markers")
+    if not any(line.split(":")[0].strip() == "slurm" for line in registered):
+        config.addinivalue_line("markers", "slurm: needs the local Slurm cluster (slurm_cluster fixture)")
+
+
+def _run_script(script: Path, timeout: float) -> subprocess.CompletedProcess:
+    """Run a cluster script; stdout+stderr merged so a failure shows them in order."""
+    try:
+        return subprocess.run(
+            ["bash", str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, text=True, timeout=timeout,
+        )
+    except subprocess.TimeoutExpired as exc:
+        out = exc.output.decode(errors="replace") if isinstance(exc.output, bytes) else (exc.output or "")
+        return subprocess.CompletedProcess(exc.cmd, returncode=-1, stdout=out + f"\n[timed out after {timeout} s]")
+
+
+def _tail(text: str, lines: int = 40) -> str:
+    return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[LocalCluster]:
+    _run_script(STOP_SCRIPT, STOP_TIMEOUT_S)  # a leftover cluster from an aborted session
+    started = _run_script(START_SCRIPT, START_TIMEOUT_S)
+    if started.returncode != 0:
+        _run_script(STOP_SCRIPT, STOP_TIMEOUT_S)
+        pytest.fail(
+            f"{START_SCRIPT.name} failed (exit {started.returncode}); output tail:\n{_tail(started.stdout)}",
+            pytrace=False,
+        )
+    cluster_dir = Path(os.environ.get("MHPC_SLURM_DIR", "/tmp/megatron-hpc-slurm"))
+    cluster = LocalCluster(
+        conf_path=cluster_dir / "etc" / "slurm.conf",
+        num_nodes=int(os.environ.get("MHPC_SLURM_NODES", "4")),  # validated by the start script
+        partition="debug",
+        log_dir=cluster_dir / "log",
+    )
+    old_conf = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = str(cluster.conf_path)
+    try:
+        yield cluster
+    finally:
+        stopped = _run_script(STOP_SCRIPT, STOP_TIMEOUT_S)
+        if old_conf is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = old_conf
+        if stopped.returncode != 0:
+            print(f"{STOP_SCRIPT.name} failed (exit {stopped.returncode}):\n{_tail(stopped.stdout)}")
+
+
+def read_sacct(job_id: str) -> Optional[Dict[str, str]]:
+    """One sacct query: the allocation line of ``job_id`` as a dict, or None if not (yet) there."""
+    out = subprocess.run(
+        ["sacct", "-j", str(job_id), "-X", "--parsable2", "--noheader", "-o", ",".join(SACCT_FIELDS)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=30,
+    )
+    for line in out.stdout.splitlines():
+        values = line.split("|")
+        if len(values) == len(SACCT_FIELDS) and values[0] == str(job_id):
+            return dict(zip(SACCT_FIELDS, values))
+    return None
+
+
+def wait_sacct(
+    job_id: str,
+    timeout: float = 10.0,
+    final: bool = False,
+    until: Optional[Callable[[Dict[str, str]], bool]] = None,
+) -> Dict[str, str]:
+    """Poll sacct until ``job_id`` shows up; with ``final=True`` until it is in a terminal state,
+    with ``until`` until ``until(record)`` is true as well.
+
+    ``State`` may carry a suffix such as ``CANCELLED by 0``. For a second or two after a short job
+    ends, slurmdbd's record can be incomplete (e.g. NodeList only the batch node): use ``until``.
+    Raises AssertionError on timeout, showing the last record seen.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        record = read_sacct(job_id)
+        if (
+            record is not None
+            and (not final or record["State"].split()[0] in TERMINAL_STATES)
+            and (until is None or until(record))
+        ):
+            return record
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"sacct: job {job_id} not as expected after {timeout} s "
+                f"(final={final}, until={until}); last record: {record}"
+            )
+        time.sleep(0.25)
+
+
+@pytest.fixture
+def sacct_job(slurm_cluster: LocalCluster) -> Callable[..., Dict[str, str]]:
+    """``sacct_job(job_id, timeout=10.0, final=False, until=None)`` -> dict with the keys
+    JobID, State, Start, End, ExitCode, NodeList (see ``wait_sacct``)."""
+    return wait_sacct

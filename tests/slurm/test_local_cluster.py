@@ -1,0 +1,81 @@
+"""The local Slurm cluster behaves like a real multi-node cluster (slurm/local-cluster-start.sh)."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import List
+
+import pytest
+
+pytestmark = pytest.mark.slurm
+
+
+def run(cmd: List[str], timeout: float = 60) -> str:
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{cmd} -> exit {proc.returncode}\nstdout: {proc.stdout}\nstderr: {proc.stderr}"
+    return proc.stdout
+
+
+def sbatch(*args: str) -> str:
+    """Submit with ``--parsable`` and return the job id."""
+    return run(["sbatch", "--parsable", *args]).strip().split(";")[0]
+
+
+def sacct_time(value: str) -> datetime:
+    return datetime.strptime(value, "%Y-%m-%dT%H:%M:%S")
+
+
+def test_all_nodes_idle(slurm_cluster):
+    expected = {f"node{i}" for i in range(1, slurm_cluster.num_nodes + 1)}
+    deadline = time.monotonic() + 15
+    while True:
+        lines = run(["sinfo", "-h", "-N", "-p", slurm_cluster.partition, "-o", "%N %T"]).split()
+        states = dict(zip(lines[::2], lines[1::2]))
+        if set(states) == expected and set(states.values()) == {"idle"}:
+            break
+        assert time.monotonic() < deadline, f"expected {sorted(expected)} idle, sinfo says {states}"
+        time.sleep(0.5)
+
+
+def test_two_node_job_sees_two_hostnames(slurm_cluster, sacct_job, tmp_path: Path):
+    out = tmp_path / "hosts.out"
+    job_id = sbatch(
+        "--wait", "-N", "2", "--ntasks-per-node=1", "-p", slurm_cluster.partition,
+        "-o", str(out), "--wrap", "srun -l hostname",
+    )
+    lines = sorted(out.read_text().split("\n"))
+    assert [line for line in lines if line] == ["0: node1", "1: node2"]
+    # NodeList lags behind for ~2 s after a short job ends (shows only the batch node first)
+    record = sacct_job(job_id, final=True, until=lambda r: r["NodeList"] == "node[1-2]")
+    assert (record["State"], record["ExitCode"]) == ("COMPLETED", "0:0")
+
+
+def test_afterok_starts_after_parent_ended(slurm_cluster, sacct_job, tmp_path: Path):
+    marker = tmp_path / "parent-done"
+    parent = sbatch("-o", "/dev/null", "--wrap", f"sleep 3; touch {marker}")
+    child = sbatch(
+        f"--dependency=afterok:{parent}", "-o", "/dev/null",
+        "--wrap", f"test -e {marker}",  # fails if the parent has not finished
+    )
+    reason = run(["squeue", "-h", "-j", child, "-o", "%T %r"]).strip()
+    assert reason == "PENDING Dependency"
+    parent_rec = sacct_job(parent, timeout=30, final=True)
+    child_rec = sacct_job(child, timeout=30, final=True)
+    assert parent_rec["State"] == "COMPLETED", parent_rec
+    assert child_rec["State"] == "COMPLETED", child_rec
+    assert sacct_time(child_rec["Start"]) >= sacct_time(parent_rec["End"])
+
+
+def test_afterok_on_failed_parent_is_cancelled(slurm_cluster, sacct_job, tmp_path: Path):
+    out = tmp_path / "child.out"
+    parent = sbatch("-o", "/dev/null", "--wrap", "exit 3")
+    child = sbatch(f"--dependency=afterok:{parent}", "-o", str(out), "--wrap", "echo child ran")
+    parent_rec = sacct_job(parent, timeout=30, final=True)
+    assert (parent_rec["State"], parent_rec["ExitCode"]) == ("FAILED", "3:0")
+    # DependencyParameters=kill_invalid_depend: cancelled instead of pending forever
+    child_rec = sacct_job(child, timeout=30, final=True)
+    assert child_rec["State"].startswith("CANCELLED"), child_rec
+    assert not out.exists() or out.read_text() == ""
