@@ -29,6 +29,10 @@ class Resolved:
 
 
 def resolve(args: argparse.Namespace) -> Resolved:
-    cfg = load_recipe(args.recipe, args.overrides)
-    platform = get_platform(args.platform or cfg.launch.platform)
+    overrides = list(args.overrides)
+    if args.platform:
+        # The trainer reads its backend from the saved config, so --platform is recorded there.
+        overrides.append(f"launch.platform={args.platform}")
+    cfg = load_recipe(args.recipe, overrides)
+    platform = get_platform(cfg.launch.platform)
     return Resolved(cfg=cfg, platform=platform, plan=make_plan(cfg, num_nodes=args.nodes, platform=platform))

@@ -31,6 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     resolved = resolve(args)
+    if not args.dry_run:
+        check_cluster(args.cluster, num_nodes=resolved.plan.num_nodes, platform=resolved.platform)
     run_dir = prepare_run_dir(args.out or default_run_dir(Path("runs"), resolved.cfg.name))
     req = SubmitRequest(
         cfg=resolved.cfg, plan=resolved.plan, platform=resolved.platform, cluster=args.cluster,
@@ -47,7 +49,6 @@ def run(args: argparse.Namespace) -> int:
             print(f"\nwrote {run_dir}: node.sh, compile.sbatch, run.sbatch, submit.sh (nothing submitted)")
             print(f"submit by hand with: bash {run_dir}/submit.sh")
         return 0
-    check_cluster(req.cluster, num_nodes=req.plan.num_nodes, platform=req.platform)
     if not args.json:
         print(format_plan(resolved.plan, vocab_size=resolved.cfg.model.vocab_size))
         print(f"run folder: {run_dir}", flush=True)

@@ -34,7 +34,8 @@ def load_run_config(args: argparse.Namespace) -> RunConfig:
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
-        raise ConfigError(f"{path} not found; is {args.run_dir} a run folder written by `megatron-hpc submit`?") from None
+        raise ConfigError(f"{path} not found; is {args.run_dir} a run folder written by "
+                          "`megatron-hpc submit`?") from None
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path} is not valid JSON ({exc}); re-create the run folder with submit") from None
     return from_dict(RunConfig, data)

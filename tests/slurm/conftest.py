@@ -13,9 +13,9 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Iterator, Optional
 
 import pytest
 
@@ -93,11 +93,11 @@ def slurm_cluster() -> Iterator[LocalCluster]:
             print(f"{STOP_SCRIPT.name} failed (exit {stopped.returncode}):\n{_tail(stopped.stdout)}")
 
 
-def read_sacct(job_id: str) -> Optional[Dict[str, str]]:
+def read_sacct(job_id: str) -> dict[str, str] | None:
     """One sacct query: the allocation line of ``job_id`` as a dict, or None if not (yet) there."""
     out = subprocess.run(
         ["sacct", "-j", str(job_id), "-X", "--parsable2", "--noheader", "-o", ",".join(SACCT_FIELDS)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=30,
+        capture_output=True, text=True, timeout=30,
     )
     for line in out.stdout.splitlines():
         values = line.split("|")
@@ -110,8 +110,8 @@ def wait_sacct(
     job_id: str,
     timeout: float = 10.0,
     final: bool = False,
-    until: Optional[Callable[[Dict[str, str]], bool]] = None,
-) -> Dict[str, str]:
+    until: Callable[[dict[str, str]], bool] | None = None,
+) -> dict[str, str]:
     """Poll sacct until ``job_id`` shows up; with ``final=True`` until it is in a terminal state,
     with ``until`` until ``until(record)`` is true as well.
 
@@ -137,7 +137,7 @@ def wait_sacct(
 
 
 @pytest.fixture
-def sacct_job(slurm_cluster: LocalCluster) -> Callable[..., Dict[str, str]]:
+def sacct_job(slurm_cluster: LocalCluster) -> Callable[..., dict[str, str]]:
     """``sacct_job(job_id, timeout=10.0, final=False, until=None)`` -> dict with the keys
     JobID, State, Start, End, ExitCode, NodeList (see ``wait_sacct``)."""
     return wait_sacct

@@ -6,15 +6,14 @@ import subprocess
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import List
 
 import pytest
 
 pytestmark = pytest.mark.slurm
 
 
-def run(cmd: List[str], timeout: float = 60) -> str:
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout)
+def run(cmd: list[str], timeout: float = 60) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{cmd} -> exit {proc.returncode}\nstdout: {proc.stdout}\nstderr: {proc.stderr}"
     return proc.stdout
 

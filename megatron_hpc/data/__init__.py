@@ -1,0 +1,1 @@
+"""Token sources: deterministic synthetic tokens (and, later, Megatron .bin/.idx datasets)."""

@@ -1,0 +1,1 @@
+"""The GPT model built from the tensor-parallel layers."""

@@ -1,0 +1,145 @@
+"""GPT with Megatron tensor parallelism: learned positions, pre-LN blocks, GeLU MLP, tied embeddings.
+
+Shape legend: B batch, S sequence, H hidden, V padded vocabulary, nh heads, hd head dim,
+tp the TP size; `/tp` marks the dim sharded across the TP group.
+
+Init follows Megatron: N(0, std) for every weight, std / sqrt(2L) for the two output projections
+of each block, zero biases, LayerNorm (1, 0). Every weight is drawn in full from a generator keyed
+by its name and then sharded (see parallel/layers.py), so the model is the same at any TP size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from megatron_hpc.config.schema import ModelConfig
+from megatron_hpc.errors import ConfigError
+from megatron_hpc.parallel.context import ParallelContext
+from megatron_hpc.parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    seeded_normal,
+)
+from megatron_hpc.parallel.mappings import copy_to_tp_region
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, ctx: ParallelContext, seed: int, prefix: str):
+        super().__init__()
+        h, tp = cfg.hidden_size, ctx.tp_size
+        self.local_heads = cfg.num_attention_heads // tp
+        self.head_dim = h // cfg.num_attention_heads
+        self.dropout = cfg.attention_dropout
+        # Fused QKV in Megatron's per-head layout [nh, (q, k, v), hd]: a contiguous row shard then
+        # holds whole heads, each with its own q, k and v.
+        self.qkv = ColumnParallelLinear(h, 3 * h, ctx=ctx, init_std=cfg.init_method_std, seed=seed,
+                                        key=prefix + ".qkv")
+        self.proj = RowParallelLinear(h, h, ctx=ctx, init_std=_out_std(cfg), seed=seed, key=prefix + ".proj")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        qkv = self.qkv(x).view(b, s, self.local_heads, 3, self.head_dim)  # (B, S, nh/tp, 3, hd)
+        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))  # (B, nh/tp, S, hd)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)  # (B, S, H/tp)
+        return self.proj(y)  # (B, S, H)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, ctx: ParallelContext, seed: int, prefix: str):
+        super().__init__()
+        h, f = cfg.hidden_size, cfg.ffn_size
+        self.fc = ColumnParallelLinear(h, f, ctx=ctx, init_std=cfg.init_method_std, seed=seed,
+                                       key=prefix + ".fc")
+        self.proj = RowParallelLinear(f, h, ctx=ctx, init_std=_out_std(cfg), seed=seed, key=prefix + ".proj")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))  # (B, S, F/tp) inside, (B, S, H) out
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, ctx: ParallelContext, seed: int, index: int):
+        super().__init__()
+        eps = cfg.layernorm_epsilon
+        self.ln_1 = nn.LayerNorm(cfg.hidden_size, eps=eps)
+        self.attn = Attention(cfg, ctx=ctx, seed=seed, prefix=f"h.{index}.attn")
+        self.ln_2 = nn.LayerNorm(cfg.hidden_size, eps=eps)
+        self.mlp = MLP(cfg, ctx=ctx, seed=seed, prefix=f"h.{index}.mlp")
+        self.dropout = nn.Dropout(cfg.hidden_dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.ln_1(x)))
+        return x + self.dropout(self.mlp(self.ln_2(x)))
+
+
+def _out_std(cfg: ModelConfig) -> float:
+    # Megatron's scaled_init_method_normal: residual outputs shrink with depth.
+    return cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
+
+
+def check_model_config(cfg: ModelConfig, *, tp: int) -> None:
+    """Raise ConfigError when the model cannot be split tp ways."""
+    if cfg.hidden_size % cfg.num_attention_heads:
+        raise ConfigError(f"hidden_size {cfg.hidden_size} is not divisible by num_attention_heads "
+                          f"{cfg.num_attention_heads}; pick heads dividing the width")
+    if cfg.num_attention_heads % tp or cfg.ffn_size % tp:
+        raise ConfigError(f"tp={tp} must divide num_attention_heads ({cfg.num_attention_heads}) and the FFN "
+                          f"size ({cfg.ffn_size}); use tp in "
+                          f"{[d for d in range(1, cfg.num_attention_heads + 1) if cfg.num_attention_heads % d == 0]}")
+    if cfg.seq_length > cfg.max_position_embeddings:
+        raise ConfigError(f"seq_length {cfg.seq_length} exceeds max_position_embeddings "
+                          f"{cfg.max_position_embeddings}; raise max_position_embeddings")
+    if cfg.position_embedding != "learned":
+        raise ConfigError(f"position_embedding {cfg.position_embedding!r} is not implemented yet; use 'learned'")
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer. forward(ids) returns vocab-sharded logits (B, S, V/tp)."""
+
+    def __init__(self, cfg: ModelConfig, *, ctx: ParallelContext, padded_vocab: int, seed: int):
+        super().__init__()
+        check_model_config(cfg, tp=ctx.tp_size)
+        self.group = ctx.tp_group
+        self.recompute = cfg.recompute
+        h, std = cfg.hidden_size, cfg.init_method_std
+        self.wte = VocabParallelEmbedding(padded_vocab, h, ctx=ctx, vocab_size=cfg.vocab_size,
+                                          init_std=std, seed=seed, key="wte")
+        self.wpe = nn.Embedding(cfg.max_position_embeddings, h)
+        with torch.no_grad():
+            self.wpe.weight.copy_(seeded_normal(tuple(self.wpe.weight.shape), std=std, seed=seed, key="wpe"))
+        self.drop = nn.Dropout(cfg.hidden_dropout)
+        self.h = nn.ModuleList(Block(cfg, ctx=ctx, seed=seed, index=i) for i in range(cfg.num_layers))
+        self.ln_f = nn.LayerNorm(h, eps=cfg.layernorm_epsilon)
+        self.lm_head: ColumnParallelLinear | None = None
+        if not cfg.tie_embeddings:
+            self.lm_head = ColumnParallelLinear(h, padded_vocab, ctx=ctx, bias=False, init_std=std,
+                                                seed=seed, key="lm_head")
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        _, s = ids.shape
+        pos = torch.arange(s, device=ids.device)
+        x = self.drop(self.wte(ids) + self.wpe(pos))  # (B, S, H)
+        for block in self.h:
+            if self.recompute and self.training:
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        x = self.ln_f(x)
+        if self.lm_head is not None:
+            return self.lm_head(x)
+        # Tied output layer: the vocab-sharded embedding table is the column-parallel weight.
+        return F.linear(copy_to_tp_region(x, self.group), self.wte.weight)  # (B, S, V/tp)
+
+    def num_params(self, *, ctx: ParallelContext) -> int:
+        """Parameters of the full model (sharded ones counted over the whole TP group)."""
+        total = 0
+        for p in self.parameters():
+            total += p.numel() * (ctx.tp_size if getattr(p, "tensor_parallel", False) else 1)
+        return total

@@ -1,0 +1,1 @@
+"""Tensor/data parallelism: process groups, paired collectives, TP layers, vocab-parallel loss."""

@@ -1,0 +1,92 @@
+"""The one place that knows about CUDA, XLA and CPU, and about optional torch_xla and apex.
+
+Everything else asks this module for a `DeviceInfo` and for the few device-specific calls the
+trainer needs (step barrier, process-group options). torch_xla is imported lazily and only when
+the platform's backend is "xla" (shared/reference/neuron-xla.md 4.4, 4.5).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from megatron_hpc.errors import TrainingError
+
+DeviceKind = Literal["cpu", "cuda", "xla"]
+_BACKEND_TO_KIND: dict[str, DeviceKind] = {"gloo": "cpu", "nccl": "cuda", "xla": "xla"}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeviceInfo:
+    kind: DeviceKind
+    """cpu, cuda or xla."""
+    device: torch.device
+    """Where this process's parameters and activations live."""
+    backend: str
+    """torch.distributed backend matching the device."""
+
+
+def xla_available() -> bool:
+    return importlib.util.find_spec("torch_xla") is not None
+
+
+def apex_available() -> bool:
+    return importlib.util.find_spec("apex") is not None
+
+
+def resolve_device(backend: str, *, local_rank: int) -> DeviceInfo:
+    """The device this worker trains on, for the platform's torch.distributed backend."""
+    kind = _BACKEND_TO_KIND.get(backend)
+    if kind is None:
+        raise TrainingError(f"unknown backend {backend!r}; use one of {sorted(_BACKEND_TO_KIND)}")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise TrainingError("backend nccl needs a CUDA GPU but torch.cuda.is_available() is False; "
+                                "use the cpu platform (gloo) on this machine")
+        torch.cuda.set_device(local_rank)
+        return DeviceInfo(kind=kind, device=torch.device("cuda", local_rank), backend=backend)
+    if kind == "xla":
+        if not xla_available():
+            raise TrainingError("backend xla needs torch_xla, which is not installed; install torch-neuronx "
+                                "on the Trainium nodes or use the cpu platform")
+        import torch_xla.core.xla_model as xm
+        import torch_xla.distributed.xla_backend  # noqa: F401  registers the 'xla' backend
+
+        return DeviceInfo(kind=kind, device=xm.xla_device(), backend=backend)
+    return DeviceInfo(kind=kind, device=torch.device("cpu"), backend=backend)
+
+
+def init_method(kind: DeviceKind, *, master_addr: str, master_port: int) -> str:
+    # torch-xla's own rendezvous joins torchrun's store (neuron-xla.md 4.4); others use TCP.
+    return "xla://" if kind == "xla" else f"tcp://{master_addr}:{master_port}"
+
+
+def group_options(kind: DeviceKind, *, all_groups: list[list[int]]) -> dict[str, Any]:
+    """Extra new_group kwargs: XLA collectives are replica-group ops over EVERY group of a kind."""
+    if kind == "xla":
+        return {"pg_options": {"xla_pg_options": {"mesh": all_groups}}}
+    return {}
+
+
+def step_barrier(info: DeviceInfo) -> None:
+    """End of a step: cut and run the lazy XLA graph (neuron-xla.md 4.5); no-op elsewhere."""
+    if info.kind == "xla":
+        import torch_xla.core.xla_model as xm
+
+        xm.mark_step()
+
+
+def set_cpu_threads(*, local_world_size: int) -> int:
+    """Intra-op threads: OMP_NUM_THREADS when set, else the cores shared among local workers."""
+    env = os.environ.get("OMP_NUM_THREADS")
+    if env and env.isdigit() and int(env) > 0:
+        threads = int(env)
+    else:
+        threads = max(1, (os.cpu_count() or 1) // max(1, local_world_size))
+    torch.set_num_threads(threads)
+    return threads
+

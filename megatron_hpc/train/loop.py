@@ -1,0 +1,108 @@
+"""train(cfg, ctx): build the model, optimizer and data, then step, log, repeat (nanoGPT's train.py)."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, TextIO
+
+import torch
+import torch.distributed as dist
+
+from megatron_hpc.config.schema import RunConfig
+from megatron_hpc.data.synthetic import SyntheticTokens, micro_batch_indices
+from megatron_hpc.errors import DataError, TrainingError
+from megatron_hpc.model.gpt import GPT
+from megatron_hpc.parallel.context import ParallelContext
+from megatron_hpc.parallel.device import DeviceInfo, step_barrier
+from megatron_hpc.plan.vocab import padded_vocab_size
+from megatron_hpc.train.lr import lr_at
+from megatron_hpc.train.metrics import IterationRecord, MetricsLogger
+from megatron_hpc.train.optim import build_optimizer, set_lr
+from megatron_hpc.train.step import train_step
+
+Phase = Literal["compile", "run"]
+
+
+@dataclass(frozen=True, slots=True)
+class TrainSummary:
+    steps: int
+    """Optimizer steps taken."""
+    consumed_samples: int
+    """Samples consumed across all DP ranks."""
+    records: list[IterationRecord]
+    """Every logged interval, on every rank (only the last rank prints them)."""
+
+
+def build_model(cfg: RunConfig, ctx: ParallelContext, *, device: torch.device) -> tuple[GPT, int]:
+    """The GPT for this rank, on `device`, and the padded vocabulary it was built with."""
+    padded = padded_vocab_size(cfg.model.vocab_size, divisible_by=cfg.model.make_vocab_size_divisible_by,
+                               tensor_parallel=ctx.tp_size)
+    # Built on the CPU (TP-invariant init) and then moved, like Megatron's --use-cpu-initialization.
+    return GPT(cfg.model, ctx=ctx, padded_vocab=padded, seed=cfg.train.seed).to(device), padded
+
+
+def _autocast_dtype(cfg: RunConfig) -> torch.dtype | None:
+    precision = cfg.train.precision
+    if precision == "fp16":
+        raise TrainingError("train.precision fp16 needs a loss scaler, which is not implemented; use bf16 or fp32")
+    return torch.bfloat16 if precision == "bf16" else None
+
+
+def train(cfg: RunConfig, ctx: ParallelContext, *, device: DeviceInfo, phase: Phase = "run",
+          run_dir: Path | None = None, out: TextIO | None = None) -> TrainSummary:
+    """Train for train.num_steps (phase run) or compile.num_steps (phase compile) steps."""
+    out = sys.stdout if out is None else out  # looked up per call, so redirection and capture work
+    if cfg.data.source != "synthetic":
+        raise DataError(f"data.source {cfg.data.source!r} is not wired into the trainer yet; use synthetic")
+    tcfg = cfg.train
+    num_steps = tcfg.num_steps if phase == "run" else cfg.compile.num_steps
+    num_micro = tcfg.global_batch_size // (tcfg.micro_batch_size * ctx.dp_size)
+    autocast_dtype = _autocast_dtype(cfg)
+    torch.manual_seed(tcfg.seed + ctx.dp_rank)  # dropout masks: same across TP, different across DP
+
+    model, padded = build_model(cfg, ctx, device=device.device)
+    if ctx.is_first_rank:
+        print(f"> megatron-hpc {phase}: world {ctx.world_size} = {ctx.mesh.num_nodes} node(s) x "
+              f"{ctx.mesh.workers_per_node} worker(s) | tp {ctx.tp_size} dp {ctx.dp_size} | "
+              f"parameters {model.num_params(ctx=ctx):,} | padded vocab {padded} "
+              f"({padded - cfg.model.vocab_size} dummy) | {num_micro} micro-batch(es) of "
+              f"{tcfg.micro_batch_size} | {device.kind} {tcfg.precision} | {num_steps} steps", file=out, flush=True)
+    step_model = torch.compile(model) if tcfg.compile and device.kind != "xla" else model
+    optimizer = build_optimizer(model, optim=cfg.optim)
+    data = SyntheticTokens(vocab_size=cfg.model.vocab_size, seq_length=cfg.model.seq_length, seed=tcfg.seed)
+    metrics = MetricsLogger(model=cfg.model, padded_vocab=padded, world_size=ctx.world_size,
+                            train_iters=num_steps, global_batch_size=tcfg.global_batch_size, phase=phase,
+                            log_interval=tcfg.log_interval, enabled=ctx.is_last_rank, run_dir=run_dir, out=out)
+    records: list[IterationRecord] = []
+    loss_sum = torch.zeros((), device=device.device)
+    nan_count = torch.zeros((), device=device.device)
+    model.train()
+    metrics.reset_clock(0)
+    for step in range(num_steps):
+        # The schedule always spans the run phase, so a compile trial traces the run's LR values.
+        lr = lr_at(step, optim=cfg.optim, num_steps=tcfg.num_steps)
+        set_lr(optimizer, lr)
+        batches = [data.batch(micro_batch_indices(step, micro=m, micro_batch_size=tcfg.micro_batch_size,
+                                                  global_batch_size=tcfg.global_batch_size,
+                                                  dp_rank=ctx.dp_rank, dp_size=ctx.dp_size)).to(device.device)
+                   for m in range(num_micro)]
+        result = train_step(step_model, optimizer, batches, ctx=ctx, clip_grad=cfg.optim.clip_grad,
+                            autocast_dtype=autocast_dtype, device_type=device.kind)
+        step_barrier(device)
+        loss_sum += result.loss
+        nan_count += (~torch.isfinite(result.loss)).float()
+        iteration = step + 1
+        if metrics.should_log(iteration):
+            interval = iteration - metrics.last_iteration
+            stats = torch.stack([loss_sum, nan_count])
+            dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=ctx.dp_group)
+            # Host sync, only on logging steps: the loss and norm are needed as numbers.
+            loss_total, nans = stats.tolist()
+            grad_norm = result.grad_norm.item()
+            records.append(metrics.log(iteration, lr=lr, lm_loss=loss_total / (ctx.dp_size * interval),
+                                       grad_norm=grad_norm, num_nan=round(nans / ctx.dp_size)))
+            loss_sum.zero_()
+            nan_count.zero_()
+    return TrainSummary(steps=num_steps, consumed_samples=num_steps * tcfg.global_batch_size, records=records)

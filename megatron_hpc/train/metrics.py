@@ -1,0 +1,123 @@
+"""Megatron's iteration log line, the metrics.jsonl twin of it, and the FLOPs count behind TFLOP/s.
+
+Line format: shared/reference/megatron-and-launchers.md 4.1 (training_log, the version with the
+timestamp prefix and `learning rate: {:.6E}`), printed by the last rank. FLOPs: the planner's
+formula (megatron_hpc.plan.model_math, the classic form of 4.4 with the padded vocabulary).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import TextIO
+
+from megatron_hpc.config.schema import ModelConfig
+from megatron_hpc.plan.model_math import flops_per_token
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class IterationRecord:
+    """One logged step; field names are the metrics.jsonl keys."""
+
+    iteration: int
+    train_iters: int
+    consumed_samples: int
+    elapsed_ms: float
+    lr: float
+    global_batch_size: int
+    lm_loss: float
+    grad_norm: float
+    tokens_per_s: float
+    tflops_per_worker: float
+    num_nan_iterations: int
+    phase: str
+
+    def jsonl(self) -> str:
+        data = asdict(self)
+        for key in ("train_iters", "num_nan_iterations"):
+            data.pop(key)
+        # json writes nan/inf as NaN/Infinity, which json.loads reads back.
+        return json.dumps(data)
+
+
+def format_iteration_line(rec: IterationRecord, *, now: datetime) -> str:
+    """The iteration line exactly as Megatron prints it (log-throughput on, no skipped samples)."""
+    return (
+        f" [{now.strftime('%Y-%m-%d %H:%M:%S.%f')}]"
+        f" iteration {rec.iteration:8d}/{rec.train_iters:8d} |"
+        f" consumed samples: {rec.consumed_samples:12d} |"
+        f" elapsed time per iteration (ms): {rec.elapsed_ms:.1f} |"
+        f" throughput per GPU (TFLOP/s/GPU): {rec.tflops_per_worker:.1f} |"
+        f" learning rate: {rec.lr:.6E} |"
+        f" global batch size: {rec.global_batch_size:5d} |"
+        f" lm loss: {rec.lm_loss:.6E} |"
+        " loss scale: 1.0 |"  # no dynamic loss scaler: fp32 and bf16 need none
+        f" grad norm: {rec.grad_norm:.3f} |"
+        f" number of skipped iterations: {0:3d} |"
+        f" number of nan iterations: {rec.num_nan_iterations:3d} |"
+    )
+
+
+def parse_iteration_line(line: str) -> dict[str, str]:
+    """Fields of an iteration line: split on ' | ', then on the last ': ' (reference 4.1)."""
+    body = line.strip()
+    if body.startswith("["):
+        body = body[body.index("]") + 1:]
+    fields: dict[str, str] = {}
+    for part in body.strip().strip("|").split(" | "):
+        part = part.strip().strip("|").strip()
+        if not part:
+            continue
+        if part.startswith("iteration "):
+            fields["iteration"] = "".join(part.split()[1:])  # "5/      20" -> "5/20"
+            continue
+        key, _, value = part.rpartition(": ")
+        fields[key] = value
+    return fields
+
+
+class MetricsLogger:
+    """Times the log interval and writes the line (stdout) and the JSONL record (run_dir)."""
+
+    def __init__(self, *, model: ModelConfig, padded_vocab: int, world_size: int, train_iters: int,
+                 global_batch_size: int, phase: str, log_interval: int, enabled: bool,
+                 run_dir: Path | None, out: TextIO):
+        self.flops_token = flops_per_token(model, padded_vocab=padded_vocab)
+        self.tokens_per_step = global_batch_size * model.seq_length
+        self.world_size, self.train_iters, self.gbs = world_size, train_iters, global_batch_size
+        self.phase, self.log_interval, self.enabled, self.out = phase, max(1, log_interval), enabled, out
+        self.jsonl_path = run_dir / "metrics.jsonl" if run_dir is not None and enabled else None
+        self.last_time = time.perf_counter()
+        self.last_iteration = 0
+
+    def should_log(self, iteration: int) -> bool:
+        """Every log_interval steps and at the last one. Same answer on every rank."""
+        return iteration % self.log_interval == 0 or iteration == self.train_iters
+
+    def reset_clock(self, iteration: int) -> None:
+        self.last_time, self.last_iteration = time.perf_counter(), iteration
+
+    def log(self, iteration: int, *, lr: float, lm_loss: float, grad_norm: float,
+            num_nan: int) -> IterationRecord:
+        """Record the interval ending at `iteration`; the caller has synced the device."""
+        now = time.perf_counter()
+        steps = max(1, iteration - self.last_iteration)
+        elapsed_s = (now - self.last_time) / steps
+        self.reset_clock(iteration)
+        rec = IterationRecord(
+            iteration=iteration, train_iters=self.train_iters, consumed_samples=iteration * self.gbs,
+            elapsed_ms=elapsed_s * 1000.0, lr=lr, global_batch_size=self.gbs, lm_loss=lm_loss,
+            grad_norm=grad_norm, tokens_per_s=self.tokens_per_step / elapsed_s if elapsed_s > 0 else math.inf,
+            tflops_per_worker=self.flops_token * self.tokens_per_step / (elapsed_s * 1e12 * self.world_size)
+            if elapsed_s > 0 else 0.0,
+            num_nan_iterations=num_nan, phase=self.phase)
+        if self.enabled:
+            print(format_iteration_line(rec, now=datetime.now()), file=self.out, flush=True)
+            if self.jsonl_path is not None:
+                with self.jsonl_path.open("a", encoding="ascii") as fh:
+                    fh.write(rec.jsonl() + "\n")
+        return rec

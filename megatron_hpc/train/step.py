@@ -1,0 +1,47 @@
+"""One optimizer step: micro-batches, forward, loss, backward, DP all-reduce, clip, AdamW."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from megatron_hpc.parallel.context import ParallelContext
+from megatron_hpc.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron_hpc.parallel.grads import all_reduce_gradients, clip_gradients_
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    loss: torch.Tensor
+    """Mean lm loss of this rank's micro-batches (0-dim, on device; not DP-averaged)."""
+    grad_norm: torch.Tensor
+    """Global gradient norm before clipping (0-dim, on device; same on all ranks)."""
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Sequence[torch.Tensor], *,
+               ctx: ParallelContext, clip_grad: float, autocast_dtype: torch.dtype | None,
+               device_type: str) -> StepOutput:
+    """One step over this rank's micro-batches, each (mbs, S + 1) token ids. No host sync."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    # Zero in place rather than set to None: XLA then keeps one graph shape (neuron-xla.md 3.3).
+    optimizer.zero_grad(set_to_none=False)
+    total = torch.zeros((), device=micro_batches[0].device)
+    for tokens in micro_batches:
+        ids, labels = tokens[:, :-1], tokens[:, 1:]
+        cast = (torch.autocast(device_type, dtype=autocast_dtype) if autocast_dtype is not None
+                else contextlib.nullcontext())
+        with cast:
+            logits = model(ids)  # (mbs, S, V/tp)
+        loss = vocab_parallel_cross_entropy(logits, labels, group=ctx.tp_group).mean()
+        # Every micro-batch has mbs * S tokens, so averaging micro-batch means and then DP
+        # replicas gives the token mean of the global batch.
+        (loss / len(micro_batches)).backward()
+        total += loss.detach()
+    all_reduce_gradients(params, group=ctx.dp_group)
+    norm = clip_gradients_(params, max_norm=clip_grad, ctx=ctx)
+    optimizer.step()
+    return StepOutput(loss=total / len(micro_batches), grad_norm=norm)

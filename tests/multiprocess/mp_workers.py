@@ -1,0 +1,179 @@
+"""Worker functions for the multiprocess tests: run in spawned processes over gloo on the CPU.
+
+Each worker writes its results with torch.save to <out_dir>/rank<r>.pt; the test process loads
+and compares them, so assertion messages show the numbers.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megatron_hpc.config.schema import ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig
+
+
+def tiny_config(*, tp: int = 1, micro_batch_size: int = 2, global_batch_size: int = 8,
+                num_steps: int = 20) -> RunConfig:
+    return RunConfig(
+        name="tiny",
+        model=ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
+                          max_position_embeddings=32, vocab_size=500),
+        train=TrainConfig(num_steps=num_steps, micro_batch_size=micro_batch_size,
+                          global_batch_size=global_batch_size, log_interval=1),
+        optim=OptimConfig(lr=3e-3, min_lr=3e-4, lr_warmup_iters=2),
+        parallel=ParallelConfig(tensor=tp),
+    )
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _entry(rank: int, world: int, ports: list[int], fn: Callable[..., Any], args: tuple, out_dir: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    result = fn(rank, world, ports, *args)
+    torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+
+
+def spawn(fn: Callable[..., Any], *, world: int, out_dir: Path, args: tuple = (), num_ports: int = 1) -> list[Any]:
+    """Run fn(rank, world, ports, *args) in `world` fresh processes; return each rank's result."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mp.start_processes(_entry, args=(world, free_ports(num_ports), fn, args, str(out_dir)), nprocs=world,
+                       join=True, start_method="spawn")
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Workers
+
+
+def train_runs(rank: int, world: int, ports: list[int], configs: list[RunConfig], run_root: str) -> None:
+    """run_training once per config (a fresh process group each, on its own port)."""
+    from megatron_hpc.train.entry import run_training
+
+    for i, cfg in enumerate(configs):
+        os.environ["MASTER_PORT"] = str(ports[i])
+        assert run_training(cfg, run_dir=Path(run_root) / f"run{i}") == 0
+
+
+def _init(rank: int, world: int, port: int) -> None:
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
+
+
+def _full_param(param: torch.Tensor, ref_shape: torch.Size, group: dist.ProcessGroup) -> torch.Tensor:
+    """Gather a TP shard along the dim where its shape differs from the dense reference."""
+    if param.shape == ref_shape:
+        return param.detach()
+    dim = next(d for d in range(param.ndim) if param.shape[d] != ref_shape[d])
+    parts = [torch.empty_like(param) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, param.detach().contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def tp_layers(rank: int, world: int, ports: list[int]) -> dict[str, Any]:
+    """TP=2 against a TP=1 model built in the same processes: weights, logits, loss, grads."""
+    from megatron_hpc.parallel.context import ParallelContext
+    from megatron_hpc.parallel.cross_entropy import vocab_parallel_cross_entropy
+    from megatron_hpc.parallel.mappings import gather_from_tp_region
+    from megatron_hpc.plan.mesh import Mesh
+    from megatron_hpc.train.loop import build_model
+
+    _init(rank, world, ports[0])
+    cfg = tiny_config(tp=2)
+    ctx2 = ParallelContext.build(Mesh(num_nodes=1, workers_per_node=2, tensor_parallel=2), rank=rank)
+    ctx1 = ParallelContext.build(Mesh(num_nodes=1, workers_per_node=2, tensor_parallel=1), rank=rank)
+    model2, padded2 = build_model(cfg, ctx2, device=torch.device("cpu"))
+    model1, padded1 = build_model(cfg, ctx1, device=torch.device("cpu"))
+    ref = dict(model1.named_parameters())
+    weights = {name: (_full_param(p, ref[name].shape, ctx2.tp_group), ref[name].detach())
+               for name, p in model2.named_parameters()}
+
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 33), generator=gen)  # all of the vocab, both shards
+    logits2 = model2(ids[:, :-1])
+    logits1 = model1(ids[:, :-1])
+    loss2 = vocab_parallel_cross_entropy(logits2, ids[:, 1:], group=ctx2.tp_group).mean()
+    loss1 = vocab_parallel_cross_entropy(logits1, ids[:, 1:], group=ctx1.tp_group).mean()
+    loss2.backward()
+    loss1.backward()
+    grads = {name: (_full_param(p.grad, ref[name].shape, ctx2.tp_group), ref[name].grad)
+             for name, p in model2.named_parameters()}
+    result = {"padded": (padded2, padded1), "weights": weights, "grads": grads,
+              "logits": (gather_from_tp_region(logits2, ctx2.tp_group).detach(), logits1.detach()),
+              "loss": (loss2.item(), loss1.item())}
+    dist.destroy_process_group()
+    return result
+
+
+def cross_entropy(rank: int, world: int, ports: list[int]) -> dict[str, Any]:
+    """vocab_parallel_cross_entropy on each rank's shard against torch on the full logits."""
+    from megatron_hpc.parallel.cross_entropy import vocab_parallel_cross_entropy
+
+    _init(rank, world, ports[0])
+    group = dist.new_group(list(range(world)))
+    gen = torch.Generator().manual_seed(11)
+    full = torch.randn(3, 5, 64, generator=gen) * 4.0  # large logits exercise the max shift
+    target = torch.randint(0, 64, (3, 5), generator=gen)
+    weight = torch.rand(3, 5, generator=gen)  # a non-uniform upstream gradient
+    shard = full.chunk(world, dim=-1)[rank].clone().requires_grad_(True)
+    loss = vocab_parallel_cross_entropy(shard, target, group=group)
+    (loss * weight).sum().backward()
+    dense = full.clone().requires_grad_(True)
+    ref = torch.nn.functional.cross_entropy(dense.reshape(-1, 64), target.reshape(-1), reduction="none")
+    (ref.view(3, 5) * weight).sum().backward()
+    result = {"loss": (loss.detach(), ref.detach().view(3, 5)),
+              "grad": (shard.grad, dense.grad.chunk(world, dim=-1)[rank])}
+    dist.destroy_process_group()
+    return result
+
+
+def _expected(op: str, per_rank: list[torch.Tensor], rank: int) -> torch.Tensor:
+    """What a docstring operation means, computed densely from every rank's tensor."""
+    world = len(per_rank)
+    if op == "identity":
+        return per_rank[rank]
+    if op == "all-reduce":
+        return torch.stack(per_rank).sum(0)
+    if op == "split":
+        return per_rank[rank].chunk(world, dim=-1)[rank]
+    if op == "all-gather":
+        return torch.cat(per_rank, dim=-1)
+    raise ValueError(f"unknown docstring op {op!r}")
+
+
+def mappings(rank: int, world: int, ports: list[int]) -> dict[str, Any]:
+    """Each mapping's fwd and bwd against what its docstring says, over a group of `world`."""
+    from megatron_hpc.parallel import mappings as mod
+
+    _init(rank, world, ports[0])
+    group = dist.new_group(list(range(world)))
+    out: dict[str, Any] = {}
+    for name in ("copy_to_tp_region", "reduce_from_tp_region", "scatter_to_tp_region", "gather_from_tp_region"):
+        fn = getattr(mod, name)
+        spec = dict(part.strip().split(": ") for part in inspect.getdoc(fn).split("|"))
+        inputs = [torch.randn(2, 8, generator=torch.Generator().manual_seed(100 + r)) for r in range(world)]
+        x = inputs[rank].clone().requires_grad_(True)
+        y = fn(x, group)
+        grads = [torch.randn(y.shape, generator=torch.Generator().manual_seed(200 + r)) for r in range(world)]
+        y.backward(grads[rank])
+        out[name] = {"fwd": (y.detach(), _expected(spec["fwd"], inputs, rank)),
+                     "bwd": (x.grad, _expected(spec["bwd"], grads, rank)), "spec": spec}
+    dist.destroy_process_group()
+    return out

@@ -1,0 +1,139 @@
+"""The launcher: dry-run scripts, bad input refused before anything is queued, no torch import."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_hpc.cli.main import main
+
+
+def dry_run(tmp_path: Path, *extra: str) -> Path:
+    out = tmp_path / "d"
+    code = main(["submit", "--recipe", "gpt3_6.7b", "--nodes", "16", "--platform", "trn1",
+                 "--dry-run", "--out", str(out), *extra])
+    assert code == 0
+    return out
+
+
+def sbatch_flags(text: str) -> list[str]:
+    return [line.split(None, 1)[1] for line in text.splitlines() if line.startswith("#SBATCH")]
+
+
+def test_dry_run_writes_the_reference_shape(tmp_path):
+    out = dry_run(tmp_path)
+    compile_ = (out / "compile.sbatch").read_text()
+    run = (out / "run.sbatch").read_text()
+    node = (out / "node.sh").read_text()
+    submit = (out / "submit.sh").read_text()
+    for text in (compile_, run):
+        flags = sbatch_flags(text)
+        assert "--nodes=16" in flags and "--exclusive" in flags and "--ntasks-per-node=1" in flags
+    assert "neuron_parallel_compile bash" in compile_
+    assert "neuron_parallel_compile" not in run
+    assert "--requeue" in sbatch_flags(run)
+    assert "afterok" in run  # the dependency is carried as a comment
+    assert "--dependency=afterok:$COMPILE_JOB_ID run.sbatch" in submit
+    assert submit.index("compile.sbatch") < submit.index("run.sbatch")
+    assert "ulimit -n 65535" in node
+    assert "--nproc_per_node=32" in node and "torchrun" in node
+    assert "NEURON_RT_VISIBLE_CORES" not in node  # torch-xla derives it from LOCAL_RANK
+    assert "export XLA_USE_BF16=1" in node and "export FI_PROVIDER=efa" in node
+    assert "export NEURON_CC_FLAGS='--model-type transformer'" in node
+    plan = json.loads((out / "plan.json").read_text())
+    assert (plan["tensor_parallel"], plan["data_parallel"]) == (8, 64)
+    config = json.loads((out / "config.json").read_text())
+    assert config["model"]["num_layers"] == 32
+
+
+def test_generated_scripts_are_valid_bash(tmp_path):
+    out = dry_run(tmp_path)
+    for name in ("compile.sbatch", "run.sbatch", "node.sh", "submit.sh"):
+        proc = subprocess.run(["bash", "-n", str(out / name)], capture_output=True, text=True)
+        assert proc.returncode == 0, f"{name}: {proc.stderr}"
+
+
+def test_site_options_reach_both_phases(tmp_path):
+    out = dry_run(tmp_path, "--partition", "train", "--account", "proj", "--qos", "high",
+                  "--exclude", "node7", "--time", "90")
+    for name in ("compile.sbatch", "run.sbatch"):
+        flags = sbatch_flags((out / name).read_text())
+        for flag in ("--partition=train", "--account=proj", "--qos=high", "--exclude=node7", "--time=90"):
+            assert flag in flags, (name, flag)
+
+
+def test_node_script_exports_cpu_environment_without_neuron(tmp_path):
+    out = tmp_path / "cpu"
+    assert main(["submit", "--recipe", "tiny", "--cluster", "local", "--dry-run", "--out", str(out)]) == 0
+    node = (out / "node.sh").read_text()
+    assert "NEURON" not in node and "XLA_USE_BF16" not in node
+    assert "--nproc_per_node=1" in node
+    assert "neuron_parallel_compile" not in (out / "compile.sbatch").read_text()
+
+
+def test_compile_phase_can_be_disabled(tmp_path):
+    out = tmp_path / "nocompile"
+    assert main(["submit", "--recipe", "tiny", "--dry-run", "--out", str(out),
+                 "--set", "compile.enabled=false"]) == 0
+    assert not (out / "compile.sbatch").exists()
+    assert "afterok" not in (out / "submit.sh").read_text()
+
+
+def test_slurm_without_sbatch_suggests_local(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
+    out = tmp_path / "never"
+    assert main(["submit", "--recipe", "tiny", "--cluster", "slurm", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "--cluster local" in err and "sbatch" in err
+    assert not out.exists(), "nothing may be written or queued"
+
+
+def test_local_with_several_nodes_is_refused(tmp_path, capsys):
+    assert main(["submit", "--recipe", "tiny", "--cluster", "local", "--nodes", "2",
+                 "--out", str(tmp_path / "x")]) == 1
+    assert "--cluster slurm" in capsys.readouterr().err
+
+
+def test_unwritable_output_folder(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    assert main(["submit", "--recipe", "tiny", "--dry-run", "--out", str(blocker / "run")]) == 1
+    err = capsys.readouterr().err
+    assert "cannot write the run folder" in err and "--out" in err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--nodes", "0"], "at least 1 node"),
+    (["--set", "parallel.tensor=3"], "{1, 2, 8, 16, 32}"),
+    (["--set", "trian.num_steps=3"], "did you mean 'train'"),
+])
+def test_bad_input_is_one_line_and_nonzero(argv, needle, capsys, tmp_path):
+    code = main(["submit", "--recipe", "gpt3_6.7b", "--platform", "trn1", "--dry-run",
+                 "--out", str(tmp_path / "o"), *argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and needle in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "o").exists()
+
+
+def test_unknown_recipe_exit_code_and_list(capsys):
+    assert main(["plan", "--recipe", "nope"]) == 1
+    assert "known recipes" in capsys.readouterr().err
+
+
+def test_launcher_and_plan_never_import_torch():
+    code = (
+        "import sys\n"
+        "import megatron_hpc.launch.submit, megatron_hpc.launch.scripts, megatron_hpc.compile_cache.paths\n"
+        "from megatron_hpc.cli.main import main\n"
+        "assert main(['plan', '--recipe', 'gpt3_6.7b', '--nodes', '16', '--json']) == 0\n"
+        "heavy = [m for m in ('torch', 'megatron_hpc.model', 'megatron_hpc.parallel', 'megatron_hpc.train')"
+        " if m in sys.modules]\n"
+        "print('HEAVY', heavy)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == 0, proc.stderr
+    assert "HEAVY []" in proc.stdout

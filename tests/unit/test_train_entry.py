@@ -1,0 +1,93 @@
+"""run_training end to end in this process (a world of one), and its up-front plan checks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_hpc.config.schema import (
+    CompilePhaseConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainConfig,
+)
+from megatron_hpc.errors import PlanError
+from megatron_hpc.train.entry import DistEnv, build_mesh, check_batch, run_training
+from megatron_hpc.train.metrics import parse_iteration_line
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _tiny(**train: object) -> RunConfig:
+    return RunConfig(
+        name="tiny",
+        model=ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
+                          max_position_embeddings=32, vocab_size=500),
+        train=TrainConfig(**{"num_steps": 20, "micro_batch_size": 2, "global_batch_size": 8, **train}),
+        optim=OptimConfig(lr=3e-3, min_lr=3e-4, lr_warmup_iters=2),
+        compile=CompilePhaseConfig(num_steps=3),
+    )
+
+
+def test_twenty_steps_learn(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                            monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in TORCHRUN_VARS:
+        monkeypatch.delenv(var, raising=False)
+    assert run_training(_tiny(log_interval=5), run_dir=tmp_path) == 0
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [5, 10, 15, 20]
+    assert rows[-1]["lm_loss"] < 0.8 * rows[0]["lm_loss"]
+    assert all(r["phase"] == "run" and r["tokens_per_s"] > 0 for r in rows)
+    out = capsys.readouterr().out.splitlines()
+    assert "tp 1 dp 1" in out[0] and "parameters" in out[0]
+    lines = [parse_iteration_line(x) for x in out if " iteration " in x]
+    assert [x["iteration"] for x in lines] == ["5/20", "10/20", "15/20", "20/20"]
+    assert float(lines[-1]["lm loss"]) == pytest.approx(rows[-1]["lm_loss"], rel=1e-6)
+
+
+def test_compile_phase_runs_its_own_step_count(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in TORCHRUN_VARS:
+        monkeypatch.delenv(var, raising=False)
+    assert run_training(_tiny(), phase="compile", run_dir=tmp_path) == 0
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["iteration"], r["phase"]) for r in rows] == [(1, "compile"), (2, "compile"), (3, "compile")]
+
+
+def test_bad_global_batch_names_nearest_valid() -> None:
+    with pytest.raises(PlanError, match="use global_batch_size 8 or 12"):
+        check_batch(_tiny(global_batch_size=10, micro_batch_size=2).train, data_parallel=2)
+    assert check_batch(_tiny(global_batch_size=16, micro_batch_size=2).train, data_parallel=2) == 4
+
+
+def test_bad_global_batch_fails_before_any_process_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in TORCHRUN_VARS:
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(PlanError, match="global_batch_size 7"):
+        run_training(_tiny(global_batch_size=7))
+
+
+def test_mesh_from_torchrun_env() -> None:
+    env = DistEnv(rank=5, world_size=8, local_rank=1, local_world_size=4, master_addr="h", master_port=1)
+    mesh = build_mesh(env, tensor_parallel=2)
+    assert (mesh.num_nodes, mesh.workers_per_node, mesh.data_parallel) == (2, 4, 4)
+    with pytest.raises(PlanError, match=r"use tp in \[1, 2, 4\]"):
+        build_mesh(env, tensor_parallel=8)
+    with pytest.raises(PlanError, match="tp=3"):
+        run_training(RunConfig(name="x", model=_tiny().model, train=_tiny().train, optim=_tiny().optim,
+                               parallel=ParallelConfig(tensor=3)))
+
+
+def test_bf16_autocast_tracks_fp32(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in TORCHRUN_VARS:
+        monkeypatch.delenv(var, raising=False)
+    losses = {}
+    for precision in ("fp32", "bf16"):
+        run_dir = tmp_path / precision
+        assert run_training(_tiny(precision=precision), phase="compile", run_dir=run_dir) == 0
+        losses[precision] = [json.loads(x)["lm_loss"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert losses["bf16"] != losses["fp32"]  # autocast really ran in bf16
+    assert losses["bf16"] == pytest.approx(losses["fp32"], rel=2e-2)

@@ -1,0 +1,41 @@
+"""AdamW parameter groups: weight decay on matrices only, never on biases or norms."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_hpc.config.schema import ModelConfig, OptimConfig, RunConfig, TrainConfig
+from megatron_hpc.parallel.context import ParallelContext
+from megatron_hpc.plan.mesh import Mesh
+from megatron_hpc.train.loop import build_model
+from megatron_hpc.train.optim import build_optimizer
+
+
+@pytest.fixture
+def ctx(tmp_path: Path) -> Iterator[ParallelContext]:
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.FileStore(str(tmp_path / "store"), 1))
+    yield ParallelContext.build(Mesh(num_nodes=1, workers_per_node=1, tensor_parallel=1), rank=0)
+    dist.destroy_process_group()
+
+
+def test_no_decay_on_biases_and_norms(ctx: ParallelContext) -> None:
+    cfg = RunConfig(name="t", model=ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=2, seq_length=8,
+                                                max_position_embeddings=8, vocab_size=100, tie_embeddings=False),
+                    train=TrainConfig(num_steps=1, micro_batch_size=1, global_batch_size=1),
+                    optim=OptimConfig(lr=1e-3, weight_decay=0.1))
+    model, _ = build_model(cfg, ctx, device=torch.device("cpu"))
+    opt = build_optimizer(model, optim=cfg.optim)
+    decay_of = {id(p): g["weight_decay"] for g in opt.param_groups for p in g["params"]}
+    names = dict(model.named_parameters())
+    assert len(decay_of) == len(names)  # every parameter in exactly one group
+    norms = {id(p) for m in model.modules() if isinstance(m, nn.LayerNorm) for p in m.parameters()}
+    for name, p in names.items():
+        exempt = name.endswith(".bias") or id(p) in norms
+        assert decay_of[id(p)] == (0.0 if exempt else 0.1), name
+    assert decay_of[id(names["wte.weight"])] == 0.1 and decay_of[id(names["lm_head.weight"])] == 0.1
