@@ -123,10 +123,32 @@ def _task(req: SubmitRequest, spec: PhaseSpec) -> NodeTask:
     return NodeTask(node_script=str(req.run_dir / NODE_SCRIPT), phase=spec.phase, wrapper=spec.wrapper)
 
 
-def _log_tail(req: SubmitRequest, phase: str, *, lines: int = 15) -> str:
-    logs = sorted((req.run_dir / "logs").glob(f"{phase}-node*.log"))
-    text = "".join(p.read_text(errors="replace") for p in logs[:1])
-    return "\n".join(text.splitlines()[-lines:])
+def explain_failure(run_dir: Path, phase: str, *, lines: int = 15) -> str:
+    """Why a phase failed, from its node logs.
+
+    The trainer's own one-line errors (`megatron-hpc: error: ...`) come first; failing that, the
+    last exception line of a traceback; failing that, the tail of the first node's log.
+    """
+    logs = sorted((run_dir / "logs").glob(f"{phase}-node*.log"))
+    texts = [p.read_text(errors="replace") for p in logs]
+    ours: list[str] = []
+    for text in texts:
+        for line in text.splitlines():
+            if "megatron-hpc: error:" in line and line.strip() not in ours:
+                ours.append(line.strip())
+    if ours:
+        return "\n".join(ours[:3])
+    for text in texts:
+        exceptions = [ln for ln in text.splitlines() if _looks_like_exception(ln)]
+        if exceptions:
+            return exceptions[-1].strip()
+    tail = texts[0].splitlines()[-lines:] if texts else ["(no log was written)"]
+    return "last lines of its log:\n" + "\n".join(tail)
+
+
+def _looks_like_exception(line: str) -> bool:
+    head = line.strip().split(":", 1)[0]
+    return head.endswith(("Error", "Exception")) and " " not in head
 
 
 def _run_local(req: SubmitRequest, phases: tuple[PhaseSpec, ...],
@@ -148,8 +170,8 @@ def _run_local(req: SubmitRequest, phases: tuple[PhaseSpec, ...],
         except Exception as exc:  # submitit re-raises whatever the task raised, as FailedJobError
             entry.state = "FAILED"
             result.ok = False
-            result.reason = (f"{spec.phase} phase failed ({type(exc).__name__}); "
-                             f"last lines of its log:\n{_log_tail(req, spec.phase)}")
+            result.reason = (f"{spec.phase} phase failed ({type(exc).__name__}): "
+                             f"{explain_failure(req.run_dir, spec.phase)}")
             return result
     return result
 
@@ -221,8 +243,8 @@ def _wait_slurm(result: SubmitResult, req: SubmitRequest, *, poll_s: float = 2.0
                 pending.remove(entry)
                 if entry.state != _FINISHED_OK and result.ok:
                     result.ok = False
-                    result.reason = (f"{entry.phase} phase (job {entry.job_id}) ended {entry.state}; "
-                                     f"last lines of its log:\n{_log_tail(req, entry.phase)}")
+                    result.reason = (f"{entry.phase} phase (job {entry.job_id}) ended {entry.state}: "
+                                     f"{explain_failure(req.run_dir, entry.phase)}")
         if pending:
             time.sleep(poll_s)
 

@@ -79,6 +79,8 @@ class TrainConfig:
     """Print Megatron's iteration line every this many steps."""
     compile: bool = False
     """Wrap the model with torch.compile (not on XLA)."""
+    max_skipped_steps: int = 5
+    """Stop with an error after this many steps in a row whose loss or gradients were not finite."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +79,7 @@ def train(cfg: RunConfig, ctx: ParallelContext, *, device: DeviceInfo, phase: Ph
     records: list[IterationRecord] = []
     loss_sum = torch.zeros((), device=device.device)
     nan_count = torch.zeros((), device=device.device)
+    skipped_in_a_row = skipped_in_interval = 0
     model.train()
     metrics.reset_clock(0)
     for step in range(num_steps):
@@ -91,18 +93,28 @@ def train(cfg: RunConfig, ctx: ParallelContext, *, device: DeviceInfo, phase: Ph
         result = train_step(step_model, optimizer, batches, ctx=ctx, clip_grad=cfg.optim.clip_grad,
                             autocast_dtype=autocast_dtype, device_type=device.kind)
         step_barrier(device)
-        loss_sum += result.loss
+        skipped_in_a_row = skipped_in_a_row + 1 if result.skipped else 0
+        skipped_in_interval += int(result.skipped)
+        if skipped_in_a_row >= tcfg.max_skipped_steps:
+            raise TrainingError(
+                f"{phase} phase: the loss or gradients were not finite for {skipped_in_a_row} steps in a row "
+                f"(iterations {step + 2 - skipped_in_a_row}-{step + 1}, lr {lr:.3g}); lower optim.lr, keep "
+                f"optim.clip_grad above 0, or check the data (train.max_skipped_steps sets the limit)")
+        if not result.skipped:  # Megatron averages the loss over the steps it took
+            loss_sum += result.loss
         nan_count += (~torch.isfinite(result.loss)).float()
         iteration = step + 1
         if metrics.should_log(iteration):
-            interval = iteration - metrics.last_iteration
+            interval = iteration - metrics.last_iteration - skipped_in_interval
             stats = torch.stack([loss_sum, nan_count])
             dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=ctx.dp_group)
             # Host sync, only on logging steps: the loss and norm are needed as numbers.
             loss_total, nans = stats.tolist()
             grad_norm = result.grad_norm.item()
-            records.append(metrics.log(iteration, lr=lr, lm_loss=loss_total / (ctx.dp_size * interval),
-                                       grad_norm=grad_norm, num_nan=round(nans / ctx.dp_size)))
+            lm_loss = loss_total / (ctx.dp_size * interval) if interval else math.nan
+            records.append(metrics.log(iteration, lr=lr, lm_loss=lm_loss, grad_norm=grad_norm,
+                                       num_nan=round(nans / ctx.dp_size), num_skipped=skipped_in_interval))
+            skipped_in_interval = 0
             loss_sum.zero_()
             nan_count.zero_()
     return TrainSummary(steps=num_steps, consumed_samples=num_steps * tcfg.global_batch_size, records=records)

@@ -33,6 +33,7 @@ class IterationRecord:
     grad_norm: float
     tokens_per_s: float
     tflops_per_worker: float
+    num_skipped_iterations: int
     num_nan_iterations: int
     phase: str
 
@@ -45,7 +46,10 @@ class IterationRecord:
 
 
 def format_iteration_line(rec: IterationRecord, *, now: datetime) -> str:
-    """The iteration line exactly as Megatron prints it (log-throughput on, no skipped samples)."""
+    """The iteration line exactly as Megatron prints it (log-throughput on, no skipped samples).
+
+    Skipped and NaN iterations are counts within the log interval, as in Megatron.
+    """
     return (
         f" [{now.strftime('%Y-%m-%d %H:%M:%S.%f')}]"
         f" iteration {rec.iteration:8d}/{rec.train_iters:8d} |"
@@ -57,7 +61,7 @@ def format_iteration_line(rec: IterationRecord, *, now: datetime) -> str:
         f" lm loss: {rec.lm_loss:.6E} |"
         " loss scale: 1.0 |"  # no dynamic loss scaler: fp32 and bf16 need none
         f" grad norm: {rec.grad_norm:.3f} |"
-        f" number of skipped iterations: {0:3d} |"
+        f" number of skipped iterations: {rec.num_skipped_iterations:3d} |"
         f" number of nan iterations: {rec.num_nan_iterations:3d} |"
     )
 
@@ -102,7 +106,7 @@ class MetricsLogger:
         self.last_time, self.last_iteration = time.perf_counter(), iteration
 
     def log(self, iteration: int, *, lr: float, lm_loss: float, grad_norm: float,
-            num_nan: int) -> IterationRecord:
+            num_nan: int, num_skipped: int = 0) -> IterationRecord:
         """Record the interval ending at `iteration`; the caller has synced the device."""
         now = time.perf_counter()
         steps = max(1, iteration - self.last_iteration)
@@ -111,7 +115,8 @@ class MetricsLogger:
         rec = IterationRecord(
             iteration=iteration, train_iters=self.train_iters, consumed_samples=iteration * self.gbs,
             elapsed_ms=elapsed_s * 1000.0, lr=lr, global_batch_size=self.gbs, lm_loss=lm_loss,
-            grad_norm=grad_norm, tokens_per_s=self.tokens_per_step / elapsed_s if elapsed_s > 0 else math.inf,
+            grad_norm=grad_norm, num_skipped_iterations=num_skipped,
+            tokens_per_s=self.tokens_per_step / elapsed_s if elapsed_s > 0 else math.inf,
             tflops_per_worker=self.flops_token * self.tokens_per_step / (elapsed_s * 1e12 * self.world_size)
             if elapsed_s > 0 else 0.0,
             num_nan_iterations=num_nan, phase=self.phase)

@@ -20,12 +20,20 @@ class StepOutput:
     """Mean lm loss of this rank's micro-batches (0-dim, on device; not DP-averaged)."""
     grad_norm: torch.Tensor
     """Global gradient norm before clipping (0-dim, on device; same on all ranks)."""
+    skipped: bool
+    """The loss or gradients were not finite, so the optimizer step was not taken."""
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Sequence[torch.Tensor], *,
                ctx: ParallelContext, clip_grad: float, autocast_dtype: torch.dtype | None,
                device_type: str) -> StepOutput:
-    """One step over this rank's micro-batches, each (mbs, S + 1) token ids. No host sync."""
+    """One step over this rank's micro-batches, each (mbs, S + 1) token ids.
+
+    One host sync off XLA: whether the gradient norm is finite, to skip the optimizer step
+    instead of writing NaN into the weights and Adam moments (Megatron's "skipped iterations").
+    On XLA the check is left out: it would cut the graph, and a neuron_parallel_compile trial
+    returns zeros anyway.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
     # Zero in place rather than set to None: XLA then keeps one graph shape (neuron-xla.md 3.3).
     optimizer.zero_grad(set_to_none=False)
@@ -43,5 +51,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
         total += loss.detach()
     all_reduce_gradients(params, group=ctx.dp_group)
     norm = clip_gradients_(params, max_norm=clip_grad, ctx=ctx)
-    optimizer.step()
-    return StepOutput(loss=total / len(micro_batches), grad_norm=norm)
+    # The norm is the same on every rank (it was all-reduced), so all ranks skip together.
+    skipped = device_type != "xla" and not bool(torch.isfinite(norm).item())
+    if not skipped:
+        optimizer.step()
+    return StepOutput(loss=total / len(micro_batches), grad_norm=norm, skipped=skipped)

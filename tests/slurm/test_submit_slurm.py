@@ -64,7 +64,8 @@ def test_failed_compile_means_the_run_never_starts(slurm_cluster, sacct_job, tmp
     # An absurd learning rate without clipping makes every loss after the first step non-finite:
     # a real trainer failure in the compile phase's trial run.
     code, report, _stderr = submit(run_dir, "--set", "optim.lr=1e30", "--set", "optim.clip_grad=0",
-                                  "--set", "optim.lr_warmup_iters=0")
+                                  "--set", "optim.lr_warmup_iters=0",
+                                  "--set", "train.max_skipped_steps=2")
     assert code == 1
     jobs = jobs_by_phase(report)
     assert jobs["compile"]["state"] == "FAILED"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -15,20 +16,20 @@ from megatron_hpc.config.schema import (
     RunConfig,
     TrainConfig,
 )
-from megatron_hpc.errors import PlanError
+from megatron_hpc.errors import PlanError, TrainingError
 from megatron_hpc.train.entry import DistEnv, build_mesh, check_batch, run_training
 from megatron_hpc.train.metrics import parse_iteration_line
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def _tiny(**train: object) -> RunConfig:
+def _tiny(optim: OptimConfig | None = None, **train: object) -> RunConfig:
     return RunConfig(
         name="tiny",
         model=ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
                           max_position_embeddings=32, vocab_size=500),
         train=TrainConfig(**{"num_steps": 20, "micro_batch_size": 2, "global_batch_size": 8, **train}),
-        optim=OptimConfig(lr=3e-3, min_lr=3e-4, lr_warmup_iters=2),
+        optim=optim or OptimConfig(lr=3e-3, min_lr=3e-4, lr_warmup_iters=2),
         compile=CompilePhaseConfig(num_steps=3),
     )
 
@@ -91,3 +92,19 @@ def test_bf16_autocast_tracks_fp32(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         losses[precision] = [json.loads(x)["lm_loss"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert losses["bf16"] != losses["fp32"]  # autocast really ran in bf16
     assert losses["bf16"] == pytest.approx(losses["fp32"], rel=2e-2)
+
+
+def test_non_finite_steps_are_skipped_then_stop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in TORCHRUN_VARS:
+        monkeypatch.delenv(var, raising=False)
+    # An absurd learning rate without clipping: the first step is finite and blows up the weights,
+    # every later loss is NaN.
+    exploding = OptimConfig(lr=1e30, clip_grad=0.0, lr_warmup_iters=0, lr_decay_style="constant")
+    with pytest.raises(TrainingError, match="not finite for 3 steps in a row") as info:
+        run_training(_tiny(optim=exploding, max_skipped_steps=3, log_interval=1), run_dir=tmp_path)
+    assert "optim.lr" in str(info.value)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [1, 2, 3]  # stopped at the third skipped step
+    assert [r["num_skipped_iterations"] for r in rows] == [0, 1, 1]
+    assert math.isfinite(rows[0]["lm_loss"])  # finite before the blow-up
+    assert all(math.isnan(r["lm_loss"]) for r in rows[1:])  # no finite step was averaged in
