@@ -13,14 +13,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_recipe_arguments(parser)
 
 
+def _count(n: float) -> str:
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(int(n))
+
+
 def format_plan(plan: Plan, *, vocab_size: int) -> str:
+    workers = "worker" if plan.workers_per_node == 1 else "workers"
     rows = [
         ("recipe", f"{plan.recipe} on {plan.num_nodes} x {plan.platform} "
-                   f"({plan.workers_per_node} workers per node, backend {plan.backend})"),
+                   f"({plan.workers_per_node} {workers} per node, backend {plan.backend})"),
         ("mesh", f"world {plan.world_size} = TP {plan.tensor_parallel} x DP {plan.data_parallel}"),
         ("batch", f"global {plan.global_batch_size} = micro {plan.micro_batch_size} x DP {plan.data_parallel} "
                   f"x {plan.num_micro_batches} micro-batches; {plan.tokens_per_step:,} tokens per step"),
-        ("model", f"{plan.num_parameters / 1e9:.3f}B parameters; padded vocab {plan.padded_vocab_size} "
+        ("model", f"{_count(plan.num_parameters)} parameters; padded vocab {plan.padded_vocab_size} "
                   f"({vocab_size} + {plan.padded_vocab_size - vocab_size} padding)"),
         ("memory", f"about {plan.memory_per_worker_gib:.1f} GiB of {plan.memory_limit_gib:g} GiB per worker"),
         ("flops", f"{plan.flops_per_token / 1e9:.2f} GFLOP per token ({plan.flops_formula}); "
