@@ -20,7 +20,7 @@ from megatron_hpc.train.metrics import (
 
 REC = IterationRecord(iteration=5, train_iters=20, consumed_samples=40, elapsed_ms=123.44, lr=1e-4,
                       global_batch_size=8, lm_loss=7.0123449, grad_norm=1.2341, tokens_per_s=1.0,
-                      tflops_per_worker=0.12, num_nan_iterations=0, phase="run")
+                      tflops_per_worker=0.12, num_skipped_iterations=0, num_nan_iterations=0, phase="run")
 
 
 def test_line_matches_megatron_layout() -> None:
@@ -66,7 +66,7 @@ def test_logger_prints_on_last_rank_and_appends_jsonl(tmp_path: Path) -> None:
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [2, 3]
     assert set(rows[0]) == {"iteration", "consumed_samples", "elapsed_ms", "lr", "global_batch_size", "lm_loss",
-                            "grad_norm", "tokens_per_s", "tflops_per_worker", "phase"}
+                            "grad_norm", "tokens_per_s", "tflops_per_worker", "num_skipped_iterations", "phase"}
     assert rows[1]["consumed_samples"] == 12 and rows[1]["phase"] == "compile"
     assert [parse_iteration_line(x)["lm loss"] for x in out.getvalue().splitlines()] == ["2.000000E+00",
                                                                                      "1.500000E+00"]
