@@ -114,7 +114,17 @@ class DataConfig:
     source: DataSource = "synthetic"
     """synthetic (deterministic generated tokens, like Megatron --mock-data) or indexed (.bin/.idx)."""
     path: str | None = None
-    """Prefix of the Megatron .bin/.idx pair when source is indexed."""
+    """Megatron --data-path: one prefix (no .bin/.idx), or a blend "0.3 prefixA 0.7 prefixB"; ~ expands."""
+    split: str = "969,30,1"
+    """Megatron --split: train,valid,test weights over contiguous document ranges."""
+    cache_path: str | None = None
+    """Megatron --data-cache-path for the index .npy files; None means <prefix>/cache/GPTDataset_indices."""
+    tokenizer_type: str = "GPT2BPETokenizer"
+    """Tokenizer that made the data (decoding in `data inspect`)."""
+    vocab_file: str | None = None
+    """GPT-2 vocab.json of the tokenizer."""
+    merge_file: str | None = None
+    """GPT-2 merges.txt of the tokenizer."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
