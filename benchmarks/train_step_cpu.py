@@ -1,0 +1,139 @@
+"""CPU training-step throughput: megatron-hpc's GPT against Hugging Face GPT2LMHeadModel (sdpa).
+
+Issue 4's figure: one training step (forward, backward, AdamW) on the same config, fp32,
+dropout 0, 2 threads: 6 layers, hidden 512, 8 heads, seq 512, batch 8, vocab 8192. Each
+measurement is its own process (so peak RSS is the process's own), and the two implementations
+alternate A B A B ... in one run so machine drift hits both. Prints tokens/s and peak memory
+medians and the ratios ours / HF.
+
+    python benchmarks/train_step_cpu.py --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+LAYERS, HIDDEN, HEADS, SEQ, BATCH, VOCAB = 6, 512, 8, 512, 8, 8192
+
+
+def _ours():
+    import torch
+    import torch.distributed as dist
+
+    from megatron_hpc.config.schema import ModelConfig, OptimConfig
+    from megatron_hpc.model.gpt import GPT
+    from megatron_hpc.parallel.context import ParallelContext
+    from megatron_hpc.plan.mesh import Mesh
+    from megatron_hpc.train.optim import build_optimizer
+    from megatron_hpc.train.step import train_step
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    ctx = ParallelContext.build(Mesh(num_nodes=1, workers_per_node=1, tensor_parallel=1), rank=0)
+    cfg = ModelConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, seq_length=SEQ,
+                      max_position_embeddings=SEQ, vocab_size=VOCAB)
+    model = GPT(cfg, ctx=ctx, padded_vocab=VOCAB, seed=1234)
+    optimizer = build_optimizer(model, optim=OptimConfig(lr=1e-4))
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
+
+    def step():
+        train_step(model, optimizer, [tokens], ctx=ctx, clip_grad=1.0, autocast_dtype=None, device_type="cpu")
+
+    return step
+
+
+def _hf():
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=LAYERS, n_embd=HIDDEN, n_head=HEADS, n_positions=SEQ, vocab_size=VOCAB,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1)
+    config._attn_implementation = "sdpa"  # transformers 5 takes the choice from the config
+    model = GPT2LMHeadModel(config)
+    assert model.config._attn_implementation == "sdpa"
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        out = model(input_ids=tokens[:, :-1], labels=tokens[:, :-1])
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+
+    return step
+
+
+def worker(impl: str, *, steps: int, warmup: int, threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    step = _ours() if impl == "ours" else _hf()
+    for _ in range(warmup):
+        step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    elapsed = time.perf_counter() - start
+    print(json.dumps({"impl": impl, "tokens_per_s": BATCH * SEQ * steps / elapsed}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", choices=("ours", "hf"))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, steps=args.steps, warmup=args.warmup, threads=args.threads)
+        return
+    results: dict[str, list[dict]] = {"ours": [], "hf": []}
+    for _ in range(args.rounds):
+        for impl in ("ours", "hf"):
+            results[impl].append(measure(impl, args))
+    report(results, args)
+
+
+def measure(impl: str, args: argparse.Namespace) -> dict:
+    """One child process; its own peak RSS comes from wait4, not the cumulative children figure."""
+    cmd = [sys.executable, __file__, "--worker", impl, "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--threads", str(args.threads)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    read, write = os.pipe()
+    pid = os.posix_spawn(cmd[0], cmd, env, file_actions=[(os.POSIX_SPAWN_DUP2, write, 1)])
+    os.close(write)
+    _, status, usage = os.wait4(pid, 0)
+    with os.fdopen(read) as fh:
+        out = fh.read()
+    if os.waitstatus_to_exitcode(status):
+        raise SystemExit(f"{impl} worker failed:\n{out}")
+    result = json.loads(out.strip().splitlines()[-1])
+    result["peak_rss_mib"] = usage.ru_maxrss / 1024  # KiB on Linux
+    return result
+
+
+def report(results: dict[str, list[dict]], args: argparse.Namespace) -> None:
+    med = {impl: {key: statistics.median(r[key] for r in rows) for key in ("tokens_per_s", "peak_rss_mib")}
+           for impl, rows in results.items()}
+    print(f"config: {LAYERS} layers, hidden {HIDDEN}, {HEADS} heads, seq {SEQ}, batch {BATCH}, vocab {VOCAB}, "
+          f"fp32, {args.threads} threads; {args.rounds} rounds x {args.steps} timed steps (+{args.warmup} warm-up)")
+    for impl, label in (("ours", "megatron-hpc GPT"), ("hf", "HF GPT2LMHeadModel (sdpa)")):
+        rows = results[impl]
+        tps = [round(r["tokens_per_s"]) for r in rows]
+        print(f"{label:<28} tokens/s median {med[impl]['tokens_per_s']:8.0f} (runs {tps}); "
+              f"peak RSS median {med[impl]['peak_rss_mib']:7.0f} MiB")
+    print(f"ratio ours/HF: throughput {med['ours']['tokens_per_s'] / med['hf']['tokens_per_s']:.2f}x, "
+          f"peak memory {med['ours']['peak_rss_mib'] / med['hf']['peak_rss_mib']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
