@@ -69,6 +69,7 @@ def make_phases(cfg: RunConfig, plan: Plan, platform: Platform, *,
     run = PhaseSpec(phase="run", job_name=f"{cfg.name}-run", wrapper=(), requeue=True, **common)
     if not cfg.compile.enabled:
         return (run,)
+    # Both phases requeue, as the reference scripts do: a preempted compile comes back too.
     compile_ = PhaseSpec(phase="compile", job_name=f"{cfg.name}-compile", wrapper=platform.compile_wrapper,
-                         requeue=False, **common)
+                         requeue=True, **common)
     return (compile_, run)
