@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import traceback
 
@@ -18,6 +19,10 @@ from megatron_hpc.errors import MegatronHpcError
 COMMANDS: dict[str, tuple[str, str]] = {
     "submit": ("megatron_hpc.cli.submit_cmd", "plan, write and queue the compile and run phases"),
     "plan": ("megatron_hpc.cli.plan_cmd", "check a recipe against a cluster and print the mesh, batch and memory"),
+    "status": ("megatron_hpc.cli.status_cmd", "phase, SLURM state, requeues and progress of a run"),
+    "logs": ("megatron_hpc.cli.logs_cmd", "print (or follow) a node's log of a run"),
+    "cancel": ("megatron_hpc.cli.cancel_cmd", "cancel both phases of a run"),
+    "runs": ("megatron_hpc.cli.runs_cmd", "table of recent runs"),
     "train": ("megatron_hpc.cli.train_cmd", "per-rank training entry point (what torchrun starts)"),
 }
 
@@ -65,3 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("megatron-hpc: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader (`| head`) went away; say nothing more and do not flush into the closed pipe
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0

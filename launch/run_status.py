@@ -1,0 +1,176 @@
+"""Where a run stands: its jobs' SLURM state and the trainer's progress, read from the run folder.
+
+SLURM state comes from `scontrol show job` while the controller remembers the job (it also gives
+the requeue count), then from `sacct`; when neither answers, the state recorded at submit time is
+kept and marked stale. Progress comes from `metrics.jsonl`, which the last rank appends.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megatron_hpc.errors import LaunchError
+
+ENDED_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL",
+                          "BOOT_FAIL", "DEADLINE", "PREEMPTED"})
+
+
+@dataclass(kw_only=True, slots=True)
+class JobStatus:
+    phase: str
+    job_id: str
+    state: str
+    nodes: str = ""
+    restarts: int = 0
+    source: str = "submit"
+    """Where the state came from: scontrol, sacct, or submit (the record written at submit time)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Progress:
+    phase: str
+    iteration: int
+    train_iters: int | None
+    lm_loss: float
+    tokens_per_s: float
+    eta_s: float | None
+
+
+@dataclass(kw_only=True, slots=True)
+class RunStatus:
+    run_dir: str
+    recipe: str
+    cluster: str
+    plan: dict[str, Any]
+    jobs: list[JobStatus] = field(default_factory=list)
+    progress: Progress | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def find_run_dir(spec: str | None, *, runs_root: Path = Path("runs")) -> Path:
+    """A run folder from a path, a job id, or (None) the most recent run under runs_root."""
+    if spec and Path(spec).is_dir():
+        path = Path(spec)
+        if not (path / "plan.json").is_file():
+            raise LaunchError(f"{path} is not a run folder (no plan.json); pass the folder submit printed")
+        return path.resolve()
+    candidates = sorted(runs_root.glob("*/*/submission.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+    if spec is None:
+        if not candidates:
+            raise LaunchError(f"no runs under {runs_root.resolve()}; pass a run folder or a job id")
+        return candidates[0].parent.resolve()
+    for sub in candidates:
+        jobs = json.loads(sub.read_text()).get("jobs", [])
+        if any(str(j.get("job_id")) == spec for j in jobs):
+            return sub.parent.resolve()
+    raise LaunchError(f"{spec!r} is neither a run folder nor a job id of a run under {runs_root.resolve()}")
+
+
+def read_status(run_dir: Path) -> RunStatus:
+    submission = _read_json(run_dir / "submission.json") or {"cluster": "unknown", "jobs": []}
+    plan = _read_json(run_dir / "plan.json") or {}
+    config = _read_json(run_dir / "config.json") or {}
+    status = RunStatus(run_dir=str(run_dir), recipe=plan.get("recipe", config.get("name", "?")),
+                       cluster=submission.get("cluster", "unknown"), plan=plan)
+    for job in submission["jobs"]:
+        entry = JobStatus(phase=job["phase"], job_id=str(job["job_id"]), state=job.get("state", "UNKNOWN"))
+        if status.cluster == "slurm":
+            _refresh_from_slurm(entry)
+        status.jobs.append(entry)
+    status.progress = read_progress(run_dir, train_iters=config.get("train", {}).get("num_steps"))
+    return status
+
+
+def read_progress(run_dir: Path, *, train_iters: int | None) -> Progress | None:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    last = None
+    for line in path.read_text().splitlines():
+        try:
+            last = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line being appended right now
+    if last is None:
+        return None
+    total = train_iters if last.get("phase") == "run" else None
+    eta = None
+    if total and last.get("elapsed_ms"):
+        eta = max(0, total - last["iteration"]) * last["elapsed_ms"] / 1000.0
+    return Progress(phase=last.get("phase", "run"), iteration=last["iteration"], train_iters=total,
+                    lm_loss=last["lm_loss"], tokens_per_s=last.get("tokens_per_s", 0.0), eta_s=eta)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def _run(cmd: list[str]) -> str | None:
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def _refresh_from_slurm(entry: JobStatus) -> None:
+    shown = _run(["scontrol", "show", "job", "-o", entry.job_id])
+    if shown:
+        fields = dict(tok.split("=", 1) for tok in shown.split() if "=" in tok)
+        entry.state = fields.get("JobState", entry.state)
+        entry.nodes = fields.get("NodeList", "") if fields.get("NodeList") != "(null)" else ""
+        entry.restarts = int(fields.get("Restarts", "0") or 0)
+        entry.source = "scontrol"
+        return
+    acct = _run(["sacct", "-j", entry.job_id, "-X", "--noheader", "--parsable2", "-o", "State,NodeList"])
+    if acct and acct.strip():
+        state, _, nodes = acct.strip().splitlines()[-1].partition("|")
+        entry.state, entry.nodes, entry.source = state.split()[0], nodes, "sacct"
+        return
+    entry.source = "submit (SLURM did not answer)"
+
+
+def format_status(status: RunStatus) -> str:
+    plan = status.plan
+    lines = [f"run       {status.run_dir}",
+             f"recipe    {status.recipe} on {plan.get('num_nodes', '?')} x {plan.get('platform', '?')} "
+             f"(TP {plan.get('tensor_parallel', '?')} x DP {plan.get('data_parallel', '?')}), {status.cluster}"]
+    for job in status.jobs:
+        extra = f"  nodes {job.nodes}" if job.nodes else ""
+        extra += f"  requeued {job.restarts}x" if job.restarts else ""
+        lines.append(f"{job.phase:<9} job {job.job_id}  {job.state}{extra}")
+    p = status.progress
+    if p is None:
+        lines.append("progress  no step logged yet")
+    else:
+        total = f"/{p.train_iters}" if p.train_iters else ""
+        eta = f" | ETA {_duration(p.eta_s)}" if p.eta_s is not None else ""
+        lines.append(f"progress  {p.phase} iteration {p.iteration}{total} | lm loss {p.lm_loss:.4f} | "
+                     f"{p.tokens_per_s:,.0f} tokens/s{eta}")
+    return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def cancel_run(status: RunStatus) -> list[str]:
+    """scancel every job of the run that has not ended; returns the ids cancelled."""
+    if status.cluster != "slurm":
+        raise LaunchError(f"{status.run_dir} ran with --cluster {status.cluster}; stop a local run with Ctrl-C")
+    ids = [j.job_id for j in status.jobs if j.state not in ENDED_STATES]
+    if ids:
+        proc = subprocess.run(["scancel", *ids], capture_output=True, text=True, check=False)
+        if proc.returncode:
+            raise LaunchError(f"scancel {' '.join(ids)} failed", stderr_tail=proc.stderr[-500:])
+    return ids

@@ -1,0 +1,55 @@
+"""`megatron-hpc logs RUN [--node K] [--phase P] [--follow]`: a node's log of a phase."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from megatron_hpc.errors import LaunchError
+from megatron_hpc.launch.run_status import ENDED_STATES, find_run_dir, read_status
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run", nargs="?", help="run folder or job id (default: the most recent run)")
+    parser.add_argument("--node", type=int, help="node index (default: the last node, which logs the iterations)")
+    parser.add_argument("--phase", choices=("compile", "run"), help="default: the latest phase with logs")
+    parser.add_argument("--follow", "-f", action="store_true", help="keep printing until the phase's job ends")
+
+
+def pick_log(run_dir: Path, *, phase: str | None, node: int | None) -> Path:
+    phases = [phase] if phase else ["run", "compile"]
+    for name in phases:
+        logs = sorted((run_dir / "logs").glob(f"{name}-node*.log"),
+                      key=lambda p: int(p.stem.rsplit("node", 1)[1]))
+        if not logs:
+            continue
+        if node is None:
+            return logs[-1]
+        wanted = run_dir / "logs" / f"{name}-node{node}.log"
+        if wanted.exists():
+            return wanted
+        raise LaunchError(f"no log for node {node} of the {name} phase; nodes with logs: "
+                          + ", ".join(p.stem.rsplit("node", 1)[1] for p in logs))
+    raise LaunchError(f"no {phase or 'compile or run'} phase logs in {run_dir / 'logs'} yet; "
+                      "the job may still be queued (see `megatron-hpc status`)")
+
+
+def run(args: argparse.Namespace) -> int:
+    run_dir = find_run_dir(args.run)
+    log = pick_log(run_dir, phase=args.phase, node=args.node)
+    phase = log.stem.split("-node")[0]
+    offset = 0
+    while True:
+        with log.open(errors="replace") as fh:
+            fh.seek(offset)
+            sys.stdout.write(fh.read())
+            offset = fh.tell()
+        sys.stdout.flush()
+        if not args.follow:
+            return 0
+        jobs = [j for j in read_status(run_dir).jobs if j.phase == phase]
+        if not jobs or jobs[0].state in ENDED_STATES:
+            return 0
+        time.sleep(1.0)

@@ -1,0 +1,95 @@
+"""status / logs / runs over run folders written the way submit and the trainer write them."""
+
+import json
+import os
+
+import pytest
+
+from megatron_hpc.cli.main import main
+from megatron_hpc.errors import LaunchError
+from megatron_hpc.launch.run_status import find_run_dir, read_progress, read_status
+
+
+def make_run(tmp_path, *, name="tiny/20260101-000000", cluster="local", steps=(10, 20), num_steps=100,
+             jobs=(("compile", "11", "COMPLETED"), ("run", "12", "COMPLETED"))):
+    run_dir = tmp_path / "runs" / name
+    assert main(["submit", "--recipe", "tiny", "--dry-run", "--out", str(run_dir),
+                 "--set", f"train.num_steps={num_steps}"]) == 0
+    (run_dir / "submission.json").write_text(json.dumps({
+        "cluster": cluster, "ok": True, "reason": "",
+        "jobs": [{"phase": p, "job_id": j, "state": s, "depends_on": None} for p, j, s in jobs]}))
+    with (run_dir / "metrics.jsonl").open("w") as fh:
+        for i, it in enumerate(steps):
+            fh.write(json.dumps({"iteration": it, "phase": "run", "lm_loss": 5.0 - i, "elapsed_ms": 500.0,
+                                 "tokens_per_s": 2048.0}) + "\n")
+    return run_dir
+
+
+def test_progress_and_eta_from_the_last_logged_step(tmp_path):
+    run_dir = make_run(tmp_path, steps=(10, 20, 30))
+    progress = read_progress(run_dir, train_iters=100)
+    assert (progress.iteration, progress.train_iters, progress.lm_loss) == (30, 100, 3.0)
+    assert progress.eta_s == pytest.approx(70 * 0.5)
+
+
+def test_partial_last_line_is_ignored(tmp_path):
+    run_dir = make_run(tmp_path, steps=(10, 20))
+    with (run_dir / "metrics.jsonl").open("a") as fh:
+        fh.write('{"iteration": 30, "pha')  # the trainer is appending right now
+    assert read_progress(run_dir, train_iters=100).iteration == 20
+
+
+def test_status_by_folder_job_id_and_latest(tmp_path, monkeypatch, capsys):
+    older = make_run(tmp_path, name="tiny/a", jobs=(("run", "5", "COMPLETED"),))
+    newer = make_run(tmp_path, name="tiny/b", jobs=(("run", "7", "FAILED"),))
+    monkeypatch.chdir(tmp_path)
+    assert find_run_dir("5") == older.resolve()
+    assert find_run_dir(str(newer)) == newer.resolve()
+    os.utime(older / "submission.json", (1, 1))
+    assert find_run_dir(None) == newer.resolve()
+    with pytest.raises(LaunchError, match="neither a run folder nor a job id"):
+        find_run_dir("999")
+    capsys.readouterr()
+    assert main(["status", "--json", "7"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["jobs"] == [{"phase": "run", "job_id": "7", "state": "FAILED", "nodes": "", "restarts": 0,
+                             "source": "submit"}]
+    assert data["progress"]["iteration"] == 20
+
+
+def test_slurm_state_falls_back_to_the_submit_record(tmp_path, monkeypatch):
+    run_dir = make_run(tmp_path, cluster="slurm", jobs=(("run", "42", "SUBMITTED"),))
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm-here"))
+    status = read_status(run_dir)
+    assert status.jobs[0].state == "SUBMITTED"
+    assert "did not answer" in status.jobs[0].source
+
+
+def test_logs_picks_the_last_node_of_the_latest_phase(tmp_path, capsys):
+    run_dir = make_run(tmp_path)
+    for phase, node, text in (("compile", 0, "c0\n"), ("run", 0, "r0\n"), ("run", 1, "r1\n"), ("run", 10, "r10\n")):
+        (run_dir / "logs" / f"{phase}-node{node}.log").write_text(text)
+    capsys.readouterr()
+    assert main(["logs", str(run_dir)]) == 0
+    assert capsys.readouterr().out == "r10\n"  # numeric order: node 10 is the last
+    assert main(["logs", str(run_dir), "--phase", "compile", "--node", "0"]) == 0
+    assert capsys.readouterr().out == "c0\n"
+    assert main(["logs", str(run_dir), "--node", "3"]) == 1
+    assert "nodes with logs: 0, 1, 10" in capsys.readouterr().err
+
+
+def test_runs_table(tmp_path, monkeypatch, capsys):
+    make_run(tmp_path, name="tiny/x", steps=(10, 20, 30))
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert main(["runs"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[:2] == ["run", "nodes"]
+    assert out[1].split()[0] == "tiny/x" and "30/100" in out[1]
+
+
+def test_cancel_refuses_a_local_run(tmp_path, capsys):
+    run_dir = make_run(tmp_path)
+    capsys.readouterr()
+    assert main(["cancel", str(run_dir)]) == 1
+    assert "Ctrl-C" in capsys.readouterr().err
