@@ -4,10 +4,10 @@ import json
 import os
 
 import pytest
+from megatron_hpc.launch.run_status import find_run_dir, read_progress, read_status
 
 from megatron_hpc.cli.main import main
 from megatron_hpc.errors import LaunchError
-from megatron_hpc.launch.run_status import find_run_dir, read_progress, read_status
 
 
 def make_run(tmp_path, *, name="tiny/20260101-000000", cluster="local", steps=(10, 20), num_steps=100,
