@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hpc.config.schema import RunConfig
+from megatron_hpc.data.loader import IndexedBatches, build_indexed_batches, check_vocabulary
 from megatron_hpc.data.synthetic import SyntheticTokens, micro_batch_indices
 from megatron_hpc.errors import DataError, TrainingError
 from megatron_hpc.model.gpt import GPT
@@ -51,15 +52,29 @@ def _autocast_dtype(cfg: RunConfig) -> torch.dtype | None:
     return torch.bfloat16 if precision == "bf16" else None
 
 
+def _build_data(cfg: RunConfig, ctx: ParallelContext) -> SyntheticTokens | IndexedBatches:
+    """The token source; both give `.batch(indices)` -> (len, seq_length + 1) int64."""
+    tcfg = cfg.train
+    if cfg.data.source == "synthetic":
+        return SyntheticTokens(vocab_size=cfg.model.vocab_size, seq_length=cfg.model.seq_length, seed=tcfg.seed)
+    if cfg.data.source != "indexed":
+        raise DataError(f"data.source {cfg.data.source!r} is not supported by the trainer; use synthetic or indexed")
+    if cfg.data.path:
+        check_vocabulary(cfg.data.path, vocab_size=cfg.model.vocab_size)
+    # Always the run phase's sample count, so a compile trial builds the run's index cache.
+    return build_indexed_batches(cfg.data, seq_length=cfg.model.seq_length, seed=tcfg.seed, num_steps=tcfg.num_steps,
+                                 global_batch_size=tcfg.global_batch_size, micro_batch_size=tcfg.micro_batch_size,
+                                 dp_rank=ctx.dp_rank, dp_size=ctx.dp_size)
+
+
 def train(cfg: RunConfig, ctx: ParallelContext, *, device: DeviceInfo, phase: Phase = "run",
           run_dir: Path | None = None, out: TextIO | None = None) -> TrainSummary:
     """Train for train.num_steps (phase run) or compile.num_steps (phase compile) steps."""
     out = sys.stdout if out is None else out  # looked up per call, so redirection and capture work
-    if cfg.data.source != "synthetic":
-        raise DataError(f"data.source {cfg.data.source!r} is not wired into the trainer yet; use synthetic")
     tcfg = cfg.train
     num_steps = tcfg.num_steps if phase == "run" else cfg.compile.num_steps
     num_micro = tcfg.global_batch_size // (tcfg.micro_batch_size * ctx.dp_size)
+    data = _build_data(cfg, ctx)  # before the model: data errors surface first
     autocast_dtype = _autocast_dtype(cfg)
     torch.manual_seed(tcfg.seed + ctx.dp_rank)  # dropout masks: same across TP, different across DP
 
@@ -72,7 +87,6 @@ def train(cfg: RunConfig, ctx: ParallelContext, *, device: DeviceInfo, phase: Ph
               f"{tcfg.micro_batch_size} | {device.kind} {tcfg.precision} | {num_steps} steps", file=out, flush=True)
     step_model = torch.compile(model) if tcfg.compile and device.kind != "xla" else model
     optimizer = build_optimizer(model, optim=cfg.optim)
-    data = SyntheticTokens(vocab_size=cfg.model.vocab_size, seq_length=cfg.model.seq_length, seed=tcfg.seed)
     metrics = MetricsLogger(model=cfg.model, padded_vocab=padded, world_size=ctx.world_size,
                             train_iters=num_steps, global_batch_size=tcfg.global_batch_size, phase=phase,
                             log_interval=tcfg.log_interval, enabled=ctx.is_last_rank, run_dir=run_dir, out=out)
