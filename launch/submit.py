@@ -161,7 +161,9 @@ def _run_local(req: SubmitRequest, phases: tuple[PhaseSpec, ...],
     for spec in phases:
         executor.update_parameters(timeout_min=timeout, nodes=1, tasks_per_node=1)
         job = executor.submit(_task(req, spec))
-        entry = PhaseJob(phase=spec.phase, job_id=str(job.job_id), state="RUNNING")
+        # Locally the run phase starts only after the compile job returned successfully: afterok by hand.
+        previous = result.jobs[-1].job_id if result.jobs else None
+        entry = PhaseJob(phase=spec.phase, job_id=str(job.job_id), state="RUNNING", depends_on=previous)
         result.jobs.append(entry)
         _follow_log(job, req.run_dir / "logs" / f"{spec.phase}-node0.log", echo)
         try:

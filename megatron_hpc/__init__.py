@@ -1,4 +1,4 @@
-"""megatron-hpc: launch, train, checkpoint and resume Megatron-style GPT runs on SLURM.
+"""megatron-hpc: plan, launch and train Megatron-style GPT runs on SLURM.
 
 This root module imports nothing heavy: `megatron-hpc --help`, `plan` and the launcher must start
 without torch (see STYLE.md section 1).

@@ -30,7 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 def _build_parser(selected: str | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatron-hpc",
-        description="Launch, train and resume Megatron-style GPT runs on SLURM.",
+        description="Plan, launch and train Megatron-style GPT runs on SLURM (Trainium, CUDA, CPU).",
     )
     parser.add_argument("--version", action="version", version=f"megatron-hpc {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")

@@ -7,13 +7,6 @@ set -o pipefail
 PHASE=${1:?usage: node.sh compile|run}
 RUN_DIR={{run_dir}}
 
-# Collective libraries open one descriptor per peer; 1024 is not enough at scale.
-if ! ulimit -n {{nofile_limit}} 2>/dev/null; then
-  hard=$(ulimit -Hn)
-  echo "megatron-hpc: warning: cannot raise ulimit -n to {{nofile_limit}} (hard limit $hard); using $hard" >&2
-  ulimit -n "$hard"
-fi
-
 # The Python environment megatron-hpc was submitted from (it must be visible on every node).
 export PATH={{bin_dir}}:$PATH
 {{env_exports}}
@@ -27,7 +20,7 @@ else
   MASTER_ADDR=127.0.0.1
   NNODES=1
   NODE_RANK=0
-  JOB_ID=$$
+  JOB_ID=${SUBMITIT_LOCAL_JOB_ID:-$$}  # the local executor's job id, as `submit` reports it
 fi
 # Derived from the job id (two jobs on one first node must not collide); clear of 62182 and 8547.
 MASTER_PORT=$(( {{port_base}} + JOB_ID % {{port_span}} ))
@@ -35,6 +28,14 @@ export MASTER_ADDR MASTER_PORT
 
 mkdir -p "$RUN_DIR/logs"
 LOG="$RUN_DIR/logs/$PHASE-node$NODE_RANK.log"
+
+# Collective libraries open one descriptor per peer; 1024 is not enough at scale.
+if ! ulimit -n {{nofile_limit}} 2>/dev/null; then
+  hard=$(ulimit -Hn)
+  echo "megatron-hpc: warning: cannot raise ulimit -n to {{nofile_limit}} (hard limit $hard); using $hard" \
+    | tee -a "$LOG" >&2
+  ulimit -n "$hard"
+fi
 echo "megatron-hpc: $PHASE phase, node $NODE_RANK of $NNODES, master $MASTER_ADDR:$MASTER_PORT, job $JOB_ID" | tee -a "$LOG"
 
 # tee keeps the workers' output on stdout, where neuron_parallel_compile parses the graph list.
