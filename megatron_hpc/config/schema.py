@@ -15,6 +15,8 @@ Precision = Literal["fp32", "bf16", "fp16"]
 DecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"]
 PositionEmbedding = Literal["learned", "rope"]
 DataSource = Literal["synthetic", "indexed"]
+CheckpointFormat = Literal["xser", "torch"]
+SaveFailure = Literal["stop", "continue"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -81,6 +83,12 @@ class TrainConfig:
     """Wrap the model with torch.compile (not on XLA)."""
     max_skipped_steps: int = 5
     """Stop with an error after this many steps in a row whose loss or gradients were not finite."""
+    eval_interval: int = 0
+    """Run validation every this many steps (and at the end); 0 disables it."""
+    eval_iters: int = 10
+    """Validation batches per evaluation (Megatron --eval-iters)."""
+    tensorboard: bool = True
+    """Write TensorBoard event files to <run folder>/tensorboard from the last rank."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -128,6 +136,26 @@ class DataConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointConfig:
+    save: str | None = None
+    """Checkpoint folder (Megatron layout); None means <run folder>/checkpoints."""
+    load: str | None = None
+    """Folder to resume from; None means the save folder (a requeued job resumes by itself)."""
+    save_interval: int = 0
+    """Save every this many steps; 0 saves only at the end, on a signal or on the time budget."""
+    keep_last: int = 2
+    """Checkpoints kept; older ones are deleted after a newer one is complete."""
+    format: CheckpointFormat = "xser"
+    """xser (torch_xla's one-file-per-tensor layout) or torch (one torch.save file per TP rank)."""
+    io_workers_per_node: int = 4
+    """At most this many ranks per node read or write checkpoint files at once (bounds host memory)."""
+    on_save_failure: SaveFailure = "stop"
+    """When a save fails (a full disk): stop with an error, or log it and keep training."""
+    time_budget_min: float = 0.0
+    """Save and exit cleanly after this many minutes of training; 0 means no budget."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class CompilePhaseConfig:
     enabled: bool = True
     """Run a compile phase before the run phase (afterok)."""
@@ -158,5 +186,6 @@ class RunConfig:
     optim: OptimConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     compile: CompilePhaseConfig = field(default_factory=CompilePhaseConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
