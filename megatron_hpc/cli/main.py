@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "cancel": ("megatron_hpc.cli.cancel_cmd", "cancel both phases of a run"),
     "runs": ("megatron_hpc.cli.runs_cmd", "table of recent runs"),
     "train": ("megatron_hpc.cli.train_cmd", "per-rank training entry point (what torchrun starts)"),
+    "data": ("megatron_hpc.cli.data_cmd", "preprocess, inspect and sample Megatron .bin/.idx datasets"),
 }
 
 

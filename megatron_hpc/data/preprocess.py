@@ -1,0 +1,297 @@
+"""JSONL -> Megatron `.bin/.idx`, byte for byte what Megatron's tools/preprocess_data.py writes.
+
+Behaviour matched (tools/preprocess_data.py at core_v0.16.1, shared/reference/megatron-and-launchers.md 1.2, 1.5):
+one JSON line is one document; a string value is one sequence, a list of strings is one
+sequence per non-empty string; `--append-eod` appends the EOD id to the last sequence of every
+non-empty document; an empty document is still written (a document with no sequences); the
+token dtype is uint16 below 65500 vocab entries, else int32; outputs are
+`{prefix}_{key}_document.{bin,idx}`. Lines are read in text mode with universal newlines, as
+Megatron's `open(..., 'r', encoding='utf-8')` does.
+
+Where Megatron crashes (a blank line, bad JSON or UTF-8, a missing key, a value that is not
+text), we skip the whole line for every key, report its line number, and `strict=True` makes
+it fatal instead.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import gzip
+import io
+import json
+import multiprocessing
+import os
+import re
+import time
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+import numpy as np
+
+from megatron_hpc.data.indexed import IndexedDatasetWriter, optimal_dtype
+from megatron_hpc.data.tokenizer import GPT2BPETokenizer
+from megatron_hpc.errors import DataError
+
+SUPPORTED_TOKENIZERS = ("GPT2BPETokenizer",)
+BATCH_LINES = 64
+_BAD_UTF8 = re.compile("[\udc80-\udcff]")  # bytes that surrogateescape could not decode
+_MAX_REPORTED = 20
+
+
+def output_prefix_for(output_prefix: str | os.PathLike[str], key: str) -> str:
+    """Megatron's output name without extension: `{prefix}_{key}_document`."""
+    return f"{os.fspath(output_prefix)}_{key}_document"
+
+
+@contextlib.contextmanager
+def open_jsonl(path: str | os.PathLike[str]) -> Iterator[tuple[TextIO, object]]:
+    """(text lines, raw file) of a .jsonl or .jsonl.gz; `raw.tell()` is the input bytes read so far."""
+    path = Path(path)
+    try:
+        raw = open(path, "rb")  # noqa: SIM115  (closed below)
+    except FileNotFoundError:
+        raise DataError(f"input {path} not found; pass a .jsonl or .jsonl.gz file") from None
+    with raw:
+        stream = gzip.GzipFile(fileobj=raw, mode="rb") if path.name.endswith(".gz") else raw
+        text = io.TextIOWrapper(stream, encoding="utf-8", errors="surrogateescape")  # newline=None as Megatron
+        try:
+            yield text, raw
+        except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
+            raise DataError(f"{path}: not a complete gzip file ({exc}); re-compress it or pass the .jsonl") from None
+
+
+def _parse(line: str, keys: Sequence[str]) -> dict[str, list[str]] | str:
+    """Sentences per key, or why the line is skipped."""
+    if not line.strip():
+        return "blank line"
+    if _BAD_UTF8.search(line):
+        return "not valid UTF-8"
+    try:
+        data = json.loads(line)
+    except ValueError as exc:
+        return f"not valid JSON ({exc})"
+    if not isinstance(data, dict):
+        return f"not a JSON object (a {type(data).__name__})"
+    out = {}
+    for key in keys:
+        if key not in data:
+            return f"has no key {key!r} (keys: {', '.join(map(str, list(data)[:8]))})"
+        value = data[key]
+        sentences = value if isinstance(value, list) else [value]
+        if not all(isinstance(s, str) for s in sentences):
+            return f"{key!r} is a {type(value).__name__}, expected a string or a list of strings"
+        try:
+            for s in sentences:
+                s.encode("utf-8")
+        except UnicodeEncodeError:
+            return f"{key!r} holds a lone surrogate escape, which is not valid Unicode"
+        out[key] = sentences
+    return out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Job:
+    vocab_file: str
+    merge_file: str
+    keys: tuple[str, ...]
+    append_eod: bool
+    dtype: str
+
+
+_WORKER: tuple[_Job, GPT2BPETokenizer] | None = None  # per worker process, set by _init_worker
+
+
+def _init_worker(job: _Job) -> None:
+    global _WORKER
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # N processes already; no threads inside each
+    _WORKER = (job, GPT2BPETokenizer(job.vocab_file, job.merge_file))
+
+
+def _encode_in_worker(batch: list[tuple[int, str]]) -> list[tuple[int, object]]:
+    assert _WORKER is not None, "worker not initialised"
+    return _encode_batch(*_WORKER, batch)
+
+
+def _encode_batch(job: _Job, tokenizer: GPT2BPETokenizer, batch: list[tuple[int, str]]) -> list[tuple[int, object]]:
+    """[(line number, {key: (ids array, sequence lengths)} or the reason it was skipped)]."""
+    parsed = [(number, _parse(line, job.keys)) for number, line in batch]
+    texts = [s for _, p in parsed if isinstance(p, dict) for key in job.keys for s in p[key]]
+    encoded = iter(tokenizer.encode_batch(texts))
+    eod = tokenizer.eod if job.append_eod else None
+    results: list[tuple[int, object]] = []
+    for number, p in parsed:
+        if isinstance(p, str):
+            results.append((number, p))
+            continue
+        docs = {}
+        for key in job.keys:
+            ids: list[int] = []
+            lengths: list[int] = []
+            for _ in p[key]:
+                sentence = next(encoded)
+                if sentence:  # Megatron drops sentences that tokenize to nothing
+                    ids.extend(sentence)
+                    lengths.append(len(sentence))
+            if ids and eod is not None:
+                ids.append(eod)
+                lengths[-1] += 1
+            docs[key] = (np.asarray(ids, dtype=job.dtype), lengths)
+        results.append((number, docs))
+    return results
+
+
+@dataclass(kw_only=True, slots=True)
+class PreprocessResult:
+    prefixes: dict[str, str]
+    """json key -> output prefix (no extension)."""
+    num_documents: int = 0
+    num_tokens: int = 0
+    num_empty: int = 0
+    skipped: list[tuple[int, str]] = field(default_factory=list)
+    """(line number, reason) of every skipped line."""
+    seconds: float = 0.0
+    workers: int = 1
+
+
+class _Progress:
+    def __init__(self, stream: TextIO | None, total_bytes: int, interval: float):
+        self.stream, self.total, self.interval = stream, total_bytes, interval
+        self.start = self.last = time.monotonic()
+
+    def line(self, result: PreprocessResult, done_bytes: int, *, final: bool = False) -> None:
+        now = time.monotonic()
+        if self.stream is None or (not final and now - self.last < self.interval):
+            return
+        self.last = now
+        elapsed = max(now - self.start, 1e-9)
+        frac = done_bytes / self.total if self.total else 1.0
+        eta = "done" if final else (f"ETA {_hms(elapsed * (1 - frac) / frac)}" if frac > 0 else "ETA ?")
+        print(f"preprocess: {result.num_documents:,} docs ({result.num_documents / elapsed:,.0f} docs/s), "
+              f"{result.num_tokens:,} tokens ({result.num_tokens / elapsed:,.0f} tokens/s), "
+              f"{done_bytes / 2**20:.1f} of {self.total / 2**20:.1f} MiB ({100 * frac:.0f}%), {eta}",
+              file=self.stream, flush=True)
+
+
+def _hms(seconds: float) -> str:
+    s = int(seconds + 0.5)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def _batches(lines: TextIO, raw: object) -> Iterator[tuple[list[tuple[int, str]], int]]:
+    batch: list[tuple[int, str]] = []
+    for number, line in enumerate(lines, start=1):
+        batch.append((number, line))
+        if len(batch) == BATCH_LINES:
+            yield batch, raw.tell()
+            batch = []
+    if batch:
+        yield batch, raw.tell()
+
+
+def _pool(workers: int, job: _Job):
+    if workers <= 1:
+        return None
+    methods = multiprocessing.get_all_start_methods()
+    ctx = multiprocessing.get_context("fork" if "fork" in methods else None)
+    return ctx.Pool(workers, initializer=_init_worker, initargs=(job,))
+
+
+def preprocess(
+    input_path: str | os.PathLike[str],
+    *,
+    output_prefix: str | os.PathLike[str],
+    vocab_file: str | os.PathLike[str],
+    merge_file: str | os.PathLike[str],
+    tokenizer_type: str = "GPT2BPETokenizer",
+    json_keys: Sequence[str] = ("text",),
+    append_eod: bool = False,
+    workers: int = 1,
+    strict: bool = False,
+    progress: TextIO | None = None,
+    progress_interval: float = 1.0,
+) -> PreprocessResult:
+    """Tokenize a JSONL corpus into one `.bin/.idx` pair per key; see the module docstring.
+
+    `progress` (e.g. sys.stderr) gets a rate/ETA line every `progress_interval` seconds and the
+    line numbers of skipped lines.
+    """
+    if tokenizer_type not in SUPPORTED_TOKENIZERS:
+        raise DataError(f"--tokenizer-type {tokenizer_type} is not supported; use one of {SUPPORTED_TOKENIZERS}")
+    if workers < 1:
+        raise DataError(f"--workers {workers}: need at least 1")
+    keys = tuple(dict.fromkeys(json_keys))
+    tokenizer = GPT2BPETokenizer(vocab_file, merge_file)
+    if append_eod:
+        tokenizer.eod  # noqa: B018  (fails early when the vocab has no EOD token)
+    dtype = optimal_dtype(tokenizer.vocab_size)
+    job = _Job(vocab_file=os.fspath(vocab_file), merge_file=os.fspath(merge_file), keys=keys,
+               append_eod=append_eod, dtype=dtype.str)
+    result = PreprocessResult(prefixes={k: output_prefix_for(output_prefix, k) for k in keys}, workers=workers)
+    Path(os.fspath(output_prefix)).parent.mkdir(parents=True, exist_ok=True)
+    input_size = Path(input_path).stat().st_size if Path(input_path).is_file() else 0
+    meter = _Progress(progress, input_size, progress_interval)
+    found_keys: set[str] = set()
+    with contextlib.ExitStack() as stack:
+        lines, raw = stack.enter_context(open_jsonl(input_path))
+        writers = {k: stack.enter_context(IndexedDatasetWriter(p, dtype=dtype)) for k, p in result.prefixes.items()}
+        pool = _pool(workers, job)
+        if pool is not None:
+            stack.enter_context(pool)
+        pending: collections.deque = collections.deque()
+
+        def drain(limit: int) -> None:
+            while len(pending) > limit:
+                handle, done_bytes = pending.popleft()
+                batch_result = handle.get() if pool is not None else handle
+                _write(batch_result, writers, result, found_keys, strict=strict, progress=progress)
+                meter.line(result, done_bytes)
+
+        for batch, done_bytes in _batches(lines, raw):
+            if pool is not None:
+                handle = pool.apply_async(_encode_in_worker, (batch,))
+            else:
+                handle = _encode_batch(job, tokenizer, batch)
+            pending.append((handle, done_bytes))
+            drain(2 * workers)
+        drain(0)
+        missing = [k for k in keys if k not in found_keys
+                   and any(r.startswith(f"has no key {k!r}") for _, r in result.skipped)]
+        if missing:
+            example = next(f"line {n} {r}" for n, r in result.skipped if r.startswith("has no key"))
+            raise DataError(f"no line of {input_path} has the key {missing[0]!r} ({example}); "
+                            f"pass --json-keys with keys the documents have")
+        result.seconds = time.monotonic() - meter.start
+        meter.line(result, input_size, final=True)
+    _report_skipped(result, progress)
+    return result
+
+
+def _write(batch_result, writers, result: PreprocessResult, found_keys: set[str], *, strict: bool,
+           progress: TextIO | None) -> None:
+    for number, docs in batch_result:
+        if isinstance(docs, str):
+            if strict:
+                raise DataError(f"line {number}: {docs}; fix or remove it, or drop --strict to skip such lines")
+            result.skipped.append((number, docs))
+            if progress is not None and len(result.skipped) <= _MAX_REPORTED:
+                print(f"preprocess: line {number} skipped: {docs}", file=progress)
+            continue
+        found_keys.update(docs)
+        result.num_documents += 1
+        for key, (ids, lengths) in docs.items():
+            writers[key].add_document(ids, lengths)
+            result.num_tokens += len(ids)
+            result.num_empty += not len(ids)
+
+
+def _report_skipped(result: PreprocessResult, progress: TextIO | None) -> None:
+    if progress is None or not result.skipped:
+        return
+    numbers = ", ".join(str(n) for n, _ in result.skipped[:50])
+    more = f" and {len(result.skipped) - 50} more" if len(result.skipped) > 50 else ""
+    print(f"preprocess: warning: skipped {len(result.skipped)} line(s): {numbers}{more} "
+          f"(use --strict to stop at the first)", file=progress)

@@ -1,0 +1,109 @@
+"""`preprocess` against .bin/.idx written by Megatron's tools/preprocess_data.py (tests/fixtures/preprocess)."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from megatron_hpc.data.indexed import IndexedDataset
+from megatron_hpc.data.preprocess import preprocess
+from megatron_hpc.errors import DataError
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "preprocess"
+TOKENIZER = {"vocab_file": FIXTURES / "vocab.json", "merge_file": FIXTURES / "merges.txt"}
+
+
+def _same_files(ours: str, expected: str) -> None:
+    for ext in (".bin", ".idx"):
+        assert Path(ours + ext).read_bytes() == (FIXTURES / (expected + ext)).read_bytes(), expected + ext
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_bytes_match_megatron_with_eod_and_two_keys(tmp_path: Path, workers: int) -> None:
+    result = preprocess(FIXTURES / "corpus.jsonl", output_prefix=tmp_path / "eod", json_keys=["text", "title"],
+                        append_eod=True, workers=workers, progress=None, **TOKENIZER)
+    assert result.prefixes == {"text": f"{tmp_path}/eod_text_document", "title": f"{tmp_path}/eod_title_document"}
+    _same_files(result.prefixes["text"], "eod_text_document")
+    _same_files(result.prefixes["title"], "eod_title_document")
+    assert result.num_documents == 12 and not result.skipped
+
+
+def test_bytes_match_megatron_without_eod_from_gzip(tmp_path: Path) -> None:
+    gz = tmp_path / "corpus.jsonl.gz"
+    gz.write_bytes(gzip.compress((FIXTURES / "corpus.jsonl").read_bytes()))
+    result = preprocess(gz, output_prefix=tmp_path / "plain", progress=None, **TOKENIZER)
+    _same_files(result.prefixes["text"], "plain_text_document")
+
+
+def test_megatron_semantics_visible_in_the_index(tmp_path: Path) -> None:
+    result = preprocess(FIXTURES / "corpus.jsonl", output_prefix=tmp_path / "p", append_eod=True,
+                        progress=None, **TOKENIZER)
+    ds = IndexedDataset(result.prefixes["text"])
+    docs = ds.document_indices.tolist()
+    assert docs[2] == docs[3]  # document 2 is "": kept, with no sequence
+    assert docs[8] - docs[7] == 3  # a list of 4 strings: the empty one is dropped, "   " is kept
+    last_of_doc0 = ds[docs[1] - 1]
+    assert int(last_of_doc0[-1]) == 399  # EOD = id of <|endoftext|>, the last id
+    assert ds.dtype.name == "uint16" and result.num_empty == 1
+
+
+def test_bad_lines_are_skipped_and_reported_by_number(tmp_path: Path) -> None:
+    good = (FIXTURES / "corpus.jsonl").read_text().splitlines(keepends=True)
+    lines = [*good[:3], "not json\n", "\n", '{"text": 5}\n', '["a"]\n', '{"title": "x"}\n', *good[3:]]
+    src = tmp_path / "c.jsonl"
+    src.write_bytes("".join(lines).encode() + b'{"text": "\xff\xfe"}\n')
+    log = io.StringIO()
+    result = preprocess(src, output_prefix=tmp_path / "p", json_keys=["text"], append_eod=True,
+                        progress=log, **TOKENIZER)
+    assert [n for n, _ in result.skipped] == [4, 5, 6, 7, 8, 18]
+    reasons = dict(result.skipped)
+    assert "JSON" in reasons[4] and reasons[5] == "blank line" and "int" in reasons[6]
+    assert "no key 'text'" in reasons[8] and "UTF-8" in reasons[18]
+    text = log.getvalue()
+    assert "line 4 skipped" in text and "skipped 6 line(s): 4, 5, 6, 7, 8, 18" in text
+    _same_files(result.prefixes["text"], "eod_text_document")  # skipped lines leave no trace
+
+
+def test_strict_stops_at_the_first_bad_line(tmp_path: Path) -> None:
+    src = tmp_path / "c.jsonl"
+    shutil.copy(FIXTURES / "corpus.jsonl", src)
+    with open(src, "a") as f:
+        f.write("{broken\n")
+    with pytest.raises(DataError, match=r"line 13: not valid JSON"):
+        preprocess(src, output_prefix=tmp_path / "p", strict=True, progress=None, **TOKENIZER)
+    assert not list(tmp_path.glob("p_*")), "no partial output after an error"
+
+
+def test_a_key_no_line_has_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match=r"no line of .* has the key 'content'.*--json-keys"):
+        preprocess(FIXTURES / "corpus.jsonl", output_prefix=tmp_path / "p", json_keys=["content"],
+                   progress=None, **TOKENIZER)
+    assert not list(tmp_path.glob("p_*"))
+
+
+def test_progress_reports_rates_and_eta(tmp_path: Path) -> None:
+    src = tmp_path / "c.jsonl"
+    src.write_text("".join(json.dumps({"text": f"def f{i}(x): return {i}"}) + "\n" for i in range(300)))
+    log = io.StringIO()
+    preprocess(src, output_prefix=tmp_path / "p", progress=log, progress_interval=0.0, **TOKENIZER)
+    lines = log.getvalue().splitlines()
+    assert len(lines) >= 3  # one per batch of 64 lines, then the final line
+    assert "docs/s" in lines[0] and "tokens/s" in lines[0] and "ETA" in lines[0] and "MiB" in lines[0]
+    assert lines[-1].startswith("preprocess: 300 docs") and lines[-1].endswith("(100%), done")
+
+
+def test_input_and_tokenizer_errors(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="not found"):
+        preprocess(tmp_path / "missing.jsonl", output_prefix=tmp_path / "p", progress=None, **TOKENIZER)
+    with pytest.raises(DataError, match="not supported"):
+        preprocess(FIXTURES / "corpus.jsonl", output_prefix=tmp_path / "p", tokenizer_type="Llama2Tokenizer",
+                   progress=None, **TOKENIZER)
+    bad = tmp_path / "bad.jsonl.gz"
+    bad.write_bytes(gzip.compress(b'{"text": "abc"}\n' * 100)[:-12])
+    with pytest.raises(DataError, match="gzip"):
+        preprocess(bad, output_prefix=tmp_path / "p", progress=None, **TOKENIZER)
