@@ -33,6 +33,9 @@ def run(args: argparse.Namespace) -> int:
     resolved = resolve(args)
     if not args.dry_run:
         check_cluster(args.cluster, num_nodes=resolved.plan.num_nodes, platform=resolved.platform)
+        from megatron_hpc.data.preflight import check_data  # numpy, no torch
+
+        check_data(resolved.cfg.data)
     run_dir = prepare_run_dir(args.out or default_run_dir(Path("runs"), resolved.cfg.name))
     req = SubmitRequest(
         cfg=resolved.cfg, plan=resolved.plan, platform=resolved.platform, cluster=args.cluster,

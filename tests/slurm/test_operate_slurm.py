@@ -35,10 +35,11 @@ def wait_for(predicate, *, timeout: float, what: str):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}; last: {last}")
 
 
-def test_status_while_running_then_cancel(slurm_cluster, sacct_job, tmp_path):
+def test_status_while_running_then_cancel(slurm_cluster, sacct_job, tmp_path, demo_data):
     run_dir = tmp_path / "long"
     proc = cli("submit", "--recipe", "tiny", "--nodes", "2", "--platform", "cpu", "--partition", "debug",
-               "--out", str(run_dir), "--json", "--set", "train.num_steps=100000", "--set", "train.log_interval=2")
+               "--out", str(run_dir), "--json", "--set", "train.num_steps=100000", "--set", "train.log_interval=2",
+               *demo_data)
     assert proc.returncode == 0, proc.stderr
     jobs = {j["phase"]: j["job_id"] for j in json.loads(proc.stdout)["jobs"]}
 
@@ -66,11 +67,11 @@ def test_status_while_running_then_cancel(slurm_cluster, sacct_job, tmp_path):
     assert " iteration " in logs.stdout
 
 
-def test_dry_run_scripts_submitted_by_hand(slurm_cluster, sacct_job, tmp_path):
+def test_dry_run_scripts_submitted_by_hand(slurm_cluster, sacct_job, tmp_path, demo_data):
     run_dir = tmp_path / "byhand"
     proc = cli("submit", "--recipe", "tiny", "--nodes", "2", "--platform", "cpu", "--partition", "debug",
                "--dry-run", "--out", str(run_dir), "--set", "train.num_steps=6", "--set", "train.log_interval=2",
-               "--set", "launch.time_limit_min=10")
+               "--set", "launch.time_limit_min=10", *demo_data)
     assert proc.returncode == 0, proc.stderr
     submitted = subprocess.run(["bash", str(run_dir / "submit.sh")], capture_output=True, text=True, timeout=60)
     assert submitted.returncode == 0, submitted.stderr

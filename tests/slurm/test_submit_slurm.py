@@ -14,10 +14,10 @@ pytestmark = pytest.mark.slurm
 SUBMIT_TIMEOUT_S = 420
 
 
-def submit(run_dir: Path, *extra: str) -> tuple[int, dict, str]:
+def submit(run_dir: Path, data: list[str], *extra: str) -> tuple[int, dict, str]:
     cmd = [sys.executable, "-m", "megatron_hpc", "submit", "--recipe", "tiny", "--nodes", "2",
            "--platform", "cpu", "--cluster", "slurm", "--partition", "debug", "--wait", "--json",
-           "--out", str(run_dir), "--set", "train.num_steps=30", "--set", "train.log_interval=5", *extra]
+           "--out", str(run_dir), "--set", "train.num_steps=30", "--set", "train.log_interval=5", *data, *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=SUBMIT_TIMEOUT_S)
     try:
         report = json.loads(proc.stdout)
@@ -30,9 +30,9 @@ def jobs_by_phase(report: dict) -> dict[str, dict]:
     return {job["phase"]: job for job in report["jobs"]}
 
 
-def test_tiny_on_two_nodes_compiles_then_trains(slurm_cluster, sacct_job, tmp_path):
+def test_tiny_on_two_nodes_compiles_then_trains(slurm_cluster, sacct_job, tmp_path, demo_data):
     run_dir = tmp_path / "run"
-    code, report, stderr = submit(run_dir)
+    code, report, stderr = submit(run_dir, demo_data)
     assert code == 0, f"{report}\n{stderr}"
     jobs = jobs_by_phase(report)
     assert jobs["run"]["depends_on"] == jobs["compile"]["job_id"]
@@ -59,11 +59,11 @@ def test_tiny_on_two_nodes_compiles_then_trains(slurm_cluster, sacct_job, tmp_pa
     assert compile_steps and max(s["iteration"] for s in compile_steps) <= 3  # the short trial
 
 
-def test_failed_compile_means_the_run_never_starts(slurm_cluster, sacct_job, tmp_path):
+def test_failed_compile_means_the_run_never_starts(slurm_cluster, sacct_job, tmp_path, demo_data):
     run_dir = tmp_path / "bad"
     # An absurd learning rate without clipping makes every loss after the first step non-finite:
     # a real trainer failure in the compile phase's trial run.
-    code, report, _stderr = submit(run_dir, "--set", "optim.lr=1e30", "--set", "optim.clip_grad=0",
+    code, report, _stderr = submit(run_dir, demo_data, "--set", "optim.lr=1e30", "--set", "optim.clip_grad=0",
                                   "--set", "optim.lr_warmup_iters=0",
                                   "--set", "train.max_skipped_steps=2")
     assert code == 1

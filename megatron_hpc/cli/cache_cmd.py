@@ -1,0 +1,201 @@
+"""`megatron-hpc cache`: inspect, verify, prune and share the Neuron compile cache.
+
+    megatron-hpc cache ls | stats | verify | clear-locks | clear-failed | prune [--older-than 7d] [--max-size 50G]
+    megatron-hpc cache publish --from LOCAL --to SHARED      # after a compile phase on node-local disk
+    megatron-hpc cache sync --from SHARED --to LOCAL         # before a run, so lookups stay off NFS
+
+`--root` defaults to the root Neuron itself would use (NEURON_CC_FLAGS --cache_dir, NEURON_COMPILE_CACHE_URL,
+/var/tmp/neuron-compile-cache). Results go to stdout (`--json` for scripts), notes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from megatron_hpc.compile_cache import locks, neuron, prune, report, store
+from megatron_hpc.errors import CompileCacheError
+
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw]?)$")
+_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+_SIZE = re.compile(r"^(\d+(?:\.\d+)?)([KMGT]?)(i?B)?$", re.IGNORECASE)
+_BYTES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_duration(text: str) -> float:
+    """`7d`, `12h`, `30m`, `90s` or plain seconds."""
+    m = _DURATION.match(text.strip())
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a duration; use e.g. 90s, 30m, 12h, 7d")
+    return float(m.group(1)) * _SECONDS[m.group(2)]
+
+
+def parse_size(text: str) -> int:
+    """`50G`, `500M`, `1T` (powers of 1024, as du -h) or plain bytes."""
+    m = _SIZE.match(text.strip())
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; use e.g. 500M, 50G, 1T")
+    return int(float(m.group(1)) * _BYTES[m.group(2).upper()])
+
+
+def human(n: float) -> str:
+    for unit in ("B", "K", "M", "G", "T"):
+        if abs(n) < 1024 or unit == "T":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1024
+    return f"{n:.1f}T"  # unreachable; keeps type checkers quiet
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="cache_command", metavar="ACTION", required=True)
+
+    def action(name: str, summary: str, *, root: bool = True) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=summary, description=summary)
+        p.add_argument("--json", action="store_true", help="print JSON for scripts")
+        if root:
+            p.add_argument("--root", type=Path, default=None,
+                           help="cache root (default: the one Neuron picks from NEURON_CC_FLAGS --cache_dir, "
+                                "NEURON_COMPILE_CACHE_URL, else /var/tmp/neuron-compile-cache)")
+        return p
+
+    ls = action("ls", "list the entries with their state, size and last use")
+    ls.add_argument("--state", choices=[s.value for s in neuron.State], help="only entries in this state")
+    action("stats", "counts per state, sizes and compiler versions")
+    for name, summary in (("verify", "check every entry; remove old temp dirs of killed publishers"),
+                          ("clear-locks", "remove stale locks (their owner is gone); never a live one"),
+                          ("clear-failed", "remove cached compile failures so the graphs compile again"),
+                          ("prune", "remove least recently used entries by age and/or total size")):
+        p = action(name, summary)
+        p.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
+        if name in ("verify", "clear-locks"):
+            p.add_argument("--stale-after", type=parse_duration, default=locks.DEFAULT_STALE_AFTER_S,
+                           metavar="DURATION", help="age after which a lock whose owner cannot be checked "
+                           "(another host, or neuronx-cc's own) counts as stale when no neuronx-cc runs here "
+                           "(default 1h)")
+        if name in ("verify", "prune"):
+            p.add_argument("--leftovers-older-than", type=parse_duration, default=store.DEFAULT_LEFTOVER_AGE_S,
+                           metavar="DURATION", help="remove temp dirs of dead publishers older than this "
+                           "(default 1h; those of dead processes on this host go at once)")
+        if name == "prune":
+            p.add_argument("--older-than", type=parse_duration, default=None, metavar="DURATION",
+                           help="remove entries unused for this long, e.g. 7d")
+            p.add_argument("--max-size", type=parse_size, default=None, metavar="SIZE",
+                           help="then remove least recently used entries until the cache holds at most SIZE, "
+                                "e.g. 50G")
+    for name, summary, src, dst in (("publish", "copy complete entries of a node-local cache into a shared one",
+                                     "LOCAL", "SHARED"),
+                                    ("sync", "copy complete entries of a shared cache missing from a local one",
+                                     "SHARED", "LOCAL")):
+        p = action(name, summary, root=False)
+        p.add_argument("--from", dest="src", type=Path, required=True, metavar=src, help="cache to copy from")
+        p.add_argument("--to", dest="dst", type=Path, required=True, metavar=dst, help="cache to copy into")
+        p.add_argument("--group-writable", action="store_true",
+                       help="make new entries group writable (g+w, setgid directories) for a team cache")
+
+
+def _root(args: argparse.Namespace) -> Path:
+    if args.root is not None:
+        return args.root
+    resolved = neuron.resolve_root()
+    for warning in resolved.warnings:
+        print(f"megatron-hpc: warning: {warning}", file=sys.stderr)
+    print(f"cache root {resolved.path} (from {resolved.source})", file=sys.stderr)
+    return resolved.path
+
+
+def _out(args: argparse.Namespace, payload: object, lines: list[str]) -> None:
+    if args.json:
+        print(json.dumps(payload, indent=2, default=str))
+    else:
+        for line in lines:
+            print(line)
+
+
+def run(args: argparse.Namespace) -> int:
+    handler = {"ls": _ls, "stats": _stats, "verify": _verify, "clear-locks": _clear_locks,
+               "clear-failed": _clear_failed, "prune": _prune, "publish": _transfer, "sync": _transfer}
+    return handler[args.cache_command](args)
+
+
+def _ls(args: argparse.Namespace) -> int:
+    entries = sorted(neuron.scan(_root(args)), key=lambda e: e.key)
+    if args.state:
+        entries = [e for e in entries if e.state.value == args.state]
+    now = time.time()
+    rows = [{"key": e.key, "state": e.state.value, "bytes": e.size, "last_used": e.last_used,
+             "files": list(e.files)} for e in entries]
+    lines = [f"{'state':<11} {'size':>8} {'idle':>8}  entry"]
+    lines += [f"{e.state.value:<11} {human(e.size):>8} {(now - e.last_used) / 86400:>7.1f}d  {e.key}"
+              for e in entries]
+    _out(args, rows, lines if entries else ["no entries"])
+    return 0
+
+
+def _stats(args: argparse.Namespace) -> int:
+    s = report.stats(_root(args))
+    counts = s.counts
+    lines = [f"root      {s.root}", f"entries   {s.num_entries}  ({human(s.bytes)})",
+             "states    " + "  ".join(f"{k} {n}" for k, n in counts.items())]
+    for version, vs in sorted(s.versions.items()):
+        lines.append(f"neuronxcc-{version}: {sum(vs.counts.values())} entries, {human(vs.bytes)}, "
+                     + ", ".join(f"{k} {n}" for k, n in vs.counts.items() if n))
+    _out(args, s.to_json(), lines)
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    r = report.verify(_root(args), stale_after=args.stale_after, leftover_age=args.leftovers_older_than,
+                      dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    lines = [f"{verb} leftover {p}" for p in r.leftovers_removed]
+    lines += [f"{p.path}: {p.what}; fix: {p.fix}" for p in r.problems]
+    lines.append(f"{r.entries} entries, {len(r.problems)} problems")
+    _out(args, asdict(r), lines)
+    return 1 if r.problems else 0
+
+
+def _clear_locks(args: argparse.Namespace) -> int:
+    r = prune.clear_locks(_root(args), stale_after=args.stale_after, dry_run=args.dry_run)
+    verb = "would clear" if args.dry_run else "cleared"
+    lines = [f"{verb} {s.path}: {s.reason}" for s in r.cleared]
+    lines += [f"kept    {s.path}: {s.reason}" for s in r.kept]
+    lines.append(f"{len(r.cleared)} stale locks {verb}, {len(r.kept)} live kept")
+    _out(args, {"cleared": [asdict(s) for s in r.cleared], "kept": [asdict(s) for s in r.kept],
+                "orphan_records": r.orphan_records}, lines)
+    return 0
+
+
+def _clear_failed(args: argparse.Namespace) -> int:
+    removed = prune.clear_failed(_root(args), dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    _out(args, {"removed": removed}, [f"{verb} {k}" for k in removed] + [f"{len(removed)} failed entries {verb}"])
+    return 0
+
+
+def _prune(args: argparse.Namespace) -> int:
+    if args.older_than is None and args.max_size is None:
+        raise CompileCacheError("prune needs --older-than DURATION and/or --max-size SIZE, e.g. --older-than 7d")
+    r = prune.prune(_root(args), older_than=args.older_than, max_size=args.max_size, dry_run=args.dry_run,
+                    leftover_age=args.leftovers_older_than)
+    verb = "would remove" if args.dry_run else "removed"
+    lines = [f"{verb} {k}" for k in r.removed]
+    lines.append(f"{verb} {len(r.removed)} entries ({human(r.bytes_freed)}); {human(r.bytes_left)} left; "
+                 f"{len(r.kept_locked)} locked entries kept")
+    _out(args, asdict(r), lines)
+    return 0
+
+
+def _transfer(args: argparse.Namespace) -> int:
+    r = store.transfer(args.src, args.dst, group_writable=args.group_writable)
+    lines = [f"copied {k}" for k in r.copied]
+    lines += [f"refused {k}: {why}" for k, why in r.refused.items()]
+    lines.append(f"{len(r.copied)} copied ({human(r.bytes_copied)}), {len(r.already_there)} already there, "
+                 f"{len(r.lost_race)} published by another process meanwhile, "
+                 f"{len(r.not_complete)} not complete (not shared), {len(r.refused)} refused")
+    _out(args, asdict(r), lines)
+    return 1 if r.refused else 0

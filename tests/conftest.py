@@ -1,0 +1,25 @@
+"""Fixtures shared by every test tier."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def demo_data(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """The `tiny` recipe's real corpus, built by `megatron-hpc data demo` into a temp folder.
+
+    Returns the `--set` overrides that point the recipe at it.
+    """
+    out: Path = tmp_path_factory.mktemp("demo-data")
+    proc = subprocess.run([sys.executable, "-m", "megatron_hpc", "data", "demo", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    prefix = proc.stdout.strip().splitlines()[-1]
+    assert Path(prefix + ".bin").is_file() and Path(prefix + ".idx").is_file()
+    return ["--set", f"data.path={prefix}", "--set", f"data.vocab_file={out / 'vocab.json'}",
+            "--set", f"data.merge_file={out / 'merges.txt'}"]
