@@ -94,9 +94,11 @@ def read_progress(run_dir: Path, *, train_iters: int | None) -> Progress | None:
     last = None
     for line in path.read_text().splitlines():
         try:
-            last = json.loads(line)
+            row = json.loads(line)
         except json.JSONDecodeError:
             continue  # a line being appended right now
+        if row.get("phase") in ("compile", "run"):  # validation rows carry no throughput
+            last = row
     if last is None:
         return None
     total = train_iters if last.get("phase") == "run" else None

@@ -32,6 +32,14 @@ def test_progress_and_eta_from_the_last_logged_step(tmp_path):
     assert progress.eta_s == pytest.approx(70 * 0.5)
 
 
+def test_validation_rows_do_not_hide_training_progress(tmp_path):
+    run_dir = make_run(tmp_path, steps=(10, 20))
+    with (run_dir / "metrics.jsonl").open("a") as fh:
+        fh.write(json.dumps({"iteration": 20, "phase": "valid", "lm_loss": 9.0, "lm_loss_ppl": 8103.0}) + "\n")
+    progress = read_progress(run_dir, train_iters=100)
+    assert (progress.phase, progress.iteration, progress.lm_loss) == ("run", 20, 4.0)
+
+
 def test_partial_last_line_is_ignored(tmp_path):
     run_dir = make_run(tmp_path, steps=(10, 20))
     with (run_dir / "metrics.jsonl").open("a") as fh:
