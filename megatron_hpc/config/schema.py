@@ -115,6 +115,10 @@ class OptimConfig:
     """Warmup as a fraction of lr_decay_iters (Megatron --lr-warmup-fraction)."""
     lr_decay_iters: int | None = None
     """Steps over which the LR decays; None means train.num_steps."""
+    lr_wsd_decay_fraction: float = 0.1
+    """WSD: fraction of lr_decay_iters spent in the final decay (Megatron --lr-wsd-decay-iters / decay iters)."""
+    lr_wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = "exponential"
+    """WSD: shape of the final decay (Megatron --lr-wsd-decay-style; its default is exponential)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -1,4 +1,4 @@
-"""GPT with Megatron tensor parallelism: learned positions, pre-LN blocks, GeLU MLP, tied embeddings.
+"""GPT with Megatron tensor parallelism: learned or rotary positions, pre-LN blocks, GeLU MLP, tied embeddings.
 
 Shape legend: B batch, S sequence, H hidden, V padded vocabulary, nh heads, hd head dim,
 tp the TP size; `/tp` marks the dim sharded across the TP group.
@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron_hpc.config.schema import ModelConfig
 from megatron_hpc.errors import ConfigError
+from megatron_hpc.model.rotary import apply_rotary, rotary_dims, rotary_tables
 from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.parallel.layers import (
     ColumnParallelLinear,
@@ -42,10 +43,12 @@ class Attention(nn.Module):
                                         key=prefix + ".qkv")
         self.proj = RowParallelLinear(h, h, ctx=ctx, init_std=_out_std(cfg), seed=seed, key=prefix + ".proj")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         b, s, _ = x.shape
         qkv = self.qkv(x).view(b, s, self.local_heads, 3, self.head_dim)  # (B, S, nh/tp, 3, hd)
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))  # (B, nh/tp, S, hd)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)  # (B, S, H/tp)
@@ -74,8 +77,8 @@ class Block(nn.Module):
         self.mlp = MLP(cfg, ctx=ctx, seed=seed, prefix=f"h.{index}.mlp")
         self.dropout = nn.Dropout(cfg.hidden_dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.ln_1(x)))
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.ln_1(x), rope))
         return x + self.dropout(self.mlp(self.ln_2(x)))
 
 
@@ -96,8 +99,13 @@ def check_model_config(cfg: ModelConfig, *, tp: int) -> None:
     if cfg.seq_length > cfg.max_position_embeddings:
         raise ConfigError(f"seq_length {cfg.seq_length} exceeds max_position_embeddings "
                           f"{cfg.max_position_embeddings}; raise max_position_embeddings")
-    if cfg.position_embedding != "learned":
-        raise ConfigError(f"position_embedding {cfg.position_embedding!r} is not implemented yet; use 'learned'")
+    if cfg.position_embedding not in ("learned", "rope"):
+        raise ConfigError(f"position_embedding {cfg.position_embedding!r} is unknown; use 'learned' or 'rope'")
+    if cfg.position_embedding == "rope":
+        try:
+            rotary_dims(cfg.hidden_size // cfg.num_attention_heads, rotary_percent=cfg.rotary_percent)
+        except ValueError as exc:
+            raise ConfigError(f"model.{exc}; pick rotary_percent so that it is (1.0 and 0.25 usually are)") from None
 
 
 class GPT(nn.Module):
@@ -111,9 +119,17 @@ class GPT(nn.Module):
         h, std = cfg.hidden_size, cfg.init_method_std
         self.wte = VocabParallelEmbedding(padded_vocab, h, ctx=ctx, vocab_size=cfg.vocab_size,
                                           init_std=std, seed=seed, key="wte")
-        self.wpe = nn.Embedding(cfg.max_position_embeddings, h)
-        with torch.no_grad():
-            self.wpe.weight.copy_(seeded_normal(tuple(self.wpe.weight.shape), std=std, seed=seed, key="wpe"))
+        self.wpe: nn.Embedding | None = None
+        if cfg.position_embedding == "learned":
+            self.wpe = nn.Embedding(cfg.max_position_embeddings, h)
+            with torch.no_grad():
+                self.wpe.weight.copy_(seeded_normal(tuple(self.wpe.weight.shape), std=std, seed=seed, key="wpe"))
+        else:
+            rot = rotary_dims(h // cfg.num_attention_heads, rotary_percent=cfg.rotary_percent)
+            cos, sin = rotary_tables(rot, max_positions=cfg.max_position_embeddings)
+            # Not persistent: derived from the config, so checkpoints hold only trained weights.
+            self.register_buffer("rope_cos", cos, persistent=False)  # (P, rot)
+            self.register_buffer("rope_sin", sin, persistent=False)
         self.drop = nn.Dropout(cfg.hidden_dropout)
         self.h = nn.ModuleList(Block(cfg, ctx=ctx, seed=seed, index=i) for i in range(cfg.num_layers))
         self.ln_f = nn.LayerNorm(h, eps=cfg.layernorm_epsilon)
@@ -124,13 +140,18 @@ class GPT(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         _, s = ids.shape
-        pos = torch.arange(s, device=ids.device)
-        x = self.drop(self.wte(ids) + self.wpe(pos))  # (B, S, H)
+        x = self.wte(ids)  # (B, S, H)
+        rope = None
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(s, device=ids.device))
+        else:
+            rope = (self.rope_cos[:s], self.rope_sin[:s])  # (S, rot) each
+        x = self.drop(x)
         for block in self.h:
             if self.recompute and self.training:
-                x = checkpoint(block, x, use_reentrant=False)
+                x = checkpoint(block, x, rope, use_reentrant=False)
             else:
-                x = block(x)
+                x = block(x, rope)
         x = self.ln_f(x)
         if self.lm_head is not None:
             return self.lm_head(x)

@@ -90,3 +90,13 @@ def set_cpu_threads(*, local_world_size: int) -> int:
     torch.set_num_threads(threads)
     return threads
 
+
+
+def accelerator_rng_state(info: DeviceInfo) -> list[torch.Tensor] | None:
+    """The CUDA generators' states (for checkpoints); None on CPU and XLA."""
+    return torch.cuda.get_rng_state_all() if info.kind == "cuda" else None
+
+
+def set_accelerator_rng_state(info: DeviceInfo, states: list[torch.Tensor] | None) -> None:
+    if info.kind == "cuda" and states:
+        torch.cuda.set_rng_state_all(states)

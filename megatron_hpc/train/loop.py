@@ -11,6 +11,7 @@ from typing import Literal, TextIO
 import torch
 import torch.distributed as dist
 
+from megatron_hpc.checkpoint.checkpointer import Checkpointer
 from megatron_hpc.config.schema import RunConfig
 from megatron_hpc.data.loader import IndexedBatches, build_indexed_batches, check_vocabulary
 from megatron_hpc.data.synthetic import SyntheticTokens, micro_batch_indices
@@ -19,10 +20,13 @@ from megatron_hpc.model.gpt import GPT
 from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.parallel.device import DeviceInfo, step_barrier
 from megatron_hpc.plan.vocab import padded_vocab_size
+from megatron_hpc.train.evaluate import build_evaluator
 from megatron_hpc.train.lr import lr_at
 from megatron_hpc.train.metrics import IterationRecord, MetricsLogger
 from megatron_hpc.train.optim import build_optimizer, set_lr
+from megatron_hpc.train.precision import autocast_dtype_for, build_loss_scaler
 from megatron_hpc.train.step import train_step
+from megatron_hpc.train.tensorboard import open_tensorboard
 
 Phase = Literal["compile", "run"]
 
@@ -43,13 +47,6 @@ def build_model(cfg: RunConfig, ctx: ParallelContext, *, device: torch.device) -
                                tensor_parallel=ctx.tp_size)
     # Built on the CPU (TP-invariant init) and then moved, like Megatron's --use-cpu-initialization.
     return GPT(cfg.model, ctx=ctx, padded_vocab=padded, seed=cfg.train.seed).to(device), padded
-
-
-def _autocast_dtype(cfg: RunConfig) -> torch.dtype | None:
-    precision = cfg.train.precision
-    if precision == "fp16":
-        raise TrainingError("train.precision fp16 needs a loss scaler, which is not implemented; use bf16 or fp32")
-    return torch.bfloat16 if precision == "bf16" else None
 
 
 def _build_data(cfg: RunConfig, ctx: ParallelContext) -> SyntheticTokens | IndexedBatches:
@@ -75,7 +72,8 @@ def train(cfg: RunConfig, ctx: ParallelContext, *, device: DeviceInfo, phase: Ph
     num_steps = tcfg.num_steps if phase == "run" else cfg.compile.num_steps
     num_micro = tcfg.global_batch_size // (tcfg.micro_batch_size * ctx.dp_size)
     data = _build_data(cfg, ctx)  # before the model: data errors surface first
-    autocast_dtype = _autocast_dtype(cfg)
+    autocast_dtype = autocast_dtype_for(tcfg.precision, device_kind=device.kind)
+    scaler = build_loss_scaler(tcfg.precision)  # fp16 only
     torch.manual_seed(tcfg.seed + ctx.dp_rank)  # dropout masks: same across TP, different across DP
 
     model, padded = build_model(cfg, ctx, device=device.device)
@@ -87,16 +85,22 @@ def train(cfg: RunConfig, ctx: ParallelContext, *, device: DeviceInfo, phase: Ph
               f"{tcfg.micro_batch_size} | {device.kind} {tcfg.precision} | {num_steps} steps", file=out, flush=True)
     step_model = torch.compile(model) if tcfg.compile and device.kind != "xla" else model
     optimizer = build_optimizer(model, optim=cfg.optim)
+    ckpt = Checkpointer(cfg, ctx, device=device, phase=phase, run_dir=run_dir, padded_vocab=padded, out=out)
+    start = ckpt.restore(model, optimizer)  # 0 without a checkpoint; the model was initialised anyway
     metrics = MetricsLogger(model=cfg.model, padded_vocab=padded, world_size=ctx.world_size,
                             train_iters=num_steps, global_batch_size=tcfg.global_batch_size, phase=phase,
                             log_interval=tcfg.log_interval, enabled=ctx.is_last_rank, run_dir=run_dir, out=out)
+    metrics.tensorboard = open_tensorboard(run_dir, enabled=ctx.is_last_rank and tcfg.tensorboard,
+                                           platform=cfg.launch.platform, device=device.device)
+    evaluator = build_evaluator(cfg, ctx, device=device, autocast_dtype=autocast_dtype, train_iters=num_steps,
+                                metrics=metrics)
     records: list[IterationRecord] = []
     loss_sum = torch.zeros((), device=device.device)
     nan_count = torch.zeros((), device=device.device)
     skipped_in_a_row = skipped_in_interval = 0
     model.train()
-    metrics.reset_clock(0)
-    for step in range(num_steps):
+    metrics.reset_clock(start)
+    for step in range(start, num_steps):
         # The schedule always spans the run phase, so a compile trial traces the run's LR values.
         lr = lr_at(step, optim=cfg.optim, num_steps=tcfg.num_steps)
         set_lr(optimizer, lr)
@@ -105,9 +109,10 @@ def train(cfg: RunConfig, ctx: ParallelContext, *, device: DeviceInfo, phase: Ph
                                                   dp_rank=ctx.dp_rank, dp_size=ctx.dp_size)).to(device.device)
                    for m in range(num_micro)]
         result = train_step(step_model, optimizer, batches, ctx=ctx, clip_grad=cfg.optim.clip_grad,
-                            autocast_dtype=autocast_dtype, device_type=device.kind)
+                            autocast_dtype=autocast_dtype, device_type=device.kind, scaler=scaler)
         step_barrier(device)
-        skipped_in_a_row = skipped_in_a_row + 1 if result.skipped else 0
+        # fp16 overflow skips are routine (the loss scale backs off); only real divergence counts.
+        skipped_in_a_row = skipped_in_a_row + 1 if result.skipped and not result.overflow else 0
         skipped_in_interval += int(result.skipped)
         if skipped_in_a_row >= tcfg.max_skipped_steps:
             raise TrainingError(
@@ -127,8 +132,12 @@ def train(cfg: RunConfig, ctx: ParallelContext, *, device: DeviceInfo, phase: Ph
             grad_norm = result.grad_norm.item()
             lm_loss = loss_total / (ctx.dp_size * interval) if interval else math.nan
             records.append(metrics.log(iteration, lr=lr, lm_loss=lm_loss, grad_norm=grad_norm,
-                                       num_nan=round(nans / ctx.dp_size), num_skipped=skipped_in_interval))
+                                       num_nan=round(nans / ctx.dp_size), num_skipped=skipped_in_interval,
+                                       loss_scale=result.loss_scale))
             skipped_in_interval = 0
             loss_sum.zero_()
             nan_count.zero_()
+        evaluator.maybe_evaluate(iteration, model)
+        ckpt.maybe_save(step + 1, model=model, optimizer=optimizer, num_steps=num_steps)
+    metrics.close()
     return TrainSummary(steps=num_steps, consumed_samples=num_steps * tcfg.global_batch_size, records=records)

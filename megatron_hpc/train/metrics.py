@@ -1,8 +1,9 @@
-"""Megatron's iteration log line, the metrics.jsonl twin of it, and the FLOPs count behind TFLOP/s.
+"""Megatron's iteration line and validation block, their metrics.jsonl twins, and the FLOPs behind TFLOP/s.
 
 Line format: shared/reference/megatron-and-launchers.md 4.1 (training_log, the version with the
-timestamp prefix and `learning rate: {:.6E}`), printed by the last rank. FLOPs: the planner's
-formula (megatron_hpc.plan.model_math, the classic form of 4.4 with the padded vocabulary).
+timestamp prefix and `learning rate: {:.6E}`; the validation block of evaluate_and_print_results),
+printed by the last rank. FLOPs: the planner's formula (megatron_hpc.plan.model_math, the classic
+form of 4.4 with the padded vocabulary). TensorBoard scalars go through train/tensorboard.py.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ from typing import TextIO
 
 from megatron_hpc.config.schema import ModelConfig
 from megatron_hpc.plan.model_math import flops_per_token
+from megatron_hpc.train.tensorboard import TensorBoardWriter
+
+WARMUP_STEPS = 2
+"""Steps at the start of a process (graph capture, allocator growth) kept out of throughput figures."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -36,6 +41,10 @@ class IterationRecord:
     num_skipped_iterations: int
     num_nan_iterations: int
     phase: str
+    loss_scale: float = 1.0
+    """fp16 dynamic loss scale after the interval's last step; 1.0 for fp32 and bf16."""
+    warmup: bool = False
+    """The interval holds one of the first WARMUP_STEPS steps: its timing is not representative."""
 
     def jsonl(self) -> str:
         data = asdict(self)
@@ -59,11 +68,24 @@ def format_iteration_line(rec: IterationRecord, *, now: datetime) -> str:
         f" learning rate: {rec.lr:.6E} |"
         f" global batch size: {rec.global_batch_size:5d} |"
         f" lm loss: {rec.lm_loss:.6E} |"
-        " loss scale: 1.0 |"  # no dynamic loss scaler: fp32 and bf16 need none
+        f" loss scale: {rec.loss_scale:.1f} |"
         f" grad norm: {rec.grad_norm:.3f} |"
         f" number of skipped iterations: {rec.num_skipped_iterations:3d} |"
         f" number of nan iterations: {rec.num_nan_iterations:3d} |"
     )
+
+
+def validation_ppl(lm_loss: float) -> float:
+    """Megatron's perplexity: exp(min(20, loss)), so a diverged loss still prints a number."""
+    return math.exp(min(20.0, lm_loss)) if not math.isnan(lm_loss) else math.nan
+
+
+def format_validation_block(iteration: int, *, lm_loss: float) -> str:
+    """Dashes, the validation line, dashes (evaluate_and_print_results; the dash line is one longer)."""
+    line = (f" validation loss at iteration {iteration} | lm loss value: {lm_loss:.6E} |"
+            f" lm loss PPL: {validation_ppl(lm_loss):.6E} | ")
+    dashes = "-" * (len(line) + 1)
+    return f"{dashes}\n{line}\n{dashes}"
 
 
 def parse_iteration_line(line: str) -> dict[str, str]:
@@ -97,19 +119,27 @@ class MetricsLogger:
         self.jsonl_path = run_dir / "metrics.jsonl" if run_dir is not None and enabled else None
         self.last_time = time.perf_counter()
         self.last_iteration = 0
+        self.first_iteration: int | None = None
+        self.tensorboard: TensorBoardWriter | None = None
+        """Set by the loop on the last rank when train.tensorboard is on (train/tensorboard.py)."""
 
     def should_log(self, iteration: int) -> bool:
         """Every log_interval steps and at the last one. Same answer on every rank."""
         return iteration % self.log_interval == 0 or iteration == self.train_iters
 
     def reset_clock(self, iteration: int) -> None:
+        if self.first_iteration is None:  # the step this process started from (0, or a restored one)
+            self.first_iteration = iteration
         self.last_time, self.last_iteration = time.perf_counter(), iteration
 
     def log(self, iteration: int, *, lr: float, lm_loss: float, grad_norm: float,
-            num_nan: int, num_skipped: int = 0) -> IterationRecord:
+            num_nan: int, num_skipped: int = 0, loss_scale: float = 1.0) -> IterationRecord:
         """Record the interval ending at `iteration`; the caller has synced the device."""
         now = time.perf_counter()
         steps = max(1, iteration - self.last_iteration)
+        if self.first_iteration is None:  # never reset: the process started at step 0
+            self.first_iteration = 0
+        warmup = self.last_iteration < self.first_iteration + WARMUP_STEPS
         elapsed_s = (now - self.last_time) / steps
         self.reset_clock(iteration)
         rec = IterationRecord(
@@ -119,10 +149,38 @@ class MetricsLogger:
             tokens_per_s=self.tokens_per_step / elapsed_s if elapsed_s > 0 else math.inf,
             tflops_per_worker=self.flops_token * self.tokens_per_step / (elapsed_s * 1e12 * self.world_size)
             if elapsed_s > 0 else 0.0,
-            num_nan_iterations=num_nan, phase=self.phase)
+            num_nan_iterations=num_nan, phase=self.phase, loss_scale=loss_scale, warmup=warmup)
         if self.enabled:
             print(format_iteration_line(rec, now=datetime.now()), file=self.out, flush=True)
-            if self.jsonl_path is not None:
-                with self.jsonl_path.open("a", encoding="ascii") as fh:
-                    fh.write(rec.jsonl() + "\n")
+            self._append_jsonl(rec.jsonl())
+            if self.tensorboard is not None:
+                self.tensorboard.iteration(rec)
         return rec
+
+    def exclude_time(self, seconds: float) -> None:
+        """Leave `seconds` (an evaluation) out of the current interval, as Megatron stops interval-time."""
+        self.last_time += seconds
+
+    def log_validation(self, iteration: int, *, lm_loss: float) -> float:
+        """Print Megatron's validation block, append a phase "valid" row; returns the perplexity."""
+        ppl = validation_ppl(lm_loss)
+        if self.enabled:
+            print(format_validation_block(iteration, lm_loss=lm_loss), file=self.out, flush=True)
+            self._append_jsonl(json.dumps({"iteration": iteration, "consumed_samples": iteration * self.gbs,
+                                           "lm_loss": lm_loss, "lm_loss_ppl": ppl, "phase": "valid",
+                                           "train_phase": self.phase}))
+            if self.tensorboard is not None:
+                self.tensorboard.validation(iteration, consumed_samples=iteration * self.gbs, lm_loss=lm_loss,
+                                            ppl=ppl)
+        return ppl
+
+    def close(self) -> None:
+        """Flush and close the TensorBoard writer, if any."""
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
+
+    def _append_jsonl(self, row: str) -> None:
+        if self.jsonl_path is not None:
+            with self.jsonl_path.open("a", encoding="ascii") as fh:
+                fh.write(row + "\n")

@@ -1,4 +1,4 @@
-"""One optimizer step: micro-batches, forward, loss, backward, DP all-reduce, clip, AdamW."""
+"""One optimizer step: micro-batches, forward, loss scaling, backward, DP all-reduce, clip, AdamW."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from torch import nn
 from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_hpc.parallel.grads import all_reduce_gradients, clip_gradients_
+from megatron_hpc.train.precision import DynamicGradScaler
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,22 +23,27 @@ class StepOutput:
     """Global gradient norm before clipping (0-dim, on device; same on all ranks)."""
     skipped: bool
     """The loss or gradients were not finite, so the optimizer step was not taken."""
+    overflow: bool = False
+    """Skipped by the fp16 loss scaler while it could still back off: routine, not divergence."""
+    loss_scale: float = 1.0
+    """Loss scale after this step's update (1.0 without a scaler), for the iteration line."""
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Sequence[torch.Tensor], *,
                ctx: ParallelContext, clip_grad: float, autocast_dtype: torch.dtype | None,
-               device_type: str) -> StepOutput:
+               device_type: str, scaler: DynamicGradScaler | None = None) -> StepOutput:
     """One step over this rank's micro-batches, each (mbs, S + 1) token ids.
 
     One host sync off XLA: whether the gradient norm is finite, to skip the optimizer step
     instead of writing NaN into the weights and Adam moments (Megatron's "skipped iterations").
     On XLA the check is left out: it would cut the graph, and a neuron_parallel_compile trial
-    returns zeros anyway.
+    returns zeros anyway. With an fp16 `scaler` the same check is its overflow test.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     # Zero in place rather than set to None: XLA then keeps one graph shape (neuron-xla.md 3.3).
     optimizer.zero_grad(set_to_none=False)
     total = torch.zeros((), device=micro_batches[0].device)
+    scale = scaler.scale if scaler is not None else 1.0
     for tokens in micro_batches:
         ids, labels = tokens[:, :-1], tokens[:, 1:]
         cast = (torch.autocast(device_type, dtype=autocast_dtype) if autocast_dtype is not None
@@ -47,12 +53,19 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
         loss = vocab_parallel_cross_entropy(logits, labels, group=ctx.tp_group).mean()
         # Every micro-batch has mbs * S tokens, so averaging micro-batch means and then DP
         # replicas gives the token mean of the global batch.
-        (loss / len(micro_batches)).backward()
+        (loss * (scale / len(micro_batches))).backward()
         total += loss.detach()
     all_reduce_gradients(params, group=ctx.dp_group)
+    if scale != 1.0:
+        torch._foreach_mul_([p.grad for p in params if p.grad is not None], 1.0 / scale)
     norm = clip_gradients_(params, max_norm=clip_grad, ctx=ctx)
     # The norm is the same on every rank (it was all-reduced), so all ranks skip together.
     skipped = device_type != "xla" and not bool(torch.isfinite(norm).item())
+    overflow = False
+    if scaler is not None:
+        overflow = skipped and scale > scaler.min_scale
+        scaler.update(found_inf=skipped)
     if not skipped:
         optimizer.step()
-    return StepOutput(loss=total / len(micro_batches), grad_norm=norm, skipped=skipped)
+    return StepOutput(loss=total / len(micro_batches), grad_norm=norm, skipped=skipped, overflow=overflow,
+                      loss_scale=scaler.scale if scaler is not None else 1.0)

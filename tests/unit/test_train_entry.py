@@ -45,7 +45,7 @@ def test_twenty_steps_learn(tmp_path: Path, capsys: pytest.CaptureFixture[str],
     assert all(r["phase"] == "run" and r["tokens_per_s"] > 0 for r in rows)
     out = capsys.readouterr().out.splitlines()
     assert "tp 1 dp 1" in out[0] and "parameters" in out[0]
-    lines = [parse_iteration_line(x) for x in out if " iteration " in x]
+    lines = [parse_iteration_line(x) for x in out if "] iteration " in x]
     assert [x["iteration"] for x in lines] == ["5/20", "10/20", "15/20", "20/20"]
     assert float(lines[-1]["lm loss"]) == pytest.approx(rows[-1]["lm_loss"], rel=1e-6)
 

@@ -1,0 +1,149 @@
+"""Checkpointer: the trainer's one object for checkpoints (`ckpt.restore(...)`, `ckpt.maybe_save(...)`).
+
+The saved state dict follows the reference Megatron's keys where they exist (neuron-xla.md 1.3):
+flat args, checkpoint_version 3.0, iteration, model, optimizer, lr_scheduler and the RNG keys.
+Ours: rng_state (one entry per DP rank, Megatron HEAD's key), resolved_config and data_position.
+Unlike the reference, consumed_train_samples is read back (its bug (a)).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_hpc.checkpoint.loader import load_checkpoint
+from megatron_hpc.checkpoint.ranks import RankInfo
+from megatron_hpc.checkpoint.saver import save_checkpoint
+from megatron_hpc.checkpoint.state import ResumeState
+from megatron_hpc.config.loader import config_to_dict
+from megatron_hpc.config.schema import RunConfig
+from megatron_hpc.errors import CheckpointError
+from megatron_hpc.parallel.context import ParallelContext
+from megatron_hpc.parallel.device import DeviceInfo
+
+CHECKPOINT_VERSION = 3.0
+
+
+def build_state_dict(cfg: RunConfig, *, model: nn.Module, optimizer: torch.optim.Optimizer, resume: ResumeState,
+                     padded_vocab: int, rng_per_dp_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """One TP rank's checkpoint content; model tensors are state_dict() tensors, never Parameters."""
+    m = cfg.model
+    return {
+        "num_layers": m.num_layers, "hidden_size": m.hidden_size, "num_attention_heads": m.num_attention_heads,
+        "tensor_model_parallel_size": cfg.parallel.tensor, "pipeline_model_parallel_size": 1,
+        "consumed_train_samples": resume.consumed_samples, "consumed_valid_samples": 0,
+        "max_position_embeddings": m.max_position_embeddings,
+        "make_vocab_size_divisible_by": m.make_vocab_size_divisible_by, "padded_vocab_size": padded_vocab,
+        "tokenizer_type": cfg.data.tokenizer_type,
+        "checkpoint_version": CHECKPOINT_VERSION, "iteration": resume.step,
+        "model": dict(model.state_dict()),
+        "optimizer": optimizer.state_dict(),
+        # The LR is a pure function of the step (train/lr.py): the step and the schedule's config suffice.
+        "lr_scheduler": {"num_steps": resume.step, "train_iters": cfg.train.num_steps,
+                         "optim": config_to_dict(cfg.optim)},
+        **resume.rng_dict(),
+        "rng_state": rng_per_dp_rank,
+        "resolved_config": config_to_dict(cfg),
+        "data_position": {"step": resume.step, "consumed_samples": resume.consumed_samples,
+                          "global_batch_size": cfg.train.global_batch_size, "seed": cfg.train.seed},
+    }
+
+
+class Checkpointer:
+    """Saves every checkpoint.save_interval steps and at the end of the run phase; restores at start.
+
+    Nothing is saved or loaded in the compile phase or when NEURON_EXTRACT_GRAPHS_ONLY is set (a
+    neuron_parallel_compile trial returns zeros). The save folder is checkpoint.save, else
+    <run_dir>/checkpoints; with neither, nothing is saved.
+    """
+
+    def __init__(self, cfg: RunConfig, ctx: ParallelContext, *, device: DeviceInfo, phase: str,
+                 run_dir: Path | None, padded_vocab: int, out: TextIO | None = None):
+        self.cfg, self.ctx, self.device, self.padded_vocab = cfg, ctx, device, padded_vocab
+        self.out = sys.stdout if out is None else out
+        self.ranks = RankInfo.of(ctx, device=device.device)
+        ccfg = cfg.checkpoint
+        active = phase == "run" and not os.environ.get("NEURON_EXTRACT_GRAPHS_ONLY")
+        save = ccfg.save or (str(run_dir / "checkpoints") if run_dir is not None else None)
+        self.save_root = Path(save).expanduser() if active and save else None
+        load = ccfg.load or save
+        self.load_root = Path(load).expanduser() if active and load else None
+        self.last_saved = -1
+
+    def _print(self, message: str) -> None:
+        if self.ctx.is_first_rank:
+            print(message, file=self.out, flush=True)
+
+    def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+        """Load the newest complete checkpoint into model, optimizer and RNG; returns the step to start at.
+
+        The model was already built and initialised by then (cheap on the CPU init path).
+        """
+        if self.load_root is None:
+            return 0
+        workers = self.cfg.checkpoint.io_workers_per_node
+        loaded = load_checkpoint(self.load_root, ranks=self.ranks, io_workers_per_node=workers)
+        if loaded is None:
+            return 0
+        found, state = loaded
+        where = found.folder
+        try:
+            saved_gbs = state["data_position"]["global_batch_size"]
+            if saved_gbs != self.cfg.train.global_batch_size:
+                raise CheckpointError(f"{where} was trained with global_batch_size {saved_gbs}, this run has "
+                                      f"{self.cfg.train.global_batch_size}; the data order depends on it, so "
+                                      f"keep train.global_batch_size={saved_gbs}")
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            rng = state["rng_state"]
+            mine = rng[self.ctx.dp_rank] if self.ctx.dp_rank < len(rng) else rng[0]
+            resume = ResumeState.from_rng_dict(mine, step=state["iteration"],
+                                               consumed_samples=state["consumed_train_samples"])
+        except (KeyError, IndexError, TypeError, RuntimeError, ValueError) as exc:
+            raise CheckpointError(f"{where} does not fit this model or optimizer ({type(exc).__name__}: "
+                                  f"{str(exc)[:300]}); check model.* against its resolved_config") from None
+        resume.restore_rng(self.device)
+        self.last_saved = resume.step
+        self._print(f"> loaded checkpoint {where} at iteration {resume.step} "
+                    f"({resume.consumed_samples} samples consumed)")
+        return resume.step
+
+    def _rng_per_dp_rank(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
+        if self.ctx.dp_size == 1 or self.device.kind == "xla":
+            # TODO(ckpt): on XLA the dropout RNG is torch_xla's; DP ranks > 0 reuse DP rank 0's CPU state.
+            return [mine]
+        gathered: list[Any] = [None] * self.ctx.dp_size
+        dist.all_gather_object(gathered, mine, group=self.ctx.dp_group)
+        return gathered
+
+    def maybe_save(self, iteration: int, *, model: nn.Module, optimizer: torch.optim.Optimizer,
+                   num_steps: int) -> bool:
+        """Save when iteration is a multiple of save_interval or the last one; True when saved."""
+        ccfg = self.cfg.checkpoint
+        due = (ccfg.save_interval > 0 and iteration % ccfg.save_interval == 0) or iteration == num_steps
+        if self.save_root is None or not due or iteration == self.last_saved:
+            return False
+        resume = ResumeState.capture(step=iteration, consumed_samples=iteration * self.cfg.train.global_batch_size,
+                                     device=self.device)
+        state = build_state_dict(self.cfg, model=model, optimizer=optimizer, resume=resume,
+                                 padded_vocab=self.padded_vocab,
+                                 rng_per_dp_rank=self._rng_per_dp_rank(resume.rng_dict()))
+        try:
+            folder = save_checkpoint(self.save_root, iteration, state, ranks=self.ranks, fmt=ccfg.format,
+                                     io_workers_per_node=ccfg.io_workers_per_node, keep_last=ccfg.keep_last)
+        except CheckpointError as exc:
+            if ccfg.on_save_failure != "continue":
+                raise
+            if self.ctx.is_first_rank:
+                print(f"megatron-hpc: warning: {exc}; training continues (checkpoint.on_save_failure=continue)",
+                      file=sys.stderr, flush=True)
+            return False
+        self.last_saved = iteration
+        self._print(f"> saved checkpoint {folder} at iteration {iteration}")
+        return True

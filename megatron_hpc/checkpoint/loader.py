@@ -1,0 +1,119 @@
+"""find_checkpoint and load_checkpoint: choose the newest complete checkpoint and read this rank's shard.
+
+A folder counts only when it has its final name and a manifest. The tracker decides which one
+(Megatron's rule); when it names a folder that is missing or incomplete, the newest complete one at
+or below it is taken, with a warning. No tracker means no checkpoint: start from scratch.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megatron_hpc.checkpoint import paths
+from megatron_hpc.checkpoint.manifest import Manifest, read_manifest
+from megatron_hpc.checkpoint.ranks import RankInfo
+from megatron_hpc.checkpoint.saver import complete_iterations
+from megatron_hpc.checkpoint.xser import read_xser
+from megatron_hpc.errors import CheckpointError
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FoundCheckpoint:
+    folder: Path
+    manifest: Manifest
+
+    @property
+    def iteration(self) -> int:
+        return self.manifest.iteration
+
+
+def _warn(message: str, *, quiet: bool) -> None:
+    if not quiet:
+        print(f"megatron-hpc: warning: {message}", file=sys.stderr, flush=True)
+
+
+def _complete(folder: Path) -> Manifest | None:
+    try:
+        return read_manifest(folder)
+    except CheckpointError:
+        return None
+
+
+def find_checkpoint(root: Path, *, quiet: bool = False) -> FoundCheckpoint | None:
+    """The checkpoint a run resuming from `root` should load, or None to start from scratch."""
+    tracker = paths.tracker_file(root)
+    try:
+        text = tracker.read_text(encoding="ascii")
+    except FileNotFoundError:
+        if complete_iterations(root):
+            _warn(f"{root} has checkpoint folders but no {paths.TRACKER}; starting from scratch "
+                  "(write the iteration into the tracker to resume from one)", quiet=quiet)
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"cannot read {tracker} ({exc}); fix or delete it") from None
+    named = paths.parse_tracker(text)
+    if named is None:
+        raise CheckpointError(f"{tracker} holds {text[:40]!r}, not an iteration or 'release'; write the "
+                              "iteration to resume from, or delete the file to start from scratch")
+    folder = paths.iteration_dir(root, named)
+    manifest = _complete(folder)
+    if manifest is not None:
+        return FoundCheckpoint(folder=folder, manifest=manifest)
+    limit = 0 if named == paths.RELEASE else int(named)
+    for iteration in reversed(complete_iterations(root)):
+        candidate = paths.iteration_dir(root, iteration)
+        manifest = _complete(candidate) if iteration <= limit else None
+        if manifest is not None:
+            _warn(f"{tracker} names {folder.name}, which is missing or incomplete; loading {candidate.name}, "
+                  "the newest complete checkpoint before it", quiet=quiet)
+            return FoundCheckpoint(folder=candidate, manifest=manifest)
+    raise CheckpointError(f"{tracker} names {folder.name}, which is missing or incomplete, and {root} has no "
+                          "complete checkpoint before it; delete the tracker to start from scratch")
+
+
+def check_mesh(found: FoundCheckpoint, *, tensor_parallel: int) -> None:
+    saved = found.manifest.tensor_parallel
+    if saved != tensor_parallel:
+        raise CheckpointError(f"{found.folder} was saved with tensor_parallel={saved} but this run has "
+                              f"tensor_parallel={tensor_parallel}; set parallel.tensor={saved}, or convert it "
+                              f"with `megatron-hpc ckpt reshard {found.folder} --tensor-parallel "
+                              f"{tensor_parallel}`")
+
+
+def read_shard(found: FoundCheckpoint, *, tp_rank: int, verify: bool = True) -> Any:
+    """This TP rank's state (CPU tensors), every file checked against the manifest."""
+    files = {found.folder / rel: rec for rel, rec in found.manifest.files.items()} if verify else None
+    return read_xser(paths.main_file(found.folder, tp_rank), files=files)
+
+
+def load_checkpoint(root: Path, *, ranks: RankInfo, io_workers_per_node: int = 4) -> tuple[FoundCheckpoint, Any] | None:
+    """Every rank calls it: None when there is no checkpoint, else the checkpoint and this rank's state.
+
+    Ranks read in phases of io_workers_per_node per node, with a barrier between phases and no
+    other collective inside them (the reference's load deadlocked on one: neuron-xla.md 1.3 (b)).
+    """
+    found = find_checkpoint(root, quiet=ranks.rank != 0)
+    iteration = -1 if found is None else found.iteration
+    if not ranks.same_everywhere(iteration):
+        raise CheckpointError(f"ranks chose different checkpoints in {root} (rank {ranks.rank}: {iteration}); "
+                              "is another job writing there? Point checkpoint.load at a stable folder")
+    if found is None:
+        return None
+    check_mesh(found, tensor_parallel=ranks.tp_size)
+    phases = paths.num_io_phases(ranks_per_node=ranks.ranks_per_node, io_workers_per_node=io_workers_per_node)
+    my_phase = paths.io_phase(local_index=ranks.local_rank, io_workers_per_node=io_workers_per_node)
+    state: Any = None
+    error: CheckpointError | None = None
+    for phase in range(phases):
+        if phase == my_phase:
+            try:
+                state = read_shard(found, tp_rank=ranks.tp_rank)
+            except CheckpointError as exc:
+                error = exc
+        ranks.all_ok(True)  # barrier only: ends the phase
+    if not ranks.all_ok(error is None):
+        raise error or CheckpointError(f"loading {found.folder} failed on another rank; see its log")
+    return found, state

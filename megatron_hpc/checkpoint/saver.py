@@ -1,0 +1,185 @@
+"""save_checkpoint: write one checkpoint so that a crash at any point leaves the previous one usable.
+
+Order (neuron-xla.md 1.3 lists the reference's race between the tensor writes and the tracker):
+1. rank 0 creates iter_XXXXXXX.tmp-<token> (and removes temp folders of saves that died);
+2. the DP-rank-0 rank of each TP rank writes mp_rank_XX there, at most io_workers_per_node ranks
+   of a node at a time (phases separated by barriers), fsyncing every file;
+3. barrier; rank 0 writes manifest.json (sizes and sha256 of every file), renames the folder to
+   iter_XXXXXXX, then writes the tracker atomically (temp file, fsync, os.replace);
+4. rank 0 deletes all but the newest checkpoint.keep_last complete checkpoints.
+Every rank takes part in the same collectives whatever fails, and all raise CheckpointError together.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from megatron_hpc.checkpoint import paths
+from megatron_hpc.checkpoint.manifest import FileRecord, Manifest, write_manifest
+from megatron_hpc.checkpoint.ranks import RankInfo
+from megatron_hpc.checkpoint.xser import write_file, write_torch, write_xser
+from megatron_hpc.errors import CheckpointError
+
+_PARTIAL = ".files.json"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_tracker(root: Path, iteration: int) -> None:
+    """latest_checkpointed_iteration.txt = str(iteration), no newline, replaced atomically."""
+    final = paths.tracker_file(root)
+    tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="ascii") as fh:
+            fh.write(str(iteration))
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(root)
+
+
+def _write_rank(state: dict[str, Any], tmp: Path, *, tp_rank: int, fmt: str) -> None:
+    """This writer's mp_rank_XX folder plus mp_rank_XX.files.json (its files' records)."""
+    records: dict[str, dict[str, Any]] = {}
+
+    def sink(path: Path, data: bytes) -> None:
+        write_file(path, data)
+        rec = FileRecord.of(data)
+        records[path.relative_to(tmp).as_posix()] = {"size": rec.size, "sha256": rec.sha256}
+
+    main = paths.main_file(tmp, tp_rank)
+    main.parent.mkdir()
+    (write_xser if fmt == "xser" else write_torch)(state, main, sink=sink)
+    partial = tmp / (paths.rank_dirname(tp_rank) + _PARTIAL)
+    write_file(partial, json.dumps(records).encode("ascii"))
+
+
+def _finish(tmp: Path, root: Path, iteration: int, *, ranks: RankInfo, fmt: str) -> Path:
+    """Rank 0, after every writer finished: manifest, rename, tracker."""
+    files: dict[str, FileRecord] = {}
+    for tp_rank in range(ranks.tp_size):
+        partial = tmp / (paths.rank_dirname(tp_rank) + _PARTIAL)
+        for rel, rec in json.loads(partial.read_text(encoding="ascii")).items():
+            files[rel] = FileRecord(size=rec["size"], sha256=rec["sha256"])
+        partial.unlink()
+    write_manifest(tmp, Manifest(iteration=iteration, format=fmt, tensor_parallel=ranks.tp_size,
+                                 data_parallel=ranks.dp_size, world_size=ranks.world_size, files=files))
+    _fsync_dir(tmp)
+    final = paths.iteration_dir(root, iteration)
+    if final.exists():  # a save of the same iteration by an earlier attempt: replace it
+        old = tmp.with_name(tmp.name + "-replaced")
+        os.replace(final, old)
+        shutil.rmtree(old, ignore_errors=True)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    write_tracker(root, iteration)
+    return final
+
+
+def complete_iterations(root: Path) -> list[int]:
+    """Iterations of the final-named folders that hold a manifest, ascending."""
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        iteration = paths.parse_iteration_dirname(entry.name)
+        if iteration is not None and (entry / paths.MANIFEST).is_file():
+            found.append(iteration)
+    return sorted(found)
+
+
+def prune(root: Path, *, keep_last: int, current: int) -> list[int]:
+    """Delete complete checkpoints older than the newest `keep_last` up to `current`; returns them.
+
+    Folders newer than `current` (left by another run in the same folder) are not touched. The
+    manifest goes first, so a half-deleted folder is never taken for a complete one.
+    """
+    if keep_last <= 0:
+        return []
+    older = [i for i in complete_iterations(root) if i <= current]
+    doomed = older[:-keep_last]
+    for iteration in doomed:
+        folder = paths.iteration_dir(root, iteration)
+        (folder / paths.MANIFEST).unlink(missing_ok=True)
+        shutil.rmtree(folder, ignore_errors=True)
+    return doomed
+
+
+def _remove_stale_temps(root: Path, *, keep: Path) -> None:
+    for entry in root.iterdir():
+        if entry != keep and paths.is_temp_dirname(entry.name):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        where = f" ({exc.filename})" if exc.filename else ""
+        return f"{exc.strerror}{where}"
+    return str(exc)
+
+
+def save_checkpoint(root: Path, iteration: int, state: dict[str, Any], *, ranks: RankInfo, fmt: str = "xser",
+                    io_workers_per_node: int = 4, keep_last: int = 0) -> Path:
+    """Write `state` (this rank's TP shard) as checkpoint `iteration` under `root`; every rank calls it.
+
+    Returns the final folder. Raises CheckpointError on every rank when any rank failed; the
+    previous checkpoint and the tracker are then untouched.
+    """
+    if fmt not in ("xser", "torch"):
+        raise CheckpointError(f"checkpoint.format {fmt!r} is not supported; use xser or torch")
+    token = ranks.shared_token()
+    tmp = paths.temp_dir(root, iteration, token)
+    error: BaseException | None = None
+    if ranks.rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            _remove_stale_temps(root, keep=tmp)
+            tmp.mkdir()
+        except OSError as exc:
+            error = exc
+    ok = ranks.all_ok(error is None)
+    # Writers are the first tp_size ranks (TP is contiguous, DP strided), so their index on the
+    # node is their local rank.
+    phases = paths.num_io_phases(ranks_per_node=max(ranks.tp_size, 1), io_workers_per_node=io_workers_per_node)
+    my_phase = paths.io_phase(local_index=ranks.local_rank, io_workers_per_node=io_workers_per_node)
+    for phase in range(phases):
+        if ok and ranks.is_writer and phase == my_phase:
+            try:
+                _write_rank(state, tmp, tp_rank=ranks.tp_rank, fmt=fmt)
+            except (OSError, CheckpointError) as exc:
+                error = exc
+        ok = ranks.all_ok(error is None) and ok
+    final = paths.iteration_dir(root, iteration)
+    if ok and ranks.rank == 0:
+        try:
+            final = _finish(tmp, root, iteration, ranks=ranks, fmt=fmt)
+        except (OSError, ValueError, KeyError) as exc:
+            error = exc
+    ok = ranks.all_ok(error is None) and ok
+    if not ok:
+        if ranks.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        reason = _describe(error) if error is not None else "another rank failed; see its log"
+        raise CheckpointError(f"saving checkpoint {iteration} to {root} failed on rank {ranks.rank}: {reason}. "
+                              f"The previous checkpoint is unchanged; free space in {root} or point "
+                              "checkpoint.save elsewhere")
+    if ranks.rank == 0:
+        try:
+            prune(root, keep_last=keep_last, current=iteration)
+        except OSError as exc:
+            print(f"megatron-hpc: warning: could not delete old checkpoints in {root}: {_describe(exc)}",
+                  file=sys.stderr)
+    return final

@@ -1,0 +1,70 @@
+"""summarize: what `megatron-hpc ckpt inspect` prints, for a checkpoint root, folder or single file.
+
+Tensor files are memory-mapped, so listing shapes does not read the weights. A single file may be
+an xser main file written by real torch_xla (CPU tensors inline, the rest as TensorReference).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from megatron_hpc.checkpoint import paths
+from megatron_hpc.checkpoint.loader import FoundCheckpoint, find_checkpoint, read_shard
+from megatron_hpc.checkpoint.manifest import read_manifest
+from megatron_hpc.checkpoint.xser import iter_tensors, read_xser
+from megatron_hpc.errors import CheckpointError
+
+
+def _tensor_rows(state: Any, *, tp_rank: int | None) -> list[dict[str, Any]]:
+    rows = []
+    for name, t in iter_tensors(state):
+        row: dict[str, Any] = {"name": name, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+        if tp_rank is not None:
+            row["tp_rank"] = tp_rank
+        rows.append(row)
+    return rows
+
+
+def _single_file(main: Path) -> dict[str, Any]:
+    state = read_xser(main, mmap=True)
+    top = state if isinstance(state, dict) else {}
+    config = top.get("resolved_config") if isinstance(top.get("resolved_config"), dict) else {}
+    tp = top.get("tensor_model_parallel_size", (config.get("parallel") or {}).get("tensor"))
+    return {"path": str(main), "iteration": top.get("iteration"), "format":
+            "xser" if paths.tensors_dir(main).is_dir() else "torch", "tensor_parallel": tp,
+            "data_parallel": None, "world_size": None, "files": None, "bytes": None,
+            "tensors": _tensor_rows(state, tp_rank=None)}
+
+
+def _folder(found: FoundCheckpoint, *, verify: bool) -> dict[str, Any]:
+    m = found.manifest
+    rows: list[dict[str, Any]] = []
+    for tp_rank in range(m.tensor_parallel):
+        state = (read_shard(found, tp_rank=tp_rank) if verify
+                 else read_xser(paths.main_file(found.folder, tp_rank), mmap=True))
+        rows += _tensor_rows(state, tp_rank=tp_rank)
+    return {"path": str(found.folder), "iteration": m.iteration, "format": m.format,
+            "tensor_parallel": m.tensor_parallel, "data_parallel": m.data_parallel, "world_size": m.world_size,
+            "files": len(m.files), "bytes": sum(r.size for r in m.files.values()), "verified": verify,
+            "tensors": rows}
+
+
+def summarize(path: Path, *, verify: bool = False) -> dict[str, Any]:
+    """Iteration, mesh and every tensor (name, shape, dtype) of a checkpoint.
+
+    `path`: a checkpoint root (the tracker picks the folder), an iter_XXXXXXX folder, an
+    mp_rank_XX folder, or one main file. `verify`: check every file against the manifest.
+    """
+    if path.is_file():
+        return _single_file(path)
+    if (path / paths.MAIN_FILE).is_file():
+        return _single_file(path / paths.MAIN_FILE)
+    if (path / paths.MANIFEST).is_file():
+        return _folder(FoundCheckpoint(folder=path, manifest=read_manifest(path)), verify=verify)
+    if path.is_dir():
+        found = find_checkpoint(path)
+        if found is not None:
+            return _folder(found, verify=verify)
+    raise CheckpointError(f"{path} is not a checkpoint: no {paths.TRACKER}, {paths.MANIFEST} or "
+                          f"{paths.MAIN_FILE} there; pass a checkpoint folder or a model_optim_rng.pt file")

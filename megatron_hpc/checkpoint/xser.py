@@ -1,0 +1,234 @@
+"""Read and write torch_xla's xser layout (and plain torch.save files) without importing torch_xla.
+
+Format (shared/reference/neuron-xla.md 1.1): the main file is a torch.save zip of the object with
+every tensor replaced by `torch_xla.utils.serialization.TensorReference(tid)`; each tensor is a
+torch.save of one CPU tensor in `<main>.tensors/tensor_<tid>.pt`. tids follow the traversal order
+of torch_xla's `for_each_instance` (depth first: dict keys and values in insertion order, list and
+tuple items in order); tuples are written as lists and dict subclasses as dicts, as the real
+rewrite does; a tensor reached twice (aliased) is stored once.
+
+Differences from the real saver, on purpose:
+- it replaces every plain tensor, on any device; the real one only XLA tensors, leaving CPU tensors
+  (RNG states) inline. Our reader handles both.
+- Parameters and objects other than dict/list/tuple/str/bytes/numbers/None raise CheckpointError
+  (the real one would pickle them inline; we could not read them back safely).
+
+Reading never runs code from the file: `torch.load(weights_only=True)` with exactly one extra
+allowed global, our TensorReference stub. Its `__module__` is torch_xla's, so the pickled global
+is `torch_xla.utils.serialization\\nTensorReference` and the real `xser.load` reads our files.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import types
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_hpc.checkpoint.manifest import FileRecord, verify
+from megatron_hpc.checkpoint.paths import tensor_file, tensors_dir
+from megatron_hpc.errors import CheckpointError
+
+_XLA_MODULE = "torch_xla.utils.serialization"
+_SCALARS = (str, bytes, int, float, bool, type(None))
+
+
+class TensorReference:
+    """Stand-in for torch_xla.utils.serialization.TensorReference: only `tid`, an int."""
+
+    def __init__(self, tid: int):
+        self.tid = tid
+
+    def __repr__(self) -> str:
+        return f"TensorReference({self.tid})"
+
+
+TensorReference.__module__ = _XLA_MODULE
+
+
+class _XserPickler(pickle._Pickler):
+    """Pickles our stub class as the global `torch_xla.utils.serialization TensorReference`.
+
+    The stock pickler would import torch_xla to check that the global resolves; we write the
+    protocol-2 GLOBAL opcode ourselves instead (the pure-Python pickler lets us override it).
+    """
+
+    def save_global(self, obj: Any, name: str | None = None) -> None:
+        if obj is TensorReference:
+            self.write(pickle.GLOBAL + f"{_XLA_MODULE}\nTensorReference\n".encode("ascii"))
+            self.memoize(obj)
+            return
+        super().save_global(obj, name)
+
+
+_PICKLE_MODULE = types.ModuleType("megatron_hpc_xser_pickle")
+_PICKLE_MODULE.Pickler = _XserPickler  # type: ignore[attr-defined]
+
+FileSink = Callable[[Path, bytes], None]
+"""Writes one file's bytes; the saver's sink records sizes and checksums."""
+
+
+def write_file(path: Path, data: bytes) -> None:
+    """Create `path` (it must not exist), write `data` and fsync it."""
+    with open(path, "xb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _to_bytes(obj: Any, *, pickle_module: Any = pickle) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf, pickle_module=pickle_module, pickle_protocol=2)
+    return buf.getvalue()
+
+
+def _compact_cpu(t: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor owning just its elements (torch.save of a view writes the whole storage)."""
+    t = t.detach().cpu()
+    if not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.contiguous().clone()
+    return t
+
+
+def rewrite(obj: Any, *, where: str = "") -> tuple[Any, list[torch.Tensor]]:
+    """The object with each tensor replaced by a TensorReference, and the tensors in tid order."""
+    tensors: list[torch.Tensor] = []
+    seen: dict[int, Any] = {}
+
+    def walk(value: Any, path: str) -> Any:
+        if id(value) in seen:
+            return seen[id(value)]
+        if isinstance(value, torch.nn.Parameter) or (isinstance(value, torch.Tensor)
+                                                     and type(value) is not torch.Tensor):
+            raise CheckpointError(f"{path or 'the object'} is a {type(value).__name__}; store plain tensors "
+                                  "(module.state_dict() gives them), not Parameters or tensor subclasses")
+        if type(value) is torch.Tensor:
+            seen[id(value)] = TensorReference(len(tensors))
+            tensors.append(value)
+            return seen[id(value)]
+        if isinstance(value, dict):
+            out: dict[Any, Any] = {}
+            seen[id(value)] = out
+            for key, item in value.items():
+                out[walk(key, path)] = walk(item, f"{path}.{key}" if path else str(key))
+            return out
+        if isinstance(value, (list, tuple)):
+            out_list: list[Any] = []
+            seen[id(value)] = out_list
+            for i, item in enumerate(value):
+                out_list.append(walk(item, f"{path}[{i}]"))
+            return out_list
+        if isinstance(value, _SCALARS):
+            return value
+        raise CheckpointError(f"{path or 'the object'} is a {type(value).__name__}, which a checkpoint cannot "
+                              "hold; convert it to dicts, lists, numbers, strings or tensors")
+
+    return walk(obj, where), tensors
+
+
+def write_xser(obj: Any, main: Path, *, sink: FileSink = write_file) -> int:
+    """Write `obj` as xser at `main` (a new path); returns the number of tensor files.
+
+    One tensor is serialised at a time, so host memory peaks at about one tensor (the point of xser).
+    """
+    ref_data, tensors = rewrite(obj)
+    tensors_dir(main).mkdir(parents=True)
+    for tid, t in enumerate(tensors):
+        sink(tensor_file(main, tid), _to_bytes(_compact_cpu(t)))
+    sink(main, _to_bytes(ref_data, pickle_module=_PICKLE_MODULE))
+    return len(tensors)
+
+
+def write_torch(obj: Any, main: Path, *, sink: FileSink = write_file) -> int:
+    """Write `obj` as one torch.save file (format torch); same rules on what it may hold."""
+    ref_data, tensors = rewrite(obj)
+    sink(main, _to_bytes(resolve(ref_data, lambda tid: _compact_cpu(tensors[tid]))))
+    return 0
+
+
+def _safe_load(data: bytes | Path, *, what: Path, mmap: bool = False) -> Any:
+    source = data if isinstance(data, Path) else io.BytesIO(data)
+    try:
+        with torch.serialization.safe_globals([TensorReference]):
+            return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{what} holds objects a checkpoint may not contain, so it was not loaded "
+                              f"(nothing in it ran): {first}") from None
+    except (RuntimeError, EOFError, ValueError, OSError) as exc:
+        raise CheckpointError(f"{what} is not a readable torch file ({type(exc).__name__}: "
+                              f"{str(exc).strip()[:200]}); it is truncated or damaged") from None
+
+
+def _read(path: Path, files: dict[Path, FileRecord] | None, *, mmap: bool = False) -> Any:
+    """Load one torch file; checked against the manifest records when `files` is given."""
+    if files is None:
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing; the checkpoint is incomplete")
+        return _safe_load(path, what=path, mmap=mmap)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing; the checkpoint is incomplete, load an earlier one") from None
+    verify(path, data, files.get(path))
+    return _safe_load(data, what=path)
+
+
+def resolve(ref_data: Any, load: Callable[[int], torch.Tensor]) -> Any:
+    """Replace each TensorReference by load(tid); a tid referenced twice gives the same tensor."""
+    loaded: dict[int, torch.Tensor] = {}
+
+    def walk(value: Any) -> Any:
+        if type(value) is TensorReference:
+            tid = value.__dict__.get("tid")
+            if type(tid) is not int or tid < 0:
+                raise CheckpointError(f"a TensorReference has tid {tid!r}, not a non-negative int; "
+                                      "the file is damaged")
+            if tid not in loaded:
+                loaded[tid] = load(tid)
+            return loaded[tid]
+        if isinstance(value, dict):
+            return {k: walk(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [walk(v) for v in value]
+        if isinstance(value, tuple):
+            return tuple(walk(v) for v in value)
+        return value
+
+    return walk(ref_data)
+
+
+def read_xser(main: Path, *, files: dict[Path, FileRecord] | None = None, mmap: bool = False) -> Any:
+    """Read an xser main file and its tensors (CPU), ours or torch_xla's; plain torch files too.
+
+    `files`: manifest records by absolute path; every file read must match its record.
+    `mmap`: map tensor files instead of reading them (cheap shapes for inspect; no verification).
+    """
+    ref_data = _read(main, files, mmap=mmap)
+
+    def load(tid: int) -> torch.Tensor:
+        path = tensor_file(main, tid)
+        tensor = _read(path, files, mmap=mmap)
+        if type(tensor) is not torch.Tensor:
+            raise CheckpointError(f"{path} holds a {type(tensor).__name__}, not one tensor; the checkpoint "
+                                  "is damaged")
+        return tensor
+
+    return resolve(ref_data, load)
+
+
+def iter_tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """(dotted name, tensor) for every tensor in a loaded object, in traversal order."""
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from iter_tensors(value, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield from iter_tensors(value, f"{prefix}.{i}" if prefix else str(i))

@@ -1,0 +1,49 @@
+"""Rotary position embeddings (RoPE), with partial rotation as in GPT-NeoX / Pythia.
+
+Megatron's RotaryEmbedding and apply_rotary_pos_emb (non-interleaved): the first
+rot = int(head_dim * rotary_percent) dims of each head are rotated, the rest pass through.
+Within the rotated part, dim i pairs with dim i + rot/2 and turns by position * base^(-2i/rot)
+(the "rotate_half" layout). Tables are built for max_position_embeddings once, in fp32.
+
+Shape legend: B batch, nh heads (local to the TP rank), S sequence, hd head dim, rot rotated dims.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ROTARY_BASE = 10000.0
+"""Megatron's --rotary-base default."""
+
+
+def rotary_dims(head_dim: int, *, rotary_percent: float) -> int:
+    """Rotated dims per head; ValueError unless it is a positive even number."""
+    rot = int(head_dim * rotary_percent)
+    if rot <= 0 or rot % 2:
+        raise ValueError(f"rotary_percent {rotary_percent} of head dim {head_dim} gives {rot} rotated dims; "
+                         f"it must be a positive even number")
+    return rot
+
+
+def rotary_tables(rot: int, *, max_positions: int, base: float = ROTARY_BASE) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin), each (max_positions, rot) fp32, laid out [freqs, freqs] to match rotate_half."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))  # (rot/2,)
+    angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)  # (P, rot/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (P, rot)
+    return angles.cos().float(), angles.sin().float()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first cos.shape[-1] dims of x (B, nh, S, hd) by the tables' first S rows."""
+    rot = cos.shape[-1]
+    s = x.shape[-2]
+    cos, sin = cos[:s].to(x.dtype), sin[:s].to(x.dtype)  # (S, rot), broadcast over B and nh
+    if rot == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    return torch.cat([x_rot * cos + _rotate_half(x_rot) * sin, x_pass], dim=-1)

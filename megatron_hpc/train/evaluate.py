@@ -1,0 +1,159 @@
+"""Validation: every train.eval_interval steps and at the last step, eval_iters global batches without grad.
+
+As Megatron's evaluate(): each eval iteration runs one global batch (this rank's micro-batches), the
+loss is the mean over micro-batches, eval iterations and DP replicas, and the last rank prints the
+block of evaluate_and_print_results (shared/reference/megatron-and-launchers.md 4.1). The final
+evaluation is skipped when the last step already was an interval step, and its prefix is
+"iteration N" like the others.
+
+Samples: evaluation k (k = (iteration - 1) // eval_interval, so a resumed run reads what an
+uninterrupted one would) reads valid global batches [k * eval_iters, (k + 1) * eval_iters), split
+over micro-batches and DP ranks as training splits its batches. Indexed data reads the valid split,
+built for Megatron's count (train_iters // eval_interval + 1) * eval_iters * global_batch_size
+(get_train_valid_test_num_samples), so its index cache matches a Megatron run's. Synthetic data reads
+sample ids offset by VALID_SAMPLE_OFFSET, a range training never reaches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_hpc.config.schema import RunConfig
+from megatron_hpc.data.blending import BlendedDataset, build_split_dataset
+from megatron_hpc.data.gpt_dataset import GPTDataset, GPTIndexConfig, split_matrix
+from megatron_hpc.data.synthetic import SyntheticTokens, micro_batch_indices
+from megatron_hpc.errors import DataError
+from megatron_hpc.parallel.context import ParallelContext
+from megatron_hpc.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron_hpc.parallel.device import DeviceInfo, step_barrier
+from megatron_hpc.train.metrics import MetricsLogger
+
+VALID_SAMPLE_OFFSET = 10**12
+"""Synthetic validation sample ids start here; training would need 10^12 samples to reach them."""
+
+
+class _Batches(Protocol):
+    def batch(self, indices: Sequence[int]) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True, slots=True)
+class _OffsetSynthetic:
+    tokens: SyntheticTokens
+
+    def batch(self, indices: Sequence[int]) -> torch.Tensor:
+        return self.tokens.batch([VALID_SAMPLE_OFFSET + i for i in indices])
+
+
+@dataclass(frozen=True, slots=True)
+class _ValidSplit:
+    dataset: GPTDataset | BlendedDataset
+
+    def batch(self, indices: Sequence[int]) -> torch.Tensor:
+        return torch.from_numpy(np.stack([self.dataset.text(i) for i in indices]))
+
+
+def num_valid_samples(*, train_iters: int, eval_interval: int, eval_iters: int, global_batch_size: int) -> int:
+    """Megatron's valid sample count: one evaluation per interval plus the final one."""
+    return (train_iters // eval_interval + 1) * eval_iters * global_batch_size
+
+
+@dataclass(kw_only=True)
+class Evaluator:
+    data: _Batches | None
+    """Valid batches, or None when validation is off."""
+    interval: int
+    eval_iters: int
+    train_iters: int
+    """Steps of this phase: the last one is always evaluated."""
+    micro_batch_size: int
+    global_batch_size: int
+    ctx: ParallelContext
+    device: DeviceInfo
+    autocast_dtype: torch.dtype | None
+    metrics: MetricsLogger
+
+    def should_evaluate(self, iteration: int) -> bool:
+        if self.data is None:
+            return False
+        return iteration % self.interval == 0 or iteration == self.train_iters
+
+    def maybe_evaluate(self, iteration: int, model: nn.Module) -> float | None:
+        """Evaluate after step `iteration` when it is due; returns the DP-averaged loss (all ranks)."""
+        if not self.should_evaluate(iteration):
+            return None
+        began = time.perf_counter()
+        loss = self.evaluate(model, index=(iteration - 1) // self.interval)
+        self.metrics.log_validation(iteration, lm_loss=loss)
+        self.metrics.exclude_time(time.perf_counter() - began)
+        return loss
+
+    def evaluate(self, model: nn.Module, *, index: int) -> float:
+        """Mean lm loss of evaluation `index`, averaged over eval_iters, micro-batches and DP."""
+        assert self.data is not None, "evaluate() needs validation data"
+        ctx, dev = self.ctx, self.device.device
+        num_micro = self.global_batch_size // (self.micro_batch_size * ctx.dp_size)
+        was_training = model.training
+        model.eval()
+        total = torch.zeros((), device=dev, dtype=torch.float32)
+        cast = (torch.autocast(self.device.kind, dtype=self.autocast_dtype) if self.autocast_dtype is not None
+                else contextlib.nullcontext())
+        with torch.no_grad():
+            for j in range(self.eval_iters):
+                for m in range(num_micro):
+                    ids = micro_batch_indices(index * self.eval_iters + j, micro=m,
+                                              micro_batch_size=self.micro_batch_size,
+                                              global_batch_size=self.global_batch_size,
+                                              dp_rank=ctx.dp_rank, dp_size=ctx.dp_size)
+                    tokens = self.data.batch(ids).to(dev)
+                    with cast:
+                        logits = model(tokens[:, :-1])  # (mbs, S, V/tp)
+                    total += vocab_parallel_cross_entropy(logits, tokens[:, 1:], group=ctx.tp_group).mean().float()
+                step_barrier(self.device)  # XLA: one graph per eval batch
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.dp_group)
+        model.train(was_training)
+        # Host sync, once per evaluation: the loss is printed.
+        return total.item() / (ctx.dp_size * num_micro * self.eval_iters)
+
+
+def _valid_data(cfg: RunConfig) -> _Batches | None:
+    tcfg = cfg.train
+    if cfg.data.source == "synthetic":
+        return _OffsetSynthetic(SyntheticTokens(vocab_size=cfg.model.vocab_size, seq_length=cfg.model.seq_length,
+                                                seed=tcfg.seed))
+    if not cfg.data.path:
+        raise DataError("data.source is indexed but data.path is not set; validation needs its valid split")
+    if split_matrix(cfg.data.split)[1] is None:
+        warnings.warn(f"train.eval_interval is {tcfg.eval_interval} but data.split {cfg.data.split!r} gives the "
+                      f"valid split no weight; validation is off (give the second weight a positive value)",
+                      stacklevel=3)
+        return None
+    count = num_valid_samples(train_iters=tcfg.num_steps, eval_interval=tcfg.eval_interval,
+                              eval_iters=tcfg.eval_iters, global_batch_size=tcfg.global_batch_size)
+    config = GPTIndexConfig(seed=tcfg.seed, seq_length=cfg.model.seq_length, split=cfg.data.split,
+                            cache_path=cfg.data.cache_path)
+    dataset = build_split_dataset(cfg.data.path, split_name="valid", num_samples=count, config=config)
+    if len(dataset) < count:
+        raise DataError(f"the valid split of {cfg.data.path} gives {len(dataset)} samples, {count} are needed; "
+                        f"this is a bug in the index build")
+    return _ValidSplit(dataset)
+
+
+def build_evaluator(cfg: RunConfig, ctx: ParallelContext, *, device: DeviceInfo, autocast_dtype: torch.dtype | None,
+                    train_iters: int, metrics: MetricsLogger) -> Evaluator:
+    """The evaluator of this phase; it does nothing when train.eval_interval or eval_iters is 0."""
+    tcfg = cfg.train
+    enabled = tcfg.eval_interval > 0 and tcfg.eval_iters > 0
+    return Evaluator(data=_valid_data(cfg) if enabled else None, interval=max(1, tcfg.eval_interval),
+                     eval_iters=tcfg.eval_iters, train_iters=train_iters, micro_batch_size=tcfg.micro_batch_size,
+                     global_batch_size=tcfg.global_batch_size, ctx=ctx, device=device, autocast_dtype=autocast_dtype,
+                     metrics=metrics)

@@ -1,0 +1,91 @@
+"""TensorBoard event files of a run, written by the last rank under <run folder>/tensorboard.
+
+Scalar names are Megatron's where it has one (training.py::training_log and
+evaluate_and_print_results): "learning-rate", "batch-size", "lm loss", "loss-scale", "grad-norm",
+"iteration-time", "throughput" (TFLOP/s per worker), "mem-max-allocated-bytes", "lm loss validation",
+"lm loss validation ppl", plus the "... vs samples" twins keyed by consumed samples. Ours:
+"samples-per-second", "tokens-per-second", "tflops-per-worker", "mfu" (against the platform's dense
+bf16 peak, whatever the precision) and, on CPU, "mem-max-rss-bytes" (peak resident set size).
+Throughput scalars skip log intervals that hold the first steps of the process (warm-up).
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from megatron_hpc.config.platforms import get_platform
+
+if TYPE_CHECKING:
+    from megatron_hpc.train.metrics import IterationRecord
+
+
+def max_memory(device: torch.device) -> tuple[str, int] | None:
+    """(tag, bytes) of this process's peak memory: accelerator allocations, or RSS on the CPU."""
+    if device.type == "cpu":
+        # ru_maxrss is in KiB on Linux.
+        return "mem-max-rss-bytes", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if device.type == "cuda":
+        return "mem-max-allocated-bytes", int(torch.accelerator.max_memory_allocated(device.index))
+    return None  # XLA: reading device memory stats would cut the lazy graph
+
+
+class TensorBoardWriter:
+    """A SummaryWriter with the run's tag names; one per process, on the last rank only."""
+
+    def __init__(self, log_dir: Path, *, peak_tflops: float, device: torch.device):
+        from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only when asked for
+
+        self.log_dir = log_dir
+        self.peak_tflops, self.device = peak_tflops, device
+        self._writer: Any = SummaryWriter(log_dir=str(log_dir))
+
+    def _add(self, tag: str, value: float, step: int) -> None:
+        if math.isfinite(value):
+            self._writer.add_scalar(tag, value, step)
+
+    def iteration(self, rec: IterationRecord) -> None:
+        """Scalars of one logged interval; throughput only when it is past warm-up."""
+        it, samples = rec.iteration, rec.consumed_samples
+        for tag, value in (("learning-rate", rec.lr), ("batch-size", rec.global_batch_size),
+                           ("lm loss", rec.lm_loss)):
+            self._add(tag, value, it)
+            self._add(f"{tag} vs samples", value, samples)
+        self._add("loss-scale", rec.loss_scale, it)
+        self._add("grad-norm", rec.grad_norm, it)
+        if not rec.warmup and rec.elapsed_ms > 0:
+            self._add("iteration-time", rec.elapsed_ms / 1000.0, it)
+            self._add("samples-per-second", rec.global_batch_size / (rec.elapsed_ms / 1000.0), it)
+            self._add("tokens-per-second", rec.tokens_per_s, it)
+            self._add("tflops-per-worker", rec.tflops_per_worker, it)
+            self._add("throughput", rec.tflops_per_worker, it)
+            self._add("mfu", rec.tflops_per_worker / self.peak_tflops, it)
+        memory = max_memory(self.device)
+        if memory is not None:
+            self._add(memory[0], float(memory[1]), it)
+        self._writer.flush()
+
+    def validation(self, iteration: int, *, consumed_samples: int, lm_loss: float, ppl: float) -> None:
+        for tag, value in (("lm loss validation", lm_loss), ("lm loss validation ppl", ppl)):
+            self._add(tag, value, iteration)
+            self._add(f"{tag} vs samples", value, consumed_samples)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def open_tensorboard(run_dir: Path | None, *, enabled: bool, platform: str,
+                     device: torch.device) -> TensorBoardWriter | None:
+    """The writer for <run_dir>/tensorboard, or None when disabled, not the last rank, or no run folder.
+
+    MFU is taken against `platform`'s peak_tflops_bf16 (config/platforms.py).
+    """
+    if not enabled or run_dir is None:
+        return None
+    peak = get_platform(platform).peak_tflops_bf16
+    return TensorBoardWriter(run_dir / "tensorboard", peak_tflops=peak, device=device)

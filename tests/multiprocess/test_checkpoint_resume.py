@@ -1,0 +1,86 @@
+"""Stopping after 10 steps and resuming in new processes gives the losses of one 20-step run.
+
+Each resume runs in a fresh spawn (new interpreter, new process group), world 1 and TP=2.
+The LR schedule spans 20 steps in both (optim.lr_decay_iters), as when train_iters is raised on
+a resumed Megatron run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import mp_workers
+import pytest
+
+from megatron_hpc.checkpoint.loader import find_checkpoint
+from megatron_hpc.config.schema import CheckpointConfig, RunConfig
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _config(*, tp: int, num_steps: int, load: str | None = None) -> RunConfig:
+    cfg = mp_workers.tiny_config(tp=tp, num_steps=num_steps, micro_batch_size=8)  # one micro-batch: fewer collectives
+    return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, lr_decay_iters=20),
+                               checkpoint=CheckpointConfig(load=load, save_interval=5, keep_last=2))
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def resume_runs(rank: int, world: int, ports: list[int], plan: list[tuple[int, RunConfig, str]],
+                run_root: str) -> None:
+    """run_training for each (world size, config, name); world-1 entries run on rank 0 alone."""
+    from megatron_hpc.train.entry import run_training
+
+    for i, (size, cfg, name) in enumerate(plan):
+        if size == 1:
+            if rank == 0:
+                env = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+                assert run_training(cfg, run_dir=Path(run_root) / name) == 0  # a world of one, own port
+                os.environ.update(env)
+            continue
+        os.environ["MASTER_PORT"] = str(ports[i])
+        assert run_training(cfg, run_dir=Path(run_root) / name) == 0
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Path]]:
+    """Two spawns of two processes: first 20 steps and 10 steps, then (new processes) the resume."""
+    root = tmp_path_factory.mktemp("resume")
+    first, second = root / "first", root / "second"
+    plan1 = [(tp, _config(tp=tp, num_steps=n), f"{part}_tp{tp}") for tp in (2, 1)
+             for part, n in (("straight", 20), ("part1", 10))]
+    mp_workers.spawn(resume_runs, world=2, out_dir=first, num_ports=len(plan1), args=(plan1, str(first)))
+    plan2 = [(tp, _config(tp=tp, num_steps=20, load=str(first / f"part1_tp{tp}" / "checkpoints")), f"part2_tp{tp}")
+             for tp in (2, 1)]
+    mp_workers.spawn(resume_runs, world=2, out_dir=second, num_ports=len(plan2), args=(plan2, str(second)))
+    return {f"tp{tp}": {"straight": first / f"straight_tp{tp}", "part1": first / f"part1_tp{tp}",
+                        "part2": second / f"part2_tp{tp}"} for tp in (1, 2)}
+
+
+@pytest.mark.parametrize("mesh", ["tp1", "tp2"])
+def test_resumed_losses_identical(runs: dict[str, dict[str, Path]], mesh: str) -> None:
+    runs = runs[mesh]
+    straight, part1, part2 = (_metrics(runs[k]) for k in ("straight", "part1", "part2"))
+    assert [r["iteration"] for r in part1] == list(range(1, 11))
+    assert [r["iteration"] for r in part2] == list(range(11, 21))
+    assert [r["consumed_samples"] for r in part2] == [8 * i for i in range(11, 21)]
+    for key in ("lm_loss", "grad_norm", "lr"):
+        assert [r[key] for r in part1 + part2] == [r[key] for r in straight], key
+
+
+@pytest.mark.parametrize("mesh", ["tp1", "tp2"])
+def test_saves_follow_interval_and_keep_last(runs: dict[str, dict[str, Path]], mesh: str) -> None:
+    runs = runs[mesh]
+    # part1 saved 5 and 10 (its end); the resumed run saved 15 and 20 into its own folder.
+    part1 = runs["part1"] / "checkpoints"
+    assert sorted(p.name for p in part1.iterdir()) == ["iter_0000005", "iter_0000010",
+                                                      "latest_checkpointed_iteration.txt"]
+    straight = runs["straight"] / "checkpoints"
+    assert sorted(p.name for p in straight.iterdir() if p.is_dir()) == ["iter_0000015", "iter_0000020"]
+    found = find_checkpoint(runs["part2"] / "checkpoints")
+    assert found is not None and found.iteration == 20

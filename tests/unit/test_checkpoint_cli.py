@@ -1,0 +1,37 @@
+"""`megatron-hpc ckpt inspect` on a checkpoint folder and on a single xser file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_hpc.checkpoint.ranks import RankInfo
+from megatron_hpc.checkpoint.saver import save_checkpoint
+from megatron_hpc.checkpoint.xser import write_xser
+from megatron_hpc.cli.main import main
+
+
+def test_inspect_folder_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    state = {"iteration": 12, "tensor_model_parallel_size": 1,
+             "model": {"wte.weight": torch.zeros(8, 4), "ln.bias": torch.zeros(4, dtype=torch.bfloat16)}}
+    save_checkpoint(tmp_path, 12, state, ranks=RankInfo())
+    assert main(["ckpt", "inspect", str(tmp_path), "--json", "--verify"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["iteration"], out["tensor_parallel"], out["data_parallel"]) == (12, 1, 1)
+    assert [(t["name"], t["shape"], t["dtype"]) for t in out["tensors"]] == [
+        ("model.wte.weight", [8, 4], "float32"), ("model.ln.bias", [4], "bfloat16")]
+
+
+def test_inspect_single_file_text(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_xser({"iteration": 3, "model": {"w": torch.ones(2, 3)}}, tmp_path / "model_optim_rng.pt")
+    assert main(["ckpt", "inspect", str(tmp_path / "model_optim_rng.pt")]) == 0
+    out = capsys.readouterr().out
+    assert "iteration   3 (xser)" in out and "model.w" in out and "(2, 3)" in out
+
+
+def test_inspect_not_a_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["ckpt", "inspect", str(tmp_path)]) == 1
+    assert "is not a checkpoint" in capsys.readouterr().err

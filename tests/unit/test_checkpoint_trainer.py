@@ -1,0 +1,88 @@
+"""The trainer's checkpoint calls, in this process (a world of one): when it saves, full disks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from megatron_hpc.checkpoint import paths
+from megatron_hpc.config.schema import (
+    CheckpointConfig,
+    CompilePhaseConfig,
+    ModelConfig,
+    OptimConfig,
+    RunConfig,
+    TrainConfig,
+)
+from megatron_hpc.errors import CheckpointError
+from megatron_hpc.train.entry import run_training
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _single_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in (*TORCHRUN_VARS, "NEURON_EXTRACT_GRAPHS_ONLY"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _tiny(num_steps: int = 4, **ckpt: object) -> RunConfig:
+    return RunConfig(
+        name="tiny",
+        model=ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
+                          max_position_embeddings=32, vocab_size=500),
+        train=TrainConfig(num_steps=num_steps, micro_batch_size=8, global_batch_size=8),
+        optim=OptimConfig(lr=3e-3),
+        checkpoint=CheckpointConfig(**ckpt),
+        compile=CompilePhaseConfig(num_steps=2),
+    )
+
+
+def _iterations(run_dir: Path) -> list[int]:
+    return [json.loads(line)["iteration"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_saves_at_interval_and_end_into_run_dir(tmp_path: Path) -> None:
+    run_training(_tiny(num_steps=5, save_interval=2, keep_last=5), run_dir=tmp_path)
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000002", "iter_0000004", "iter_0000005", paths.TRACKER]
+    # Same recipe again: it resumes at 5, trains nothing and saves nothing new.
+    run_training(_tiny(num_steps=5, save_interval=2, keep_last=5), run_dir=tmp_path)
+    assert _iterations(tmp_path) == [1, 2, 3, 4, 5]
+
+
+def test_no_saves_in_compile_phase_or_graph_extraction(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run_training(_tiny(save_interval=1), phase="compile", run_dir=tmp_path / "compile")
+    monkeypatch.setenv("NEURON_EXTRACT_GRAPHS_ONLY", "1")
+    run_training(_tiny(save_interval=1), run_dir=tmp_path / "extract")
+    assert not (tmp_path / "compile" / "checkpoints").exists()
+    assert not (tmp_path / "extract" / "checkpoints").exists()
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A 2 MiB tmpfs: smaller than one checkpoint of the tiny model (about 1.9 MB)."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], check=True, capture_output=True)
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_full_disk_continue_keeps_training(tmp_path: Path, small_disk: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = _tiny(num_steps=4, save=str(small_disk), save_interval=2, on_save_failure="continue")
+    assert run_training(cfg, run_dir=tmp_path) == 0
+    assert _iterations(tmp_path) == [1, 2, 3, 4]
+    assert list(small_disk.iterdir()) == []  # the failed saves left nothing behind
+    assert capsys.readouterr().err.count("No space left on device") == 2
+
+
+def test_full_disk_stop_raises(tmp_path: Path, small_disk: Path) -> None:
+    cfg = _tiny(num_steps=4, save=str(small_disk), save_interval=2)
+    with pytest.raises(CheckpointError, match=r"saving checkpoint 2 .*No space left on device"):
+        run_training(cfg, run_dir=tmp_path)
+    assert _iterations(tmp_path) == [1, 2]
