@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from megatron_hpc.config.schema import OptimConfig
+from megatron_hpc.parallel.device import apex_available
 
 
 def param_groups(model: nn.Module, *, weight_decay: float) -> list[dict]:
@@ -20,10 +21,21 @@ def param_groups(model: nn.Module, *, weight_decay: float) -> list[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, *, optim: OptimConfig) -> torch.optim.AdamW:
-    """AdamW over the local shards; the LR is set by the loop before every step."""
-    return torch.optim.AdamW(param_groups(model, weight_decay=optim.weight_decay), lr=optim.lr,
-                             betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps)
+def build_optimizer(model: nn.Module, *, optim: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW over the local shards; the LR is set by the loop before every step.
+
+    apex's FusedAdam (AdamW mode) on CUDA when apex imports; otherwise torch's fused AdamW, one
+    kernel for all parameters, on CPU and CUDA; the plain implementation on XLA, whose compiler
+    fuses the update itself.
+    """
+    groups = param_groups(model, weight_decay=optim.weight_decay)
+    kwargs = dict(lr=optim.lr, betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps)
+    kind = next(model.parameters()).device.type
+    if kind == "cuda" and apex_available():
+        from apex.optimizers import FusedAdam
+
+        return FusedAdam(groups, adam_w_mode=True, **kwargs)
+    return torch.optim.AdamW(groups, fused=kind in ("cpu", "cuda"), **kwargs)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -31,6 +31,7 @@ def test_no_decay_on_biases_and_norms(ctx: ParallelContext) -> None:
                     optim=OptimConfig(lr=1e-3, weight_decay=0.1))
     model, _ = build_model(cfg, ctx, device=torch.device("cpu"))
     opt = build_optimizer(model, optim=cfg.optim)
+    assert opt.defaults["fused"] is True  # torch's fused AdamW kernel on CPU (no apex here)
     decay_of = {id(p): g["weight_decay"] for g in opt.param_groups for p in g["params"]}
     names = dict(model.named_parameters())
     assert len(decay_of) == len(names)  # every parameter in exactly one group
