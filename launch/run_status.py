@@ -124,6 +124,13 @@ def _run(cmd: list[str]) -> str | None:
     return proc.stdout if proc.returncode == 0 else None
 
 
+def slurm_job_state(job_id: str, *, fallback: str) -> str:
+    """A job's state word from scontrol, then sacct; `fallback` when SLURM does not answer."""
+    entry = JobStatus(phase="", job_id=job_id, state=fallback)
+    _refresh_from_slurm(entry)
+    return entry.state
+
+
 def _refresh_from_slurm(entry: JobStatus) -> None:
     shown = _run(["scontrol", "show", "job", "-o", entry.job_id])
     if shown:

@@ -7,6 +7,7 @@ caller), the cluster tools, and that the run folder is writable. Never imports t
 from __future__ import annotations
 
 import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from typing import Literal
 from megatron_hpc.compile_cache.paths import cache_env, default_cache_root
 from megatron_hpc.launch.node_task import NodeTask
 from megatron_hpc.launch.run_dir import NODE_SCRIPT, python_bin_dir, write_json, write_script
+from megatron_hpc.launch.run_status import ENDED_STATES, slurm_job_state
 from megatron_hpc.launch.scripts import (
     SRUN_ARGS,
     SlurmOptions,
@@ -71,6 +73,7 @@ def check_cluster(cluster: Cluster, *, num_nodes: int, platform: Platform) -> No
         if missing:
             raise LaunchError(f"--cluster slurm needs {', '.join(missing)} on PATH, not found; "
                               "run on a SLURM login node, or use --cluster local to run on this machine")
+        _check_controller()
         return
     if num_nodes != 1:
         raise LaunchError(f"--cluster local runs on this one machine, but --nodes {num_nodes} was asked; "
@@ -78,6 +81,20 @@ def check_cluster(cluster: Cluster, *, num_nodes: int, platform: Platform) -> No
     if platform.backend == "xla" and shutil.which("neuron_parallel_compile") is None:
         raise LaunchError(f"--platform {platform.name} needs the Neuron SDK (neuron_parallel_compile not "
                           "found); use --platform cpu to run locally, or --dry-run to write the scripts")
+
+
+def _check_controller() -> None:
+    """A SLURM controller must answer before anything is written or queued."""
+    try:
+        proc = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=10, check=False)
+    except subprocess.TimeoutExpired:
+        raise LaunchError("no SLURM controller answered `scontrol ping` within 10 s; check the cluster, "
+                          "or use --cluster local to run on this machine") from None
+    if proc.returncode != 0 or "UP" not in proc.stdout:
+        said = [ln for ln in (proc.stderr + proc.stdout).strip().splitlines() if ln.strip("* ")]
+        raise LaunchError(f"no SLURM controller answers `scontrol ping` ({said[0] if said else 'no output'}); "
+                          "set SLURM_CONF to your cluster's slurm.conf, or use --cluster local to run on this "
+                          "machine")
 
 
 def write_run_files(req: SubmitRequest) -> tuple[PhaseSpec, ...]:
@@ -235,13 +252,11 @@ def _submit_slurm(req: SubmitRequest, phases: tuple[PhaseSpec, ...]) -> SubmitRe
 
 def _wait_slurm(result: SubmitResult, req: SubmitRequest, *, poll_s: float = 2.0) -> None:
     """Follow the jobs with sacct until each has ended; explain a failed compile."""
-    from megatron_hpc.launch.slurm_state import job_state
-
     pending = list(result.jobs)
     while pending:
         for entry in list(pending):
-            entry.state = job_state(entry.job_id)
-            if entry.state in _ENDED:
+            entry.state = slurm_job_state(entry.job_id, fallback=entry.state)
+            if entry.state in ENDED_STATES:
                 pending.remove(entry)
                 if entry.state != _FINISHED_OK and result.ok:
                     result.ok = False
@@ -250,6 +265,3 @@ def _wait_slurm(result: SubmitResult, req: SubmitRequest, *, poll_s: float = 2.0
         if pending:
             time.sleep(poll_s)
 
-
-_ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL",
-          "DEADLINE", "PREEMPTED"}

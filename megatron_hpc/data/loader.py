@@ -38,6 +38,8 @@ def max_token_id(prefix: str) -> int:
 def check_vocabulary(data_path: str, *, vocab_size: int) -> None:
     """DataError when some token id of the data does not fit an embedding of `vocab_size` rows."""
     for prefix in parse_blend(data_path).prefixes:
+        if np.iinfo(IndexedDataset(prefix).dtype).max < vocab_size:
+            continue  # every id this dtype can hold fits: no need to read the .bin
         largest = max_token_id(prefix)
         if largest >= vocab_size:
             raise DataError(f"{prefix}.bin holds token id {largest}, but model.vocab_size is {vocab_size}; the data "

@@ -56,7 +56,8 @@ def _build_data(cfg: RunConfig, ctx: ParallelContext) -> SyntheticTokens | Index
         return SyntheticTokens(vocab_size=cfg.model.vocab_size, seq_length=cfg.model.seq_length, seed=tcfg.seed)
     if cfg.data.source != "indexed":
         raise DataError(f"data.source {cfg.data.source!r} is not supported by the trainer; use synthetic or indexed")
-    if cfg.data.path:
+    if cfg.data.path and ctx.is_first_rank:
+        # One full read of every .bin is enough: rank 0's DataError ends the whole torchrun job.
         check_vocabulary(cfg.data.path, vocab_size=cfg.model.vocab_size)
     # Always the run phase's sample count, so a compile trial builds the run's index cache.
     return build_indexed_batches(cfg.data, seq_length=cfg.model.seq_length, seed=tcfg.seed, num_steps=tcfg.num_steps,

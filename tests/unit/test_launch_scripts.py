@@ -91,6 +91,19 @@ def test_slurm_without_sbatch_suggests_local(tmp_path, monkeypatch, capsys):
     assert not out.exists(), "nothing may be written or queued"
 
 
+def test_slurm_without_a_controller_is_refused_before_writing(tmp_path, monkeypatch, capsys):
+    # A slurm.conf whose controller is not running: the real scontrol (or its absence) stops submit cleanly.
+    conf = tmp_path / "slurm.conf"
+    conf.write_text("ClusterName=dead\nSlurmctldHost=localhost(127.0.0.1)\nSlurmctldPort=6999\nAuthType=auth/none\n"
+                    "CredType=cred/none\nNodeName=n1 CPUs=1\nPartitionName=p Nodes=ALL\n")
+    monkeypatch.setenv("SLURM_CONF", str(conf))
+    out = tmp_path / "never"
+    assert main(["submit", "--recipe", "tiny", "--cluster", "slurm", "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "--cluster local" in err and len(err.splitlines()) == 1
+    assert not out.exists()
+
+
 def test_local_with_several_nodes_is_refused(tmp_path, capsys):
     assert main(["submit", "--recipe", "tiny", "--cluster", "local", "--nodes", "2",
                  "--out", str(tmp_path / "x")]) == 1
