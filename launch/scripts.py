@@ -73,6 +73,8 @@ def sbatch_directives(spec: PhaseSpec, *, log_dir: str, options: SlurmOptions) -
         flags.append(("exclusive", None))
     if spec.requeue:
         flags.append(("requeue", None))
+    # The same warning signal submitit asks for, so a hand-submitted run also saves before its limit.
+    flags.append(("signal", f"USR2@{spec.signal_lead_s}"))
     for key, value in (("partition", options.partition), ("account", options.account),
                        ("qos", options.qos), ("exclude", options.exclude)):
         if value:

@@ -229,6 +229,7 @@ def _submit_slurm(req: SubmitRequest, phases: tuple[PhaseSpec, ...]) -> SubmitRe
         params: dict[str, object] = dict(
             job_name=spec.job_name, nodes=spec.num_nodes, ntasks_per_node=1,
             time=req.options.time_limit_min or spec.time_limit_min, srun_args=list(SRUN_ARGS),
+            signal_delay_s=spec.signal_lead_s,
             additional_parameters=extra,
         )
         if spec.exclusive:

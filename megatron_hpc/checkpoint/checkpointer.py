@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_hpc.checkpoint.loader import load_checkpoint
+from megatron_hpc.checkpoint.paths import iteration_dir
 from megatron_hpc.checkpoint.ranks import RankInfo
 from megatron_hpc.checkpoint.saver import save_checkpoint
 from megatron_hpc.checkpoint.state import ResumeState
@@ -127,8 +128,18 @@ class Checkpointer:
         """Save when iteration is a multiple of save_interval or the last one; True when saved."""
         ccfg = self.cfg.checkpoint
         due = (ccfg.save_interval > 0 and iteration % ccfg.save_interval == 0) or iteration == num_steps
-        if self.save_root is None or not due or iteration == self.last_saved:
+        if not due:
             return False
+        return self.save_now(iteration, model=model, optimizer=optimizer) is not None
+
+    def save_now(self, iteration: int, *, model: nn.Module, optimizer: torch.optim.Optimizer) -> str | None:
+        """Save this iteration (collective); the checkpoint folder, or None when there is nowhere to save
+        or the save failed with on_save_failure=continue. Saving an iteration already saved is a no-op."""
+        ccfg = self.cfg.checkpoint
+        if self.save_root is None:
+            return None
+        if iteration == self.last_saved:
+            return str(iteration_dir(self.save_root, iteration))
         resume = ResumeState.capture(step=iteration, consumed_samples=iteration * self.cfg.train.global_batch_size,
                                      device=self.device)
         state = build_state_dict(self.cfg, model=model, optimizer=optimizer, resume=resume,
@@ -143,7 +154,7 @@ class Checkpointer:
             if self.ctx.is_first_rank:
                 print(f"megatron-hpc: warning: {exc}; training continues (checkpoint.on_save_failure=continue)",
                       file=sys.stderr, flush=True)
-            return False
+            return None
         self.last_saved = iteration
         self._print(f"> saved checkpoint {folder} at iteration {iteration}")
-        return True
+        return str(folder)

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from megatron_hpc.config.loader import from_dict, load_recipe
 from megatron_hpc.config.schema import RunConfig
-from megatron_hpc.errors import ConfigError
+from megatron_hpc.errors import ConfigError, MegatronHpcError
+from megatron_hpc.run_markers import FATAL_FILE, write_marker
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,7 +43,15 @@ def load_run_config(args: argparse.Namespace) -> RunConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = load_run_config(args)
-    from megatron_hpc.train.entry import run_training
+    try:
+        cfg = load_run_config(args)
+        from megatron_hpc.train.entry import run_training
 
-    return run_training(cfg, phase=args.phase, run_dir=args.run_dir)
+        return run_training(cfg, phase=args.phase, run_dir=args.run_dir)
+    except MegatronHpcError as exc:
+        # Our own errors (config, data, checkpoint, divergence) come back on a retry: tell the node
+        # task not to requeue. Crashes and lost nodes leave no marker and are requeued.
+        if args.run_dir is not None and args.run_dir.is_dir():
+            write_marker(args.run_dir, FATAL_FILE, {"phase": args.phase, "error": str(exc)[:2000],
+                                                    "kind": type(exc).__name__})
+        raise

@@ -42,6 +42,8 @@ class PhaseSpec:
     time_limit_min: int = 60
     exclusive: bool = True
     requeue: bool = True
+    signal_lead_s: int = 90
+    """SLURM sends USR2 this long before the time limit (submitit's default): the run saves and requeues."""
 
 
 def master_port(job_id: int) -> int:

@@ -26,6 +26,7 @@ from megatron_hpc.train.metrics import IterationRecord, MetricsLogger
 from megatron_hpc.train.optim import build_optimizer, set_lr
 from megatron_hpc.train.precision import autocast_dtype_for, build_loss_scaler
 from megatron_hpc.train.step import train_step
+from megatron_hpc.train.stop import StopDecision, StopWatch, record_stop
 from megatron_hpc.train.tensorboard import open_tensorboard
 
 Phase = Literal["compile", "run"]
@@ -39,6 +40,8 @@ class TrainSummary:
     """Samples consumed across all DP ranks."""
     records: list[IterationRecord]
     """Every logged interval, on every rank (only the last rank prints them)."""
+    stopped: StopDecision | None = None
+    """Set when a signal or the time budget ended the run early (after a save)."""
 
 
 def build_model(cfg: RunConfig, ctx: ParallelContext, *, device: torch.device) -> tuple[GPT, int]:
@@ -99,6 +102,11 @@ def train(cfg: RunConfig, ctx: ParallelContext, *, device: DeviceInfo, phase: Ph
     loss_sum = torch.zeros((), device=device.device)
     nan_count = torch.zeros((), device=device.device)
     skipped_in_a_row = skipped_in_interval = 0
+    # Only the run phase stops early to save; XLA checks at log steps, where the host syncs anyway.
+    stopwatch = StopWatch(run_dir=run_dir, time_budget_min=cfg.checkpoint.time_budget_min,
+                          check_every=tcfg.log_interval if device.kind == "xla" else 1,
+                          is_first_rank=ctx.is_first_rank, device=device.device) if phase == "run" else None
+    stopped: StopDecision | None = None
     model.train()
     metrics.reset_clock(start)
     for step in range(start, num_steps):
@@ -140,5 +148,26 @@ def train(cfg: RunConfig, ctx: ParallelContext, *, device: DeviceInfo, phase: Ph
             nan_count.zero_()
         evaluator.maybe_evaluate(iteration, model)
         ckpt.maybe_save(step + 1, model=model, optimizer=optimizer, num_steps=num_steps)
+        stopped = stopwatch.check(iteration) if stopwatch is not None and iteration < num_steps else None
+        if stopped is not None:
+            _stop_early(stopped, ckpt=ckpt, model=model, optimizer=optimizer, run_dir=run_dir,
+                        first_rank=ctx.is_first_rank, out=out)
+            break
+    if stopwatch is not None:
+        stopwatch.close()
     metrics.close()
-    return TrainSummary(steps=num_steps, consumed_samples=num_steps * tcfg.global_batch_size, records=records)
+    steps = stopped.iteration if stopped is not None else num_steps
+    return TrainSummary(steps=steps, consumed_samples=steps * tcfg.global_batch_size, records=records,
+                        stopped=stopped)
+
+
+def _stop_early(decision: StopDecision, *, ckpt: Checkpointer, model: torch.nn.Module,
+                optimizer: torch.optim.Optimizer, run_dir: Path | None, first_rank: bool, out: TextIO) -> None:
+    """Save at the agreed iteration, then leave a stopped.json for the node task (which requeues)."""
+    folder = ckpt.save_now(decision.iteration, model=model, optimizer=optimizer)
+    if not first_rank:
+        return
+    where = f"checkpoint {folder}" if folder else "no checkpoint (no save folder)"
+    print(f"> stopping at iteration {decision.iteration} on {decision.reason}: {where}", file=out, flush=True)
+    if run_dir is not None:
+        record_stop(run_dir, decision, checkpoint=folder)

@@ -38,8 +38,33 @@ if ! ulimit -n {{nofile_limit}} 2>/dev/null; then
 fi
 echo "megatron-hpc: $PHASE phase, node $NODE_RANK of $NNODES, master $MASTER_ADDR:$MASTER_PORT, job $JOB_ID" | tee -a "$LOG"
 
+# SLURM asks a run to stop with USR2 (submitit's --signal, before the time limit) or TERM (preemption,
+# scontrol requeue). The workers get the signal too and save at the next step boundary; this script
+# survives it, leaves a stop request for rank 0 (in case the workers were not signalled), and waits.
+request_stop() {
+  local job=null
+  [ -n "${SLURM_JOB_ID:-}" ] && job="\"$SLURM_JOB_ID\""
+  printf '{"job_id": %s, "attempt": %s, "signal": "%s"}\n' "$job" "${SLURM_RESTART_COUNT:-0}" "$1" \
+    > "$RUN_DIR/.stop-request.$$" && mv -f "$RUN_DIR/.stop-request.$$" "$RUN_DIR/stop-request"
+  echo "megatron-hpc: node $NODE_RANK got SIG$1; the workers save at the next step" | tee -a "$LOG"
+}
+rm -f "$RUN_DIR/stop-request"  # an earlier attempt's request is not for this one
+trap 'request_stop USR2' USR2
+trap 'request_stop TERM' TERM
+
 # tee keeps the workers' output on stdout, where neuron_parallel_compile parses the graph list.
-torchrun --nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node={{nproc_per_node}} \
-  --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT" \
-  -m megatron_hpc train --run-dir "$RUN_DIR" --phase "$PHASE" 2>&1 | tee -a "$LOG"
+# In the background so that the traps run at once; `wait` returns early on each trapped signal.
+# torchrun ignores USR2 (its default would kill it under the saving workers, which install their
+# own handler); tee ignores both signals, or the workers' next print would hit a closed pipe.
+( trap '' USR2; exec torchrun --nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node={{nproc_per_node}} \
+    --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT" \
+    -m megatron_hpc train --run-dir "$RUN_DIR" --phase "$PHASE" ) 2>&1 \
+  | ( trap '' USR2 TERM; exec tee -a "$LOG" ) &
+PHASE_PID=$!
+wait "$PHASE_PID"; STATUS=$?
+while kill -0 "$PHASE_PID" 2>/dev/null; do wait "$PHASE_PID"; STATUS=$?; done
+
+# Finish, fail, or requeue the job to resume from its checkpoint (launch/requeue.py says which).
+python -m megatron_hpc.launch.requeue --run-dir "$RUN_DIR" --phase "$PHASE" --exit-code "$STATUS" 2>&1 \
+  | tee -a "$LOG"
 exit "${PIPESTATUS[0]}"

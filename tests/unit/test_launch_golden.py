@@ -75,7 +75,7 @@ def test_node_environment_matches_the_reference(tmp_path):
 def test_torchrun_arguments_match_the_reference(tmp_path):
     node = (render(tmp_path) / "node.sh").read_text()
     joined = re.sub(r"\\\n\s*", " ", node)
-    (line,) = [ln for ln in joined.splitlines() if ln.strip().startswith("torchrun ")]
+    (line,) = [ln for ln in joined.splitlines() if "exec torchrun " in ln or ln.strip().startswith("torchrun ")]
     args = dict(re.findall(r"--(\w+)=\"?([^\s\"]+)\"?", line))
     for key, value in GOLDEN["reference"]["torchrun"].items():
         assert args[key] == value, key

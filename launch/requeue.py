@@ -1,0 +1,158 @@
+"""After a phase ends on a node: finish, fail, or requeue the SLURM job so that it resumes.
+
+The node script runs `python -m megatron_hpc.launch.requeue` once torchrun has exited, in jobs
+submitted by `submit` and in dry-run scripts submitted by hand alike. Requeueing keeps the job id
+(`scontrol requeue`), SLURM starts it again with SLURM_RESTART_COUNT + 1, and the trainer resumes from
+the newest complete checkpoint.
+
+- The trainer stopped early (stopped.json of this attempt: SLURM's warning signal, SIGTERM, or the
+  time budget) after saving: node 0 requeues, up to the limit.
+- The phase failed without a fatal.json (a crash, a lost peer, an OOM kill): a run phase is requeued
+  by the failing node, up to the limit. Our own errors (config, data, checkpoint) write fatal.json and
+  are never retried; a compile phase that fails is never retried either (the run job is cancelled).
+- A job that is no longer RUNNING (cancelled by a person, or already requeued by SLURM) is left alone.
+
+No torch import: this runs on every node after the workers are gone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from megatron_hpc.run_markers import FATAL_FILE, STOPPED_FILE, job_attempt, read_marker
+
+DEFAULT_MAX_REQUEUES = 3
+ATTEMPTS_FILE = "attempts.jsonl"
+Action = Literal["done", "requeue", "fail"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Outcome:
+    phase: str
+    exit_code: int
+    node_rank: int
+    attempt: int
+    """SLURM_RESTART_COUNT: how many times this job was requeued already."""
+    max_requeues: int
+    on_slurm: bool
+    stopped: dict[str, Any] | None = None
+    fatal: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Decision:
+    action: Action
+    message: str
+
+
+def decide(o: Outcome) -> Decision:
+    """What to do with the job after this node's phase ended. Pure."""
+    room = o.attempt < o.max_requeues
+    limit = f"requeue limit of {o.max_requeues} reached (launch.max_requeues / the profile's max_requeues)"
+    if o.stopped is not None:
+        where = f"at iteration {o.stopped.get('iteration')} on {o.stopped.get('reason')}"
+        saved = o.stopped.get("checkpoint") or "no checkpoint"
+        if not o.on_slurm:
+            return Decision(action="fail", message=f"stopped {where} ({saved}); continue with "
+                                                   "`megatron-hpc submit --resume RUN`")
+        if o.node_rank != 0:
+            return Decision(action="done", message=f"stopped {where}; node 0 requeues the job")
+        if not room:
+            return Decision(action="fail", message=f"stopped {where} ({saved}); not requeued: {limit}; "
+                                                   "continue with `megatron-hpc submit --resume RUN`")
+        return Decision(action="requeue", message=f"stopped {where} ({saved}); requeueing to resume "
+                                                  f"(requeue {o.attempt + 1} of {o.max_requeues})")
+    if o.exit_code == 0:
+        return Decision(action="done", message=f"{o.phase} phase finished")
+    failed = f"{o.phase} phase failed (exit {o.exit_code})"
+    if o.fatal is not None:
+        return Decision(action="fail", message=f"{failed}: {o.fatal.get('kind', 'error')}; not requeued, "
+                                               "a retry would fail the same way")
+    if o.phase != "run" or not o.on_slurm:
+        return Decision(action="fail", message=failed)
+    if not room:
+        return Decision(action="fail", message=f"{failed}; not requeued: {limit}")
+    return Decision(action="requeue", message=f"{failed}; requeueing to resume from the last checkpoint "
+                                              f"(requeue {o.attempt + 1} of {o.max_requeues})")
+
+
+def read_outcome(run_dir: Path, *, phase: str, exit_code: int, environ: dict[str, str] | None = None) -> Outcome:
+    env = dict(os.environ if environ is None else environ)
+    limit = env.get("MEGATRON_HPC_MAX_REQUEUES", "")
+    return Outcome(phase=phase, exit_code=exit_code, node_rank=int(env.get("SLURM_NODEID", "0") or 0),
+                   attempt=job_attempt(env)["attempt"],
+                   max_requeues=int(limit) if limit.isdigit() else DEFAULT_MAX_REQUEUES,
+                   on_slurm=bool(env.get("SLURM_JOB_ID")),
+                   stopped=read_marker(run_dir, STOPPED_FILE, env) if phase == "run" else None,
+                   fatal=read_marker(run_dir, FATAL_FILE, env))
+
+
+def job_state(job_id: str) -> str | None:
+    """JobState from `scontrol show job` (the controller's live view), or None when it cannot say."""
+    try:
+        proc = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
+                              timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    for token in proc.stdout.split():
+        if token.startswith("JobState="):
+            return token.split("=", 1)[1]
+    return None
+
+
+def requeue(job_id: str) -> tuple[bool, str]:
+    """`scontrol requeue JOB` when the job is still RUNNING; (done, why not)."""
+    state = job_state(job_id)
+    if state != "RUNNING":
+        return False, f"job {job_id} is {state or 'unknown to scontrol'}, not RUNNING: left as it is"
+    proc = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60, check=False)
+    if proc.returncode != 0:
+        return False, f"`scontrol requeue {job_id}` failed: {(proc.stderr or proc.stdout).strip()}"
+    return True, ""
+
+
+def record_attempt(run_dir: Path, outcome: Outcome, decision: Decision, *, requeued: bool) -> None:
+    """One line per node-0 phase end, for `status` and for people reading the run folder."""
+    line = {"time": time.time(), "phase": outcome.phase, **job_attempt(), "exit_code": outcome.exit_code,
+            "action": decision.action, "requeued": requeued, "message": decision.message,
+            "iteration": (outcome.stopped or {}).get("iteration")}
+    with (run_dir / ATTEMPTS_FILE).open("a") as fh:  # one short append: atomic enough on local and NFS
+        fh.write(json.dumps(line) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron_hpc.launch.requeue",
+                                     description="Finish, fail or requeue the job after a phase ended on this node.")
+    parser.add_argument("--run-dir", type=Path, required=True)
+    parser.add_argument("--phase", required=True, choices=("compile", "run"))
+    parser.add_argument("--exit-code", type=int, required=True, help="the phase's exit code on this node")
+    args = parser.parse_args(argv)
+    outcome = read_outcome(args.run_dir, phase=args.phase, exit_code=args.exit_code)
+    decision = decide(outcome)
+    requeued = False
+    message = decision.message
+    if decision.action == "requeue":
+        requeued, why_not = requeue(os.environ["SLURM_JOB_ID"])
+        if not requeued:
+            message += f"; {why_not}"
+    if outcome.node_rank == 0:
+        record_attempt(args.run_dir, outcome, decision, requeued=requeued)
+    # A stopped run that is not requeued is the phase's reason for failing: say it as an error, which
+    # `submit` quotes. A plain failure is explained by the trainer's own output, so stay quieter.
+    prefix = "megatron-hpc: error: " if decision.action == "fail" and outcome.stopped else "megatron-hpc: "
+    print(prefix + message, file=sys.stderr if decision.action == "fail" else sys.stdout, flush=True)
+    if decision.action == "done" or requeued:
+        return 0
+    return outcome.exit_code or 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

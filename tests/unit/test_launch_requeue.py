@@ -1,0 +1,85 @@
+"""What happens to a SLURM job after its phase ended on a node (launch/requeue.py decide)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from megatron_hpc.launch.requeue import Outcome, decide, read_outcome
+
+from megatron_hpc.run_markers import FATAL_FILE, STOPPED_FILE, read_marker, write_marker
+
+STOPPED = {"iteration": 40, "reason": "signal SIGUSR2", "checkpoint": "/runs/x/checkpoints/iter_0000040"}
+
+
+def outcome(**kw) -> Outcome:
+    base = dict(phase="run", exit_code=0, node_rank=0, attempt=0, max_requeues=3, on_slurm=True)
+    return Outcome(**{**base, **kw})
+
+
+def test_a_finished_phase_is_done():
+    assert decide(outcome()).action == "done"
+    assert decide(outcome(phase="compile")).action == "done"
+
+
+def test_an_early_stop_is_requeued_by_node_0_only():
+    first = decide(outcome(stopped=STOPPED))
+    assert first.action == "requeue"
+    assert "iteration 40" in first.message and "requeue 1 of 3" in first.message
+    other = decide(outcome(stopped=STOPPED, node_rank=1))
+    assert other.action == "done"
+
+
+def test_an_early_stop_counts_against_the_requeue_limit():
+    assert decide(outcome(stopped=STOPPED, attempt=2)).action == "requeue"
+    last = decide(outcome(stopped=STOPPED, attempt=3))
+    assert last.action == "fail"
+    assert "limit of 3" in last.message and "--resume" in last.message
+
+
+def test_an_early_stop_outside_slurm_says_how_to_continue():
+    d = decide(outcome(stopped=STOPPED, on_slurm=False))
+    assert d.action == "fail" and "submit --resume" in d.message
+
+
+def test_a_crash_of_the_run_phase_is_requeued_but_not_our_own_errors():
+    assert decide(outcome(exit_code=1)).action == "requeue"
+    fatal = decide(outcome(exit_code=1, fatal={"kind": "DataError", "error": "missing file"}))
+    assert fatal.action == "fail" and "DataError" in fatal.message
+    assert decide(outcome(exit_code=137, attempt=3)).action == "fail"
+
+
+def test_a_failed_compile_is_never_requeued():
+    # the run job depends on it (afterok) and SLURM cancels it; retrying would hide the failure
+    assert decide(outcome(phase="compile", exit_code=1)).action == "fail"
+
+
+def test_markers_from_another_attempt_are_ignored(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    write_marker(tmp_path, STOPPED_FILE, {"iteration": 12})
+    assert read_marker(tmp_path, STOPPED_FILE)["iteration"] == 12
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")  # the requeued attempt must not requeue again on it
+    assert read_marker(tmp_path, STOPPED_FILE) is None
+    monkeypatch.setenv("SLURM_JOB_ID", "78")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    assert read_marker(tmp_path, STOPPED_FILE) is None
+
+
+def test_read_outcome_takes_the_limit_and_node_from_the_environment(tmp_path):
+    env = {"SLURM_JOB_ID": "5", "SLURM_RESTART_COUNT": "2", "SLURM_NODEID": "3", "MEGATRON_HPC_MAX_REQUEUES": "7"}
+    (tmp_path / FATAL_FILE).write_text(json.dumps({"job_id": "5", "attempt": 2, "kind": "ConfigError"}))
+    o = read_outcome(tmp_path, phase="run", exit_code=1, environ=env)
+    assert (o.attempt, o.node_rank, o.max_requeues, o.on_slurm) == (2, 3, 7, True)
+    assert o.fatal is not None and o.fatal["kind"] == "ConfigError"
+    assert o.stopped is None
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_the_cli_outside_slurm_passes_the_phase_exit_code_through(tmp_path, code):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    proc = subprocess.run([sys.executable, "-m", "megatron_hpc.launch.requeue", "--run-dir", str(tmp_path),
+                           "--phase", "run", "--exit-code", str(code)], env=env, capture_output=True, text=True)
+    assert proc.returncode == code
+    assert json.loads((tmp_path / "attempts.jsonl").read_text().splitlines()[-1])["exit_code"] == code
