@@ -1,8 +1,10 @@
 """Where a run stands: its jobs' SLURM state and the trainer's progress, read from the run folder.
 
 SLURM state comes from `scontrol show job` while the controller remembers the job (it also gives
-the requeue count), then from `sacct`; when neither answers, the state recorded at submit time is
-kept and marked stale. Progress comes from `metrics.jsonl`, which the last rank appends.
+the requeue count), then from `sacct`; when neither answers (no accounting database, and the
+controller has forgotten the job), from `attempts.jsonl`, which the node script appends when a phase
+ends on node 0; failing that, the state recorded at submit time, marked stale. Progress comes from
+`metrics.jsonl`, which the last rank appends; the last checkpoint from the checkpoint tracker.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megatron_hpc.checkpoint.paths import parse_tracker, tracker_file
 from megatron_hpc.errors import LaunchError
 
 ENDED_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL",
@@ -48,6 +51,8 @@ class RunStatus:
     plan: dict[str, Any]
     jobs: list[JobStatus] = field(default_factory=list)
     progress: Progress | None = None
+    last_checkpoint: str | None = None
+    """Folder of the newest complete checkpoint, per the tracker."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -78,13 +83,56 @@ def read_status(run_dir: Path) -> RunStatus:
     config = _read_json(run_dir / "config.json") or {}
     status = RunStatus(run_dir=str(run_dir), recipe=plan.get("recipe", config.get("name", "?")),
                        cluster=submission.get("cluster", "unknown"), plan=plan)
+    attempts = _read_attempts(run_dir)
     for job in submission["jobs"]:
         entry = JobStatus(phase=job["phase"], job_id=str(job["job_id"]), state=job.get("state", "UNKNOWN"))
         if status.cluster == "slurm":
             _refresh_from_slurm(entry)
+            if entry.source.startswith("submit"):
+                _refresh_from_attempts(entry, attempts)
         status.jobs.append(entry)
     status.progress = read_progress(run_dir, train_iters=config.get("train", {}).get("num_steps"))
+    save = (config.get("checkpoint") or {}).get("save")
+    status.last_checkpoint = last_checkpoint(Path(save).expanduser() if save else run_dir / "checkpoints")
     return status
+
+
+def last_checkpoint(root: Path) -> str | None:
+    """The folder the tracker names, when it exists (the trainer writes the tracker last)."""
+    try:
+        named = parse_tracker(tracker_file(root).read_text())
+    except OSError:
+        return None
+    if named is None:
+        return None
+    folder = root / (f"iter_{named:07d}" if isinstance(named, int) else named)
+    return str(folder) if folder.is_dir() else None
+
+
+def _read_attempts(run_dir: Path) -> list[dict[str, Any]]:
+    rows = []
+    try:
+        text = (run_dir / "attempts.jsonl").read_text()
+    except OSError:
+        return rows
+    for line in text.splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+_ACTION_STATE = {"done": "COMPLETED", "fail": "FAILED", "requeue": "REQUEUED"}
+
+
+def _refresh_from_attempts(entry: JobStatus, attempts: list[dict[str, Any]]) -> None:
+    """The last phase end node 0 recorded for this job, when SLURM has nothing to say."""
+    mine = [a for a in attempts if str(a.get("job_id")) == entry.job_id and a.get("phase") == entry.phase]
+    if mine:
+        entry.state = _ACTION_STATE.get(mine[-1].get("action"), entry.state)
+        entry.restarts = max(int(a.get("attempt") or 0) for a in mine)
+        entry.source = "logs (attempts.jsonl)"
 
 
 def read_progress(run_dir: Path, *, train_iters: int | None) -> Progress | None:
@@ -165,6 +213,7 @@ def format_status(status: RunStatus) -> str:
         eta = f" | ETA {_duration(p.eta_s)}" if p.eta_s is not None else ""
         lines.append(f"progress  {p.phase} iteration {p.iteration}{total} | lm loss {p.lm_loss:.4f} | "
                      f"{p.tokens_per_s:,.0f} tokens/s{eta}")
+    lines.append(f"checkpoint {status.last_checkpoint or 'none yet'}")
     return "\n".join(lines)
 
 

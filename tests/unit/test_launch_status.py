@@ -101,3 +101,29 @@ def test_cancel_refuses_a_local_run(tmp_path, capsys):
     capsys.readouterr()
     assert main(["cancel", str(run_dir)]) == 1
     assert "Ctrl-C" in capsys.readouterr().err
+
+
+def test_without_slurm_answers_the_state_comes_from_the_node_scripts_record(tmp_path, monkeypatch):
+    run_dir = make_run(tmp_path, cluster="slurm", jobs=(("run", "42", "SUBMITTED"),))
+    # what the node script appended: a requeue after an early stop, then the resumed attempt finishing
+    rows = [{"phase": "run", "job_id": "42", "attempt": 0, "action": "requeue", "exit_code": 0},
+            {"phase": "run", "job_id": "42", "attempt": 1, "action": "done", "exit_code": 0},
+            {"phase": "run", "job_id": "41", "attempt": 0, "action": "fail", "exit_code": 1}]
+    (run_dir / "attempts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"partial')
+    monkeypatch.setenv("PATH", str(tmp_path / "no-slurm-here"))
+    (job,) = read_status(run_dir).jobs
+    assert (job.state, job.restarts) == ("COMPLETED", 1)
+    assert job.source.startswith("logs")
+
+
+def test_last_checkpoint_is_the_one_the_tracker_names(tmp_path, capsys):
+    run_dir = make_run(tmp_path)
+    ckpts = run_dir / "checkpoints"
+    (ckpts / "iter_0000010").mkdir(parents=True)
+    (ckpts / "iter_0000020.tmp-abc").mkdir()  # a save in progress is not a checkpoint
+    assert read_status(run_dir).last_checkpoint is None  # no tracker yet
+    (ckpts / "latest_checkpointed_iteration.txt").write_text("10")
+    assert read_status(run_dir).last_checkpoint == str(ckpts / "iter_0000010")
+    capsys.readouterr()
+    assert main(["status", str(run_dir)]) == 0
+    assert f"checkpoint {ckpts / 'iter_0000010'}" in capsys.readouterr().out
