@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from megatron_hpc.compile_cache import fingerprint
+
 from megatron_hpc.run_markers import FATAL_FILE, STOPPED_FILE, job_attempt, read_marker
 
 DEFAULT_MAX_REQUEUES = 3
@@ -128,6 +130,16 @@ def record_attempt(run_dir: Path, outcome: Outcome, decision: Decision, *, reque
         fh.write(json.dumps(line) + "\n")
 
 
+def _record_fingerprint(run_dir: Path) -> None:
+    """The graphs of this run are in the shared cache now: later submits may skip their compile phase."""
+    try:
+        fp = json.loads((run_dir / fingerprint.FINGERPRINT_FILE).read_text())
+    except (OSError, ValueError):
+        return  # a run folder written by hand or by an older version: nothing to record
+    path = fingerprint.record(Path(fp["cache_root"]), fp, run_dir=str(run_dir), job_id=os.environ.get("SLURM_JOB_ID"))
+    print(f"megatron-hpc: recorded compile fingerprint {fp['sha256'][:12]} in {path.parent}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_hpc.launch.requeue",
                                      description="Finish, fail or requeue the job after a phase ended on this node.")
@@ -145,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
             message += f"; {why_not}"
     if outcome.node_rank == 0:
         record_attempt(args.run_dir, outcome, decision, requeued=requeued)
+        if outcome.phase == "compile" and decision.action == "done":
+            _record_fingerprint(args.run_dir)
     # A stopped run that is not requeued is the phase's reason for failing: say it as an error, which
     # `submit` quotes. A plain failure is explained by the trainer's own output, so stay quieter.
     prefix = "megatron-hpc: error: " if decision.action == "fail" and outcome.stopped else "megatron-hpc: "

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from megatron_hpc.compile_cache import fingerprint
 from megatron_hpc.compile_cache.paths import cache_env, default_cache_root
 from megatron_hpc.launch.node_task import NodeTask
 from megatron_hpc.launch.run_dir import NODE_SCRIPT, python_bin_dir, write_json, write_script
@@ -48,6 +49,23 @@ class SubmitRequest:
     options: SlurmOptions = field(default_factory=SlurmOptions)
     cache_root: Path = field(default_factory=lambda: default_cache_root())
     """Shared compile cache (on a filesystem every node sees)."""
+    recompile: bool = False
+    """Run the compile phase even when the shared cache already holds this run's fingerprint."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunFiles:
+    """What write_run_files wrote and decided."""
+
+    phases: tuple[PhaseSpec, ...]
+    fingerprint: str
+    compile_skipped_by: dict | None = None
+    """The cache marker that made the compile phase unnecessary (None when it runs or is disabled)."""
+
+    def skip_message(self, cache_root: Path) -> str:
+        marker = self.compile_skipped_by or {}
+        return (f"compile phase skipped: the shared cache at {cache_root} already holds fingerprint "
+                f"{self.fingerprint[:12]} (compiled by run {marker.get('run_dir', '?')}); --recompile forces it")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -64,6 +82,7 @@ class SubmitResult:
     jobs: list[PhaseJob]
     ok: bool = True
     reason: str = ""
+    files: RunFiles | None = None
 
 
 def check_cluster(cluster: Cluster, *, num_nodes: int, platform: Platform) -> None:
@@ -97,12 +116,24 @@ def _check_controller() -> None:
                           "machine")
 
 
-def write_run_files(req: SubmitRequest) -> tuple[PhaseSpec, ...]:
-    """Config, plan, node script, sbatch files and submit.sh in the run folder."""
+def write_run_files(req: SubmitRequest) -> RunFiles:
+    """Config, plan, compile fingerprint, node script, sbatch files and submit.sh in the run folder.
+
+    The compile phase is left out when the shared cache holds this run's fingerprint (unless
+    req.recompile): the run phase then has no dependency.
+    """
     phases = make_phases(req.cfg, req.plan, req.platform,
                          extra_env=cache_env(backend=req.platform.backend, root=str(req.cache_root)))
-    write_json(req.run_dir / "config.json", config_to_dict(req.cfg))
-    write_json(req.run_dir / "plan.json", req.plan.to_json())
+    config, plan = config_to_dict(req.cfg), req.plan.to_json()
+    fp = fingerprint.compute(config, plan, env=phases[0].env,
+                             compiler=fingerprint.compiler_identity(req.platform.backend))
+    marker = fingerprint.find(req.cache_root, fp.sha256) if req.cfg.compile.enabled and not req.recompile else None
+    if marker is not None:
+        phases = tuple(p for p in phases if p.phase != "compile")
+    write_json(req.run_dir / "config.json", config)
+    write_json(req.run_dir / "plan.json", plan)
+    write_json(req.run_dir / fingerprint.FINGERPRINT_FILE,
+               {"sha256": fp.sha256, "inputs": fp.inputs, "cache_root": str(req.cache_root)})
     node_script = req.run_dir / NODE_SCRIPT
     write_script(node_script, render_node_script(phases[0], recipe=req.cfg.name, run_dir=str(req.run_dir),
                                                  bin_dir=python_bin_dir()))
@@ -113,21 +144,26 @@ def write_run_files(req: SubmitRequest) -> tuple[PhaseSpec, ...]:
         write_script(req.run_dir / f"{spec.phase}.sbatch", text)
         previous = spec.phase
     write_script(req.run_dir / "submit.sh", render_submit_script(phases, out_dir=str(req.run_dir)))
-    return phases
+    return RunFiles(phases=phases, fingerprint=fp.sha256, compile_skipped_by=marker)
 
 
 def submit(req: SubmitRequest, *, wait: bool, echo: Callable[[str], None] | None = None) -> SubmitResult:
     """Write the run files and queue the phases; with `wait`, follow them to the end."""
     check_cluster(req.cluster, num_nodes=req.plan.num_nodes, platform=req.platform)
-    phases = write_run_files(req)
+    files = write_run_files(req)
+    if files.compile_skipped_by is not None and echo:
+        echo(files.skip_message(req.cache_root))
     if req.cluster == "local":
-        result = _run_local(req, phases, echo=echo)
+        result = _run_local(req, files.phases, echo=echo)
     else:
-        result = _submit_slurm(req, phases)
+        result = _submit_slurm(req, files.phases)
         if wait:
             _wait_slurm(result, req)
+    result.files = files
     write_json(req.run_dir / "submission.json", {
         "cluster": req.cluster,
+        "compile_skipped": files.compile_skipped_by is not None,
+        "fingerprint": files.fingerprint,
         "jobs": [{"phase": j.phase, "job_id": j.job_id, "state": j.state, "depends_on": j.depends_on}
                  for j in result.jobs],
         "ok": result.ok,

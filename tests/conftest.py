@@ -23,3 +23,12 @@ def demo_data(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     assert Path(prefix + ".bin").is_file() and Path(prefix + ".idx").is_file()
     return ["--set", f"data.path={prefix}", "--set", f"data.vocab_file={out / 'vocab.json'}",
             "--set", f"data.merge_file={out / 'merges.txt'}"]
+
+
+@pytest.fixture(autouse=True)
+def own_compile_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test gets an empty shared compile cache: a compile phase one test ran must not make
+    another test's submit skip its compile phase (the user's ~/.cache is never touched)."""
+    root = tmp_path_factory.mktemp("compile-cache")
+    monkeypatch.setenv("MEGATRON_HPC_CACHE_DIR", str(root))
+    return root

@@ -27,6 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true",
                         help="write config, plan, node script, compile.sbatch, run.sbatch and submit.sh; queue nothing")
     parser.add_argument("--wait", action="store_true", help="with --cluster slurm, follow the jobs until they end")
+    parser.add_argument("--recompile", action="store_true",
+                        help="run the compile phase even when the shared compile cache already holds this run's "
+                             "fingerprint")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,14 +45,20 @@ def run(args: argparse.Namespace) -> int:
         run_dir=run_dir,
         options=SlurmOptions(partition=args.partition, account=args.account, qos=args.qos,
                              exclude=args.exclude, time_limit_min=args.time),
+        recompile=args.recompile,
     )
     if args.dry_run:
-        write_run_files(req)
+        files = write_run_files(req)
+        skipped = files.compile_skipped_by is not None
         if args.json:
-            print(json.dumps({"run_dir": str(run_dir), "dry_run": True, "plan": resolved.plan.to_json()}, indent=2))
+            print(json.dumps({"run_dir": str(run_dir), "dry_run": True, "plan": resolved.plan.to_json(),
+                              "compile_skipped": skipped, "fingerprint": files.fingerprint}, indent=2))
         else:
             print(format_plan(resolved.plan, vocab_size=resolved.cfg.model.vocab_size))
-            print(f"\nwrote {run_dir}: node.sh, compile.sbatch, run.sbatch, submit.sh (nothing submitted)")
+            if skipped:
+                print(files.skip_message(req.cache_root))
+            written = ", ".join(f"{p.phase}.sbatch" for p in files.phases)
+            print(f"\nwrote {run_dir}: node.sh, {written}, submit.sh (nothing submitted)")
             print(f"submit by hand with: bash {run_dir}/submit.sh")
         return 0
     if not args.json:
@@ -65,6 +74,8 @@ def _report(result: SubmitResult, *, as_json: bool) -> None:
     if as_json:
         print(json.dumps({
             "run_dir": str(result.run_dir), "ok": result.ok, "reason": result.reason,
+            "compile_skipped": bool(result.files and result.files.compile_skipped_by is not None),
+            "fingerprint": result.files.fingerprint if result.files else None,
             "jobs": [{"phase": j.phase, "job_id": j.job_id, "state": j.state, "depends_on": j.depends_on}
                      for j in result.jobs],
         }, indent=2))
