@@ -27,15 +27,19 @@ from megatron_hpc.config.schema import RunConfig
 from megatron_hpc.errors import CheckpointError
 from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.parallel.device import DeviceInfo
+from megatron_hpc.train.precision import DynamicGradScaler
 
 CHECKPOINT_VERSION = 3.0
 
 
 def build_state_dict(cfg: RunConfig, *, model: nn.Module, optimizer: torch.optim.Optimizer, resume: ResumeState,
-                     padded_vocab: int, rng_per_dp_rank: list[dict[str, Any]]) -> dict[str, Any]:
+                     padded_vocab: int, rng_per_dp_rank: list[dict[str, Any]],
+                     scaler: DynamicGradScaler | None = None) -> dict[str, Any]:
     """One TP rank's checkpoint content; model tensors are state_dict() tensors, never Parameters."""
     m = cfg.model
+    extra = {} if scaler is None else {"grad_scaler": scaler.state_dict()}  # Megatron keeps it for fp16
     return {
+        **extra,
         "num_layers": m.num_layers, "hidden_size": m.hidden_size, "num_attention_heads": m.num_attention_heads,
         "tensor_model_parallel_size": cfg.parallel.tensor, "pipeline_model_parallel_size": 1,
         "consumed_train_samples": resume.consumed_samples, "consumed_valid_samples": 0,
@@ -65,8 +69,11 @@ class Checkpointer:
     """
 
     def __init__(self, cfg: RunConfig, ctx: ParallelContext, *, device: DeviceInfo, phase: str,
-                 run_dir: Path | None, padded_vocab: int, out: TextIO | None = None):
+                 run_dir: Path | None, padded_vocab: int, out: TextIO | None = None,
+                 scaler: DynamicGradScaler | None = None):
         self.cfg, self.ctx, self.device, self.padded_vocab = cfg, ctx, device, padded_vocab
+        self.scaler = scaler
+        """fp16's loss scaler: saved and restored with the rest, so a resumed run does not re-probe the scale."""
         self.out = sys.stdout if out is None else out
         self.ranks = RankInfo.of(ctx, device=device.device)
         ccfg = cfg.checkpoint
@@ -102,6 +109,8 @@ class Checkpointer:
                                       f"keep train.global_batch_size={saved_gbs}")
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
+            if self.scaler is not None and "grad_scaler" in state:
+                self.scaler.load_state_dict(state["grad_scaler"])
             rng = state["rng_state"]
             mine = rng[self.ctx.dp_rank] if self.ctx.dp_rank < len(rng) else rng[0]
             resume = ResumeState.from_rng_dict(mine, step=state["iteration"],
@@ -144,7 +153,7 @@ class Checkpointer:
                                      device=self.device)
         state = build_state_dict(self.cfg, model=model, optimizer=optimizer, resume=resume,
                                  padded_vocab=self.padded_vocab,
-                                 rng_per_dp_rank=self._rng_per_dp_rank(resume.rng_dict()))
+                                 rng_per_dp_rank=self._rng_per_dp_rank(resume.rng_dict()), scaler=self.scaler)
         try:
             folder = save_checkpoint(self.save_root, iteration, state, ranks=self.ranks, fmt=ccfg.format,
                                      io_workers_per_node=ccfg.io_workers_per_node, keep_last=ccfg.keep_last)

@@ -89,7 +89,8 @@ def train(cfg: RunConfig, ctx: ParallelContext, *, device: DeviceInfo, phase: Ph
               f"{tcfg.micro_batch_size} | {device.kind} {tcfg.precision} | {num_steps} steps", file=out, flush=True)
     step_model = torch.compile(model) if tcfg.compile and device.kind != "xla" else model
     optimizer = build_optimizer(model, optim=cfg.optim)
-    ckpt = Checkpointer(cfg, ctx, device=device, phase=phase, run_dir=run_dir, padded_vocab=padded, out=out)
+    ckpt = Checkpointer(cfg, ctx, device=device, phase=phase, run_dir=run_dir, padded_vocab=padded, out=out,
+                        scaler=scaler)
     start = ckpt.restore(model, optimizer)  # 0 without a checkpoint; the model was initialised anyway
     metrics = MetricsLogger(model=cfg.model, padded_vocab=padded, world_size=ctx.world_size,
                             train_iters=num_steps, global_batch_size=tcfg.global_batch_size, phase=phase,

@@ -86,3 +86,27 @@ def test_full_disk_stop_raises(tmp_path: Path, small_disk: Path) -> None:
     with pytest.raises(CheckpointError, match=r"saving checkpoint 2 .*No space left on device"):
         run_training(cfg, run_dir=tmp_path)
     assert _iterations(tmp_path) == [1, 2]
+
+
+def test_fp16_loss_scale_is_saved_and_restored(tmp_path: Path) -> None:
+    import dataclasses
+
+    from megatron_hpc.checkpoint.loader import load_checkpoint
+    from megatron_hpc.checkpoint.ranks import RankInfo
+
+    cfg = _tiny(num_steps=3)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision="fp16", log_interval=1))
+    run_training(cfg, run_dir=tmp_path)
+    # The scale starts at 2**32, far above fp16's range: the first steps overflow and halve it.
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    logged_scale = rows[-1]["loss_scale"]
+    assert logged_scale < 2.0**32
+    ranks = RankInfo()
+    _found, state = load_checkpoint(tmp_path / "checkpoints", ranks=ranks, io_workers_per_node=1)
+    assert state["grad_scaler"]["scale"] == logged_scale
+    # Resumed for two more steps: the scale continues from the saved one instead of 2**32.
+    more = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, num_steps=5))
+    run_training(more, run_dir=tmp_path)
+    resumed = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][len(rows):]
+    assert [r["iteration"] for r in resumed] == [4, 5]
+    assert all(r["loss_scale"] <= logged_scale for r in resumed)
