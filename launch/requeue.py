@@ -97,22 +97,26 @@ def read_outcome(run_dir: Path, *, phase: str, exit_code: int, environ: dict[str
                    fatal=read_marker(run_dir, FATAL_FILE, env))
 
 
-def job_state(job_id: str) -> str | None:
-    """JobState from `scontrol show job` (the controller's live view), or None when it cannot say."""
+def job_fields(job_id: str) -> dict[str, str]:
+    """`scontrol show job` (the controller's live view) as a dict; empty when it cannot say."""
     try:
         proc = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
                               timeout=30, check=False)
     except (OSError, subprocess.TimeoutExpired):
-        return None
-    for token in proc.stdout.split():
-        if token.startswith("JobState="):
-            return token.split("=", 1)[1]
-    return None
+        return {}
+    return dict(tok.split("=", 1) for tok in proc.stdout.split() if "=" in tok)
 
 
-def requeue(job_id: str) -> tuple[bool, str]:
-    """`scontrol requeue JOB` when the job is still RUNNING; (done, why not)."""
-    state = job_state(job_id)
+def requeue(job_id: str, *, attempt: int) -> tuple[bool, str]:
+    """`scontrol requeue JOB` when this attempt is the job's current one and it is RUNNING; (done, why not).
+
+    A step left running on a lost node outlives its attempt: by the time it fails, SLURM may have
+    requeued and restarted the job, and requeueing it again would kill the healthy new attempt.
+    """
+    fields = job_fields(job_id)
+    state, restarts = fields.get("JobState"), fields.get("Restarts", "")
+    if restarts.isdigit() and int(restarts) != attempt:
+        return False, f"job {job_id} is on attempt {restarts} already, this was attempt {attempt}: left as it is"
     if state != "RUNNING":
         return False, f"job {job_id} is {state or 'unknown to scontrol'}, not RUNNING: left as it is"
     proc = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60, check=False)
@@ -152,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     requeued = False
     message = decision.message
     if decision.action == "requeue":
-        requeued, why_not = requeue(os.environ["SLURM_JOB_ID"])
+        requeued, why_not = requeue(os.environ["SLURM_JOB_ID"], attempt=outcome.attempt)
         if not requeued:
             message += f"; {why_not}"
     if outcome.node_rank == 0:
