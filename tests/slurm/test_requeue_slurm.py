@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slurm
 
 NUM_STEPS = 24
 SETS = ["data.source=synthetic", f"train.num_steps={NUM_STEPS}", "train.log_interval=1", "compile.enabled=false",
-        "checkpoint.save_interval=8", "train.tensorboard=false"]
+        "checkpoint.save_interval=8", "train.tensorboard=false", "launch.exclusive=true"]  # no shared nodes
 RUN_TIMEOUT_S = 420
 
 
@@ -62,9 +62,15 @@ def requeues(job_id: str) -> int:
     return int(counts[0]) if counts else -1
 
 
-def check_resumed(run_dir: Path, straight: Path, job_id: str, sacct_job) -> int:
+def _not_requeued(record: dict[str, str]) -> bool:
+    # A lost node ends the attempt as NODE_FAIL for a moment before SLURM queues the job again.
+    return record["State"].split()[0] not in ("NODE_FAIL", "PREEMPTED")
+
+
+def check_resumed(run_dir: Path, straight: tuple[Path, str], job_id: str, sacct_job) -> int:
     """The job ended COMPLETED after one requeue and matches the straight run; returns the resume step."""
-    record = sacct_job(job_id, timeout=RUN_TIMEOUT_S, final=True)
+    record = sacct_job(job_id, timeout=RUN_TIMEOUT_S, final=True, until=_not_requeued)
+    assert sacct_job(straight[1], timeout=RUN_TIMEOUT_S, final=True, until=_not_requeued)["State"] == "COMPLETED"
     node0 = (run_dir / "logs" / "run-node0.log").read_text(errors="replace")
     assert record["State"] == "COMPLETED", node0[-3000:]
     assert requeues(job_id) == 1
@@ -72,7 +78,7 @@ def check_resumed(run_dir: Path, straight: Path, job_id: str, sacct_job) -> int:
     assert len(loaded) == 1, node0[-3000:]
     k = int(loaded[0].split("at iteration ")[1].split()[0])
     assert 0 < k < NUM_STEPS
-    expected, got = losses(straight), losses(run_dir)
+    expected, got = losses(straight[0]), losses(run_dir)
     assert max(got) == NUM_STEPS and max(expected) == NUM_STEPS
     for it in range(k + 1, NUM_STEPS + 1):
         assert got[it] == pytest.approx(expected[it], rel=1e-6, abs=0), it
@@ -91,14 +97,13 @@ def test_warning_signal_saves_requeues_and_resumes(straight, sacct_job, tmp_path
     wait_for_iteration(run_dir, 4)
     # What SLURM does --signal=USR2@90 before the limit: USR2 to every process of the job's steps.
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
-    k = check_resumed(run_dir, straight[0], job_id, sacct_job)
+    k = check_resumed(run_dir, straight, job_id, sacct_job)
     assert k > 4  # it stopped where the signal found it (the log line below says why)
     node0 = (run_dir / "logs" / "run-node0.log").read_text(errors="replace")
     assert f"> stopping at iteration {k} on signal SIGUSR2" in node0
     attempts = [json.loads(line) for line in (run_dir / "attempts.jsonl").read_text().splitlines()]
     assert [(a["attempt"], a["action"], a["requeued"], a["iteration"]) for a in attempts] == [
         (0, "requeue", True, k), (1, "done", False, None)]
-    assert sacct_job(straight[1], timeout=RUN_TIMEOUT_S, final=True)["State"] == "COMPLETED"
 
 
 def test_scontrol_requeue_resumes_from_the_last_checkpoint(straight, sacct_job, tmp_path):
@@ -106,5 +111,73 @@ def test_scontrol_requeue_resumes_from_the_last_checkpoint(straight, sacct_job, 
     job_id = submit(run_dir)
     wait_for_iteration(run_dir, 10)  # past the save at 8
     subprocess.run(["scontrol", "requeue", job_id], check=True)
-    k = check_resumed(run_dir, straight[0], job_id, sacct_job)
+    k = check_resumed(run_dir, straight, job_id, sacct_job)
     assert k >= 8  # the interval save at 8, or the save the workers made on SIGTERM
+
+
+def _restart_slurmd(node: str, conf_dir: Path) -> None:
+    """Start the node's slurmd again, the way slurm/local-cluster-start.sh does, and return it to service."""
+    log = conf_dir / "log" / f"slurmd-{node}.out"
+    with log.open("a") as fh:
+        subprocess.run(["unshare", "--uts", "sh", "-c", f"hostname {node} && exec slurmd -N {node}"],
+                       stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT, check=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], capture_output=True)
+        state = subprocess.run(["sinfo", "-h", "-n", node, "-o", "%t"], capture_output=True, text=True).stdout
+        if state.strip() in ("idle", "mix", "alloc"):
+            return
+        time.sleep(1)
+    raise AssertionError(f"{node} did not come back: {state}")
+
+
+def test_a_lost_node_requeues_the_job_which_resumes(straight, sacct_job, slurm_cluster, tmp_path):
+    run_dir = tmp_path / "lost-node"
+    job_id = submit(run_dir)
+    wait_for_iteration(run_dir, 10)  # past the save at 8
+    fields = dict(t.split("=", 1) for t in subprocess.run(["scontrol", "show", "job", "-o", job_id],
+                                                          capture_output=True, text=True).stdout.split() if "=" in t)
+    nodes = subprocess.run(["scontrol", "show", "hostnames", fields["NodeList"]], capture_output=True,
+                           text=True).stdout.split()
+    lost = nodes[-1]
+    conf_dir = slurm_cluster.conf_path.parent.parent  # <dir>/etc/slurm.conf
+    pid = int((conf_dir / "run" / f"slurmd-{lost}.pid").read_text())
+    try:
+        os.kill(pid, 9)  # the node's daemon is gone: the controller can no longer reach it
+        # What the controller concludes by itself after SlurmdTimeout (300 s by default): the node is down.
+        subprocess.run(["scontrol", "update", f"nodename={lost}", "state=down", "reason=slurmd killed by test"],
+                       check=True)
+        k = check_resumed(run_dir, straight, job_id, sacct_job)
+        assert k >= 8
+        rerun = dict(t.split("=", 1) for t in subprocess.run(["scontrol", "show", "job", "-o", job_id],
+                                                             capture_output=True, text=True).stdout.split()
+                     if "=" in t)
+        assert lost not in subprocess.run(["scontrol", "show", "hostnames", rerun["NodeList"]],
+                                          capture_output=True, text=True).stdout.split()
+    finally:
+        _restart_slurmd(lost, conf_dir)
+
+
+def _worker_pid(run_dir: Path, rank: int) -> int:
+    """The trainer worker of this run with this RANK (every simulated node runs on this machine)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+            env = dict(e.split(b"=", 1) for e in (proc / "environ").read_bytes().split(b"\0") if b"=" in e)
+        except OSError:
+            continue
+        if str(run_dir).encode() in cmd and b"train" in cmd and env.get(b"RANK") == str(rank).encode() \
+                and not any(c.endswith(b"torchrun") for c in cmd):
+            return int(proc.name)
+    raise AssertionError(f"no worker with RANK={rank} for {run_dir}")
+
+
+def test_a_crashed_worker_requeues_the_job_which_resumes(straight, sacct_job, tmp_path):
+    run_dir = tmp_path / "crashed"
+    job_id = submit(run_dir)
+    wait_for_iteration(run_dir, 10)  # past the save at 8
+    os.kill(_worker_pid(run_dir, 1), 9)  # an OOM kill or a segfault: no marker, so the node script requeues
+    k = check_resumed(run_dir, straight, job_id, sacct_job)
+    assert k == 8  # nothing saved at the crash: the interval save
