@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_hpc.checkpoint.loader import load_checkpoint
+from megatron_hpc.checkpoint.loader import find_checkpoint, load_checkpoint
 from megatron_hpc.checkpoint.paths import iteration_dir
 from megatron_hpc.checkpoint.ranks import RankInfo
 from megatron_hpc.checkpoint.saver import save_checkpoint
@@ -83,21 +83,32 @@ class Checkpointer:
         load = ccfg.load or save
         self.load_root = Path(load).expanduser() if active and load else None
         self.last_saved = -1
+        self.promised = False
+        """has_checkpoint() said a checkpoint will be loaded (and the model skipped its initialisation)."""
 
     def _print(self, message: str) -> None:
         if self.ctx.is_first_rank:
             print(message, file=self.out, flush=True)
 
+    def has_checkpoint(self) -> bool:
+        """Whether restore() will load one (every rank reads the same tracker on the shared filesystem)."""
+        self.promised = self.load_root is not None and find_checkpoint(self.load_root, quiet=True) is not None
+        return self.promised
+
     def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
         """Load the newest complete checkpoint into model, optimizer and RNG; returns the step to start at.
 
-        The model was already built and initialised by then (cheap on the CPU init path).
+        The model was built without its random initialisation when has_checkpoint() said so; a
+        checkpoint that cannot be loaded then is an error, never a silent fresh start.
         """
         if self.load_root is None:
             return 0
         workers = self.cfg.checkpoint.io_workers_per_node
         loaded = load_checkpoint(self.load_root, ranks=self.ranks, io_workers_per_node=workers)
         if loaded is None:
+            if self.promised:  # the weights were never initialised: training on them would be garbage
+                raise CheckpointError(f"the checkpoint found in {self.load_root} at start-up disappeared before it "
+                                      "was loaded; check that nothing else writes there, and resubmit")
             return 0
         found, state = loaded
         where = found.folder

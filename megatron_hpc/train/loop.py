@@ -21,6 +21,7 @@ from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.parallel.device import DeviceInfo, step_barrier
 from megatron_hpc.plan.vocab import padded_vocab_size
 from megatron_hpc.train.evaluate import build_evaluator
+from megatron_hpc.train.init_skip import skip_random_init
 from megatron_hpc.train.lr import lr_at
 from megatron_hpc.train.metrics import IterationRecord, MetricsLogger
 from megatron_hpc.train.optim import build_optimizer, set_lr
@@ -44,12 +45,22 @@ class TrainSummary:
     """Set when a signal or the time budget ended the run early (after a save)."""
 
 
-def build_model(cfg: RunConfig, ctx: ParallelContext, *, device: torch.device) -> tuple[GPT, int]:
-    """The GPT for this rank, on `device`, and the padded vocabulary it was built with."""
-    padded = padded_vocab_size(cfg.model.vocab_size, divisible_by=cfg.model.make_vocab_size_divisible_by,
-                               tensor_parallel=ctx.tp_size)
+def model_padded_vocab(cfg: RunConfig, ctx: ParallelContext) -> int:
+    return padded_vocab_size(cfg.model.vocab_size, divisible_by=cfg.model.make_vocab_size_divisible_by,
+                             tensor_parallel=ctx.tp_size)
+
+
+def build_model(cfg: RunConfig, ctx: ParallelContext, *, device: torch.device,
+                from_checkpoint: bool = False) -> tuple[GPT, int]:
+    """The GPT for this rank, on `device`, and the padded vocabulary it was built with.
+
+    With from_checkpoint, the weights are left uninitialised: the caller loads them next.
+    """
+    padded = model_padded_vocab(cfg, ctx)
     # Built on the CPU (TP-invariant init) and then moved, like Megatron's --use-cpu-initialization.
-    return GPT(cfg.model, ctx=ctx, padded_vocab=padded, seed=cfg.train.seed).to(device), padded
+    with skip_random_init(from_checkpoint):
+        model = GPT(cfg.model, ctx=ctx, padded_vocab=padded, seed=cfg.train.seed)
+    return model.to(device), padded
 
 
 def _build_data(cfg: RunConfig, ctx: ParallelContext) -> SyntheticTokens | IndexedBatches:
@@ -80,7 +91,10 @@ def train(cfg: RunConfig, ctx: ParallelContext, *, device: DeviceInfo, phase: Ph
     scaler = build_loss_scaler(tcfg.precision)  # fp16 only
     torch.manual_seed(tcfg.seed + ctx.dp_rank)  # dropout masks: same across TP, different across DP
 
-    model, padded = build_model(cfg, ctx, device=device.device)
+    ckpt = Checkpointer(cfg, ctx, device=device, phase=phase, run_dir=run_dir,
+                        padded_vocab=model_padded_vocab(cfg, ctx), out=out, scaler=scaler)
+    resuming = ckpt.has_checkpoint()  # then the random init would be thrown away: skip it
+    model, padded = build_model(cfg, ctx, device=device.device, from_checkpoint=resuming)
     if ctx.is_first_rank:
         print(f"> megatron-hpc {phase}: world {ctx.world_size} = {ctx.mesh.num_nodes} node(s) x "
               f"{ctx.mesh.workers_per_node} worker(s) | tp {ctx.tp_size} dp {ctx.dp_size} | "
@@ -89,9 +103,7 @@ def train(cfg: RunConfig, ctx: ParallelContext, *, device: DeviceInfo, phase: Ph
               f"{tcfg.micro_batch_size} | {device.kind} {tcfg.precision} | {num_steps} steps", file=out, flush=True)
     step_model = torch.compile(model) if tcfg.compile and device.kind != "xla" else model
     optimizer = build_optimizer(model, optim=cfg.optim)
-    ckpt = Checkpointer(cfg, ctx, device=device, phase=phase, run_dir=run_dir, padded_vocab=padded, out=out,
-                        scaler=scaler)
-    start = ckpt.restore(model, optimizer)  # 0 without a checkpoint; the model was initialised anyway
+    start = ckpt.restore(model, optimizer)  # 0 without a checkpoint
     metrics = MetricsLogger(model=cfg.model, padded_vocab=padded, world_size=ctx.world_size,
                             train_iters=num_steps, global_batch_size=tcfg.global_batch_size, phase=phase,
                             log_interval=tcfg.log_interval, enabled=ctx.is_last_rank, run_dir=run_dir, out=out)

@@ -110,3 +110,34 @@ def test_fp16_loss_scale_is_saved_and_restored(tmp_path: Path) -> None:
     resumed = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][len(rows):]
     assert [r["iteration"] for r in resumed] == [4, 5]
     assert all(r["loss_scale"] <= logged_scale for r in resumed)
+
+
+class _CountRandomFills:
+    """An outer torch-function mode that counts the random fills reaching it."""
+
+    def __init__(self) -> None:
+        import torch
+        from torch.overrides import TorchFunctionMode
+
+        counter = self
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                if func is torch.Tensor.normal_:
+                    counter.count += 1
+                return func(*args, **(kwargs or {}))
+
+        self.count = 0
+        self.mode = Mode()
+
+
+def test_resume_does_not_draw_the_initial_weights(tmp_path: Path) -> None:
+    fresh = _CountRandomFills()
+    with fresh.mode:
+        run_training(_tiny(num_steps=2), run_dir=tmp_path)
+    assert fresh.count > 0  # every weight matrix is drawn once on a fresh start
+    resumed = _CountRandomFills()
+    with resumed.mode:
+        run_training(_tiny(num_steps=3), run_dir=tmp_path)
+    assert resumed.count == 0
+    assert _iterations(tmp_path) == [1, 2, 3]  # and it continued from iteration 2
