@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -32,3 +33,26 @@ def own_compile_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pyt
     root = tmp_path_factory.mktemp("compile-cache")
     monkeypatch.setenv("MEGATRON_HPC_CACHE_DIR", str(root))
     return root
+
+
+def _worker_pids(run_dir: Path) -> dict[int, int]:
+    """RANK -> pid of the trainer workers of a run folder on this machine (not torchrun itself)."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+            env = dict(e.split(b"=", 1) for e in (proc / "environ").read_bytes().split(b"\0") if b"=" in e)
+        except OSError:
+            continue
+        if b"megatron_hpc" in cmd and str(run_dir).encode() in cmd and b"RANK" in env and \
+                not any(c.endswith(b"torchrun") for c in cmd):
+            found[int(env[b"RANK"])] = int(proc.name)
+    return found
+
+
+@pytest.fixture
+def worker_pids() -> Callable[[Path], dict[int, int]]:
+    """`worker_pids(run_dir)`: RANK -> pid of the run's trainer workers (all simulated nodes are this machine)."""
+    return _worker_pids

@@ -45,29 +45,12 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {r["iteration"]: r["lm_loss"] for r in rows if r.get("phase", "run") == "run" and "lm_loss" in r}
 
 
-def _worker_pids(run_dir: Path) -> dict[int, int]:
-    """RANK -> pid of the trainer workers of this run folder (not torchrun itself)."""
-    found = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmd = (proc / "cmdline").read_bytes().split(b"\0")
-            env = dict(e.split(b"=", 1) for e in (proc / "environ").read_bytes().split(b"\0") if b"=" in e)
-        except OSError:
-            continue
-        if b"megatron_hpc" in cmd and str(run_dir).encode() in cmd and b"RANK" in env and \
-                not any(c.endswith(b"torchrun") for c in cmd):
-            found[int(env[b"RANK"])] = int(proc.name)
-    return found
-
-
 def _node_script(run_dir: Path) -> subprocess.Popen:
     return subprocess.Popen(["bash", str(run_dir / "node.sh"), "run"], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=_env(), start_new_session=True)
 
 
-def test_signal_to_one_rank_stops_all_at_one_iteration_and_resume_matches(tmp_path):
+def test_signal_to_one_rank_stops_all_at_one_iteration_and_resume_matches(tmp_path, worker_pids):
     straight = _dry_run(tmp_path / "straight")
     interrupted = _dry_run(tmp_path / "interrupted")
 
@@ -77,7 +60,7 @@ def test_signal_to_one_rank_stops_all_at_one_iteration_and_resume_matches(tmp_pa
     for line in proc.stdout:
         lines.append(line)
         if signalled_at is None and "iteration        5/" in line:
-            pids = _worker_pids(interrupted)
+            pids = worker_pids(interrupted)
             assert sorted(pids) == [0, 1], pids
             os.kill(pids[1], signal.SIGUSR2)  # rank 1 only: rank 0 learns it through the collective check
             signalled_at = time.monotonic()

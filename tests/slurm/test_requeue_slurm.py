@@ -158,26 +158,10 @@ def test_a_lost_node_requeues_the_job_which_resumes(straight, sacct_job, slurm_c
         _restart_slurmd(lost, conf_dir)
 
 
-def _worker_pid(run_dir: Path, rank: int) -> int:
-    """The trainer worker of this run with this RANK (every simulated node runs on this machine)."""
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmd = (proc / "cmdline").read_bytes().split(b"\0")
-            env = dict(e.split(b"=", 1) for e in (proc / "environ").read_bytes().split(b"\0") if b"=" in e)
-        except OSError:
-            continue
-        if str(run_dir).encode() in cmd and b"train" in cmd and env.get(b"RANK") == str(rank).encode() \
-                and not any(c.endswith(b"torchrun") for c in cmd):
-            return int(proc.name)
-    raise AssertionError(f"no worker with RANK={rank} for {run_dir}")
-
-
-def test_a_crashed_worker_requeues_the_job_which_resumes(straight, sacct_job, tmp_path):
+def test_a_crashed_worker_requeues_the_job_which_resumes(straight, sacct_job, tmp_path, worker_pids):
     run_dir = tmp_path / "crashed"
     job_id = submit(run_dir)
     wait_for_iteration(run_dir, 10)  # past the save at 8
-    os.kill(_worker_pid(run_dir, 1), 9)  # an OOM kill or a segfault: no marker, so the node script requeues
+    os.kill(worker_pids(run_dir)[1], 9)  # an OOM kill or a segfault: no marker, so the node script requeues
     k = check_resumed(run_dir, straight, job_id, sacct_job)
     assert k == 8  # nothing saved at the crash: the interval save
