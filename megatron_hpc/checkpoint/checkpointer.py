@@ -119,7 +119,10 @@ class Checkpointer:
                                       f"{self.cfg.train.global_batch_size}; the data order depends on it, so "
                                       f"keep train.global_batch_size={saved_gbs}")
             model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
+            if "optimizer" in state:
+                optimizer.load_state_dict(state["optimizer"])
+            else:  # `ckpt reshard` could not move it
+                self._print(f"megatron-hpc: warning: {where} has no optimizer state; Adam's moments start at zero")
             if self.scaler is not None and "grad_scaler" in state:
                 self.scaler.load_state_dict(state["grad_scaler"])
             rng = state["rng_state"]

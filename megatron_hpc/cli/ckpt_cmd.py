@@ -1,4 +1,5 @@
-"""`megatron-hpc ckpt inspect PATH`: iteration, mesh and every tensor of a checkpoint (or one xser file)."""
+"""`megatron-hpc ckpt inspect | convert | reshard`: look into a checkpoint, export it to Hugging Face or the other
+file format, or change its TP size."""
 
 from __future__ import annotations
 
@@ -15,6 +16,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                            "or a model_optim_rng.pt file (ours or torch_xla's)")
     p.add_argument("--verify", action="store_true", help="check every file's size and sha256 (reads all data)")
     p.add_argument("--json", action="store_true", help="print JSON")
+
+    c = sub.add_parser("convert", help="a Hugging Face GPT2LMHeadModel folder (--to hf), or the checkpoint in the "
+                                       "other file format (--to torch|xser)")
+    c.add_argument("path", type=Path, help="checkpoint folder (the tracker picks the iteration) or iter_XXXXXXX folder")
+    c.add_argument("--to", required=True, choices=("hf", "torch", "xser"), help="what to write")
+    c.add_argument("out", type=Path, help="output folder")
+    c.add_argument("--iteration", type=int, help="convert this iteration instead of the tracker's")
+    c.add_argument("--json", action="store_true", help="print JSON")
+
+    r = sub.add_parser("reshard", help="the checkpoint at another tensor-parallel size (same iteration)")
+    r.add_argument("path", type=Path, help="checkpoint folder or iter_XXXXXXX folder")
+    r.add_argument("--tp", "--tensor-parallel", dest="tp", type=int, required=True, help="the new TP size")
+    r.add_argument("--out", type=Path, help="output checkpoint folder (default: <checkpoint folder>-tp<N>)")
+    r.add_argument("--iteration", type=int, help="reshard this iteration instead of the tracker's")
+    r.add_argument("--json", action="store_true", help="print JSON")
 
 
 def format_summary(s: dict[str, Any]) -> str:
@@ -38,8 +54,46 @@ def format_summary(s: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.ckpt_command == "convert":
+        return _convert(args)
+    if args.ckpt_command == "reshard":
+        return _reshard(args)
     from megatron_hpc.checkpoint.summary import summarize
 
     summary = summarize(args.path, verify=args.verify)
     print(json.dumps(summary, indent=1) if args.json else format_summary(summary))
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from megatron_hpc.checkpoint.tools import convert_format, export_hf
+    from megatron_hpc.checkpoint.whole import read_whole
+
+    whole = read_whole(args.path, iteration=args.iteration)
+    written = export_hf(whole, args.out) if args.to == "hf" else convert_format(whole, to=args.to, out=args.out)
+    report = {"source": str(whole.found.folder), "iteration": whole.iteration, "to": args.to, "out": str(args.out),
+              "tensor_parallel": whole.tensor_parallel, "written": str(written)}
+    print(json.dumps(report, indent=1) if args.json else
+          f"converted {whole.found.folder} (iteration {whole.iteration}, tp {whole.tensor_parallel}) to {args.to}: "
+          f"{written}")
+    return 0
+
+
+def _reshard(args: argparse.Namespace) -> int:
+    from megatron_hpc.checkpoint.tools import reshard
+    from megatron_hpc.checkpoint.whole import read_whole
+
+    whole = read_whole(args.path, iteration=args.iteration)
+    root = whole.found.folder.parent
+    out = args.out or root.with_name(f"{root.name}-tp{args.tp}")
+    result = reshard(whole, tp=args.tp, out=out)
+    report = {"source": str(whole.found.folder), "iteration": whole.iteration, "from_tp": result.from_tp,
+              "to_tp": result.to_tp, "out": str(out), "optimizer": result.optimizer}
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print(f"resharded {whole.found.folder} from tp {result.from_tp} to tp {result.to_tp}: {result.folder} "
+              f"(optimizer {result.optimizer}); resume with checkpoint.load={out} and parallel.tensor={args.tp}")
+        if result.note:
+            print(f"megatron-hpc: warning: {result.note}")
     return 0

@@ -1,0 +1,196 @@
+"""`ckpt convert` and `ckpt reshard`: a checkpoint to a Hugging Face GPT-2 folder, to another format, or
+to another TP size. Offline, one process, CPU.
+
+HF mapping (megatron-and-launchers.md 3.5): word embeddings without the padding rows become
+`transformer.wte` (tied to `lm_head`), learned positions `transformer.wpe`; each block's LayerNorms map
+one to one; QKV goes from Megatron's per-head rows [heads, (q, k, v), head dim] to HF's [q | k | v] and,
+like every linear, is transposed because HF's GPT-2 uses Conv1D ([in, out]) weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_hpc.checkpoint import tp_layout
+from megatron_hpc.checkpoint.whole import WholeCheckpoint, write_whole
+from megatron_hpc.errors import CheckpointError
+from megatron_hpc.plan.vocab import padded_vocab_size
+
+
+def _model_config(whole: WholeCheckpoint) -> dict[str, Any]:
+    try:
+        return whole.states[0]["resolved_config"]["model"]
+    except (KeyError, TypeError):
+        raise CheckpointError(f"{whole.found.folder} has no resolved_config (not written by megatron-hpc); "
+                              "it cannot be converted") from None
+
+
+# ---------------------------------------------------------------------------------------------- HF export
+
+def hf_blockers(model: dict[str, Any]) -> list[str]:
+    """What GPT2LMHeadModel cannot express about this model (empty when it can)."""
+    found = []
+    if model.get("position_embedding", "learned") != "learned":
+        found.append("rotary position embeddings (GPT-2 has learned positions)")
+    if not model.get("tie_embeddings", True):
+        found.append("an untied output layer (GPT-2 ties it to the word embeddings)")
+    return found
+
+
+def hf_config(model: dict[str, Any]) -> dict[str, Any]:
+    h = model["hidden_size"]
+    eos = model["vocab_size"] - 1  # GPT-2 style vocabularies end with <|endoftext|>
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+        "vocab_size": model["vocab_size"], "n_positions": model["max_position_embeddings"],
+        "n_embd": h, "n_layer": model["num_layers"], "n_head": model["num_attention_heads"],
+        "n_inner": model.get("ffn_hidden_size") or 4 * h,
+        "activation_function": "gelu",  # our MLP uses the exact (erf) GeLU
+        "layer_norm_epsilon": model.get("layernorm_epsilon", 1e-5),
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+        "tie_word_embeddings": True, "bos_token_id": eos, "eos_token_id": eos,
+        "torch_dtype": "float32",
+    }
+
+
+def _qkv_to_hf(t: torch.Tensor, *, heads: int) -> torch.Tensor:
+    """[heads * (q, k, v) * hd, ...] rows -> [q (all heads) | k | v] rows."""
+    head_dim = t.shape[0] // (3 * heads)
+    rest = t.shape[1:]
+    return t.reshape(heads, 3, head_dim, *rest).transpose(0, 1).reshape(3 * heads * head_dim, *rest)
+
+
+def hf_state_dict(full: dict[str, torch.Tensor], model: dict[str, Any]) -> dict[str, torch.Tensor]:
+    heads, vocab = model["num_attention_heads"], model["vocab_size"]
+    sd = {"transformer.wte.weight": full["wte.weight"][:vocab], "transformer.wpe.weight": full["wpe.weight"],
+          "transformer.ln_f.weight": full["ln_f.weight"], "transformer.ln_f.bias": full["ln_f.bias"]}
+    for i in range(model["num_layers"]):
+        ours, theirs = f"h.{i}.", f"transformer.h.{i}."
+        for ln in ("ln_1", "ln_2"):
+            for p in ("weight", "bias"):
+                sd[f"{theirs}{ln}.{p}"] = full[f"{ours}{ln}.{p}"]
+        sd[f"{theirs}attn.c_attn.weight"] = _qkv_to_hf(full[f"{ours}attn.qkv.weight"], heads=heads).t()
+        sd[f"{theirs}attn.c_attn.bias"] = _qkv_to_hf(full[f"{ours}attn.qkv.bias"], heads=heads)
+        for src, dst in (("attn.proj", "attn.c_proj"), ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj")):
+            sd[f"{theirs}{dst}.weight"] = full[f"{ours}{src}.weight"].t()
+            sd[f"{theirs}{dst}.bias"] = full[f"{ours}{src}.bias"]
+    return {k: v.detach().to(torch.float32).contiguous().clone() for k, v in sd.items()}
+
+
+def export_hf(whole: WholeCheckpoint, out: Path) -> Path:
+    """Write config.json and the weights (model.safetensors, or pytorch_model.bin without safetensors)."""
+    model = _model_config(whole)
+    blockers = hf_blockers(model)
+    if blockers:
+        raise CheckpointError(f"{whole.found.folder} cannot become a GPT2LMHeadModel: it uses "
+                              f"{' and '.join(blockers)}; keep it in Megatron's format")
+    full = tp_layout.merge_model([s["model"] for s in whole.states])
+    sd = hf_state_dict(full, model)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(hf_config(model), indent=2) + "\n")
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        path = out / "pytorch_model.bin"
+        torch.save(sd, path)
+    else:
+        path = out / "model.safetensors"
+        save_file(sd, str(path), metadata={"format": "pt"})
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- reshard
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ReshardResult:
+    folder: Path
+    from_tp: int
+    to_tp: int
+    optimizer: str
+    """resharded, or dropped (with the reason in `note`)."""
+    note: str = ""
+
+
+def check_tp(model: dict[str, Any], tp: int) -> None:
+    heads = model["num_attention_heads"]
+    ffn = model.get("ffn_hidden_size") or 4 * model["hidden_size"]
+    if tp < 1 or heads % tp or ffn % tp:
+        choices = [d for d in range(1, heads + 1) if heads % d == 0 and ffn % d == 0]
+        raise CheckpointError(f"--tp {tp} must be at least 1 and divide the {heads} attention heads and the FFN "
+                              f"size {ffn}; use --tp in {choices}")
+
+
+def _param_order(model_sd: dict[str, torch.Tensor]) -> list[str]:
+    # The trainer's optimizer groups (train/optim.py param_groups): matrices first, then 1-D tensors,
+    # each in the model's order; torch numbers the state by that order.
+    names = list(model_sd)
+    return [n for n in names if model_sd[n].ndim >= 2] + [n for n in names if model_sd[n].ndim < 2]
+
+
+def _reshard_optimizer(states: list[dict[str, Any]], *, tp: int, vocab: int, padded: int) -> list[dict[str, Any]]:
+    order = _param_order(states[0]["model"])
+    opts = [s["optimizer"] for s in states]
+    counted = sum(len(g["params"]) for g in opts[0]["param_groups"])
+    if counted != len(order):
+        raise ValueError(f"{counted} optimizer parameters for {len(order)} model tensors")
+    new_state: list[dict[int, dict[str, Any]]] = [{} for _ in range(tp)]
+    for index, name in enumerate(order):
+        per_rank = [o["state"].get(index) for o in opts]
+        if any(p is None for p in per_rank):
+            continue  # never stepped: no moments to move
+        for key in per_rank[0]:
+            values = [p[key] for p in per_rank]
+            if not torch.is_tensor(values[0]) or values[0].ndim == 0:
+                pieces = [values[0]] * tp  # the step count, the same on every rank
+            else:
+                full = tp_layout.merge(name, values)
+                if tp_layout.split_of(name) == "vocab":
+                    full = tp_layout.repad_vocab(full, vocab_size=vocab, padded=padded)
+                pieces = tp_layout.split(name, full, tp)
+            for rank in range(tp):
+                new_state[rank].setdefault(index, {})[key] = pieces[rank]
+    return [{"state": new_state[r], "param_groups": copy.deepcopy(opts[0]["param_groups"])} for r in range(tp)]
+
+
+def reshard(whole: WholeCheckpoint, *, tp: int, out: Path, fmt: str | None = None) -> ReshardResult:
+    """Write `whole` at TP size `tp` into `out` (same iteration; the vocabulary re-padded for `tp`)."""
+    model = _model_config(whole)
+    check_tp(model, tp)
+    cfg = whole.states[0]["resolved_config"]
+    vocab = model["vocab_size"]
+    padded = padded_vocab_size(vocab, divisible_by=model.get("make_vocab_size_divisible_by", 128), tensor_parallel=tp)
+    full = tp_layout.merge_model([s["model"] for s in whole.states])
+    for name in ("wte.weight", "lm_head.weight"):
+        if name in full:
+            full[name] = tp_layout.repad_vocab(full[name], vocab_size=vocab, padded=padded)
+    models = tp_layout.split_model(full, tp)
+    note, optimizers = "", None
+    try:
+        optimizers = _reshard_optimizer(whole.states, tp=tp, vocab=vocab, padded=padded)
+    except (KeyError, ValueError, TypeError, IndexError, CheckpointError) as exc:
+        note = f"the optimizer state could not be resharded ({exc}); a resumed run starts Adam's moments at zero"
+    new_states = []
+    for rank in range(tp):
+        state = {k: v for k, v in whole.states[0].items() if k not in ("model", "optimizer")}
+        state["model"] = models[rank]
+        if optimizers is not None:
+            state["optimizer"] = optimizers[rank]
+        state["tensor_model_parallel_size"] = tp
+        state["padded_vocab_size"] = padded
+        state["resolved_config"] = copy.deepcopy(cfg)
+        state["resolved_config"].setdefault("parallel", {})["tensor"] = tp
+        new_states.append(state)
+    folder = write_whole(out, whole.iteration, new_states, fmt=fmt or whole.found.manifest.format)
+    return ReshardResult(folder=folder, from_tp=whole.tensor_parallel, to_tp=tp,
+                         optimizer="dropped" if optimizers is None else "resharded", note=note)
+
+
+def convert_format(whole: WholeCheckpoint, *, to: str, out: Path) -> Path:
+    """The same checkpoint (every rank, every key) in the other file format."""
+    return write_whole(out, whole.iteration, whole.states, fmt=to)

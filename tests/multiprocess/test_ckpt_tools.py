@@ -1,0 +1,142 @@
+"""`ckpt reshard` and `ckpt convert` on a checkpoint the trainer wrote at TP=2 in real gloo processes.
+
+The logits are the reference everywhere: the TP=2 model (two processes, gathered over the vocabulary),
+the TP=1 model loaded from the resharded checkpoint, and the real `transformers` GPT2LMHeadModel loaded
+from the exported folder must agree on the real vocabulary within 1e-4 (float32).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mp_workers
+import pytest
+import torch
+import torch.distributed as dist
+
+pytestmark = pytest.mark.multiprocess
+
+VOCAB = 500
+MODEL = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.seq_length=32",
+         "model.max_position_embeddings=32", f"model.vocab_size={VOCAB}", "model.make_vocab_size_divisible_by=64"]
+TOKENS = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(7))
+
+
+def _cli(*args: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-m", "megatron_hpc", *args], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def _train_tp2(ckpt: Path) -> None:
+    sets = [*MODEL, "data.source=synthetic", "parallel.tensor=2", "train.num_steps=3", "train.micro_batch_size=4",
+            "train.global_batch_size=4", "train.tensorboard=false", f"checkpoint.save={ckpt}"]
+    args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
+            str(mp_workers.free_ports(1)[0]), "-m", "megatron_hpc", "train", "--recipe", "tiny"]
+    for item in sets:
+        args += ["--set", item]
+    proc = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+def model_logits(rank: int, world: int, ports: list[int], ckpt: str, tokens: torch.Tensor) -> torch.Tensor | None:
+    """Logits of our GPT loaded from `ckpt` at TP=world, gathered to full vocabulary on rank 0."""
+    from megatron_hpc.checkpoint.loader import read_shard
+    from megatron_hpc.checkpoint.whole import locate
+    from megatron_hpc.config.loader import load_recipe
+    from megatron_hpc.model.gpt import GPT
+    from megatron_hpc.parallel.context import ParallelContext
+    from megatron_hpc.plan.mesh import Mesh
+
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{ports[0]}")
+    cfg = load_recipe("tiny", MODEL)
+    ctx = ParallelContext.build(Mesh(num_nodes=1, workers_per_node=world, tensor_parallel=world), rank=rank)
+    state = read_shard(locate(Path(ckpt)), tp_rank=rank)
+    model = GPT(cfg.model, ctx=ctx, padded_vocab=state["padded_vocab_size"], seed=1)
+    model.load_state_dict(state["model"])
+    model.eval()
+    with torch.no_grad():
+        local = model(tokens)
+    parts = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(parts, local.contiguous())
+    dist.destroy_process_group()
+    return torch.cat(parts, dim=-1)[..., :VOCAB] if rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def tp2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    ckpt = tmp_path_factory.mktemp("tools") / "tp2"
+    _train_tp2(ckpt)
+    return ckpt
+
+
+def test_reshard_tp2_to_tp1_and_back_keeps_the_logits(tp2_checkpoint, tmp_path):
+    ref = mp_workers.spawn(model_logits, world=2, out_dir=tmp_path / "ref", args=(str(tp2_checkpoint), TOKENS))[0]
+    report = json.loads(_cli("ckpt", "reshard", str(tp2_checkpoint), "--tp", "1", "--out", str(tmp_path / "tp1"),
+                             "--json"))
+    assert (report["from_tp"], report["to_tp"], report["iteration"], report["optimizer"]) == (2, 1, 3, "resharded")
+    one = mp_workers.spawn(model_logits, world=1, out_dir=tmp_path / "one", args=(str(tmp_path / "tp1"), TOKENS))[0]
+    torch.testing.assert_close(one, ref, rtol=0, atol=1e-4)
+    _cli("ckpt", "reshard", str(tmp_path / "tp1"), "--tp", "2", "--out", str(tmp_path / "back"))
+    back = mp_workers.spawn(model_logits, world=2, out_dir=tmp_path / "bk", args=(str(tmp_path / "back"), TOKENS))[0]
+    torch.testing.assert_close(back, ref, rtol=0, atol=1e-4)
+    # the trainer resumes from the resharded checkpoint at TP=1, optimizer included
+    from megatron_hpc.config.loader import load_recipe
+    from megatron_hpc.train.entry import run_training
+
+    cfg = load_recipe("tiny", [*MODEL, "data.source=synthetic", "train.num_steps=4", "train.micro_batch_size=4",
+                               "train.global_batch_size=4", "train.tensorboard=false",
+                               f"checkpoint.load={tmp_path / 'tp1'}", f"checkpoint.save={tmp_path / 'tp1-more'}"])
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        os.environ.pop(var, None)
+    assert run_training(cfg, run_dir=tmp_path / "resumed") == 0
+    assert (tmp_path / "tp1-more" / "latest_checkpointed_iteration.txt").read_text() == "4"
+
+
+def test_hf_export_matches_our_logits_in_transformers(tp2_checkpoint, tmp_path):
+    import transformers  # the real library (the `test` extra installs it)
+    ref = mp_workers.spawn(model_logits, world=2, out_dir=tmp_path / "ref", args=(str(tp2_checkpoint), TOKENS))[0]
+    report = json.loads(_cli("ckpt", "convert", str(tp2_checkpoint), "--to", "hf", str(tmp_path / "hf"), "--json"))
+    assert (report["to"], report["tensor_parallel"], report["iteration"]) == ("hf", 2, 3)
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
+    hf.eval()
+    with torch.no_grad():
+        theirs = hf(TOKENS).logits
+    assert theirs.shape == (2, 32, VOCAB)
+    torch.testing.assert_close(theirs, ref, rtol=0, atol=1e-4)
+
+
+def test_convert_xser_to_torch_and_back_is_identical(tp2_checkpoint, tmp_path):
+    from megatron_hpc.checkpoint.whole import read_whole
+    from megatron_hpc.checkpoint.xser import iter_tensors
+
+    _cli("ckpt", "convert", str(tp2_checkpoint), "--to", "torch", str(tmp_path / "torch"))
+    _cli("ckpt", "convert", str(tmp_path / "torch"), "--to", "xser", str(tmp_path / "xser"))
+    original, as_torch, again = (read_whole(p) for p in (tp2_checkpoint, tmp_path / "torch", tmp_path / "xser"))
+    assert (as_torch.found.manifest.format, again.found.manifest.format) == ("torch", "xser")
+    for rank in range(2):
+        want = dict(iter_tensors(original.states[rank]))
+        for other in (as_torch, again):
+            got = dict(iter_tensors(other.states[rank]))
+            assert want.keys() == got.keys()
+            for name, tensor in want.items():
+                assert torch.equal(tensor, got[name]), name
+
+
+def test_bad_input_is_refused_in_one_line(tp2_checkpoint, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "RANK"}
+    for args, expected in (
+        (["reshard", str(tp2_checkpoint), "--tp", "3", "--out", str(tmp_path / "x")], "--tp in [1, 2, 4]"),
+        (["reshard", str(tmp_path / "missing"), "--tp", "1"], "does not exist"),
+        (["convert", str(tmp_path), "--to", "hf", str(tmp_path / "hf")], "no complete checkpoint"),
+    ):
+        proc = subprocess.run([sys.executable, "-m", "megatron_hpc", "ckpt", *args], capture_output=True, text=True,
+                              env=env)
+        assert proc.returncode == 1 and expected in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "x").exists()
