@@ -18,6 +18,7 @@ from typing import Literal
 from megatron_hpc.compile_cache import fingerprint
 from megatron_hpc.compile_cache.paths import cache_env, default_cache_root
 from megatron_hpc.launch.node_task import NodeTask
+from megatron_hpc.launch.resume import previous_submissions
 from megatron_hpc.launch.run_dir import NODE_SCRIPT, python_bin_dir, write_json, write_script
 from megatron_hpc.launch.run_status import ENDED_STATES, slurm_job_state
 from megatron_hpc.launch.scripts import (
@@ -160,7 +161,9 @@ def submit(req: SubmitRequest, *, wait: bool, echo: Callable[[str], None] | None
         if wait:
             _wait_slurm(result, req)
     result.files = files
+    history = previous_submissions(req.run_dir)  # a resumed run keeps its earlier job ids
     write_json(req.run_dir / "submission.json", {
+        **({"history": history} if history else {}),
         "cluster": req.cluster,
         "compile_skipped": files.compile_skipped_by is not None,
         "fingerprint": files.fingerprint,

@@ -11,9 +11,9 @@ from megatron_hpc.config.schema import RunConfig
 from megatron_hpc.plan.planner import Plan, make_plan
 
 
-def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--recipe", required=True, help="recipe name (e.g. tiny, gpt3_6.7b) or a YAML path")
-    parser.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
+def add_recipe_arguments(parser: argparse.ArgumentParser, *, recipe_required: bool = True) -> None:
+    parser.add_argument("--recipe", required=recipe_required, help="recipe name (e.g. tiny, gpt3_6.7b) or a YAML path")
+    parser.add_argument("--nodes", type=int, default=None, help="number of nodes (default 1)")
     parser.add_argument("--platform", choices=sorted(PLATFORMS), default=None,
                         help="hardware of the nodes (default: the recipe's launch.platform)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -35,4 +35,4 @@ def resolve(args: argparse.Namespace) -> Resolved:
         overrides.append(f"launch.platform={args.platform}")
     cfg = load_recipe(args.recipe, overrides)
     platform = get_platform(cfg.launch.platform)
-    return Resolved(cfg=cfg, platform=platform, plan=make_plan(cfg, num_nodes=args.nodes, platform=platform))
+    return Resolved(cfg=cfg, platform=platform, plan=make_plan(cfg, num_nodes=args.nodes or 1, platform=platform))

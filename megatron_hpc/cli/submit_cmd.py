@@ -4,18 +4,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
-from megatron_hpc.cli.common import add_recipe_arguments, resolve
+from megatron_hpc.cli.common import Resolved, add_recipe_arguments, resolve
 from megatron_hpc.cli.plan_cmd import format_plan
+from megatron_hpc.errors import ConfigError
+from megatron_hpc.launch import env_checks
 from megatron_hpc.launch.run_dir import default_run_dir, prepare_run_dir
 from megatron_hpc.launch.scripts import SlurmOptions
 from megatron_hpc.launch.submit import SubmitRequest, SubmitResult, check_cluster, submit, write_run_files
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_recipe_arguments(parser)
+    add_recipe_arguments(parser, recipe_required=False)
+    parser.add_argument("--resume", metavar="RUN",
+                        help="submit this run folder (or job id) again: it continues from its checkpoints; "
+                             "instead of --recipe")
     parser.add_argument("--cluster", choices=("slurm", "local"), default="slurm",
                         help="slurm (default) queues with sbatch; local runs both phases on this machine")
     parser.add_argument("--partition", help="SLURM partition")
@@ -32,14 +38,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "fingerprint")
 
 
+def _resume(args: argparse.Namespace) -> tuple[Resolved, Path]:
+    """The stored config and plan of the run folder, with the few overrides a resumed run may take."""
+    from megatron_hpc.config.loader import load_recipe
+    from megatron_hpc.config.platforms import get_platform
+    from megatron_hpc.launch.resume import check_not_active, check_overrides, stored_plan
+    from megatron_hpc.launch.run_status import find_run_dir, read_status
+    from megatron_hpc.plan.planner import make_plan
+
+    if args.recipe or args.out:
+        raise ConfigError("--resume continues a run folder with its stored recipe; drop --recipe and --out")
+    run_dir = find_run_dir(args.resume)
+    check_overrides(args.overrides)
+    check_not_active(read_status(run_dir))
+    stored = stored_plan(run_dir)
+    for flag, given, kept in (("--nodes", args.nodes, stored.get("num_nodes")),
+                              ("--platform", args.platform, stored.get("platform"))):
+        if given is not None and given != kept:
+            raise ConfigError(f"{run_dir} ran with {flag} {kept}; a resumed run keeps it (got {flag} {given})")
+    cfg = load_recipe(str(run_dir / "config.json"), args.overrides)
+    platform = get_platform(cfg.launch.platform)
+    return Resolved(cfg=cfg, platform=platform, plan=make_plan(cfg, num_nodes=stored["num_nodes"],
+                                                               platform=platform)), run_dir
+
+
 def run(args: argparse.Namespace) -> int:
-    resolved = resolve(args)
+    if not args.recipe and not args.resume:
+        raise ConfigError("submit needs --recipe NAME (a new run) or --resume RUN (continue a run folder)")
+    resolved, resumed_dir = _resume(args) if args.resume else (resolve(args), None)
     if not args.dry_run:
         check_cluster(args.cluster, num_nodes=resolved.plan.num_nodes, platform=resolved.platform)
         from megatron_hpc.data.preflight import check_data  # numpy, no torch
 
         check_data(resolved.cfg.data)
-    run_dir = prepare_run_dir(args.out or default_run_dir(Path("runs"), resolved.cfg.name))
+    run_dir = prepare_run_dir(resumed_dir or args.out or default_run_dir(Path("runs"), resolved.cfg.name))
+    warnings = env_checks.submit_warnings(os.environ, run_dir=run_dir, cluster=args.cluster,
+                                          num_nodes=resolved.plan.num_nodes,
+                                          nofile_limit=resolved.cfg.launch.nofile_limit)
+    for warning in warnings:
+        print(f"megatron-hpc: warning: {warning}", file=sys.stderr)
+    if args.cluster == "slurm" and not args.dry_run:
+        env_checks.remove_slurm_vars(os.environ)  # submitit hands os.environ to sbatch
     req = SubmitRequest(
         cfg=resolved.cfg, plan=resolved.plan, platform=resolved.platform, cluster=args.cluster,
         run_dir=run_dir,
@@ -52,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
         skipped = files.compile_skipped_by is not None
         if args.json:
             print(json.dumps({"run_dir": str(run_dir), "dry_run": True, "plan": resolved.plan.to_json(),
-                              "compile_skipped": skipped, "fingerprint": files.fingerprint}, indent=2))
+                              "compile_skipped": skipped, "fingerprint": files.fingerprint,
+                              "warnings": warnings}, indent=2))
         else:
             print(format_plan(resolved.plan, vocab_size=resolved.cfg.model.vocab_size))
             if skipped:
@@ -66,14 +106,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"run folder: {run_dir}", flush=True)
     echo = None if args.json else (lambda line: print(line, flush=True))
     result = submit(req, wait=args.wait, echo=echo)
-    _report(result, as_json=args.json)
+    _report(result, as_json=args.json, warnings=warnings, resumed=resumed_dir is not None)
     return 0 if result.ok else 1
 
 
-def _report(result: SubmitResult, *, as_json: bool) -> None:
+def _report(result: SubmitResult, *, as_json: bool, warnings: list[str], resumed: bool) -> None:
     if as_json:
         print(json.dumps({
-            "run_dir": str(result.run_dir), "ok": result.ok, "reason": result.reason,
+            "run_dir": str(result.run_dir), "ok": result.ok, "reason": result.reason, "resumed": resumed,
+            "warnings": warnings,
             "compile_skipped": bool(result.files and result.files.compile_skipped_by is not None),
             "fingerprint": result.files.fingerprint if result.files else None,
             "jobs": [{"phase": j.phase, "job_id": j.job_id, "state": j.state, "depends_on": j.depends_on}

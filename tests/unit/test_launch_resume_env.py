@@ -1,0 +1,87 @@
+"""`submit --resume` refusals and the submit-time environment checks."""
+
+import json
+
+import pytest
+from megatron_hpc.launch import env_checks
+
+from megatron_hpc.cli.main import main
+
+MOUNTS = """\
+sysfs /sys sysfs rw 0 0
+/dev/vda1 / ext4 rw 0 0
+tmpfs /scratch tmpfs rw 0 0
+fs1:/home /shared nfs4 rw 0 0
+"""
+
+
+def test_slurm_variables_from_an_allocation_are_named_and_removed():
+    env = {"SLURM_JOB_ID": "5", "SLURM_CPU_BIND": "cores", "SBATCH_PARTITION": "x", "SLURM_CONF": "/etc/s.conf",
+           "HOME": "/root"}
+    warnings = env_checks.submit_warnings(env, run_dir=env_checks.Path("/shared/r"), cluster="slurm", num_nodes=2,
+                                          nofile_limit=100, hard_nofile=100, mounts=MOUNTS)
+    assert len(warnings) == 1 and "SBATCH_PARTITION, SLURM_CPU_BIND, SLURM_JOB_ID" in warnings[0]
+    assert env_checks.remove_slurm_vars(env) == ["SBATCH_PARTITION", "SLURM_CPU_BIND", "SLURM_JOB_ID"]
+    assert env == {"SLURM_CONF": "/etc/s.conf", "HOME": "/root"}
+
+
+@pytest.mark.parametrize(("path", "local"), [("/tmp/runs/a", True), ("/dev/shm/x", True), ("/scratch/run", True),
+                                             ("/shared/runs/a", False), ("/home/u/runs", False)])
+def test_node_local_run_folders_are_recognised(path, local):
+    reason = env_checks.node_local_reason(env_checks.Path(path), MOUNTS)
+    assert (reason is not None) == local
+    warnings = env_checks.submit_warnings({}, run_dir=env_checks.Path(path), cluster="slurm", num_nodes=4,
+                                          nofile_limit=10, hard_nofile=10, mounts=MOUNTS)
+    assert any("node-local" in w for w in warnings) == local
+    # one node, or this machine: a local folder is fine
+    assert env_checks.submit_warnings({}, run_dir=env_checks.Path(path), cluster="slurm", num_nodes=1,
+                                      nofile_limit=10, hard_nofile=10, mounts=MOUNTS) == []
+
+
+def test_a_low_hard_nofile_limit_is_a_warning_for_slurm_runs():
+    warnings = env_checks.submit_warnings({}, run_dir=env_checks.Path("/shared/r"), cluster="slurm", num_nodes=1,
+                                          nofile_limit=65535, hard_nofile=4096, mounts=MOUNTS)
+    assert len(warnings) == 1 and "4096" in warnings[0] and "65535" in warnings[0]
+
+
+def _finished_run(tmp_path, capsys) -> str:
+    run = tmp_path / "run"
+    assert main(["submit", "--recipe", "tiny", "--dry-run", "--out", str(run)]) == 0
+    (run / "submission.json").write_text(json.dumps({"cluster": "local", "ok": True, "reason": "", "jobs": [
+        {"phase": "run", "job_id": "7", "state": "COMPLETED", "depends_on": None}]}))
+    capsys.readouterr()
+    return str(run)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--set", "model.hidden_size=512"], "cannot change on --resume"),
+    (["--set", "train.global_batch_size=16"], "cannot change on --resume"),
+    (["--recipe", "tiny"], "drop --recipe"),
+    (["--nodes", "2"], "keeps it"),
+])
+def test_resume_refuses_what_would_make_another_run(tmp_path, capsys, args, message):
+    run = _finished_run(tmp_path, capsys)
+    assert main(["submit", "--resume", run, "--dry-run", *args]) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_resume_of_a_missing_or_running_run_is_refused(tmp_path, capsys):
+    assert main(["submit", "--resume", str(tmp_path / "nope"), "--dry-run"]) == 1
+    assert "neither a run folder nor a job id" in capsys.readouterr().err
+    run = _finished_run(tmp_path, capsys)
+    (tmp_path / "run" / "submission.json").write_text(json.dumps({"cluster": "local", "jobs": [
+        {"phase": "run", "job_id": "7", "state": "RUNNING", "depends_on": None}]}))
+    assert main(["submit", "--resume", run, "--dry-run"]) == 1
+    assert "still active" in capsys.readouterr().err
+
+
+def test_resume_keeps_the_stored_config_and_takes_more_steps(tmp_path, capsys):
+    run = _finished_run(tmp_path, capsys)
+    before = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert main(["submit", "--resume", run, "--dry-run", "--json", "--set", "train.num_steps=250"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["run_dir"] == run
+    after = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert after["train"]["num_steps"] == 250
+    after["train"]["num_steps"] = before["train"]["num_steps"]
+    assert after == before
