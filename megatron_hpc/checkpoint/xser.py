@@ -24,7 +24,8 @@ import io
 import os
 import pickle
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -131,17 +132,35 @@ def rewrite(obj: Any, *, where: str = "") -> tuple[Any, list[torch.Tensor]]:
     return walk(obj, where), tensors
 
 
-def write_xser(obj: Any, main: Path, *, sink: FileSink = write_file) -> int:
+IO_THREADS = 4
+"""Tensor files written or read at once by one rank: writing, hashing and fsync release the GIL, so the
+disk, the checksum and the serialisation overlap. Host memory peaks at about this many tensors."""
+
+
+def write_xser(obj: Any, main: Path, *, sink: FileSink = write_file, threads: int = IO_THREADS) -> int:
     """Write `obj` as xser at `main` (a new path); returns the number of tensor files.
 
-    One tensor is serialised at a time, so host memory peaks at about one tensor (the point of xser).
+    Tensors are serialised one per thread at a time, so host memory stays near `threads` tensors (the
+    point of xser); the main file, written last, names them all.
     """
     ref_data, tensors = rewrite(obj)
     tensors_dir(main).mkdir(parents=True)
-    for tid, t in enumerate(tensors):
-        sink(tensor_file(main, tid), _to_bytes(_compact_cpu(t)))
+
+    def write_one(tid: int) -> None:
+        sink(tensor_file(main, tid), _to_bytes(_compact_cpu(tensors[tid])))
+
+    _each(write_one, range(len(tensors)), threads=threads)
     sink(main, _to_bytes(ref_data, pickle_module=_PICKLE_MODULE))
     return len(tensors)
+
+
+def _each(fn: Callable[[int], Any], items: Iterable[int], *, threads: int) -> dict[int, Any]:
+    """fn over items, `threads` at a time; the first error is raised after the others finished."""
+    items = list(items)
+    if threads <= 1 or len(items) <= 1:
+        return {i: fn(i) for i in items}
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        return dict(zip(items, pool.map(fn, items), strict=True))
 
 
 def write_torch(obj: Any, main: Path, *, sink: FileSink = write_file) -> int:
@@ -219,7 +238,21 @@ def read_xser(main: Path, *, files: dict[Path, FileRecord] | None = None, mmap: 
                                   "is damaged")
         return tensor
 
-    return resolve(ref_data, load)
+    # Read (and verify) the referenced files several at a time, then put them in place.
+    wanted = sorted(_referenced_tids(ref_data))
+    ready = _each(load, wanted, threads=1 if mmap else IO_THREADS)
+    return resolve(ref_data, lambda tid: ready[tid] if tid in ready else load(tid))
+
+
+def _referenced_tids(value: Any) -> set[int]:
+    if type(value) is TensorReference:
+        tid = value.__dict__.get("tid")
+        return {tid} if type(tid) is int and tid >= 0 else set()  # resolve() names a bad one
+    if isinstance(value, dict):
+        return set().union(*(_referenced_tids(v) for v in value.values())) if value else set()
+    if isinstance(value, (list, tuple)):
+        return set().union(*(_referenced_tids(v) for v in value)) if value else set()
+    return set()
 
 
 def iter_tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
