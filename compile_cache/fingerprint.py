@@ -2,9 +2,9 @@
 
 The graphs a run compiles depend on the model's shape, the mesh, the batch shapes, the precision,
 whether torch.compile is on, the platform, the compiler and its flags — and on nothing else (not the
-learning rate, the seed, the data or the number of steps). A compile phase that succeeded records the
-sha256 of exactly those inputs as a marker in the shared cache, `<root>/megatron-hpc/fingerprints/<sha>.json`;
-`submit` skips the compile job when the marker of its fingerprint is there.
+learning rate, the seed, the data or the number of steps). A compile phase that succeeded and published
+its node-local cache (node.sh) records the sha256 of exactly those inputs as a marker in the shared cache,
+`<root>/megatron-hpc/fingerprints/<sha>.json`; `submit` skips the compile job when that marker is there.
 """
 
 from __future__ import annotations

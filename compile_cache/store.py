@@ -52,7 +52,7 @@ def inside(path: str | os.PathLike, root: str | os.PathLike) -> bool:
     return os.path.commonpath([os.path.realpath(path), real_root]) == real_root
 
 
-def _leftover_name(name: str, tag: str) -> str:
+def leftover_name(name: str, tag: str) -> str:
     return f".{name}{tag}{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}"
 
 
@@ -88,7 +88,7 @@ def _make_version_dir(version_dir: Path, dst_root: Path, *, group_writable: bool
     try:
         version_dir.mkdir()
         if group_writable:
-            _make_group_writable(version_dir)
+            make_group_writable(version_dir)
     except FileExistsError:
         pass
     if version_dir.is_symlink() or not inside(version_dir, dst_root):
@@ -98,17 +98,17 @@ def _make_version_dir(version_dir: Path, dst_root: Path, *, group_writable: bool
 
 def _copy_entry(entry: neuron.Entry, version_dir: Path, *, group_writable: bool) -> int | None:
     """Build the entry under a temp name and rename it in. Bytes copied, or None if another copy won."""
-    tmp = version_dir / _leftover_name(entry.name, TMP_TAG)
+    tmp = version_dir / leftover_name(entry.name, TMP_TAG)
     tmp.mkdir()
     try:
         total = 0
         for name in entry.files:
             if name.endswith((neuron.LOCK_SUFFIX, OWNER_SUFFIX)):
                 continue
-            total += _copy_file(entry.path / name, tmp / name, group_writable=group_writable)
+            total += copy_file(entry.path / name, tmp / name, group_writable=group_writable)
         if group_writable:
-            _make_group_writable(tmp)
-        _fsync_dir(tmp)
+            make_group_writable(tmp)
+        fsync_dir(tmp)
         try:
             os.rename(tmp, version_dir / entry.name)
         except OSError as exc:
@@ -116,7 +116,7 @@ def _copy_entry(entry: neuron.Entry, version_dir: Path, *, group_writable: bool)
                 raise
             remove_tree(tmp, root=version_dir)
             return None
-        _fsync_dir(version_dir)
+        fsync_dir(version_dir)
         return total
     except BaseException:
         with contextlib.suppress(OSError):
@@ -124,7 +124,8 @@ def _copy_entry(entry: neuron.Entry, version_dir: Path, *, group_writable: bool)
         raise
 
 
-def _copy_file(src: Path, dst: Path, *, group_writable: bool) -> int:
+def copy_file(src: Path, dst: Path, *, group_writable: bool) -> int:
+    """Copy the regular file `src` to the new file `dst` and fsync it. Bytes copied."""
     st = os.lstat(src)
     if not stat.S_ISREG(st.st_mode):
         raise CompileCacheError(f"{src} is not a regular file (mode {stat.filemode(st.st_mode)}); the compiler "
@@ -144,13 +145,15 @@ def _copy_file(src: Path, dst: Path, *, group_writable: bool) -> int:
     return n
 
 
-def _make_group_writable(path: Path) -> None:
+def make_group_writable(path: Path) -> None:
+    """g+rwx, and setgid, on a directory a team shares."""
     # setgid on directories keeps the team's group on everything created below them
     mode = os.lstat(path).st_mode
     os.chmod(path, stat.S_IMODE(mode) | stat.S_IWGRP | stat.S_IRGRP | stat.S_IXGRP | stat.S_ISGID)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make the names created in `path` durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -183,7 +186,7 @@ def remove_tree(path: str | os.PathLike, *, root: str | os.PathLike) -> int:
 
 def remove_entry(entry: neuron.Entry, *, root: Path) -> int:
     """Make the entry vanish at once (rename to a dot-name), then delete it. Bytes freed; 0 if already gone."""
-    doomed = entry.path.parent / _leftover_name(entry.name, DEL_TAG)
+    doomed = entry.path.parent / leftover_name(entry.name, DEL_TAG)
     try:
         os.rename(entry.path, doomed)
     except FileNotFoundError:
@@ -212,14 +215,16 @@ def find_leftovers(root: Path, *, now: float | None = None) -> list[Leftover]:
                     continue
                 with contextlib.suppress(FileNotFoundError):
                     found.append(Leftover(path=Path(d.path), age_s=now - d.stat(follow_symlinks=False).st_mtime,
-                                          owner_gone=_writer_gone(d.name, host)))
+                                          owner_gone=writer_gone(d.name, host=host)))
     return found
 
 
-def _writer_gone(name: str, host: str) -> bool:
+def writer_gone(name: str, *, host: str | None = None) -> bool:
+    """Whether the process on this host that named a temp or to-delete leftover `name` has died."""
+    host = socket.gethostname() if host is None else host
     tag = TMP_TAG if TMP_TAG in name else DEL_TAG
     try:
-        writer_host, pid, _token = name.split(tag, 1)[1].rsplit(".", 2)
+        writer_host, pid, _token = name.rsplit(tag, 1)[1].rsplit(".", 2)
         return writer_host == host and process_start_time(int(pid)) is None
     except ValueError:
         return False

@@ -15,6 +15,8 @@ import shlex
 from dataclasses import dataclass
 from importlib import resources
 
+from megatron_hpc.compile_cache.paths import cache_env
+
 from megatron_hpc import __version__
 from megatron_hpc.plan.jobs import MASTER_PORT_BASE, MASTER_PORT_SPAN, PhaseSpec
 from megatron_hpc.plan.planner import Plan
@@ -44,9 +46,18 @@ def render(template: str, values: dict[str, object]) -> str:
     return _PLACEHOLDER.sub(lambda m: str(values[m.group(1)]), template)
 
 
-def render_node_script(spec: PhaseSpec, *, recipe: str, run_dir: str, bin_dir: str) -> str:
+def render_node_script(spec: PhaseSpec, *, recipe: str, run_dir: str, bin_dir: str, backend: str,
+                       shared_cache: str) -> str:
     exports = "\n".join(f"export {key}={shlex.quote(value)}" for key, value in sorted(spec.env.items()))
-    return render(load_template("node.sh"), {
+    template = load_template("node.sh")
+    if backend != "xla":
+        template = template.replace("{{neuron_trial_cache}}\n", "")
+    return render(template, {
+        "shared_cache": shlex.quote(shared_cache),
+        "neuron_trial_cache": _NEURON_TRIAL_CACHE,
+        # double quotes: the node-local root is known only on the node
+        "cache_exports": "\n".join(f'export {key}="{value}"'
+                                   for key, value in cache_env(backend=backend, root="$LOCAL_CACHE").items()),
         "recipe": recipe,
         "version": __version__,
         "run_dir": shlex.quote(run_dir),
@@ -57,6 +68,15 @@ def render_node_script(spec: PhaseSpec, *, recipe: str, run_dir: str, bin_dir: s
         "port_span": MASTER_PORT_SPAN,
         "nproc_per_node": spec.nproc_per_node,
     })
+
+
+# Trainium only. neuron_parallel_compile sets NEURON_EXTRACT_GRAPHS_ONLY for its trial (neuron-xla.md 2.5).
+_NEURON_TRIAL_CACHE = """\
+if [ -n "${NEURON_EXTRACT_GRAPHS_ONLY:-}" ]; then
+  # neuron_parallel_compile's trial: the tool compiles the graphs after this script returns, too late to
+  # publish them from here, so the trial and the compile use the shared cache directly.
+  LOCAL_CACHE=$SHARED_CACHE
+fi"""
 
 
 def sbatch_directives(spec: PhaseSpec, *, log_dir: str, options: SlurmOptions) -> list[tuple[str, str | None]]:

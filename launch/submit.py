@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Literal
 
 from megatron_hpc.compile_cache import fingerprint
-from megatron_hpc.compile_cache.paths import cache_env, default_cache_root
+from megatron_hpc.compile_cache.paths import default_cache_root, warm_start_env
 from megatron_hpc.launch.node_task import NodeTask
 from megatron_hpc.launch.resume import previous_submissions
 from megatron_hpc.launch.run_dir import NODE_SCRIPT, python_bin_dir, write_json, write_script
@@ -123,8 +123,10 @@ def write_run_files(req: SubmitRequest) -> RunFiles:
     The compile phase is left out when the shared cache holds this run's fingerprint (unless
     req.recompile): the run phase then has no dependency.
     """
+    # Where the caches are is decided on each node (node.sh: a node-local cache, synced and published);
+    # only the switches that make torch.compile reuse them are fixed here.
     phases = make_phases(req.cfg, req.plan, req.platform,
-                         extra_env=cache_env(backend=req.platform.backend, root=str(req.cache_root)))
+                         extra_env=warm_start_env(backend=req.platform.backend, torch_compile=req.cfg.train.compile))
     config, plan = config_to_dict(req.cfg), req.plan.to_json()
     fp = fingerprint.compute(config, plan, env=phases[0].env,
                              compiler=fingerprint.compiler_identity(req.platform.backend))
@@ -137,7 +139,8 @@ def write_run_files(req: SubmitRequest) -> RunFiles:
                {"sha256": fp.sha256, "inputs": fp.inputs, "cache_root": str(req.cache_root)})
     node_script = req.run_dir / NODE_SCRIPT
     write_script(node_script, render_node_script(phases[0], recipe=req.cfg.name, run_dir=str(req.run_dir),
-                                                 bin_dir=python_bin_dir()))
+                                                 bin_dir=python_bin_dir(), backend=req.platform.backend,
+                                                 shared_cache=str(req.cache_root)))
     previous = None
     for spec in phases:
         text = render_sbatch(spec, req.plan, node_script=str(node_script), log_dir=str(req.run_dir / "logs"),

@@ -4,6 +4,10 @@
     megatron-hpc cache publish --from LOCAL --to SHARED      # after a compile phase on node-local disk
     megatron-hpc cache sync --from SHARED --to LOCAL         # before a run, so lookups stay off NFS
 
+publish, sync and verify take `--layout`: `neuron` (default; Neuron's neuronxcc-*/MODULE_* entries), `tree` (a plain
+tree of files such as TorchInductor's cache, shared file by file) or `launcher` (the root the node script
+uses: neuron/ and inductor/ below it).
+
 `--root` defaults to the root Neuron itself would use (NEURON_CC_FLAGS --cache_dir, NEURON_COMPILE_CACHE_URL,
 /var/tmp/neuron-compile-cache). Results go to stdout (`--json` for scripts), notes to stderr.
 """
@@ -18,7 +22,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from megatron_hpc.compile_cache import locks, neuron, prune, report, store
+from megatron_hpc.compile_cache import layouts, locks, neuron, prune, report, store
+from megatron_hpc.compile_cache.paths import LAUNCHER_LAYOUT
 from megatron_hpc.errors import CompileCacheError
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw]?)$")
@@ -72,6 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           ("prune", "remove least recently used entries by age and/or total size")):
         p = action(name, summary)
         p.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
+        if name == "verify":
+            _add_layout(p)
         if name in ("verify", "clear-locks"):
             p.add_argument("--stale-after", type=parse_duration, default=locks.DEFAULT_STALE_AFTER_S,
                            metavar="DURATION", help="age after which a lock whose owner cannot be checked "
@@ -96,11 +103,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--to", dest="dst", type=Path, required=True, metavar=dst, help="cache to copy into")
         p.add_argument("--group-writable", action="store_true",
                        help="make new entries group writable (g+w, setgid directories) for a team cache")
+        _add_layout(p)
+
+
+def _add_layout(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--layout", choices=("neuron", "tree", "launcher"), default="neuron",
+                   help="neuron (default): Neuron's neuronxcc-*/MODULE_* entries; tree: a plain tree of files "
+                        f"(Inductor's, Triton's); launcher: a megatron-hpc root ({', '.join(LAUNCHER_LAYOUT)})")
 
 
 def _root(args: argparse.Namespace) -> Path:
     if args.root is not None:
         return args.root
+    if getattr(args, "layout", "neuron") != "neuron":
+        raise CompileCacheError(f"--layout {args.layout} needs --root PATH; only a Neuron cache has a default root")
     resolved = neuron.resolve_root()
     for warning in resolved.warnings:
         print(f"megatron-hpc: warning: {warning}", file=sys.stderr)
@@ -149,8 +165,8 @@ def _stats(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    r = report.verify(_root(args), stale_after=args.stale_after, leftover_age=args.leftovers_older_than,
-                      dry_run=args.dry_run)
+    r = layouts.verify(_root(args), layout=args.layout, stale_after=args.stale_after,
+                       leftover_age=args.leftovers_older_than, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     lines = [f"{verb} leftover {p}" for p in r.leftovers_removed]
     lines += [f"{p.path}: {p.what}; fix: {p.fix}" for p in r.problems]
@@ -191,11 +207,17 @@ def _prune(args: argparse.Namespace) -> int:
 
 
 def _transfer(args: argparse.Namespace) -> int:
-    r = store.transfer(args.src, args.dst, group_writable=args.group_writable)
-    lines = [f"copied {k}" for k in r.copied]
-    lines += [f"refused {k}: {why}" for k, why in r.refused.items()]
-    lines.append(f"{len(r.copied)} copied ({human(r.bytes_copied)}), {len(r.already_there)} already there, "
-                 f"{len(r.lost_race)} published by another process meanwhile, "
-                 f"{len(r.not_complete)} not complete (not shared), {len(r.refused)} refused")
-    _out(args, asdict(r), lines)
-    return 1 if r.refused else 0
+    reports = layouts.transfer(args.src, args.dst, layout=args.layout, group_writable=args.group_writable)
+    lines = []
+    for folder, r in reports.items():
+        if args.layout == "neuron":  # entries are few and large: name each one
+            lines += [f"copied {k}" for k in r.copied]
+        lines += [f"refused {folder + '/' if folder else ''}{k}: {why}" for k, why in r.refused.items()]
+        lines.append(f"{folder + ': ' if folder else ''}{len(r.copied)} copied ({human(r.bytes_copied)}), "
+                     f"{len(r.already_there)} already there, {len(r.lost_race)} published by another process "
+                     f"meanwhile, {len(r.not_complete)} not complete (not shared), {len(r.refused)} refused")
+    if not reports:
+        lines.append(f"{args.src} holds no compile cache yet: nothing to copy")
+    payload = {k: asdict(r) for k, r in reports.items()} if args.layout == "launcher" else asdict(reports[""])
+    _out(args, payload, lines)
+    return 1 if any(r.refused for r in reports.values()) else 0

@@ -35,4 +35,4 @@ def resolve(args: argparse.Namespace) -> Resolved:
         overrides.append(f"launch.platform={args.platform}")
     cfg = load_recipe(args.recipe, overrides)
     platform = get_platform(cfg.launch.platform)
-    return Resolved(cfg=cfg, platform=platform, plan=make_plan(cfg, num_nodes=args.nodes or 1, platform=platform))
+    return Resolved(cfg=cfg, platform=platform, plan=make_plan(cfg, num_nodes=1 if args.nodes is None else args.nodes, platform=platform))

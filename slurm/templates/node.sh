@@ -38,6 +38,32 @@ if ! ulimit -n {{nofile_limit}} 2>/dev/null; then
 fi
 echo "megatron-hpc: $PHASE phase, node $NODE_RANK of $NNODES, master $MASTER_ADDR:$MASTER_PORT, job $JOB_ID" | tee -a "$LOG"
 
+# Compile caches. The compilers use a cache on this node's own disk, never one shared over NFS, whose file
+# locks are unreliable (shared/reference/neuron-xla.md 2.3). Before the phase the node copies in what the
+# shared cache holds; after a successful phase it publishes what it compiled. Each entry is copied under a
+# temporary name and renamed or linked into place, so no reader ever sees half of one.
+SHARED_CACHE={{shared_cache}}
+LOCAL_CACHE=${MEGATRON_HPC_LOCAL_CACHE_DIR:-}  # set it to keep a node-local cache between jobs
+{{neuron_trial_cache}}
+if [ -z "$LOCAL_CACHE" ]; then  # a fresh one for this phase on this node, removed at its end
+  if ! LOCAL_CACHE=$(mktemp -d "${TMPDIR:-/tmp}/megatron-hpc-cache.$JOB_ID.node$NODE_RANK.XXXXXX"); then
+    echo "megatron-hpc: error: cannot create a node-local compile cache in ${TMPDIR:-/tmp}; set" \
+      "MEGATRON_HPC_LOCAL_CACHE_DIR to a writable folder on this node's disk" | tee -a "$LOG" >&2
+    exit 1
+  fi
+  REMOVE_LOCAL_CACHE=1
+fi
+{{cache_exports}}
+cache_transfer() {  # sync|publish FROM TO
+  megatron-hpc cache "$1" --layout launcher --from "$2" --to "$3" 2>&1 | tee -a "$LOG"
+  return "${PIPESTATUS[0]}"
+}
+echo "megatron-hpc: compile cache $LOCAL_CACHE (shared: $SHARED_CACHE)" | tee -a "$LOG"
+if [ "$LOCAL_CACHE" != "$SHARED_CACHE" ] && ! cache_transfer sync "$SHARED_CACHE" "$LOCAL_CACHE"; then
+  echo "megatron-hpc: warning: syncing the shared compile cache failed; this node compiles what it lacks" \
+    | tee -a "$LOG" >&2
+fi
+
 # SLURM asks a run to stop with USR2 (submitit's --signal, before the time limit) or TERM (preemption,
 # scontrol requeue). The workers get the signal too and save at the next step boundary; this script
 # survives it, leaves a stop request for rank 0 (in case the workers were not signalled), and waits.
@@ -63,6 +89,15 @@ trap 'request_stop TERM' TERM
 PHASE_PID=$!
 wait "$PHASE_PID"; STATUS=$?
 while kill -0 "$PHASE_PID" 2>/dev/null; do wait "$PHASE_PID"; STATUS=$?; done
+
+# The compile phase's fingerprint (recorded below) tells later submits that the shared cache holds this run's
+# graphs, so there a failed publish fails the phase; a run phase publishes what it compiled on top.
+if [ "$STATUS" -eq 0 ] && [ "$LOCAL_CACHE" != "$SHARED_CACHE" ] \
+    && ! cache_transfer publish "$LOCAL_CACHE" "$SHARED_CACHE"; then
+  echo "megatron-hpc: warning: publishing to the shared compile cache $SHARED_CACHE failed" | tee -a "$LOG" >&2
+  [ "$PHASE" = compile ] && STATUS=1
+fi
+[ -n "${REMOVE_LOCAL_CACHE:-}" ] && rm -rf "$LOCAL_CACHE"
 
 # Finish, fail, or requeue the job to resume from its checkpoint (launch/requeue.py says which).
 python -m megatron_hpc.launch.requeue --run-dir "$RUN_DIR" --phase "$PHASE" --exit-code "$STATUS" 2>&1 \

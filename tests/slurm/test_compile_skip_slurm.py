@@ -1,10 +1,12 @@
 """On the real local SLURM cluster: once a compile phase succeeded, the same run skips it; a run
-whose graphs differ (another batch size) does not."""
+whose graphs differ (another batch size) does not. Each phase works in a node-local cache under
+$TMPDIR, synced from the shared cache before and removed after."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,32 +19,55 @@ SETS = ["data.source=synthetic", "train.num_steps=4", "compile.num_steps=2", "tr
         "train.tensorboard=false"]
 
 
-def submit(run_dir: Path, *extra: str) -> dict:
+def submit(run_dir: Path, *extra: str, tmpdir: Path, wait: bool = True) -> dict:
     cmd = [sys.executable, "-m", "megatron_hpc", "submit", "--recipe", "tiny", "--nodes", "1", "--platform", "cpu",
-           "--cluster", "slurm", "--partition", "debug", "--wait", "--json", "--out", str(run_dir)]
+           "--cluster", "slurm", "--partition", "debug", "--json", "--out", str(run_dir), *(["--wait"] if wait else [])]
     for item in [*SETS, *extra]:
         cmd += ["--set", item]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_")) or k == "SLURM_CONF"}
+    env["TMPDIR"] = str(tmpdir)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads(proc.stdout)
 
 
+def node_local_caches(log: Path) -> list[str]:
+    """The node-local caches a phase's node script says it used."""
+    return re.findall(r"^megatron-hpc: compile cache (\S+) \(shared: ", log.read_text(), flags=re.MULTILINE)
+
+
 def test_second_submit_skips_the_compile_job(slurm_cluster, sacct_job, tmp_path, own_compile_cache):
-    first = submit(tmp_path / "first")
+    tmpdir = tmp_path / "node-tmp"
+    tmpdir.mkdir()
+    first = submit(tmp_path / "first", tmpdir=tmpdir)
     assert [j["phase"] for j in first["jobs"]] == ["compile", "run"] and not first["compile_skipped"]
     markers = list((own_compile_cache / "megatron-hpc" / "fingerprints").glob("*.json"))
     assert [m.stem for m in markers] == [first["fingerprint"]]
     assert json.loads(markers[0].read_text())["job_id"] == first["jobs"][0]["job_id"]
+    (local,) = node_local_caches(tmp_path / "first" / "logs" / "compile-node0.log")
+    assert Path(local).name.startswith(f"megatron-hpc-cache.{first['jobs'][0]['job_id']}.node0.")
+    assert not Path(local).exists()  # removed at the end of the phase
 
-    second = submit(tmp_path / "second", "train.num_steps=6", "optim.lr=5e-4")  # same graphs
+    # a kernel some earlier run published: the skipped run's node-local cache gets it before torchrun
+    (own_compile_cache / "inductor" / "zz").mkdir(parents=True, exist_ok=True)
+    (own_compile_cache / "inductor" / "zz" / "czz.py").write_text("# compiled earlier\n")
+    second = submit(tmp_path / "second", "train.num_steps=6", "optim.lr=5e-4", tmpdir=tmpdir)  # same graphs
     assert second["compile_skipped"] and second["fingerprint"] == first["fingerprint"]
     (run,) = second["jobs"]
     assert run["phase"] == "run" and run["depends_on"] is None
     assert sacct_job(run["job_id"], final=True)["State"] == "COMPLETED"
     assert not (tmp_path / "second" / "logs" / "compile-node0.log").exists()
+    run_log = (tmp_path / "second" / "logs" / "run-node0.log").read_text()
+    assert run_log.index("inductor: 1 copied") < run_log.index("> megatron-hpc run:")
 
-    third = submit(tmp_path / "third", "train.global_batch_size=16")
+    assert not list(tmpdir.glob("megatron-hpc-cache.*"))
+
+    # other graphs: both phases are queued again (cancelled here, the first submit showed them run)
+    third = submit(tmp_path / "third", "train.global_batch_size=16", tmpdir=tmpdir, wait=False)
+    subprocess.run(["scancel", *(j["job_id"] for j in third["jobs"])], check=True)
     assert not third["compile_skipped"] and third["fingerprint"] != first["fingerprint"]
-    assert [j["phase"] for j in third["jobs"]] == ["compile", "run"]
-    assert all(j["state"] == "COMPLETED" for j in third["jobs"])
+    compile_job, run_job = third["jobs"]
+    assert (compile_job["phase"], run_job["phase"]) == ("compile", "run")
+    assert run_job["depends_on"] == compile_job["job_id"]
+    for job in third["jobs"]:  # gone before the next test uses the cluster
+        assert sacct_job(job["job_id"], timeout=60, final=True)["State"].startswith("CANCELLED")

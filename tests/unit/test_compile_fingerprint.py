@@ -4,6 +4,7 @@ leaves the compile phase out when the shared cache holds it."""
 import json
 import subprocess
 import sys
+from importlib import metadata
 
 from megatron_hpc.compile_cache import fingerprint
 
@@ -70,3 +71,29 @@ def test_submit_skips_the_compile_phase_only_for_a_recorded_fingerprint(tmp_path
     assert forced["compile_skipped"] is False and (tmp_path / "forced" / "compile.sbatch").exists()
     other_batch = dry_run(capsys, tmp_path / "gbs", "train.global_batch_size=512")
     assert other_batch["compile_skipped"] is False
+
+
+def test_cpu_mesh_and_torch_compile_switches_change_it(tmp_path, capsys):
+    base = ["submit", "--recipe", "tiny", "--cluster", "local", "--dry-run", "--json",
+            "--set", "launch.workers_per_node=2"]
+
+    def fp(out: str, *sets: str) -> dict:
+        capsys.readouterr()
+        assert main([*base, "--out", str(tmp_path / out), *[a for s in sets for a in ("--set", s)]]) == 0
+        return json.loads(capsys.readouterr().out)["fingerprint"]
+
+    dp2 = fp("dp2")
+    assert fp("tp2", "parallel.tensor=2") != dp2
+    assert fp("mbs", "train.micro_batch_size=2", "train.global_batch_size=8") != dp2
+    compiled = fp("compiled", "train.compile=true")
+    assert compiled != dp2
+    record = json.loads((tmp_path / "compiled" / fingerprint.FINGERPRINT_FILE).read_text())
+    assert record["inputs"]["env"]["TORCHINDUCTOR_FX_GRAPH_CACHE"] == "1"
+    assert record["inputs"]["compiler"].startswith("torch ")
+
+
+def test_compiler_identity_reads_torch_version_without_importing_it():
+    code = ("import sys; from megatron_hpc.compile_cache import fingerprint; "
+            "print(fingerprint.compiler_identity('gloo')); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[0] == f"torch {metadata.version('torch')}" and out[1] == "False"
