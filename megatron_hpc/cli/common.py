@@ -35,4 +35,5 @@ def resolve(args: argparse.Namespace) -> Resolved:
         overrides.append(f"launch.platform={args.platform}")
     cfg = load_recipe(args.recipe, overrides)
     platform = get_platform(cfg.launch.platform)
-    return Resolved(cfg=cfg, platform=platform, plan=make_plan(cfg, num_nodes=1 if args.nodes is None else args.nodes, platform=platform))
+    nodes = 1 if args.nodes is None else args.nodes
+    return Resolved(cfg=cfg, platform=platform, plan=make_plan(cfg, num_nodes=nodes, platform=platform))
