@@ -34,8 +34,14 @@ CHECKPOINT_VERSION = 3.0
 
 def build_state_dict(cfg: RunConfig, *, model: nn.Module, optimizer: torch.optim.Optimizer, resume: ResumeState,
                      padded_vocab: int, rng_per_dp_rank: list[dict[str, Any]],
-                     scaler: DynamicGradScaler | None = None) -> dict[str, Any]:
-    """One TP rank's checkpoint content; model tensors are state_dict() tensors, never Parameters."""
+                     scaler: DynamicGradScaler | None = None, lr_steps: int | None = None) -> dict[str, Any]:
+    """One TP rank's checkpoint content; model tensors are state_dict() tensors, never Parameters.
+
+    lr_steps counts the optimizer steps that were applied (skipped fp16-overflow steps excluded);
+    None means every step was. Megatron's lr_scheduler.num_steps counts samples, so it is stored as
+    lr_steps * global batch size, with our own successful_steps beside it.
+    """
+    successful = resume.step if lr_steps is None else lr_steps
     m = cfg.model
     extra = {} if scaler is None else {"grad_scaler": scaler.state_dict()}  # Megatron keeps it for fp16
     return {
@@ -49,8 +55,9 @@ def build_state_dict(cfg: RunConfig, *, model: nn.Module, optimizer: torch.optim
         "checkpoint_version": CHECKPOINT_VERSION, "iteration": resume.step,
         "model": dict(model.state_dict()),
         "optimizer": optimizer.state_dict(),
-        # The LR is a pure function of the step (train/lr.py): the step and the schedule's config suffice.
-        "lr_scheduler": {"num_steps": resume.step, "train_iters": cfg.train.num_steps,
+        # The LR is a pure function of the successful steps (train/lr.py): their count and the config suffice.
+        "lr_scheduler": {"num_steps": successful * cfg.train.global_batch_size, "successful_steps": successful,
+                         "train_iters": cfg.train.num_steps,
                          "optim": config_to_dict(cfg.optim)},
         **resume.rng_dict(),
         "rng_state": rng_per_dp_rank,
@@ -83,6 +90,9 @@ class Checkpointer:
         load = ccfg.load or save
         self.load_root = Path(load).expanduser() if active and load else None
         self.last_saved = -1
+        self.lr_steps: int | None = None
+        """Applied (not skipped) optimizer steps, which drive the LR schedule: restore() sets it from the
+        checkpoint, the loop advances it, saves record it. None before restore()."""
         self.promised = False
         """has_checkpoint() said a checkpoint will be loaded (and the model skipped its initialisation)."""
 
@@ -101,6 +111,7 @@ class Checkpointer:
         The model was built without its random initialisation when has_checkpoint() said so; a
         checkpoint that cannot be loaded then is an error, never a silent fresh start.
         """
+        self.lr_steps = 0
         if self.load_root is None:
             return 0
         workers = self.cfg.checkpoint.io_workers_per_node
@@ -129,10 +140,13 @@ class Checkpointer:
             mine = rng[self.ctx.dp_rank] if self.ctx.dp_rank < len(rng) else rng[0]
             resume = ResumeState.from_rng_dict(mine, step=state["iteration"],
                                                consumed_samples=state["consumed_train_samples"])
+            # Checkpoints from before the count was kept (and foreign ones) had no skipped steps recorded.
+            lr_steps = int(state.get("lr_scheduler", {}).get("successful_steps", resume.step))
         except (KeyError, IndexError, TypeError, RuntimeError, ValueError) as exc:
             raise CheckpointError(f"{where} does not fit this model or optimizer ({type(exc).__name__}: "
                                   f"{str(exc)[:300]}); check model.* against its resolved_config") from None
         resume.restore_rng(self.device)
+        self.lr_steps = lr_steps
         self.last_saved = resume.step
         self._print(f"> loaded checkpoint {where} at iteration {resume.step} "
                     f"({resume.consumed_samples} samples consumed)")
@@ -167,7 +181,8 @@ class Checkpointer:
                                      device=self.device)
         state = build_state_dict(self.cfg, model=model, optimizer=optimizer, resume=resume,
                                  padded_vocab=self.padded_vocab,
-                                 rng_per_dp_rank=self._rng_per_dp_rank(resume.rng_dict()), scaler=self.scaler)
+                                 rng_per_dp_rank=self._rng_per_dp_rank(resume.rng_dict()), scaler=self.scaler,
+                                 lr_steps=self.lr_steps)
         try:
             folder = save_checkpoint(self.save_root, iteration, state, ranks=self.ranks, fmt=ccfg.format,
                                      io_workers_per_node=ccfg.io_workers_per_node, keep_last=ccfg.keep_last)

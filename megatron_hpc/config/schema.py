@@ -63,6 +63,12 @@ class ModelConfig:
 class ParallelConfig:
     tensor: int = 1
     """Tensor-parallel size; must divide workers per node, heads and FFN size."""
+    overlap_grad_reduce: bool = True
+    """Start each gradient bucket's data-parallel all-reduce during the last micro-batch's backward
+    (Megatron --overlap-grad-reduce); ignored on XLA and when data-parallel size is 1."""
+    grad_bucket_mb: float = 128.0
+    """Size of a data-parallel gradient all-reduce bucket in MiB of fp32 (128: 32M elements; Megatron's
+    --ddp-bucket-size counts elements). Smaller buckets start sooner in backward, larger ones make fewer calls."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -115,6 +121,12 @@ class OptimConfig:
     """Warmup as a fraction of lr_decay_iters (Megatron --lr-warmup-fraction)."""
     lr_decay_iters: int | None = None
     """Steps over which the LR decays; None means train.num_steps."""
+    lr_warmup_samples: int = 0
+    """Warmup in samples (Megatron --lr-warmup-samples); setting it or lr_decay_samples counts the
+    schedule in samples. Use instead of lr_warmup_iters."""
+    lr_decay_samples: int | None = None
+    """Samples over which the LR decays (Megatron --lr-decay-samples); None with lr_warmup_samples
+    means train.num_steps * global_batch_size. Use instead of lr_decay_iters."""
     lr_wsd_decay_fraction: float = 0.1
     """WSD: fraction of lr_decay_iters spent in the final decay (Megatron --lr-wsd-decay-iters / decay iters)."""
     lr_wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = "exponential"

@@ -62,13 +62,15 @@ class RowParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, *, ctx: ParallelContext, bias: bool = True,
                  init_std: float, seed: int, key: str):
         super().__init__()
-        self.group = ctx.tp_group
+        self.group, self.tp_size = ctx.tp_group, ctx.tp_size
         full = seeded_normal((out_features, in_features), std=init_std, seed=seed, key=key)
         self.weight = _sharded_param(_shard(full, dim=1, ctx=ctx))
         # The bias is replicated and added once, after the partial sums are reduced.
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:  # one addmm with the bias folded in
+            return F.linear(x, self.weight, self.bias)
         y = reduce_from_tp_region(F.linear(x, self.weight), self.group)
         return y + self.bias if self.bias is not None else y
 
@@ -87,10 +89,13 @@ class VocabParallelEmbedding(nn.Module):
         real = seeded_normal((vocab_size, dim), std=init_std, seed=seed, key=key)
         pad = seeded_normal((padded_vocab - vocab_size, dim), std=init_std, seed=seed, key=key + ".pad")
         self.weight = _sharded_param(_shard(torch.cat([real, pad]), dim=0, ctx=ctx))
+        self.tp_size = ctx.tp_size
         self.per_rank = padded_vocab // ctx.tp_size
         self.start = ctx.tp_rank * self.per_rank
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:  # the whole table is here: no masking, no reduce
+            return F.embedding(ids, self.weight)
         local = ids - self.start
         outside = (local < 0) | (local >= self.per_rank)
         emb = F.embedding(local.masked_fill(outside, 0), self.weight)  # (B, S, H), partial

@@ -50,12 +50,17 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if dist.get_world_size(ctx.group) == 1:
+            return grad, None
+        # clone: all_reduce works in place and autograd may hand the same grad to another node
         return _all_reduce(grad.clone(), ctx.group), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        if dist.get_world_size(group) == 1:
+            return x
         # clone: all_reduce works in place and x may be saved for another backward
         return _all_reduce(x.clone(), group)
 

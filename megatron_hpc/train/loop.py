@@ -19,6 +19,7 @@ from megatron_hpc.errors import DataError, TrainingError
 from megatron_hpc.model.gpt import GPT
 from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.parallel.device import DeviceInfo, step_barrier
+from megatron_hpc.parallel.grads import build_grad_reducer
 from megatron_hpc.plan.vocab import padded_vocab_size
 from megatron_hpc.train.evaluate import build_evaluator
 from megatron_hpc.train.init_skip import skip_random_init
@@ -120,19 +121,28 @@ def train(cfg: RunConfig, ctx: ParallelContext, *, device: DeviceInfo, phase: Ph
                           check_every=tcfg.log_interval if device.kind == "xla" else 1,
                           is_first_rank=ctx.is_first_rank, device=device.device) if phase == "run" else None
     stopped: StopDecision | None = None
+    # DP all-reduce started inside the last micro-batch's backward (None: after it; see parallel/grads.py).
+    grad_reducer = build_grad_reducer(model.parameters(), group=ctx.dp_group, device_kind=device.kind,
+                                      overlap=cfg.parallel.overlap_grad_reduce, bucket_mb=cfg.parallel.grad_bucket_mb)
+    # Successful (not skipped) optimizer steps: the LR schedule advances only on those, as Megatron's
+    # scheduler does; the checkpoint carries the count (lr_scheduler.successful_steps).
+    lr_steps = ckpt.lr_steps if ckpt.lr_steps is not None else start
     model.train()
     metrics.reset_clock(start)
     for step in range(start, num_steps):
         # The schedule always spans the run phase, so a compile trial traces the run's LR values.
-        lr = lr_at(step, optim=cfg.optim, num_steps=tcfg.num_steps)
+        lr = lr_at(lr_steps, optim=cfg.optim, num_steps=tcfg.num_steps, global_batch_size=tcfg.global_batch_size)
         set_lr(optimizer, lr)
         batches = [data.batch(micro_batch_indices(step, micro=m, micro_batch_size=tcfg.micro_batch_size,
                                                   global_batch_size=tcfg.global_batch_size,
                                                   dp_rank=ctx.dp_rank, dp_size=ctx.dp_size)).to(device.device)
                    for m in range(num_micro)]
         result = train_step(step_model, optimizer, batches, ctx=ctx, clip_grad=cfg.optim.clip_grad,
-                            autocast_dtype=autocast_dtype, device_type=device.kind, scaler=scaler)
+                            autocast_dtype=autocast_dtype, device_type=device.kind, scaler=scaler,
+                            grad_reducer=grad_reducer, grad_bucket_mb=cfg.parallel.grad_bucket_mb)
         step_barrier(device)
+        lr_steps += 0 if result.skipped else 1
+        ckpt.lr_steps = lr_steps
         # fp16 overflow skips are routine (the loss scale backs off); only real divergence counts.
         skipped_in_a_row = skipped_in_a_row + 1 if result.skipped and not result.overflow else 0
         skipped_in_interval += int(result.skipped)

@@ -1,37 +1,83 @@
-"""Learning-rate schedule: a pure function of the step, with Megatron's semantics.
+"""Learning-rate schedule: a pure function of the successful steps, with Megatron's semantics.
 
 shared/reference/megatron-and-launchers.md 4.2 (OptimizerParamScheduler.get_lr), in Megatron's order:
-linear warmup from 0 to lr over the warmup steps; constant stays at lr; past lr_decay_iters the LR is
+linear warmup from 0 to lr over the warmup steps; constant stays at lr; past the decay steps the LR is
 min_lr; inverse-square-root is lr * sqrt(warmup) / sqrt(step) floored at min_lr; linear and cosine
 decay over [warmup, decay]; WSD (warmup-stable-decay) holds lr until the last
 lr_wsd_decay_fraction * decay steps and then decays to min_lr in the lr_wsd_decay_style shape.
-Megatron counts samples; with a fixed global batch that is the step count times GBS, so steps give
-the same values.
+
+The schedule advances only on steps whose update was applied: Megatron calls
+`opt_param_scheduler.step(increment=global batch)` only when `update_successful`, so a step skipped
+for fp16 overflow or a non-finite gradient leaves the LR where it was. Callers pass the count of
+successful steps, which a checkpoint carries (lr_scheduler.successful_steps; num_steps in samples).
+
+The unit follows the config, as in Megatron: with lr_warmup_samples / lr_decay_samples the schedule is
+counted in samples (successful steps * global batch size); otherwise in iterations. With a fixed
+global batch both give the same LR, except that inverse-square-root without warmup divides by the
+square root of the count in the schedule's own unit.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from megatron_hpc.config.schema import OptimConfig
 from megatron_hpc.errors import ConfigError
 
 
-def decay_and_warmup_steps(optim: OptimConfig, *, num_steps: int) -> tuple[int, int]:
-    """(decay steps, warmup steps) after applying the defaults and the warmup fraction."""
+@dataclass(frozen=True, slots=True)
+class LrSchedule:
+    """The schedule's lengths in its own unit (iterations or samples)."""
+
+    per_step: int
+    """Count added by one successful step: 1 (iterations) or the global batch size (samples)."""
+    warmup: float
+    """Warmup length (a fraction of the decay length need not be whole, as in Megatron)."""
+    decay: int
+    """Decay length; past it the LR is min_lr."""
+
+
+def decay_and_warmup_steps(optim: OptimConfig, *, num_steps: int) -> tuple[int, float]:
+    """(decay steps, warmup steps) of an iteration-counted schedule, after the defaults and the fraction."""
     decay = optim.lr_decay_iters if optim.lr_decay_iters is not None else num_steps
     if optim.lr_warmup_fraction is not None:
         if optim.lr_warmup_iters:
             raise ConfigError(f"set one of lr_warmup_iters ({optim.lr_warmup_iters}) and lr_warmup_fraction "
                               f"({optim.lr_warmup_fraction}), not both")
-        warmup = int(optim.lr_warmup_fraction * decay)
-    else:
-        warmup = optim.lr_warmup_iters
-    return decay, warmup
+        return decay, optim.lr_warmup_fraction * decay  # Megatron keeps the product unrounded
+    return decay, optim.lr_warmup_iters
+
+
+def counts_samples(optim: OptimConfig) -> bool:
+    """Whether the schedule is given (and counted) in samples."""
+    return bool(optim.lr_warmup_samples) or optim.lr_decay_samples is not None
+
+
+def resolve_schedule(optim: OptimConfig, *, num_steps: int, global_batch_size: int | None) -> LrSchedule:
+    """The schedule's unit and lengths; ConfigError when iterations and samples are mixed."""
+    if not counts_samples(optim):
+        decay, warmup = decay_and_warmup_steps(optim, num_steps=num_steps)
+        return LrSchedule(per_step=1, warmup=warmup, decay=decay)
+    given = {"lr_warmup_iters": optim.lr_warmup_iters, "lr_decay_iters": optim.lr_decay_iters}
+    mixed = {k: v for k, v in given.items() if v}
+    if mixed:
+        raise ConfigError(f"optim.{next(iter(mixed))}={next(iter(mixed.values()))} mixes iterations into a "
+                          f"schedule given in samples (lr_warmup_samples {optim.lr_warmup_samples}, "
+                          f"lr_decay_samples {optim.lr_decay_samples}); give warmup and decay both in samples")
+    if optim.lr_warmup_fraction is not None and optim.lr_warmup_samples:
+        raise ConfigError(f"set one of lr_warmup_samples ({optim.lr_warmup_samples}) and lr_warmup_fraction "
+                          f"({optim.lr_warmup_fraction}), not both")
+    if global_batch_size is None:
+        raise ConfigError("an LR schedule in samples needs the global batch size; pass global_batch_size")
+    decay = optim.lr_decay_samples if optim.lr_decay_samples is not None else num_steps * global_batch_size
+    warmup = (optim.lr_warmup_fraction * decay if optim.lr_warmup_fraction is not None
+              else optim.lr_warmup_samples)
+    return LrSchedule(per_step=global_batch_size, warmup=warmup, decay=decay)
 
 
 def wsd_decay_steps(optim: OptimConfig, *, decay: int) -> int:
-    """Steps of WSD's final decay: lr_wsd_decay_fraction of the decay steps, at least one."""
+    """Length of WSD's final decay: lr_wsd_decay_fraction of the decay length, at least one (same unit)."""
     fraction = optim.lr_wsd_decay_fraction
     if not 0.0 < fraction <= 1.0:
         raise ConfigError(f"optim.lr_wsd_decay_fraction must be in (0, 1], got {fraction}; 0.1 decays over "
@@ -51,27 +97,36 @@ def _wsd_coeff(ratio: float, *, style: str) -> float:
     raise ConfigError(f"lr_wsd_decay_style {style!r} is unknown; use linear, cosine, exponential or minus_sqrt")
 
 
-def lr_at(step: int, *, optim: OptimConfig, num_steps: int) -> float:
-    """Learning rate used by the optimizer step that follows `step` completed steps (0-based)."""
-    decay, warmup = decay_and_warmup_steps(optim, num_steps=num_steps)
+def lr_at(step: int, *, optim: OptimConfig, num_steps: int, global_batch_size: int | None = None) -> float:
+    """LR of the optimizer step that follows `step` successful (not skipped) steps.
+
+    global_batch_size is needed only when the schedule is given in samples.
+    """
+    sched = resolve_schedule(optim, num_steps=num_steps, global_batch_size=global_batch_size)
+    return lr_at_count(step * sched.per_step, sched=sched, optim=optim)
+
+
+def lr_at_count(count: int, *, sched: LrSchedule, optim: OptimConfig) -> float:
+    """Megatron's get_lr at scheduler count `count` (iterations or samples, as `sched` says)."""
+    decay, warmup = sched.decay, sched.warmup
     max_lr, min_lr = optim.lr, optim.min_lr
-    if warmup > 0 and step <= warmup:
-        return max_lr * step / warmup
+    if warmup > 0 and count <= warmup:
+        return max_lr * count / warmup
     style = optim.lr_decay_style
     if style == "constant":
         return max_lr
-    if step > decay:
+    if count > decay:
         return min_lr
     if style == "inverse-square-root":
-        return max(min_lr, max_lr * math.sqrt(max(warmup, 1)) / math.sqrt(max(step, 1)))
+        return max(min_lr, max_lr * math.sqrt(max(warmup, 1)) / math.sqrt(max(count, 1)))
     if style == "WSD":
         anneal = wsd_decay_steps(optim, decay=decay)
         start = decay - anneal
-        coeff = 1.0 if step <= start else _wsd_coeff((step - start) / anneal, style=optim.lr_wsd_decay_style)
+        coeff = 1.0 if count <= start else _wsd_coeff((count - start) / anneal, style=optim.lr_wsd_decay_style)
         return min_lr + coeff * (max_lr - min_lr)
     if decay <= warmup:
         return min_lr
-    ratio = (step - warmup) / (decay - warmup)
+    ratio = (count - warmup) / (decay - warmup)
     if style == "linear":
         coeff = 1.0 - ratio
     elif style == "cosine":

@@ -11,7 +11,7 @@ from torch import nn
 
 from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron_hpc.parallel.grads import all_reduce_gradients, clip_gradients_
+from megatron_hpc.parallel.grads import BUCKET_MB, OverlappedGradReducer, all_reduce_gradients, clip_gradients_
 from megatron_hpc.train.precision import DynamicGradScaler
 
 
@@ -31,31 +31,41 @@ class StepOutput:
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Sequence[torch.Tensor], *,
                ctx: ParallelContext, clip_grad: float, autocast_dtype: torch.dtype | None,
-               device_type: str, scaler: DynamicGradScaler | None = None) -> StepOutput:
+               device_type: str, scaler: DynamicGradScaler | None = None,
+               grad_reducer: OverlappedGradReducer | None = None, grad_bucket_mb: float = BUCKET_MB) -> StepOutput:
     """One step over this rank's micro-batches, each (mbs, S + 1) token ids.
 
+    With `grad_reducer` the DP all-reduce overlaps the last micro-batch's backward; without it the
+    buckets (of grad_bucket_mb MiB) are all-reduced after backward.
     One host sync off XLA: whether the gradient norm is finite, to skip the optimizer step
     instead of writing NaN into the weights and Adam moments (Megatron's "skipped iterations").
     On XLA the check is left out: it would cut the graph, and a neuron_parallel_compile trial
     returns zeros anyway. With an fp16 `scaler` the same check is its overflow test.
     """
     params = [p for p in model.parameters() if p.requires_grad]
-    # Zero in place rather than set to None: XLA then keeps one graph shape (neuron-xla.md 3.3).
-    optimizer.zero_grad(set_to_none=False)
+    # Off XLA the first backward assigns the gradients (no zero fill, no add); on XLA zero in
+    # place so that the graph keeps one shape (neuron-xla.md 3.3).
+    optimizer.zero_grad(set_to_none=device_type != "xla")
     total = torch.zeros((), device=micro_batches[0].device)
     scale = scaler.scale if scaler is not None else 1.0
-    for tokens in micro_batches:
+    cast = (torch.autocast(device_type, dtype=autocast_dtype) if autocast_dtype is not None
+            else contextlib.nullcontext())
+    for m, tokens in enumerate(micro_batches):
         ids, labels = tokens[:, :-1], tokens[:, 1:]
-        cast = (torch.autocast(device_type, dtype=autocast_dtype) if autocast_dtype is not None
-                else contextlib.nullcontext())
         with cast:
             logits = model(ids)  # (mbs, S, V/tp)
         loss = vocab_parallel_cross_entropy(logits, labels, group=ctx.tp_group).mean()
+        del logits  # the loss saved what backward needs; do not hold the logits through backward
+        if grad_reducer is not None and m == len(micro_batches) - 1:
+            grad_reducer.arm()
         # Every micro-batch has mbs * S tokens, so averaging micro-batch means and then DP
         # replicas gives the token mean of the global batch.
         (loss * (scale / len(micro_batches))).backward()
         total += loss.detach()
-    all_reduce_gradients(params, group=ctx.dp_group)
+    if grad_reducer is not None:
+        grad_reducer.finish()
+    else:
+        all_reduce_gradients(params, group=ctx.dp_group, bucket_mb=grad_bucket_mb)
     if scale != 1.0:
         torch._foreach_mul_([p.grad for p in params if p.grad is not None], 1.0 / scale)
     norm = clip_gradients_(params, max_norm=clip_grad, ctx=ctx)
