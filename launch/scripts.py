@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 
 from megatron_hpc.compile_cache.paths import cache_env
@@ -27,14 +27,34 @@ _PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SlurmOptions:
-    """Site settings given on the command line."""
+    """Site settings: the cluster profile (launch/cluster_profile.py) with the command line's flags over it."""
 
     partition: str | None = None
     account: str | None = None
     qos: str | None = None
     exclude: str | None = None
+    constraint: str | None = None
     time_limit_min: int | None = None
-    """Overrides launch.time_limit_min for both phases."""
+    """--time: overrides every other time limit, for both phases."""
+    phase_time_min: dict[str, int] = field(default_factory=dict)
+    """The profile's time limit per phase name; over launch.time_limit_min."""
+    exclusive: bool | None = None
+    """None keeps the recipe's launch.exclusive."""
+    extra_sbatch: tuple[tuple[str, str | None], ...] = ()
+    """More #SBATCH flags (name, value or None for a bare flag)."""
+    setup: tuple[str, ...] = ()
+    """Shell lines before srun."""
+    srun_extra: tuple[str, ...] = ()
+    """More srun flags (pyxis container flags)."""
+
+    def time_for(self, spec: PhaseSpec) -> int:
+        return self.time_limit_min or self.phase_time_min.get(spec.phase) or spec.time_limit_min
+
+    def exclusive_for(self, spec: PhaseSpec) -> bool:
+        return spec.exclusive if self.exclusive is None else self.exclusive
+
+    def srun_args(self) -> tuple[str, ...]:
+        return (*SRUN_ARGS, *self.srun_extra)
 
 
 def load_template(name: str) -> str:
@@ -87,24 +107,25 @@ def sbatch_directives(spec: PhaseSpec, *, log_dir: str, options: SlurmOptions) -
         ("ntasks-per-node", "1"),
         ("output", f"{log_dir}/%x-%j.out"),
         ("open-mode", "append"),
-        ("time", str(options.time_limit_min or spec.time_limit_min)),
+        ("time", str(options.time_for(spec))),
     ]
-    if spec.exclusive:
+    if options.exclusive_for(spec):
         flags.append(("exclusive", None))
     if spec.requeue:
         flags.append(("requeue", None))
     # The same warning signal submitit asks for, so a hand-submitted run also saves before its limit.
     flags.append(("signal", f"USR2@{spec.signal_lead_s}"))
     for key, value in (("partition", options.partition), ("account", options.account),
-                       ("qos", options.qos), ("exclude", options.exclude)):
+                       ("qos", options.qos), ("constraint", options.constraint), ("exclude", options.exclude)):
         if value:
             flags.append((key, value))
+    flags.extend(options.extra_sbatch)
     return flags
 
 
 def render_sbatch(spec: PhaseSpec, plan: Plan, *, node_script: str, log_dir: str, out_dir: str,
                   options: SlurmOptions, depends_on: str | None = None) -> str:
-    lines = [f"#SBATCH --{k}" if v is None else f"#SBATCH --{k}={v}"
+    lines = [f"#SBATCH --{k}" if v is None else f"#SBATCH --{k}={shlex.quote(v)}"
              for k, v in sbatch_directives(spec, log_dir=log_dir, options=options)]
     if depends_on:
         note = (f"# Dependency: start only after the {depends_on} phase succeeded. submit.sh passes\n"
@@ -125,7 +146,8 @@ def render_sbatch(spec: PhaseSpec, plan: Plan, *, node_script: str, log_dir: str
         "out_dir": out_dir,
         "sbatch_lines": "\n".join(lines),
         "dependency_note": note,
-        "srun_args": " ".join(SRUN_ARGS),
+        "setup_lines": "".join(f"{line}\n" for line in options.setup),
+        "srun_args": shlex.join(options.srun_args()),
         "command": command,
     })
 

@@ -17,12 +17,12 @@ from typing import Literal
 
 from megatron_hpc.compile_cache import fingerprint
 from megatron_hpc.compile_cache.paths import default_cache_root, warm_start_env
+from megatron_hpc.launch.cluster_profile import CLUSTER_FILE, MAX_REQUEUES_ENV
 from megatron_hpc.launch.node_task import NodeTask
 from megatron_hpc.launch.resume import previous_submissions
 from megatron_hpc.launch.run_dir import NODE_SCRIPT, python_bin_dir, write_json, write_script
 from megatron_hpc.launch.run_status import ENDED_STATES, slurm_job_state
 from megatron_hpc.launch.scripts import (
-    SRUN_ARGS,
     SlurmOptions,
     render_node_script,
     render_sbatch,
@@ -32,7 +32,7 @@ from megatron_hpc.launch.scripts import (
 from megatron_hpc.config.loader import config_to_dict
 from megatron_hpc.config.platforms import Platform
 from megatron_hpc.config.schema import RunConfig
-from megatron_hpc.errors import LaunchError
+from megatron_hpc.errors import ConfigError, LaunchError
 from megatron_hpc.plan.jobs import PhaseSpec, make_phases
 from megatron_hpc.plan.planner import Plan
 
@@ -52,6 +52,10 @@ class SubmitRequest:
     """Shared compile cache (on a filesystem every node sees)."""
     recompile: bool = False
     """Run the compile phase even when the shared cache already holds this run's fingerprint."""
+    extra_env: dict[str, str] = field(default_factory=dict)
+    """The cluster profile's environment for every node (launch/cluster_profile.py profile_env)."""
+    profile: dict | None = None
+    """The cluster profile as JSON ({"path", "profile"}), kept in the run folder as cluster.json."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -117,6 +121,18 @@ def _check_controller() -> None:
                           "machine")
 
 
+RDZV_CONF_ENV = "PET_RDZV_CONF"
+"""torchrun reads each option from PET_<NAME> too; this one is --rdzv-conf."""
+
+
+def launcher_env(cfg: RunConfig) -> dict[str, str]:
+    """Node environment from the recipe's launch section: torchrun's rendezvous timeout."""
+    for name in ("init_timeout_s", "collective_timeout_s"):
+        if getattr(cfg.launch, name) <= 0:
+            raise ConfigError(f"launch.{name} must be a positive number of seconds, got {getattr(cfg.launch, name)}")
+    return {RDZV_CONF_ENV: f"timeout={cfg.launch.init_timeout_s}"}
+
+
 def write_run_files(req: SubmitRequest) -> RunFiles:
     """Config, plan, compile fingerprint, node script, sbatch files and submit.sh in the run folder.
 
@@ -126,15 +142,20 @@ def write_run_files(req: SubmitRequest) -> RunFiles:
     # Where the caches are is decided on each node (node.sh: a node-local cache, synced and published);
     # only the switches that make torch.compile reuse them are fixed here.
     phases = make_phases(req.cfg, req.plan, req.platform,
-                         extra_env=warm_start_env(backend=req.platform.backend, torch_compile=req.cfg.train.compile))
+                         extra_env={**warm_start_env(backend=req.platform.backend, torch_compile=req.cfg.train.compile),
+                                    **launcher_env(req.cfg), **req.extra_env})
     config, plan = config_to_dict(req.cfg), req.plan.to_json()
-    fp = fingerprint.compute(config, plan, env=phases[0].env,
+    # The requeue cap and the timeouts change what happens around the graphs, not the graphs.
+    graph_env = {k: v for k, v in phases[0].env.items() if k not in (MAX_REQUEUES_ENV, RDZV_CONF_ENV)}
+    fp = fingerprint.compute(config, plan, env=graph_env,
                              compiler=fingerprint.compiler_identity(req.platform.backend))
     marker = fingerprint.find(req.cache_root, fp.sha256) if req.cfg.compile.enabled and not req.recompile else None
     if marker is not None:
         phases = tuple(p for p in phases if p.phase != "compile")
     write_json(req.run_dir / "config.json", config)
     write_json(req.run_dir / "plan.json", plan)
+    if req.profile is not None:
+        write_json(req.run_dir / CLUSTER_FILE, req.profile)
     write_json(req.run_dir / fingerprint.FINGERPRINT_FILE,
                {"sha256": fp.sha256, "inputs": fp.inputs, "cache_root": str(req.cache_root)})
     node_script = req.run_dir / NODE_SCRIPT
@@ -215,10 +236,9 @@ def _run_local(req: SubmitRequest, phases: tuple[PhaseSpec, ...],
     import submitit
 
     executor = submitit.LocalExecutor(folder=str(req.run_dir / "submitit"))
-    timeout = req.options.time_limit_min or req.cfg.launch.time_limit_min
     result = SubmitResult(run_dir=req.run_dir, jobs=[])
     for spec in phases:
-        executor.update_parameters(timeout_min=timeout, nodes=1, tasks_per_node=1)
+        executor.update_parameters(timeout_min=req.options.time_for(spec), nodes=1, tasks_per_node=1)
         job = executor.submit(_task(req, spec))
         # Locally the run phase starts only after the compile job returned successfully: afterok by hand.
         previous = result.jobs[-1].job_id if result.jobs else None
@@ -268,15 +288,17 @@ def _submit_slurm(req: SubmitRequest, phases: tuple[PhaseSpec, ...]) -> SubmitRe
             extra["dependency"] = f"afterok:{previous.job_id}"
             # Without this a failed compile leaves the run pending forever (DependencyNeverSatisfied).
             extra["kill_on_invalid_dep"] = "yes"
+        for name, value in req.options.extra_sbatch:  # the profile's own #SBATCH lines
+            extra[name] = True if value is None else value
         params: dict[str, object] = dict(
             job_name=spec.job_name, nodes=spec.num_nodes, ntasks_per_node=1,
-            time=req.options.time_limit_min or spec.time_limit_min, srun_args=list(SRUN_ARGS),
-            signal_delay_s=spec.signal_lead_s,
+            time=req.options.time_for(spec), srun_args=list(req.options.srun_args()),
+            signal_delay_s=spec.signal_lead_s, setup=list(req.options.setup),
             additional_parameters=extra,
         )
-        if spec.exclusive:
+        if req.options.exclusive_for(spec):
             params["exclusive"] = True
-        for key in ("partition", "account", "qos", "exclude"):
+        for key in ("partition", "account", "qos", "constraint", "exclude"):
             value = getattr(req.options, key)
             if value:
                 params[key] = value

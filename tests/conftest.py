@@ -56,3 +56,10 @@ def _worker_pids(run_dir: Path) -> dict[int, int]:
 def worker_pids() -> Callable[[Path], dict[int, int]]:
     """`worker_pids(run_dir)`: RANK -> pid of the run's trainer workers (all simulated nodes are this machine)."""
     return _worker_pids
+
+
+@pytest.fixture(autouse=True)
+def no_user_cluster_profile(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The developer's own ~/.config/megatron-hpc/cluster.yaml must not change what tests submit."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.mktemp("xdg-config")))
+    monkeypatch.delenv("MEGATRON_HPC_CLUSTER_CONFIG", raising=False)

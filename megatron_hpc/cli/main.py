@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "logs": ("megatron_hpc.cli.logs_cmd", "print (or follow) a node's log of a run"),
     "cancel": ("megatron_hpc.cli.cancel_cmd", "cancel both phases of a run"),
     "runs": ("megatron_hpc.cli.runs_cmd", "table of recent runs"),
+    "debug": ("megatron_hpc.cli.debug_cmd", "collect the Python stacks of every rank of a running job"),
     "report": ("megatron_hpc.cli.report_cmd", "plot loss, learning rate and throughput of a run"),
     "cache": ("megatron_hpc.cli.cache_cmd", "inspect, verify, prune and share the compile cache"),
     "train": ("megatron_hpc.cli.train_cmd", "per-rank training entry point (what torchrun starts)"),

@@ -11,9 +11,8 @@ from pathlib import Path
 from megatron_hpc.cli.common import Resolved, add_recipe_arguments, resolve
 from megatron_hpc.cli.plan_cmd import format_plan
 from megatron_hpc.errors import ConfigError
-from megatron_hpc.launch import env_checks
+from megatron_hpc.launch import cluster_profile, env_checks
 from megatron_hpc.launch.run_dir import default_run_dir, prepare_run_dir
-from megatron_hpc.launch.scripts import SlurmOptions
 from megatron_hpc.launch.submit import SubmitRequest, SubmitResult, check_cluster, submit, write_run_files
 
 
@@ -24,9 +23,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "instead of --recipe")
     parser.add_argument("--cluster", choices=("slurm", "local"), default="slurm",
                         help="slurm (default) queues with sbatch; local runs both phases on this machine")
+    parser.add_argument("--cluster-config", metavar="FILE", type=Path,
+                        help="cluster profile YAML (partition, account, time limits, setup lines, env, container); "
+                             "default $MEGATRON_HPC_CLUSTER_CONFIG, else ~/.config/megatron-hpc/cluster.yaml")
     parser.add_argument("--partition", help="SLURM partition")
     parser.add_argument("--account", help="SLURM account")
     parser.add_argument("--qos", help="SLURM quality of service")
+    parser.add_argument("--constraint", help="SLURM node constraint (features), e.g. trn1.32xlarge")
     parser.add_argument("--exclude", help="SLURM nodes to avoid, e.g. node[3-4]")
     parser.add_argument("--time", type=int, metavar="MINUTES", help="time limit of each phase in minutes")
     parser.add_argument("--out", type=Path, help="run folder (default runs/<recipe>/<timestamp>)")
@@ -62,10 +65,20 @@ def _resume(args: argparse.Namespace) -> tuple[Resolved, Path]:
                                                                platform=platform)), run_dir
 
 
+def _profile(args: argparse.Namespace, resumed_dir: Path | None) -> cluster_profile.LoadedProfile:
+    """--cluster-config, else the one the resumed run was submitted with, else the user's default."""
+    if args.cluster_config is None and resumed_dir is not None:
+        stored = cluster_profile.stored_profile(resumed_dir)
+        if stored is not None:
+            return stored
+    return cluster_profile.find_profile(args.cluster_config)
+
+
 def run(args: argparse.Namespace) -> int:
     if not args.recipe and not args.resume:
         raise ConfigError("submit needs --recipe NAME (a new run) or --resume RUN (continue a run folder)")
     resolved, resumed_dir = _resume(args) if args.resume else (resolve(args), None)
+    profile = _profile(args, resumed_dir)
     if not args.dry_run:
         check_cluster(args.cluster, num_nodes=resolved.plan.num_nodes, platform=resolved.platform)
         from megatron_hpc.data.preflight import check_data  # numpy, no torch
@@ -79,12 +92,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"megatron-hpc: warning: {warning}", file=sys.stderr)
     if args.cluster == "slurm" and not args.dry_run:
         env_checks.remove_slurm_vars(os.environ)  # submitit hands os.environ to sbatch
+    options = cluster_profile.slurm_options(profile.profile, partition=args.partition, account=args.account,
+                                            qos=args.qos, exclude=args.exclude, constraint=args.constraint,
+                                            time_limit_min=args.time)
     req = SubmitRequest(
         cfg=resolved.cfg, plan=resolved.plan, platform=resolved.platform, cluster=args.cluster,
-        run_dir=run_dir,
-        options=SlurmOptions(partition=args.partition, account=args.account, qos=args.qos,
-                             exclude=args.exclude, time_limit_min=args.time),
-        recompile=args.recompile,
+        run_dir=run_dir, options=options, recompile=args.recompile,
+        extra_env=cluster_profile.profile_env(profile.profile), profile=cluster_profile.profile_to_json(profile),
     )
     if args.dry_run:
         files = write_run_files(req)
@@ -92,9 +106,11 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"run_dir": str(run_dir), "dry_run": True, "plan": resolved.plan.to_json(),
                               "compile_skipped": skipped, "fingerprint": files.fingerprint,
+                              "cluster_config": req.profile["path"] if req.profile else None,
                               "warnings": warnings}, indent=2))
         else:
             print(format_plan(resolved.plan, vocab_size=resolved.cfg.model.vocab_size))
+            print(cluster_profile.describe(profile))
             if skipped:
                 print(files.skip_message(req.cache_root))
             written = ", ".join(f"{p.phase}.sbatch" for p in files.phases)
@@ -103,18 +119,21 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if not args.json:
         print(format_plan(resolved.plan, vocab_size=resolved.cfg.model.vocab_size))
+        print(cluster_profile.describe(profile))
         print(f"run folder: {run_dir}", flush=True)
     echo = None if args.json else (lambda line: print(line, flush=True))
     result = submit(req, wait=args.wait, echo=echo)
-    _report(result, as_json=args.json, warnings=warnings, resumed=resumed_dir is not None)
+    _report(result, as_json=args.json, warnings=warnings, resumed=resumed_dir is not None,
+            cluster_config=str(profile.path) if profile.path else None)
     return 0 if result.ok else 1
 
 
-def _report(result: SubmitResult, *, as_json: bool, warnings: list[str], resumed: bool) -> None:
+def _report(result: SubmitResult, *, as_json: bool, warnings: list[str], resumed: bool,
+            cluster_config: str | None) -> None:
     if as_json:
         print(json.dumps({
             "run_dir": str(result.run_dir), "ok": result.ok, "reason": result.reason, "resumed": resumed,
-            "warnings": warnings,
+            "warnings": warnings, "cluster_config": cluster_config,
             "compile_skipped": bool(result.files and result.files.compile_skipped_by is not None),
             "fingerprint": result.files.fingerprint if result.files else None,
             "jobs": [{"phase": j.phase, "job_id": j.job_id, "state": j.state, "depends_on": j.depends_on}

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from megatron_hpc.config.loader import from_dict, load_recipe
 from megatron_hpc.config.schema import RunConfig
+from megatron_hpc.debug_stacks import register_stack_dump
 from megatron_hpc.errors import ConfigError, MegatronHpcError
 from megatron_hpc.run_markers import FATAL_FILE, write_marker
 
@@ -43,6 +45,9 @@ def load_run_config(args: argparse.Namespace) -> RunConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.run_dir is not None and args.run_dir.is_dir():
+        # `megatron-hpc debug` asks for stacks with SIGUSR1 where py-spy is missing.
+        register_stack_dump(args.run_dir, rank=int(os.environ.get("RANK", "0")))
     try:
         cfg = load_run_config(args)
         from megatron_hpc.train.entry import run_training

@@ -191,6 +191,11 @@ class LaunchConfig:
     """SLURM time limit of each phase, minutes."""
     exclusive: bool = True
     """Ask SLURM for whole nodes."""
+    init_timeout_s: int = 900
+    """How long torchrun's node agents wait for every node to join (its rendezvous timeout)."""
+    collective_timeout_s: int = 1800
+    """How long one collective may block before the ranks fail (and the job requeues) instead of
+    hanging: the process-group timeout. Long enough for the slowest checkpoint save between steps."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

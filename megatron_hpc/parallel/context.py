@@ -8,6 +8,7 @@ Rank layout comes from megatron_hpc.plan.mesh (TP contiguous, DP strided by TP).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -23,23 +24,26 @@ class ParallelContext:
     dp_group: dist.ProcessGroup
 
     @classmethod
-    def build(cls, mesh: Mesh, *, rank: int, kind: DeviceKind = "cpu") -> ParallelContext:
+    def build(cls, mesh: Mesh, *, rank: int, kind: DeviceKind = "cpu",
+              timeout: timedelta | None = None) -> ParallelContext:
         """Create every TP group, then every DP group, in the same order on all ranks.
 
         new_group is collective over the whole world: each rank must call it for every group,
-        including the ones it is not a member of, or the ranks deadlock.
+        including the ones it is not a member of, or the ranks deadlock. `timeout` is the
+        collectives' timeout: new_group does not inherit the world group's, it would be 30 minutes.
         """
+        extra = {} if timeout is None else {"timeout": timeout}
         if mesh.world_size != dist.get_world_size():
             raise ValueError(f"mesh has {mesh.world_size} ranks but the process group has "
                              f"{dist.get_world_size()}")
         tp_group = dp_group = None
         all_tp, all_dp = mesh.tp_groups(), mesh.dp_groups()
         for ranks in all_tp:
-            group = dist.new_group(ranks, **group_options(kind, all_groups=all_tp))
+            group = dist.new_group(ranks, **extra, **group_options(kind, all_groups=all_tp))
             if rank in ranks:
                 tp_group = group
         for ranks in all_dp:
-            group = dist.new_group(ranks, **group_options(kind, all_groups=all_dp))
+            group = dist.new_group(ranks, **extra, **group_options(kind, all_groups=all_dp))
             if rank in ranks:
                 dp_group = group
         assert tp_group is not None and dp_group is not None, "every rank is in one TP and one DP group"

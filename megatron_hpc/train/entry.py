@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Literal
 
@@ -91,9 +92,11 @@ def run_training(cfg: RunConfig, *, phase: Literal["compile", "run"] = "run", ru
     method = init_method(device.kind, master_addr=env.master_addr, master_port=env.master_port)
     # xla:// takes rank and world size from torch-xla's runtime (neuron-xla.md 4.4).
     ranks = {} if device.kind == "xla" else {"rank": env.rank, "world_size": env.world_size}
-    dist.init_process_group(device.backend, init_method=method, **ranks)
+    # A peer that stops answering fails the collective after this long (a hang becomes a requeue).
+    timeout = timedelta(seconds=cfg.launch.collective_timeout_s)
+    dist.init_process_group(device.backend, init_method=method, timeout=timeout, **ranks)
     try:
-        ctx = ParallelContext.build(mesh, rank=env.rank, kind=device.kind)
+        ctx = ParallelContext.build(mesh, rank=env.rank, kind=device.kind, timeout=timeout)
         train(cfg, ctx, device=device, phase=phase, run_dir=run_dir)
     finally:
         dist.destroy_process_group()

@@ -35,9 +35,13 @@ def wait_for(predicate, *, timeout: float, what: str):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}; last: {last}")
 
 
-def test_status_while_running_then_cancel(slurm_cluster, sacct_job, tmp_path, demo_data):
+def test_status_debug_while_running_then_cancel(slurm_cluster, sacct_job, tmp_path, demo_data):
+    # The site settings come from a cluster profile: its partition, sbatch line and setup line reach SLURM.
+    profile = tmp_path / "cluster.yaml"
+    profile.write_text("partition: debug\nsbatch: ['--comment=mhpc-profile-test']\n"
+                       "setup: ['echo profile-setup-ran-on-$SLURMD_NODENAME']\nmax_requeues: 1\n")
     run_dir = tmp_path / "long"
-    proc = cli("submit", "--recipe", "tiny", "--nodes", "2", "--platform", "cpu", "--partition", "debug",
+    proc = cli("submit", "--recipe", "tiny", "--nodes", "2", "--platform", "cpu", "--cluster-config", str(profile),
                "--out", str(run_dir), "--json", "--set", "train.num_steps=100000", "--set", "train.log_interval=2",
                *demo_data)
     assert proc.returncode == 0, proc.stderr
@@ -55,6 +59,19 @@ def test_status_while_running_then_cancel(slurm_cluster, sacct_job, tmp_path, de
     assert data["progress"]["train_iters"] == 100000 and data["progress"]["eta_s"] > 0
     human = cli("status", str(run_dir)).stdout
     assert "RUNNING" in human and "ETA" in human
+    shown = subprocess.run(["scontrol", "show", "job", jobs["run"]], capture_output=True, text=True).stdout
+    assert "Comment=mhpc-profile-test" in shown and "Partition=debug" in shown
+    batch_logs = "".join(p.read_text() for p in (run_dir / "submitit").glob(f"{jobs['run']}_*log.out"))
+    assert "profile-setup-ran-on-" in batch_logs
+
+    # Hang debugging through `srun --overlap` into the running job: every rank of both nodes answers.
+    debug = cli("debug", str(run_dir), "--json", "--method", "signal", timeout=240)
+    assert debug.returncode == 0, debug.stdout + debug.stderr
+    report = json.loads(debug.stdout)
+    world = data["plan"]["num_nodes"] * data["plan"]["workers_per_node"]
+    assert report["job_id"] == jobs["run"] and report["missing"] == []
+    assert sorted(r["rank"] for r in report["ranks"]) == list(range(world))
+    assert all("megatron_hpc/train/" in r["stacks"] for r in report["ranks"])
 
     proc = cli("cancel", str(run_dir), "--json")
     assert proc.returncode == 0, proc.stderr

@@ -1,0 +1,68 @@
+"""`megatron-hpc debug`'s report: where each rank's main thread is, from real faulthandler output and
+py-spy's documented format; ranks grouped by it, the odd one out listed apart."""
+
+from __future__ import annotations
+
+import faulthandler
+import threading
+from pathlib import Path
+
+import pytest
+from megatron_hpc.launch.debug_run import DebugReport, format_report, group_ranks, innermost_frame
+from megatron_hpc.launch.stack_dump import RankStacks
+
+from megatron_hpc.cli.main import main
+
+
+def _blocked_in_here(path: Path, ready: threading.Event, done: threading.Event) -> None:
+    ready.set()
+    done.wait()
+
+
+def test_innermost_frame_of_real_faulthandler_output(tmp_path: Path) -> None:
+    out = tmp_path / "stacks"
+    ready, done = threading.Event(), threading.Event()
+    helper = threading.Thread(target=_blocked_in_here, args=(out, ready, done))
+    helper.start()
+    ready.wait()
+    with out.open("w") as fh:
+        faulthandler.dump_traceback(fh, all_threads=True)  # what SIGUSR1 makes a rank write
+    done.set()
+    helper.join()
+    frame = innermost_frame(out.read_text())
+    # The dumping thread is the current one: its innermost frame is this test, not the helper thread.
+    assert "test_innermost_frame_of_real_faulthandler_output" in frame and "test_launch_debug_report.py" in frame
+
+
+def test_innermost_frame_of_py_spy_output() -> None:
+    text = ('Process 4242: python -m megatron_hpc train\nPython v3.11.7\n\n'
+            'Thread 4250 (idle): "Thread-1"\n    wait (threading.py:320)\n\n'
+            'Thread 4242 (idle): "MainThread"\n    _wait_all (megatron_hpc/parallel/grads.py:155)\n'
+            '    finish (megatron_hpc/parallel/grads.py:150)\n')
+    assert innermost_frame(text) == "_wait_all (megatron_hpc/parallel/grads.py:155)"
+
+
+def test_ranks_grouped_with_the_odd_one_apart() -> None:
+    def stacks(frame: str) -> str:
+        return f'Thread 1 (active): "MainThread"\n    {frame}\n    train (megatron_hpc/train/loop.py:140)\n'
+
+    ranks = [RankStacks(rank=r, pid=100 + r, host="n1", method="py-spy",
+                        stacks=stacks("all_reduce (torch/distributed/distributed_c10d.py:2500)")) for r in (0, 1, 3)]
+    ranks.append(RankStacks(rank=2, pid=102, host="n2", method="py-spy", stacks=stacks("batch (data/loader.py:80)")))
+    ranks.append(RankStacks(rank=4, pid=104, host="n2", method="signal", stacks="", error="no stacks in 20 s"))
+    groups = group_ranks(ranks)
+    assert groups[0] == {"frame": "all_reduce (torch/distributed/distributed_c10d.py:2500)", "ranks": [0, 1, 3]}
+    assert {"frame": "batch (data/loader.py:80)", "ranks": [2]} in groups
+    assert any(g["ranks"] == [4] and "no stacks" in g["frame"] for g in groups)
+    text = format_report(DebugReport(run_dir="/runs/x", job_id="12", world_size=8, ranks=ranks,
+                                     missing=[5, 6, 7], groups=groups))
+    assert "stacks of 5/8 ranks; missing ranks 5-7" in text
+    assert "ranks 0-1,3" in text and "===== rank 2 (host n2, pid 102, py-spy) =====" in text
+
+
+def test_debug_of_a_run_that_is_not_running(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "run"
+    assert main(["submit", "--recipe", "tiny", "--cluster", "local", "--dry-run", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["debug", str(out)]) == 1
+    assert "no trainer worker of" in capsys.readouterr().err
