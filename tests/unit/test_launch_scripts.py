@@ -150,3 +150,20 @@ def test_launcher_and_plan_never_import_torch():
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert proc.returncode == 0, proc.stderr
     assert "HEAVY []" in proc.stdout
+
+
+@pytest.mark.parametrize("platform", ["trn1", "trn2", "p5"])
+@pytest.mark.parametrize("nodes", [1, 16, 512])
+def test_dry_run_scales_to_512_nodes(tmp_path, platform, nodes):
+    out = tmp_path / "d"
+    assert main(["submit", "--recipe", "gpt3_6.7b", "--nodes", str(nodes), "--platform", platform, "--dry-run",
+                 "--json", "--out", str(out), "--set", "train.global_batch_size=8192"]) == 0
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["num_nodes"] == nodes and plan["data_parallel"] * plan["tensor_parallel"] == plan["world_size"]
+    for phase in ("compile", "run"):
+        flags = sbatch_flags((out / f"{phase}.sbatch").read_text())
+        assert f"--nodes={nodes}" in flags and "--ntasks-per-node=1" in flags
+    node = (out / "node.sh").read_text()
+    assert f"--nproc_per_node={plan['workers_per_node']}" in node
+    proc = subprocess.run(["bash", "-n", str(out / "node.sh")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
