@@ -166,33 +166,52 @@ class IndexedDatasetWriter:
         self.idx_path, self.bin_path = data_file_paths(prefix)
         self._bin_tmp = self.bin_path.with_name(self.bin_path.name + ".tmp")
         self._bin = open(self._bin_tmp, "wb")  # noqa: SIM115  (closed by finalize)
-        self.sequence_lengths: list[int] = []
-        self.document_indices: list[int] = [0]
+        # Chunks, one per add_* call, concatenated by finalize: no Python int per sequence.
+        self._lengths: list[np.ndarray] = []
+        self._document_ends: list[np.ndarray] = [np.zeros(1, dtype=np.int64)]
+        self.num_sequences = 0
 
     def add_document(self, tokens: Sequence[int] | np.ndarray, lengths: Iterable[int] | None = None) -> None:
         """One document; `lengths` splits it into sequences (sentences), default one sequence."""
         array = np.asarray(tokens, dtype=self.dtype)
-        self._bin.write(array.tobytes(order="C"))
         parts = [len(array)] if lengths is None else [int(x) for x in lengths]
         if sum(parts) != len(array):
             raise DataError(f"sequence lengths {parts} do not add up to the document's {len(array)} tokens")
-        self.sequence_lengths.extend(parts)
-        self.document_indices.append(len(self.sequence_lengths))
+        self.add_documents(array, parts, sequences_per_document=[len(parts)])
+
+    def add_documents(self, tokens: Sequence[int] | np.ndarray, sequence_lengths: Sequence[int] | np.ndarray, *,
+                      sequences_per_document: Sequence[int] | np.ndarray) -> None:
+        """Many documents at once: their tokens back to back, the length of every sequence, and the number of
+        sequences of every document (0 for an empty document)."""
+        array = np.asarray(tokens, dtype=self.dtype)
+        lengths = np.asarray(sequence_lengths, dtype=np.int32)
+        counts = np.asarray(sequences_per_document, dtype=np.int64)
+        total = int(lengths.sum(dtype=np.int64))
+        if total != len(array):
+            raise DataError(f"sequence lengths add up to {total}, not to the {len(array)} tokens given")
+        if int(counts.sum()) != len(lengths):
+            raise DataError(f"documents of {int(counts.sum())} sequences in all, but {len(lengths)} sequence "
+                            "lengths were given")
+        self._bin.write(np.ascontiguousarray(array).data)
+        self._lengths.append(lengths)
+        self._document_ends.append(self.num_sequences + np.cumsum(counts))
+        self.num_sequences += len(lengths)
 
     def add_index(self, prefix: str | os.PathLike[str]) -> None:
         """Append another dataset (merge); its dtype must match."""
         other = IndexedDataset(prefix)
         if other.dtype != self.dtype:
             raise DataError(f"cannot merge {other.prefix} ({other.dtype}) into a {self.dtype} dataset")
-        offset = len(self.sequence_lengths)
-        self.sequence_lengths.extend(int(x) for x in other.sequence_lengths)
-        self.document_indices.extend(int(x) + offset for x in other.document_indices[1:])
+        self._lengths.append(np.array(other.sequence_lengths, dtype=np.int32))
+        self._document_ends.append(other.document_indices[1:].astype(np.int64) + self.num_sequences)
+        self.num_sequences += len(other)
         with open(other.bin_path, "rb") as src:
             shutil.copyfileobj(src, self._bin)
 
     def finalize(self) -> None:
         self._bin.close()
-        lengths = np.asarray(self.sequence_lengths, dtype=np.int32)
+        lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, dtype=np.int32)
+        document_indices = np.concatenate(self._document_ends)
         pointers = np.zeros(len(lengths), dtype=np.int64)
         if len(lengths):
             np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
@@ -202,10 +221,10 @@ class IndexedDatasetWriter:
             out.write(struct.pack("<Q", VERSION))
             out.write(struct.pack("<B", CODE_BY_DTYPE[self.dtype]))
             out.write(struct.pack("<Q", len(lengths)))
-            out.write(struct.pack("<Q", len(self.document_indices)))
+            out.write(struct.pack("<Q", len(document_indices)))
             out.write(lengths.tobytes(order="C"))
             out.write(pointers.tobytes(order="C"))
-            out.write(np.asarray(self.document_indices, dtype=np.int64).tobytes(order="C"))
+            out.write(document_indices.tobytes(order="C"))
         os.replace(self._bin_tmp, self.bin_path)
         os.replace(idx_tmp, self.idx_path)
 

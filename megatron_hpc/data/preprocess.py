@@ -11,6 +11,11 @@ Megatron's `open(..., 'r', encoding='utf-8')` does.
 Where Megatron crashes (a blank line, bad JSON or UTF-8, a missing key, a value that is not
 text), we skip the whole line for every key, report its line number, and `strict=True` makes
 it fatal instead.
+
+Speed: with `workers` > 1, that many processes parse and tokenize batches of about BATCH_CHARS
+characters while this one reads, hands out and writes. Tokens come from the word-caching encoder of
+fast_encode.py (the ids of the `tokenizers` pipeline, several times faster), and each batch comes back
+as one bytes object per key plus its sequence lengths, written with one call per batch and key.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import json
 import multiprocessing
 import os
 import re
+import signal
 import time
 import zlib
 from collections.abc import Iterator, Sequence
@@ -32,13 +38,18 @@ from typing import TextIO
 
 import numpy as np
 
+from megatron_hpc.data.fast_encode import WordCacheEncoder
 from megatron_hpc.data.indexed import IndexedDatasetWriter, optimal_dtype
 from megatron_hpc.data.tokenizer import GPT2BPETokenizer
 from megatron_hpc.errors import DataError
 
 SUPPORTED_TOKENIZERS = ("GPT2BPETokenizer",)
-BATCH_LINES = 64
+BATCH_CHARS = 1 << 19
+"""Characters of input per batch handed to a worker (large enough to amortise the hand-over, small enough that
+the workers finish together)."""
+BATCH_LINES = 4096
 _BAD_UTF8 = re.compile("[\udc80-\udcff]")  # bytes that surrogateescape could not decode
+_SURROGATE = re.compile("[\ud800-\udfff]")
 _MAX_REPORTED = 20
 
 
@@ -65,10 +76,10 @@ def open_jsonl(path: str | os.PathLike[str]) -> Iterator[tuple[TextIO, object]]:
 
 
 def _parse(line: str, keys: Sequence[str]) -> dict[str, list[str]] | str:
-    """Sentences per key, or why the line is skipped."""
-    if not line.strip():
+    """Sentences per key, or why the line is skipped. isascii() is O(1) and spares most lines the scans."""
+    if line.isspace() or not line:
         return "blank line"
-    if _BAD_UTF8.search(line):
+    if not line.isascii() and _BAD_UTF8.search(line):
         return "not valid UTF-8"
     try:
         data = json.loads(line)
@@ -84,10 +95,7 @@ def _parse(line: str, keys: Sequence[str]) -> dict[str, list[str]] | str:
         sentences = value if isinstance(value, list) else [value]
         if not all(isinstance(s, str) for s in sentences):
             return f"{key!r} is a {type(value).__name__}, expected a string or a list of strings"
-        try:
-            for s in sentences:
-                s.encode("utf-8")
-        except UnicodeEncodeError:
+        if any(not s.isascii() and _SURROGATE.search(s) for s in sentences):
             return f"{key!r} holds a lone surrogate escape, which is not valid Unicode"
         out[key] = sentences
     return out
@@ -101,47 +109,71 @@ class _Job:
     append_eod: bool
     dtype: str
 
+    def encoder(self) -> tuple[WordCacheEncoder, bytes | None]:
+        """The encoder of this process, and the EOD id as token bytes when --append-eod."""
+        tokenizer = GPT2BPETokenizer(self.vocab_file, self.merge_file)
+        eod = np.asarray([tokenizer.eod], dtype=self.dtype).tobytes() if self.append_eod else None
+        return tokenizer.fast_encoder(np.dtype(self.dtype)), eod
 
-_WORKER: tuple[_Job, GPT2BPETokenizer] | None = None  # per worker process, set by _init_worker
+
+@dataclass(frozen=True, slots=True)
+class _Encoded:
+    """One batch of lines, encoded: per key, the tokens of all its documents back to back."""
+
+    skipped: list[tuple[int, str]]
+    num_documents: int
+    tokens: dict[str, bytes]
+    sequence_lengths: dict[str, list[int]]
+    sequences_per_document: dict[str, list[int]]
+
+
+_WORKER: tuple[_Job, WordCacheEncoder, bytes | None] | None = None  # per worker process, set by _init_worker
 
 
 def _init_worker(job: _Job) -> None:
     global _WORKER
+    # A forked worker inherits the parent's Python signal handlers (a trainer's stop handler, say); a handler
+    # that only sets a flag would keep it waiting for work after Pool.terminate() and hang the parent.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # N processes already; no threads inside each
-    _WORKER = (job, GPT2BPETokenizer(job.vocab_file, job.merge_file))
+    _WORKER = (job, *job.encoder())
 
 
-def _encode_in_worker(batch: list[tuple[int, str]]) -> list[tuple[int, object]]:
+def _encode_in_worker(first_line: int, lines: list[str]) -> _Encoded:
     assert _WORKER is not None, "worker not initialised"
-    return _encode_batch(*_WORKER, batch)
+    return _encode_batch(*_WORKER, first_line, lines)
 
 
-def _encode_batch(job: _Job, tokenizer: GPT2BPETokenizer, batch: list[tuple[int, str]]) -> list[tuple[int, object]]:
-    """[(line number, {key: (ids array, sequence lengths)} or the reason it was skipped)]."""
-    parsed = [(number, _parse(line, job.keys)) for number, line in batch]
-    texts = [s for _, p in parsed if isinstance(p, dict) for key in job.keys for s in p[key]]
-    encoded = iter(tokenizer.encode_batch(texts))
-    eod = tokenizer.eod if job.append_eod else None
-    results: list[tuple[int, object]] = []
-    for number, p in parsed:
-        if isinstance(p, str):
-            results.append((number, p))
-            continue
-        docs = {}
+def _encode_batch(job: _Job, encoder: WordCacheEncoder, eod: bytes | None, first_line: int,
+                  lines: list[str]) -> _Encoded:
+    """Lines first_line, first_line + 1, ... parsed, tokenized and laid out as Megatron's tool writes them."""
+    skipped: list[tuple[int, str]] = []
+    documents: list[dict[str, list[str]]] = []
+    for number, line in enumerate(lines, start=first_line):
+        parsed = _parse(line, job.keys)
+        if isinstance(parsed, str):
+            skipped.append((number, parsed))
+        else:
+            documents.append(parsed)
+    texts = [s for doc in documents for key in job.keys for s in doc[key]]
+    encoded = iter(encoder.encode(texts))
+    itemsize = np.dtype(job.dtype).itemsize
+    parts: dict[str, list[bytes]] = {key: [] for key in job.keys}
+    lengths: dict[str, list[int]] = {key: [] for key in job.keys}
+    counts: dict[str, list[int]] = {key: [] for key in job.keys}
+    for doc in documents:
         for key in job.keys:
-            ids: list[int] = []
-            lengths: list[int] = []
-            for _ in p[key]:
+            doc_parts, doc_lengths, before = parts[key], lengths[key], len(lengths[key])
+            for _ in doc[key]:
                 sentence = next(encoded)
                 if sentence:  # Megatron drops sentences that tokenize to nothing
-                    ids.extend(sentence)
-                    lengths.append(len(sentence))
-            if ids and eod is not None:
-                ids.append(eod)
-                lengths[-1] += 1
-            docs[key] = (np.asarray(ids, dtype=job.dtype), lengths)
-        results.append((number, docs))
-    return results
+                    doc_parts.append(sentence)
+                    doc_lengths.append(len(sentence) // itemsize)
+            if eod is not None and len(doc_lengths) > before:  # EOD ends every non-empty document
+                doc_parts.append(eod)
+                doc_lengths[-1] += 1
+            counts[key].append(len(doc_lengths) - before)
+    return _Encoded(skipped, len(documents), {key: b"".join(p) for key, p in parts.items()}, lengths, counts)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -181,15 +213,20 @@ def _hms(seconds: float) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
-def _batches(lines: TextIO, raw: object) -> Iterator[tuple[list[tuple[int, str]], int]]:
-    batch: list[tuple[int, str]] = []
+def _batches(lines: TextIO, raw: object) -> Iterator[tuple[int, list[str], int]]:
+    """(number of the first line, lines, input bytes read so far), about BATCH_CHARS characters at a time."""
+    batch: list[str] = []
+    first = size = 0
     for number, line in enumerate(lines, start=1):
-        batch.append((number, line))
-        if len(batch) == BATCH_LINES:
-            yield batch, raw.tell()
-            batch = []
+        if not batch:
+            first = number
+        batch.append(line)
+        size += len(line)
+        if size >= BATCH_CHARS or len(batch) == BATCH_LINES:
+            yield first, batch, raw.tell()
+            batch, size = [], 0
     if batch:
-        yield batch, raw.tell()
+        yield first, batch, raw.tell()
 
 
 def _pool(workers: int, job: _Job):
@@ -198,6 +235,20 @@ def _pool(workers: int, job: _Job):
     methods = multiprocessing.get_all_start_methods()
     ctx = multiprocessing.get_context("fork" if "fork" in methods else None)
     return ctx.Pool(workers, initializer=_init_worker, initargs=(job,))
+
+
+@contextlib.contextmanager
+def _pool_closing(pool) -> Iterator[None]:
+    """Workers stop after their last batch when the block ends normally (close, join); on an error they are
+    terminated, as Pool's own context manager does in both cases."""
+    try:
+        yield
+    except BaseException:
+        pool.terminate()
+        pool.join()
+        raise
+    pool.close()
+    pool.join()
 
 
 def preprocess(
@@ -216,8 +267,9 @@ def preprocess(
 ) -> PreprocessResult:
     """Tokenize a JSONL corpus into one `.bin/.idx` pair per key; see the module docstring.
 
-    `progress` (e.g. sys.stderr) gets a rate/ETA line every `progress_interval` seconds and the
-    line numbers of skipped lines.
+    `workers` > 1 tokenizes in that many processes while this one reads and writes; with 1 everything runs
+    here. `progress` (e.g. sys.stderr) gets a rate/ETA line every `progress_interval` seconds and the line
+    numbers of skipped lines.
     """
     if tokenizer_type not in SUPPORTED_TOKENIZERS:
         raise DataError(f"--tokenizer-type {tokenizer_type} is not supported; use one of {SUPPORTED_TOKENIZERS}")
@@ -234,35 +286,34 @@ def preprocess(
     Path(os.fspath(output_prefix)).parent.mkdir(parents=True, exist_ok=True)
     input_size = Path(input_path).stat().st_size if Path(input_path).is_file() else 0
     meter = _Progress(progress, input_size, progress_interval)
-    found_keys: set[str] = set()
     with contextlib.ExitStack() as stack:
         lines, raw = stack.enter_context(open_jsonl(input_path))
         writers = {k: stack.enter_context(IndexedDatasetWriter(p, dtype=dtype)) for k, p in result.prefixes.items()}
         pool = _pool(workers, job)
         if pool is not None:
-            stack.enter_context(pool)
+            stack.enter_context(_pool_closing(pool))
+        local = job.encoder() if pool is None else None
         pending: collections.deque = collections.deque()
 
         def drain(limit: int) -> None:
             while len(pending) > limit:
                 handle, done_bytes = pending.popleft()
-                batch_result = handle.get() if pool is not None else handle
-                _write(batch_result, writers, result, found_keys, strict=strict, progress=progress)
+                _write(handle.get() if pool is not None else handle, writers, result, strict=strict,
+                       progress=progress)
                 meter.line(result, done_bytes)
 
-        for batch, done_bytes in _batches(lines, raw):
+        for first, batch, done_bytes in _batches(lines, raw):
             if pool is not None:
-                handle = pool.apply_async(_encode_in_worker, (batch,))
+                handle = pool.apply_async(_encode_in_worker, (first, batch))
             else:
-                handle = _encode_batch(job, tokenizer, batch)
+                handle = _encode_batch(job, *local, first, batch)
             pending.append((handle, done_bytes))
             drain(2 * workers)
         drain(0)
-        missing = [k for k in keys if k not in found_keys
-                   and any(r.startswith(f"has no key {k!r}") for _, r in result.skipped)]
-        if missing:
+        if result.num_documents == 0 and any(r.startswith("has no key") for _, r in result.skipped):
             example = next(f"line {n} {r}" for n, r in result.skipped if r.startswith("has no key"))
-            raise DataError(f"no line of {input_path} has the key {missing[0]!r} ({example}); "
+            missing = next(k for k in keys if any(r.startswith(f"has no key {k!r}") for _, r in result.skipped))
+            raise DataError(f"no line of {input_path} has the key {missing!r} ({example}); "
                             f"pass --json-keys with keys the documents have")
         result.seconds = time.monotonic() - meter.start
         meter.line(result, input_size, final=True)
@@ -270,22 +321,22 @@ def preprocess(
     return result
 
 
-def _write(batch_result, writers, result: PreprocessResult, found_keys: set[str], *, strict: bool,
-           progress: TextIO | None) -> None:
-    for number, docs in batch_result:
-        if isinstance(docs, str):
-            if strict:
-                raise DataError(f"line {number}: {docs}; fix or remove it, or drop --strict to skip such lines")
-            result.skipped.append((number, docs))
-            if progress is not None and len(result.skipped) <= _MAX_REPORTED:
-                print(f"preprocess: line {number} skipped: {docs}", file=progress)
-            continue
-        found_keys.update(docs)
-        result.num_documents += 1
-        for key, (ids, lengths) in docs.items():
-            writers[key].add_document(ids, lengths)
-            result.num_tokens += len(ids)
-            result.num_empty += not len(ids)
+def _write(encoded: _Encoded, writers: dict[str, IndexedDatasetWriter], result: PreprocessResult, *,
+           strict: bool, progress: TextIO | None) -> None:
+    if encoded.skipped and strict:
+        number, reason = encoded.skipped[0]
+        raise DataError(f"line {number}: {reason}; fix or remove it, or drop --strict to skip such lines")
+    for number, reason in encoded.skipped:
+        result.skipped.append((number, reason))
+        if progress is not None and len(result.skipped) <= _MAX_REPORTED:
+            print(f"preprocess: line {number} skipped: {reason}", file=progress)
+    result.num_documents += encoded.num_documents
+    for key, writer in writers.items():
+        tokens = np.frombuffer(encoded.tokens[key], dtype=writer.dtype)
+        writer.add_documents(tokens, encoded.sequence_lengths[key],
+                             sequences_per_document=encoded.sequences_per_document[key])
+        result.num_tokens += len(tokens)
+        result.num_empty += encoded.sequences_per_document[key].count(0)
 
 
 def _report_skipped(result: PreprocessResult, progress: TextIO | None) -> None:

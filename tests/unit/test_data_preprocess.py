@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_hpc.data import preprocess as preprocess_module
 from megatron_hpc.data.indexed import IndexedDataset
 from megatron_hpc.data.preprocess import preprocess
 from megatron_hpc.errors import DataError
@@ -31,6 +32,18 @@ def test_bytes_match_megatron_with_eod_and_two_keys(tmp_path: Path, workers: int
     _same_files(result.prefixes["text"], "eod_text_document")
     _same_files(result.prefixes["title"], "eod_title_document")
     assert result.num_documents == 12 and not result.skipped
+
+
+@pytest.mark.parametrize(("workers", "batch_lines", "batch_chars"), [(1, 1, 1 << 19), (2, 3, 1 << 19), (2, 4096, 200)])
+def test_batch_boundaries_do_not_change_the_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: int,
+                                                   batch_lines: int, batch_chars: int) -> None:
+    monkeypatch.setattr(preprocess_module, "BATCH_LINES", batch_lines)
+    monkeypatch.setattr(preprocess_module, "BATCH_CHARS", batch_chars)
+    result = preprocess(FIXTURES / "corpus.jsonl", output_prefix=tmp_path / "eod", json_keys=["text", "title"],
+                        append_eod=True, workers=workers, progress=None, **TOKENIZER)
+    _same_files(result.prefixes["text"], "eod_text_document")
+    _same_files(result.prefixes["title"], "eod_title_document")
+    assert result.num_documents == 12
 
 
 def test_bytes_match_megatron_without_eod_from_gzip(tmp_path: Path) -> None:
@@ -86,7 +99,8 @@ def test_a_key_no_line_has_is_an_error(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("p_*"))
 
 
-def test_progress_reports_rates_and_eta(tmp_path: Path) -> None:
+def test_progress_reports_rates_and_eta(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(preprocess_module, "BATCH_LINES", 64)
     src = tmp_path / "c.jsonl"
     src.write_text("".join(json.dumps({"text": f"def f{i}(x): return {i}"}) + "\n" for i in range(300)))
     log = io.StringIO()
