@@ -10,20 +10,27 @@ Parsing follows Megatron's `get_blend_from_list` (utils.py): either plain prefix
 * no weights: every dataset builds one epoch, weighted by its length, and the blend has
   min(n, total) samples (or exactly every sample, `build_exhaustive_blending_indices`, when n is None).
 
-Megatron caches the blending indices only when --data-cache-path is set; they are cheap, so they are always
-computed in memory here.
+Like megatron-core's BlendedDataset, the blending indices are cached only when a data cache path is set
+(GPTIndexConfig.cache_path, Megatron's --data-cache-path): `{md5}-BlendedDataset-{split}-{description.txt|
+dataset_index.npy|dataset_sample_index.npy}` in that directory, the md5 being that of the same description JSON
+Megatron writes (class, the datasets' own descriptions, split, weights, size; shared/reference/
+megatron-and-launchers.md 2.4), so caches Megatron built are reused and the other way round. Locking, temporary
+files and rebuilding a cache that does not fit are index_cache.py's, as for GPTDataset.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from megatron_hpc.data import helpers
+from megatron_hpc.data import helpers, index_cache
 from megatron_hpc.data.gpt_dataset import GPTDataset, GPTIndexConfig, SplitName, build_gpt_dataset
 from megatron_hpc.errors import DataError
 
@@ -78,27 +85,95 @@ def size_per_dataset(normalized_weights: Sequence[float], target: int, *, surplu
     return [math.ceil(math.ceil(target * w) * (1 + surplus)) for w in normalized_weights]
 
 
+BLEND_CACHE_FILES = (index_cache.DESCRIPTION, "dataset_index.npy", "dataset_sample_index.npy")
+
+
+def blend_description(datasets: Sequence[GPTDataset], *, weights: Sequence[float] | Sequence[int],
+                      size: int | None) -> str:
+    """megatron-core's BlendedDataset unique_description: the JSON whose md5 names its cache files."""
+    identifiers: OrderedDict[str, Any] = OrderedDict()
+    identifiers["class"] = "BlendedDataset"
+    identifiers["datasets"] = [d.unique_identifiers for d in datasets]
+    identifiers["split"] = datasets[0].split_name
+    identifiers["weights"] = list(weights)
+    identifiers["size"] = size
+    return json.dumps(identifiers, indent=4)
+
+
 class BlendedDataset:
-    """Samples drawn from several GPTDatasets by Megatron's blending indices."""
+    """Samples drawn from several GPTDatasets by Megatron's blending indices, cached under `cache_path` if given."""
 
     def __init__(self, datasets: Sequence[GPTDataset], *, weights: Sequence[float] | Sequence[int],
-                 size: int | None):
+                 size: int | None, cache_path: str | None = None):
         self.datasets = list(datasets)
         self.size = size
         if size is not None:
             self.weights: list[float] | list[int] = normalize(weights)
-            self.dataset_index, self.dataset_sample_index = helpers.build_blending_indices(
-                np.asarray(self.weights, dtype=np.float64), size)
         else:
             self.weights = [int(w) for w in weights]
-            self.dataset_index, self.dataset_sample_index = helpers.build_exhaustive_blending_indices(
-                np.asarray(self.weights, dtype=np.int64))
-        drawn = np.bincount(self.dataset_index, minlength=len(self.datasets))
-        for d, (count, dataset) in enumerate(zip(drawn.tolist(), self.datasets)):
+        self.split_name = self.datasets[0].split_name
+        self.description = blend_description(self.datasets, weights=self.weights, size=size)
+        self.cache_paths = None if cache_path is None else index_cache.cache_file_paths(
+            cache_path, description=self.description, class_name="BlendedDataset", split_name=self.split_name,
+            suffixes=BLEND_CACHE_FILES)
+        """The cache files keyed by suffix, or None when there is no cache path (nothing is written)."""
+        if self.cache_paths is None:
+            arrays, self.built = self._build(), True
+        else:
+            arrays, self.built = index_cache.load_or_build(self.cache_paths, load=self._load_cached,
+                                                           build=self._build_and_save, what="BlendedDataset")
+        self.dataset_index, self.dataset_sample_index = arrays
+
+    def build_indices(self) -> tuple[np.ndarray, np.ndarray]:
+        """(dataset_index int16, dataset_sample_index int64), as megatron-core's helpers compute them."""
+        if self.size is not None:
+            return helpers.build_blending_indices(np.asarray(self.weights, dtype=np.float64), self.size)
+        return helpers.build_exhaustive_blending_indices(np.asarray(self.weights, dtype=np.int64))
+
+    def _check_draws(self, drawn: Sequence[int]) -> None:
+        for d, (count, dataset) in enumerate(zip(drawn, self.datasets)):
             if count > len(dataset):
                 raise DataError(f"the {dataset.split_name} blend draws {count} samples from dataset {d} "
                                 f"({dataset.dataset_path}), which has only {len(dataset)}; raise the weight of "
                                 f"the others or use more data (Megatron: raise mid_level_dataset_surplus)")
+
+    def _build(self) -> tuple[np.ndarray, np.ndarray]:
+        dataset_index, dataset_sample_index = self.build_indices()
+        self._check_draws(np.bincount(dataset_index, minlength=len(self.datasets)).tolist())
+        return dataset_index, dataset_sample_index
+
+    def _build_and_save(self) -> tuple[np.ndarray, np.ndarray]:
+        assert self.cache_paths is not None
+        arrays = self._build()
+        index_cache.write_arrays(self.cache_paths, description=self.description,
+                                 arrays=dict(zip(BLEND_CACHE_FILES[1:], arrays)))
+        return arrays
+
+    def _load_cached(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The cached indices if both files load with the expected shapes and dtypes and draw each dataset's
+        samples 0, 1, 2, ... (checked by counts and at the ends); else None."""
+        assert self.cache_paths is not None
+        length = self.size if self.size is not None else sum(self.weights)
+        expected = {"dataset_index.npy": ((length,), (np.dtype(np.int16),)),
+                    "dataset_sample_index.npy": ((length,), (np.dtype(np.int64),))}
+        arrays = index_cache.read_arrays(self.cache_paths, description=self.description, expected=expected)
+        if arrays is None:
+            return None
+        dataset_index, sample_index = arrays["dataset_index.npy"], arrays["dataset_sample_index.npy"]
+        if length == 0:
+            return dataset_index, sample_index
+        try:
+            drawn = np.bincount(dataset_index, minlength=len(self.datasets)).tolist()
+        except ValueError:  # negative dataset ids
+            return None
+        if len(drawn) > len(self.datasets) or (self.size is None and drawn != self.weights):
+            return None
+        last = int(dataset_index[-1])
+        if int(sample_index[0]) != 0 or int(sample_index[-1]) != drawn[last] - 1:
+            return None
+        if any(count > len(dataset) for count, dataset in zip(drawn, self.datasets)):
+            return None  # a rebuild either fixes it or raises the oversampling error
+        return dataset_index, sample_index
 
     def __len__(self) -> int:
         return len(self.dataset_index)
@@ -128,7 +203,7 @@ def build_split_dataset(data_path: str, *, split_name: SplitName, num_samples: i
                     for p in blend.prefixes]
         lengths = [len(d) for d in datasets]
         size = None if num_samples is None else min(num_samples, sum(lengths))
-        return BlendedDataset(datasets, weights=lengths, size=size)
+        return BlendedDataset(datasets, weights=lengths, size=size, cache_path=config.cache_path)
     if num_samples is None:
         raise DataError(f"the weighted blend {data_path!r} needs a sample count (Megatron refuses client weights "
                         f"without a size); give one, or list the prefixes without weights")
@@ -137,4 +212,4 @@ def build_split_dataset(data_path: str, *, split_name: SplitName, num_samples: i
     buffered = size_per_dataset(weights, num_samples, surplus=MID_LEVEL_DATASET_SURPLUS)
     datasets = [build_gpt_dataset(p, split_name=split_name, num_samples=n, config=config)
                 for p, n in zip(blend.prefixes, buffered)]
-    return BlendedDataset(datasets, weights=weights, size=sum(target))
+    return BlendedDataset(datasets, weights=weights, size=sum(target), cache_path=config.cache_path)

@@ -9,14 +9,13 @@ Megatron built is reused here and the other way round. tests/fixtures/megatron_c
 itself produced.
 
 Unlike Megatron (rank 0 builds, the others wait at a barrier), any process may build a missing cache: it takes
-a file lock, writes under temporary names and renames, so concurrent builders on one filesystem produce one
-cache and nodes without a shared filesystem each build their own. A cache file that does not load or does not
-have the shapes the configuration implies is rebuilt, not trusted.
+a file lock, writes under temporary names and renames (index_cache.py), so concurrent builders on one filesystem
+produce one cache and nodes without a shared filesystem each build their own. A cache file that does not load or
+does not have the shapes the configuration implies is rebuilt, not trusted.
 """
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import os
@@ -26,10 +25,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import filelock
 import numpy as np
 
-from megatron_hpc.data import helpers
+from megatron_hpc.data import helpers, index_cache
 from megatron_hpc.data.indexed import IndexedDataset
 from megatron_hpc.errors import DataError
 
@@ -41,7 +39,7 @@ NULL_TOKENIZER: Mapping[str, Any] = {"class": "megatron.core.tokenizers.text.lib
 """unique_identifiers of megatron-core's NullTokenizer, the default `tokenizer` entry of the description."""
 FINAL_EPOCH_THRESHOLD = 0.80
 """A final epoch that supplies fewer than this share of an epoch's samples is shuffled on its own."""
-CACHE_FILES = ("description.txt", "document_index.npy", "sample_index.npy", "shuffle_index.npy")
+CACHE_FILES = (index_cache.DESCRIPTION, "document_index.npy", "sample_index.npy", "shuffle_index.npy")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -97,9 +95,9 @@ def split_sequences(num_sequences: int, bookend: tuple[float, float]) -> np.ndar
     return np.arange(begin, end, dtype=np.int32)
 
 
-def description(*, dataset_path: str, num_samples: int | None, split_name: SplitName,
-                config: GPTIndexConfig) -> str:
-    """Megatron's unique_description: the JSON whose md5 names the cache files."""
+def unique_identifiers(*, dataset_path: str, num_samples: int | None, split_name: SplitName,
+                       config: GPTIndexConfig) -> OrderedDict[str, Any]:
+    """Megatron's MegatronDataset.unique_identifiers, in its key order."""
     identifiers: OrderedDict[str, Any] = OrderedDict()
     identifiers["class"] = "GPTDataset"
     identifiers["dataset_path"] = dataset_path
@@ -110,7 +108,14 @@ def description(*, dataset_path: str, num_samples: int | None, split_name: Split
     identifiers["split"] = config.split
     identifiers["split_matrix"] = split_matrix(config.split)
     identifiers["tokenizer"] = dict(config.tokenizer)
-    return json.dumps(identifiers, indent=4)
+    return identifiers
+
+
+def description(*, dataset_path: str, num_samples: int | None, split_name: SplitName,
+                config: GPTIndexConfig) -> str:
+    """Megatron's unique_description: the JSON whose md5 names the cache files."""
+    return json.dumps(unique_identifiers(dataset_path=dataset_path, num_samples=num_samples, split_name=split_name,
+                                         config=config), indent=4)
 
 
 def cache_dir(prefix: str, config: GPTIndexConfig) -> str:
@@ -119,8 +124,8 @@ def cache_dir(prefix: str, config: GPTIndexConfig) -> str:
 
 def cache_paths(directory: str, description_text: str, split_name: SplitName) -> dict[str, str]:
     """The four cache files, keyed by suffix: `{md5}-GPTDataset-{split}-{suffix}`."""
-    digest = hashlib.md5(description_text.encode("utf-8"), usedforsecurity=False).hexdigest()
-    return {suffix: os.path.join(directory, f"{digest}-GPTDataset-{split_name}-{suffix}") for suffix in CACHE_FILES}
+    return index_cache.cache_file_paths(directory, description=description_text, class_name="GPTDataset",
+                                        split_name=split_name, suffixes=CACHE_FILES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,8 +187,9 @@ class GPTDataset:
         self.split_name = split_name
         self.config = config
         self.extra = int(config.add_extra_token)
-        self.description = description(dataset_path=self.dataset_path, num_samples=num_samples,
-                                       split_name=split_name, config=config)
+        self.unique_identifiers = unique_identifiers(dataset_path=self.dataset_path, num_samples=num_samples,
+                                                     split_name=split_name, config=config)
+        self.description = json.dumps(self.unique_identifiers, indent=4)
         self.cache_paths = cache_paths(cache_dir(dataset.prefix, config), self.description, split_name)
         self.tokens_per_epoch = int(np.sum(dataset.sequence_lengths[indices], dtype=np.int64))
         if self.tokens_per_epoch <= self.extra + 1:
@@ -229,21 +235,18 @@ class GPTDataset:
                 "shuffle_index.npy": ((total,), (shuffle_dtype,))}
 
     def _load_cached(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """The cached indices if all four files exist, load, and fit this configuration; else None."""
-        paths = self.cache_paths
-        if not all(os.path.isfile(p) for p in paths.values()):
-            return None
-        try:
-            with open(paths["description.txt"], encoding="utf-8") as f:
-                if f.read() != self.description:
-                    return None
-            arrays = {}
-            for suffix, (shape, dtypes) in self._expected_shapes().items():
-                array = np.load(paths[suffix], mmap_mode="r", allow_pickle=False)
-                if array.shape != shape or array.dtype not in dtypes:
-                    return None
-                arrays[suffix] = array
-        except (OSError, ValueError, EOFError, UnicodeDecodeError):
+        """The cached indices if all four files exist, load, and fit this configuration; else None. A cache built
+        under another tokenizer identity (a Megatron run's) serves too: the tokenizer does not change the indices."""
+        expected = self._expected_shapes()
+        arrays = index_cache.read_arrays(self.cache_paths, description=self.description, expected=expected)
+        if arrays is None:
+            other = index_cache.equivalent_cache(os.path.dirname(self.cache_paths[index_cache.DESCRIPTION]),
+                                                 class_name="GPTDataset", split_name=self.split_name,
+                                                 identifiers=self.unique_identifiers, ignore=("tokenizer",),
+                                                 suffixes=CACHE_FILES)
+            if other is not None:
+                arrays = index_cache.read_arrays(other[0], description=other[1], expected=expected)
+        if arrays is None:
             return None
         sample, docs, shuffle = arrays["sample_index.npy"], arrays["document_index.npy"], arrays["shuffle_index.npy"]
         ends_ok = (sample[0].tolist() == [0, 0] and 0 <= int(sample[-1, 0]) < len(docs)
@@ -251,30 +254,15 @@ class GPTDataset:
         return (docs, sample, shuffle) if ends_ok else None
 
     def _load_or_build(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        cached = self._load_cached()
-        if cached is not None:
-            return cached
-        directory = os.path.dirname(self.cache_paths["description.txt"])
-        try:
-            os.makedirs(directory, exist_ok=True)
-            lock = filelock.FileLock(self.cache_paths["description.txt"][: -len("-description.txt")] + ".lock")
-            with lock:  # one builder per cache; the others wait here, then load what it wrote
-                cached = self._load_cached()
-                if cached is not None:
-                    return cached
-                arrays = self.build_indices()
-                self._write_cache(arrays)
-        except OSError as err:
-            raise DataError(f"cannot write the GPTDataset index cache in {directory}: {err}; set data.cache_path "
-                            f"to a writable directory") from None
-        self.built = True
-        return arrays
+        def build() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            arrays = self.build_indices()
+            index_cache.write_arrays(self.cache_paths, description=self.description,
+                                     arrays=dict(zip(CACHE_FILES[1:], arrays)))
+            return arrays
 
-    def _write_cache(self, arrays: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
-        # Arrays first, description last; each lands by an atomic rename, so readers never see a partial file.
-        for suffix, array in zip(CACHE_FILES[1:], arrays):
-            _replace_atomically(self.cache_paths[suffix], lambda f, a=array: np.save(f, a, allow_pickle=False))
-        _replace_atomically(self.cache_paths["description.txt"], lambda f: f.write(self.description.encode()))
+        arrays, self.built = index_cache.load_or_build(self.cache_paths, load=self._load_cached, build=build,
+                                                       what="GPTDataset")
+        return arrays
 
     def __len__(self) -> int:
         return self.sample_index.shape[0] - 1
@@ -311,17 +299,6 @@ class GPTDataset:
         tokens[tokens == PAD_TOKEN_ID] = 0
         labels[labels == PAD_TOKEN_ID] = 0
         return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask}
-
-
-def _replace_atomically(path: str, write: Any) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def build_gpt_dataset(prefix: str, *, split_name: SplitName, num_samples: int | None,

@@ -6,10 +6,12 @@ tests/fixtures/make_megatron_core_expected.py running the real megatron-core (ne
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing
 import os
 import shutil
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -107,6 +109,41 @@ def test_cache_written_by_megatron_core_is_reused(corpus: Path) -> None:
         assert np.asarray(dataset.sample_index).tolist() == want["sample_index"]
         assert isinstance(dataset.shuffle_index, np.memmap)
     assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir()} == before
+
+
+def _retitled_megatron_cache(cache: Path, **changes: object) -> None:
+    """The fixture cache as a Megatron run with other description values would have named it (md5 of its own
+    description), e.g. one that passed --tokenizer-type GPT2BPETokenizer instead of the default NullTokenizer."""
+    cache.mkdir(parents=True)
+    for desc in sorted(FIXTURES.joinpath("megatron_cache").glob("*-description.txt")):
+        identifiers = json.loads(desc.read_text(), object_pairs_hook=OrderedDict)
+        identifiers.update(changes)
+        text = json.dumps(identifiers, indent=4)
+        digest = hashlib.md5(text.encode()).hexdigest()
+        old = desc.name[: -len("description.txt")]
+        new = f"{digest}-{old.split('-', 1)[1]}"
+        (cache / f"{new}description.txt").write_text(text)
+        for suffix in ("document_index.npy", "sample_index.npy", "shuffle_index.npy"):
+            shutil.copy(desc.with_name(old + suffix), cache / (new + suffix))
+
+
+def test_megatron_cache_of_another_tokenizer_is_reused(corpus: Path) -> None:
+    cache = corpus / "data" / "corpus_a" / "cache" / "GPTDataset_indices"
+    gpt2 = {"class": "_GPT2BPETokenizer", "tokenizer_path": ["gpt2-vocab.json", "gpt2-merges.txt"]}
+    _retitled_megatron_cache(cache, tokenizer=gpt2)
+    before = sorted(p.name for p in cache.iterdir())
+    for split in SPLITS:
+        dataset = _build("one_epoch", split)
+        assert not dataset.built, split
+        want = CASES["one_epoch"]["splits"][split]["dataset"]["sample_index"]
+        assert np.asarray(dataset.sample_index).tolist() == want
+    assert sorted(p.name for p in cache.iterdir() if not p.name.endswith(".lock")) == before
+
+
+def test_megatron_cache_of_another_seed_is_not_reused(corpus: Path) -> None:
+    cache = corpus / "data" / "corpus_a" / "cache" / "GPTDataset_indices"
+    _retitled_megatron_cache(cache, random_seed=CASES["one_epoch"]["seed"] + 1)
+    assert _build("one_epoch", "train").built
 
 
 def test_our_cache_is_what_megatron_core_writes(corpus: Path) -> None:
