@@ -1,14 +1,17 @@
-"""Compile fingerprints: is the compile phase needed at all? Pure, apart from reading markers.
+"""Compile fingerprints: is the compile phase needed at all? Pure, apart from the markers' files.
 
 The graphs a run compiles depend on the model's shape, the mesh, the batch shapes, the precision,
 whether torch.compile is on, the platform, the compiler and its flags — and on nothing else (not the
-learning rate, the seed, the data or the number of steps). A compile phase that succeeded and published
-its node-local cache (node.sh) records the sha256 of exactly those inputs as a marker in the shared cache,
-`<root>/megatron-hpc/fingerprints/<sha>.json`; `submit` skips the compile job when that marker is there.
+learning rate, the seed, the data or the number of steps). A compile phase that succeeded on every node,
+each node having published its node-local cache after the compiler (and neuron_parallel_compile) returned
+(node.sh, launch/requeue.py record_fingerprint), records the sha256 of exactly those inputs as a marker in
+the shared cache, `<root>/megatron-hpc/fingerprints/<sha>.json`; `submit` skips the compile job when that
+marker is there. Pruning a launcher root drops the markers (prune.py): they would promise pruned graphs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -97,3 +100,23 @@ def record(cache_root: Path, fp: dict[str, Any], *, run_dir: str, job_id: str | 
     tmp.write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
     os.replace(tmp, path)
     return path
+
+
+def remove_all(cache_root: Path, *, dry_run: bool = False) -> list[str]:
+    """Drop every marker of `cache_root` (after entries were pruned: none proves a warm cache any more).
+
+    Only regular files directly in the marker folder go; a symlinked folder or file is left alone. Returns the
+    fingerprints removed (or that would be, with `dry_run`).
+    """
+    folder = cache_root / MARKER_DIR
+    if folder.parent.is_symlink() or folder.is_symlink() or not folder.is_dir():
+        return []
+    removed = []
+    with os.scandir(folder) as it:
+        for d in it:
+            if d.name.endswith(".json") and not d.name.startswith(".") and d.is_file(follow_symlinks=False):
+                if not dry_run:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(d.path)
+                removed.append(d.name[: -len(".json")])
+    return sorted(removed)

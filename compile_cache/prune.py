@@ -1,9 +1,14 @@
 """Everything that deletes from a cache: pruning old or excess entries, failed entries and stale locks.
 
 "Currently there's no automatic maintenance of cache size" (shared/reference/neuron-xla.md 2.6), and cached
-failures and stale locks block later runs (2.3, 2.4). Every removal goes through store.remove_entry or
-locks.break_lock: entries vanish at once by rename, symlinks are never followed, nothing outside the root is
-touched, and a live lock (or an entry holding one) is never removed.
+failures and stale locks block later runs (2.3, 2.4). Every removal goes through store.remove_entry,
+tree.remove_entry or locks.break_lock: Neuron entries vanish at once by rename, tree entries file by file (group
+files first), symlinks are never followed, nothing outside the root is touched, and a live lock (or an entry
+holding one) is never removed.
+
+Pruning a launcher root also drops its compile fingerprints (fingerprint.py) once it removed anything: a
+fingerprint says the cache holds every graph of a run, which may no longer be true, and a compile phase that
+finds the rest in the cache is cheap next to a run that compiles on the fly.
 """
 
 from __future__ import annotations
@@ -14,7 +19,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_hpc.compile_cache import locks, neuron, store
+from megatron_hpc.compile_cache import fingerprint, layouts, locks, neuron, store, tree
+from megatron_hpc.compile_cache.paths import Layout
+
+from megatron_hpc.errors import CompileCacheError
 
 
 @dataclass(kw_only=True, slots=True)
@@ -25,32 +33,49 @@ class PruneReport:
     """Entries in use (or with a lock to clear first); pruning never touches them."""
     bytes_left: int = 0
     leftovers_removed: list[str] = field(default_factory=list)
+    folders_removed: list[str] = field(default_factory=list)
+    """Tree folders left empty (and unchanged) for longer than the leftover age."""
+    fingerprints_removed: list[str] = field(default_factory=list)
+    """A launcher root's compile fingerprints, dropped because entries were removed."""
+    refused: dict[str, str] = field(default_factory=dict)
+    """Entries left in place because removing them would go through a symlink or out of the root, with why."""
 
 
-def prune(root: Path, *, older_than: float | None = None, max_size: int | None = None,
+def prune(root: Path, *, layout: Layout = "neuron", older_than: float | None = None, max_size: int | None = None,
           now: float | None = None, dry_run: bool = False,
           leftover_age: float = store.DEFAULT_LEFTOVER_AGE_S) -> PruneReport:
     """Remove entries unused for `older_than` seconds, then least recently used ones until the cache holds at
-    most `max_size` bytes. Locked entries are kept and still count toward the size."""
+    most `max_size` bytes. Locked entries are kept and still count toward the size. In a launcher root the
+    Neuron and Inductor entries are pruned together, least recently used first."""
     now = time.time() if now is None else now
     report = PruneReport()
-    report.leftovers_removed = [str(p) for p in store.clean_leftovers(root, older_than=leftover_age, now=now,
-                                                                      dry_run=dry_run)]
-    entries = sorted(neuron.scan(root), key=lambda e: e.last_used)  # least recently used first
+    report.leftovers_removed = [str(p) for p in layouts.clean_leftovers(root, layout=layout, older_than=leftover_age,
+                                                                        now=now, dry_run=dry_run)]
+    entries = sorted(layouts.entries(root, layout=layout), key=lambda e: e.last_used)  # least recently used first
     total = sum(e.size for e in entries)
     for entry in entries:
-        if entry.state is neuron.State.LOCKED:
+        if entry.state == neuron.State.LOCKED.value:
             report.kept_locked.append(entry.key)
             continue
         too_old = older_than is not None and now - entry.last_used > older_than
         too_big = max_size is not None and total > max_size
         if not (too_old or too_big):
             continue
-        freed = entry.size if dry_run else store.remove_entry(entry, root=root)
+        try:
+            freed = entry.size if dry_run else entry.remove()
+        except CompileCacheError as exc:
+            report.refused[entry.key] = str(exc)
+            continue
         report.removed.append(entry.key)
         report.bytes_freed += freed
         total -= entry.size
     report.bytes_left = total
+    for _folder, part_root, sub in layouts.parts(root, layout=layout):
+        if sub == "tree":
+            report.folders_removed += [str(p) for p in tree.remove_empty_folders(part_root, older_than=leftover_age,
+                                                                                 now=now, dry_run=dry_run)]
+    if layout == "launcher" and report.removed:
+        report.fingerprints_removed = fingerprint.remove_all(root, dry_run=dry_run)
     return report
 
 

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_hpc.compile_cache import locks, neuron, store
+from megatron_hpc.compile_cache import locks, neuron, store, tree
 
 
 @dataclass(kw_only=True, slots=True)
@@ -65,6 +65,46 @@ def stats(root: Path) -> Stats:
             by_names[key] = by_names.get(key, 0) + 1
         for names_, n in by_names.items():
             vs.counts[neuron.classify(set(names_)).value] += n
+    return result
+
+
+BUCKETS = "??"
+"""Inductor's two-character bucket folders (generated code, kernels), counted together by tree_stats."""
+
+
+@dataclass(kw_only=True, slots=True)
+class FolderStats:
+    entries: int = 0
+    bytes: int = 0
+
+
+@dataclass(kw_only=True, slots=True)
+class TreeStats:
+    root: str
+    folders: dict[str, FolderStats] = field(default_factory=dict)
+    """Per top-level folder (`fxgraph`, `aotautograd`, ...; BUCKETS for Inductor's buckets; `.` for the root)."""
+
+    @property
+    def num_entries(self) -> int:
+        return sum(f.entries for f in self.folders.values())
+
+    @property
+    def bytes(self) -> int:
+        return sum(f.bytes for f in self.folders.values())
+
+    def to_json(self) -> dict:
+        return {"root": self.root, "entries": self.num_entries, "bytes": self.bytes,
+                "folders": {k: {"entries": v.entries, "bytes": v.bytes} for k, v in sorted(self.folders.items())}}
+
+
+def tree_stats(root: Path) -> TreeStats:
+    """Entries (tree.scan) and apparent sizes of a plain-tree cache, per top-level folder."""
+    result = TreeStats(root=str(root))
+    for entry in tree.scan(root):
+        top = entry.key.split("/", 1)[0] if "/" in entry.key else "."
+        fs = result.folders.setdefault(BUCKETS if len(top) == 2 else top, FolderStats())
+        fs.entries += 1
+        fs.bytes += entry.size
     return result
 
 

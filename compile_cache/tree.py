@@ -16,6 +16,13 @@ Never copied: dot-names (temp files of Inductor and of publishers), `tmp.*` fold
 temp folders), `*.lock` files (filelock's: the lock is a flock held by a live process, the file alone means
 nothing) and anything that is not a regular file or a directory (refused: the compilers never write symlinks,
 and one could lead a copy out of the cache).
+
+For `cache ls | stats | prune` the entries are what is published atomically: each shareable file, except that
+the files of a folder holding group files form one entry (`<folder>/`), since Triton reads them together.
+Removal is the reverse of publishing: group files first, so a visible group never names a missing file. Files
+are removed through directory descriptors opened with O_NOFOLLOW, so a symlink swapped in for a folder after the
+scan cannot lead a removal out of the root. Inductor and Triton look files up by name and compile again what is
+missing, so removing any entry costs a recompile, never a wrong result.
 """
 
 from __future__ import annotations
@@ -216,4 +223,98 @@ def clean_leftovers(root: Path, *, older_than: float = store.DEFAULT_LEFTOVER_AG
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(left.path)
             removed.append(left.path)
+    return removed
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TreeEntry:
+    """One file, or one folder whose files go together (it holds group files); what ls lists and prune removes."""
+
+    key: str
+    """Path relative to the root; a folder entry's ends with `/`."""
+    files: tuple[str, ...]
+    """Paths relative to the root, in removal order (group files first)."""
+    size: int
+    last_used: float
+    """Newest atime or mtime of its files: what LRU pruning sorts by."""
+
+
+def scan(root: Path) -> Iterator[TreeEntry]:
+    """The entries of the tree at `root`, one directory listing per folder and one lstat per file."""
+    for folder in walk(root).folders:
+        stats = {}
+        for name in folder.files:
+            with contextlib.suppress(FileNotFoundError):  # removed since the listing
+                stats[_rel(folder.rel, name)] = os.lstat(_join(root, folder.rel, name))
+        if not stats:
+            continue
+        if folder.rel and any(n.startswith(GROUP_PREFIX) for n in folder.files):
+            order = sorted(stats, key=lambda rel: not rel.rsplit("/", 1)[-1].startswith(GROUP_PREFIX))
+            yield TreeEntry(key=folder.rel + "/", files=tuple(order), size=sum(st.st_size for st in stats.values()),
+                            last_used=max(max(st.st_atime, st.st_mtime) for st in stats.values()))
+            continue
+        for rel, st in stats.items():
+            yield TreeEntry(key=rel, files=(rel,), size=st.st_size, last_used=max(st.st_atime, st.st_mtime))
+
+
+def remove_entry(entry: TreeEntry, *, root: Path) -> int:
+    """Unlink the entry's files in order, never through a symlink or outside `root`. Bytes freed."""
+    return sum(_unlink_beneath(root, rel) for rel in entry.files)
+
+
+def _unlink_beneath(root: Path, rel: str) -> int:
+    """Unlink the regular file root/rel, walking down with O_NOFOLLOW directory descriptors. Bytes freed; 0 if gone."""
+    *parts, name = rel.split("/")
+    if any(p in ("", ".", "..") for p in (*parts, name)):
+        raise CompileCacheError(f"{rel!r} is not a plain path inside the cache; refusing to remove it")
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for part in parts:
+            try:
+                next_fd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            except FileNotFoundError:
+                return 0
+            except OSError as exc:
+                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):  # O_NOFOLLOW on a symlink, or not a folder
+                    raise
+                raise CompileCacheError(f"{root / rel}: {part} is a symlink or not a directory; refusing to "
+                                        "remove through it") from None
+            os.close(fd)
+            fd = next_fd
+        try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return 0
+        if not stat.S_ISREG(st.st_mode):
+            raise CompileCacheError(f"{root / rel} is not a regular file; refusing to remove it")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=fd)
+            return st.st_size
+        return 0
+    finally:
+        os.close(fd)
+
+
+def remove_empty_folders(root: Path, *, older_than: float = store.DEFAULT_LEFTOVER_AGE_S, now: float | None = None,
+                         dry_run: bool = False) -> list[Path]:
+    """Remove folders below `root` that are empty and unchanged for `older_than` seconds.
+
+    The compilers create a folder just before writing into it, so one that stayed empty that long is nobody's.
+    Emptying a folder changes it: a folder a prune empties goes in a later prune. rmdir leaves a folder that
+    gained a file meanwhile, and never follows a symlink.
+    """
+    now = time.time() if now is None else now
+    removed = []
+    for dirpath, _dirnames, _filenames in os.walk(root, topdown=False, followlinks=False):
+        path = Path(dirpath)
+        if path == root:
+            continue
+        try:
+            if os.listdir(path) or now - os.lstat(path).st_mtime <= older_than:
+                continue
+            if not dry_run:
+                os.rmdir(path)
+        except OSError:  # gone, or no longer empty
+            continue
+        removed.append(path)
     return removed

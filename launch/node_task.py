@@ -1,7 +1,9 @@
 """The callable submitit runs once per node: the node script of one phase.
 
 It is picklable and imports neither torch nor the trainer; the node script starts torchrun,
-which starts `python -m megatron_hpc train` in each worker.
+which starts `python -m megatron_hpc train` in each worker. A compiler wrapper (neuron_parallel_compile
+on Trainium) is not put around the node script here but around torchrun inside it
+(PhaseSpec.torchrun_wrapper), so that the script publishes the compiled graphs after the wrapper returned.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ class NodeTask:
     node_script: str
     phase: str
     wrapper: tuple[str, ...] = ()
+    """Command around `bash node.sh PHASE` (PhaseSpec.wrapper); empty for every platform."""
 
     def command(self) -> list[str]:
         return [*self.wrapper, "bash", self.node_script, self.phase]

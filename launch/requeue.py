@@ -11,6 +11,8 @@ the newest complete checkpoint.
   by the failing node, up to the limit. Our own errors (config, data, checkpoint) write fatal.json and
   are never retried; a compile phase that fails is never retried either (the run job is cancelled).
 - A job that is no longer RUNNING (cancelled by a person, or already requeued by SLURM) is left alone.
+- A compile phase that succeeded on every node, its node-local caches published, records its compile
+  fingerprint in the shared cache (record_fingerprint): later submits of the same graphs skip it.
 
 No torch import: this runs on every node after the workers are gone.
 """
@@ -134,14 +136,45 @@ def record_attempt(run_dir: Path, outcome: Outcome, decision: Decision, *, reque
         fh.write(json.dumps(line) + "\n")
 
 
-def _record_fingerprint(run_dir: Path) -> None:
-    """The graphs of this run are in the shared cache now: later submits may skip their compile phase."""
+PUBLISHED_DIR = "compile-published"
+"""In the run folder: one file per node whose compile phase published its node-local cache, per job attempt."""
+PUBLISH_WAIT_S = 120.0
+"""How long a node that published looks for the others' files: covers NFS attribute caching (<= 60 s)."""
+
+
+def record_fingerprint(run_dir: Path, *, node_rank: int, environ: dict[str, str] | None = None,
+                       wait_s: float = PUBLISH_WAIT_S) -> Path | None:
+    """Note that this node's compile phase succeeded and published; once every node has, record the fingerprint.
+
+    Called only after node.sh published this node's cache (the exit code passed in counts a failed publish),
+    so the marker in the shared cache never names graphs that are not there. Each node compiles the graphs its
+    own trial met (neuron-xla.md 2.5), so all nodes must have published. The last node to get here finds every
+    node's file and records (the marker is written atomically, so two nodes finding them at once is harmless);
+    a node that failed writes none, and then nothing is recorded. Returns the marker, or None.
+    """
     try:
         fp = json.loads((run_dir / fingerprint.FINGERPRINT_FILE).read_text())
-    except (OSError, ValueError):
-        return  # a run folder written by hand or by an older version: nothing to record
-    path = fingerprint.record(Path(fp["cache_root"]), fp, run_dir=str(run_dir), job_id=os.environ.get("SLURM_JOB_ID"))
+        num_nodes = int(json.loads((run_dir / "plan.json").read_text()).get("num_nodes", 1))
+    except (OSError, ValueError, TypeError):
+        return None  # a run folder written by hand or by an older version: nothing to record
+    attempt = job_attempt(environ)
+    folder = run_dir / PUBLISHED_DIR / f"{attempt['job_id'] or 'local'}.{attempt['attempt']}"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"node{node_rank}").touch()
+    deadline = time.monotonic() + wait_s
+    while missing := [n for n in range(num_nodes) if not (folder / f"node{n}").exists()]:
+        if time.monotonic() >= deadline:
+            print(f"megatron-hpc: node {node_rank} published its compile cache; not yet published: node(s) "
+                  f"{_ranges(missing)}; the last node to publish records the compile fingerprint", flush=True)
+            return None
+        time.sleep(2.0)
+    path = fingerprint.record(Path(fp["cache_root"]), fp, run_dir=str(run_dir), job_id=attempt["job_id"])
     print(f"megatron-hpc: recorded compile fingerprint {fp['sha256'][:12]} in {path.parent}", flush=True)
+    return path
+
+
+def _ranges(nodes: list[int]) -> str:
+    return ", ".join(map(str, nodes)) if len(nodes) <= 8 else f"{nodes[0]}..{nodes[-1]} ({len(nodes)} nodes)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,8 +194,8 @@ def main(argv: list[str] | None = None) -> int:
             message += f"; {why_not}"
     if outcome.node_rank == 0:
         record_attempt(args.run_dir, outcome, decision, requeued=requeued)
-        if outcome.phase == "compile" and decision.action == "done":
-            _record_fingerprint(args.run_dir)
+    if outcome.phase == "compile" and decision.action == "done":
+        record_fingerprint(args.run_dir, node_rank=outcome.node_rank)
     # A stopped run that is not requeued is the phase's reason for failing: say it as an error, which
     # `submit` quotes. A plain failure is explained by the trainer's own output, so stay quieter.
     prefix = "megatron-hpc: error: " if decision.action == "fail" and outcome.stopped else "megatron-hpc: "

@@ -68,16 +68,15 @@ def render(template: str, values: dict[str, object]) -> str:
 
 def render_node_script(spec: PhaseSpec, *, recipe: str, run_dir: str, bin_dir: str, backend: str,
                        shared_cache: str) -> str:
+    """The node script of a run folder. One script serves every phase (`node.sh compile|run`); `spec` is the
+    first phase submitted, and its torchrun_wrapper applies when the script runs that phase."""
     exports = "\n".join(f"export {key}={shlex.quote(value)}" for key, value in sorted(spec.env.items()))
-    template = load_template("node.sh")
-    if backend != "xla":
-        template = template.replace("{{neuron_trial_cache}}\n", "")
-    return render(template, {
+    return render(load_template("node.sh"), {
         "shared_cache": shlex.quote(shared_cache),
-        "neuron_trial_cache": _NEURON_TRIAL_CACHE,
         # double quotes: the node-local root is known only on the node
         "cache_exports": "\n".join(f'export {key}="{value}"'
                                    for key, value in cache_env(backend=backend, root="$LOCAL_CACHE").items()),
+        "torchrun_wrapper": torchrun_wrapper_lines(spec),
         "recipe": recipe,
         "version": __version__,
         "run_dir": shlex.quote(run_dir),
@@ -90,13 +89,12 @@ def render_node_script(spec: PhaseSpec, *, recipe: str, run_dir: str, bin_dir: s
     })
 
 
-# Trainium only. neuron_parallel_compile sets NEURON_EXTRACT_GRAPHS_ONLY for its trial (neuron-xla.md 2.5).
-_NEURON_TRIAL_CACHE = """\
-if [ -n "${NEURON_EXTRACT_GRAPHS_ONLY:-}" ]; then
-  # neuron_parallel_compile's trial: the tool compiles the graphs after this script returns, too late to
-  # publish them from here, so the trial and the compile use the shared cache directly.
-  LOCAL_CACHE=$SHARED_CACHE
-fi"""
+def torchrun_wrapper_lines(spec: PhaseSpec) -> str:
+    """Bash that sets TORCHRUN_WRAPPER, the command the node script runs torchrun under, for spec's phase."""
+    if not spec.torchrun_wrapper:
+        return "TORCHRUN_WRAPPER=()"
+    return (f'TORCHRUN_WRAPPER=()\nif [ "$PHASE" = {shlex.quote(spec.phase)} ]; then\n'
+            f"  TORCHRUN_WRAPPER=({shlex.join(spec.torchrun_wrapper)})\nfi")
 
 
 def sbatch_directives(spec: PhaseSpec, *, log_dir: str, options: SlurmOptions) -> list[tuple[str, str | None]]:

@@ -4,12 +4,14 @@
     megatron-hpc cache publish --from LOCAL --to SHARED      # after a compile phase on node-local disk
     megatron-hpc cache sync --from SHARED --to LOCAL         # before a run, so lookups stay off NFS
 
-publish, sync and verify take `--layout`: `neuron` (default; Neuron's neuronxcc-*/MODULE_* entries), `tree` (a plain
-tree of files such as TorchInductor's cache, shared file by file) or `launcher` (the root the node script
-uses: neuron/ and inductor/ below it).
+ls, stats, verify, prune, publish and sync take `--layout`: `neuron` (default; Neuron's neuronxcc-*/MODULE_*
+entries), `tree` (a plain tree of files such as TorchInductor's cache, shared file by file; an entry is a file, or
+a folder of Triton group files) or `launcher` (the root the node script uses: neuron/ and inductor/ below it).
 
 `--root` defaults to the root Neuron itself would use (NEURON_CC_FLAGS --cache_dir, NEURON_COMPILE_CACHE_URL,
-/var/tmp/neuron-compile-cache). Results go to stdout (`--json` for scripts), notes to stderr.
+/var/tmp/neuron-compile-cache); with `--layout launcher`, to the shared cache `submit` uses
+($MEGATRON_HPC_CACHE_DIR, else ~/.cache/megatron-hpc/compile-cache); a tree needs `--root`. Results go to stdout
+(`--json` for scripts), notes to stderr.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from megatron_hpc.compile_cache import layouts, locks, neuron, prune, report, store
-from megatron_hpc.compile_cache.paths import LAUNCHER_LAYOUT
+from megatron_hpc.compile_cache import layouts, locks, neuron, prune, store
+from megatron_hpc.compile_cache.paths import LAUNCHER_LAYOUT, default_cache_root
 from megatron_hpc.errors import CompileCacheError
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw]?)$")
@@ -70,14 +72,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     ls = action("ls", "list the entries with their state, size and last use")
     ls.add_argument("--state", choices=[s.value for s in neuron.State], help="only entries in this state")
-    action("stats", "counts per state, sizes and compiler versions")
+    _add_layout(ls)
+    _add_layout(action("stats", "counts per state, sizes and compiler versions (per folder for a tree)"))
     for name, summary in (("verify", "check every entry; remove old temp dirs of killed publishers"),
                           ("clear-locks", "remove stale locks (their owner is gone); never a live one"),
                           ("clear-failed", "remove cached compile failures so the graphs compile again"),
                           ("prune", "remove least recently used entries by age and/or total size")):
         p = action(name, summary)
         p.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
-        if name == "verify":
+        if name in ("verify", "prune"):
             _add_layout(p)
         if name in ("verify", "clear-locks"):
             p.add_argument("--stale-after", type=parse_duration, default=locks.DEFAULT_STALE_AFTER_S,
@@ -113,15 +116,32 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
 
 
 def _root(args: argparse.Namespace) -> Path:
+    layout = getattr(args, "layout", "neuron")
     if args.root is not None:
         return args.root
-    if getattr(args, "layout", "neuron") != "neuron":
-        raise CompileCacheError(f"--layout {args.layout} needs --root PATH; only a Neuron cache has a default root")
+    if layout == "launcher":
+        root = default_cache_root()
+        print(f"cache root {root} (the shared compile cache of submit)", file=sys.stderr)
+        return root
+    if layout != "neuron":
+        raise CompileCacheError(f"--layout {layout} needs --root PATH; only Neuron and launcher caches have a "
+                                "default root")
     resolved = neuron.resolve_root()
     for warning in resolved.warnings:
         print(f"megatron-hpc: warning: {warning}", file=sys.stderr)
     print(f"cache root {resolved.path} (from {resolved.source})", file=sys.stderr)
     return resolved.path
+
+
+def _hint_layout(root: Path, layout: str) -> None:
+    """Say so when a Neuron view of `root` found nothing because it is another layout."""
+    if layout != "neuron" or any(True for _ in neuron.iter_version_dirs(root)):
+        return
+    if any((root / folder).is_dir() for folder in LAUNCHER_LAYOUT):
+        print(f"megatron-hpc: note: {root} holds {', '.join(f'{f}/' for f in LAUNCHER_LAYOUT)} folders: "
+              "a megatron-hpc cache root; use --layout launcher", file=sys.stderr)
+    elif any((root / folder).is_dir() for folder in ("fxgraph", "aotautograd")):
+        print(f"megatron-hpc: note: {root} looks like TorchInductor's cache; use --layout tree", file=sys.stderr)
 
 
 def _out(args: argparse.Namespace, payload: object, lines: list[str]) -> None:
@@ -139,29 +159,47 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    entries = sorted(neuron.scan(_root(args)), key=lambda e: e.key)
+    root = _root(args)
+    entries = sorted(layouts.entries(root, layout=args.layout), key=lambda e: e.key)
     if args.state:
-        entries = [e for e in entries if e.state.value == args.state]
+        entries = [e for e in entries if e.state == args.state]
     now = time.time()
-    rows = [{"key": e.key, "state": e.state.value, "bytes": e.size, "last_used": e.last_used,
-             "files": list(e.files)} for e in entries]
+    rows = [{"key": e.key, "state": e.state, "bytes": e.size, "last_used": e.last_used, "files": list(e.files)}
+            for e in entries]
     lines = [f"{'state':<11} {'size':>8} {'idle':>8}  entry"]
-    lines += [f"{e.state.value:<11} {human(e.size):>8} {(now - e.last_used) / 86400:>7.1f}d  {e.key}"
-              for e in entries]
+    lines += [f"{e.state:<11} {human(e.size):>8} {(now - e.last_used) / 86400:>7.1f}d  {e.key}" for e in entries]
     _out(args, rows, lines if entries else ["no entries"])
+    if not entries:
+        _hint_layout(root, args.layout)
     return 0
 
 
 def _stats(args: argparse.Namespace) -> int:
-    s = report.stats(_root(args))
-    counts = s.counts
-    lines = [f"root      {s.root}", f"entries   {s.num_entries}  ({human(s.bytes)})",
-             "states    " + "  ".join(f"{k} {n}" for k, n in counts.items())]
-    for version, vs in sorted(s.versions.items()):
-        lines.append(f"neuronxcc-{version}: {sum(vs.counts.values())} entries, {human(vs.bytes)}, "
-                     + ", ".join(f"{k} {n}" for k, n in vs.counts.items() if n))
-    _out(args, s.to_json(), lines)
+    root = _root(args)
+    s = layouts.stats(root, layout=args.layout)
+    lines = [f"root      {s['root']}", f"entries   {s['entries']}  ({human(s['bytes'])})"]
+    lines += _stats_lines(s)
+    if s["layout"] == "launcher":
+        for folder, part in s["parts"].items():
+            lines.append(f"{folder}/: {part['entries']} entries, {human(part['bytes'])}")
+            lines += [f"  {line}" for line in _stats_lines(part)]
+        lines.append(f"fingerprints {s['fingerprints']} (compile phases that may be skipped)")
+    _out(args, s, lines)
+    if not s["entries"]:
+        _hint_layout(root, args.layout)
     return 0
+
+
+def _stats_lines(s: dict) -> list[str]:
+    if s["layout"] == "neuron":
+        lines = ["states    " + "  ".join(f"{k} {n}" for k, n in s["counts"].items())]
+        for version, vs in s["versions"].items():
+            lines.append(f"neuronxcc-{version}: {sum(vs['counts'].values())} entries, {human(vs['bytes'])}, "
+                         + ", ".join(f"{k} {n}" for k, n in vs["counts"].items() if n))
+        return lines
+    if s["layout"] == "tree":
+        return [f"{folder + '/':<14} {f['entries']} entries, {human(f['bytes'])}" for folder, f in s["folders"].items()]
+    return []
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -196,14 +234,21 @@ def _clear_failed(args: argparse.Namespace) -> int:
 def _prune(args: argparse.Namespace) -> int:
     if args.older_than is None and args.max_size is None:
         raise CompileCacheError("prune needs --older-than DURATION and/or --max-size SIZE, e.g. --older-than 7d")
-    r = prune.prune(_root(args), older_than=args.older_than, max_size=args.max_size, dry_run=args.dry_run,
-                    leftover_age=args.leftovers_older_than)
+    r = prune.prune(_root(args), layout=args.layout, older_than=args.older_than, max_size=args.max_size,
+                    dry_run=args.dry_run, leftover_age=args.leftovers_older_than)
     verb = "would remove" if args.dry_run else "removed"
     lines = [f"{verb} {k}" for k in r.removed]
+    lines += [f"{verb} leftover {p}" for p in r.leftovers_removed]
+    if r.folders_removed:
+        lines.append(f"{verb} {len(r.folders_removed)} empty folders")
+    if r.fingerprints_removed:
+        lines.append(f"{verb} {len(r.fingerprints_removed)} compile fingerprints: the next submit of each of those "
+                     "runs compiles what is missing again")
+    lines += [f"refused {k}: {why}" for k, why in r.refused.items()]
     lines.append(f"{verb} {len(r.removed)} entries ({human(r.bytes_freed)}); {human(r.bytes_left)} left; "
                  f"{len(r.kept_locked)} locked entries kept")
     _out(args, asdict(r), lines)
-    return 0
+    return 1 if r.refused else 0
 
 
 def _transfer(args: argparse.Namespace) -> int:

@@ -4,6 +4,10 @@ The compile phase is a short trial run (on Trainium under `neuron_parallel_compi
 extracts and compiles the graphs into the cache); the run phase starts after it succeeded
 (afterok). Both phases export the same environment so the compiler flags, and with them the
 cache keys, match (shared/reference/neuron-xla.md 2.1).
+
+The node script, not srun, puts `neuron_parallel_compile` around torchrun: the tool compiles the
+graphs after its trial returns (2.5), so only a script around the whole tool can publish them from
+the node-local cache to the shared one once they are all compiled (slurm/templates/node.sh).
 """
 
 from __future__ import annotations
@@ -35,8 +39,11 @@ class PhaseSpec:
     job_name: str
     num_nodes: int
     nproc_per_node: int
-    wrapper: tuple[str, ...]
-    """Command the node script runs under (neuron_parallel_compile for Trainium compiles)."""
+    wrapper: tuple[str, ...] = ()
+    """Command around the node script itself (`srun ... WRAPPER bash node.sh PHASE`); none on any platform."""
+    torchrun_wrapper: tuple[str, ...] = ()
+    """Command the node script runs torchrun under in this phase (neuron_parallel_compile for Trainium
+    compiles), inside the node-local compile cache, so its compiles are published when it has returned."""
     env: dict[str, str] = field(default_factory=dict)
     nofile_limit: int = 65535
     time_limit_min: int = 60
@@ -68,10 +75,10 @@ def make_phases(cfg: RunConfig, plan: Plan, platform: Platform, *,
     common = dict(num_nodes=plan.num_nodes, nproc_per_node=plan.workers_per_node, env=env,
                   nofile_limit=cfg.launch.nofile_limit, time_limit_min=cfg.launch.time_limit_min,
                   exclusive=cfg.launch.exclusive)
-    run = PhaseSpec(phase="run", job_name=f"{cfg.name}-run", wrapper=(), requeue=True, **common)
+    run = PhaseSpec(phase="run", job_name=f"{cfg.name}-run", requeue=True, **common)
     if not cfg.compile.enabled:
         return (run,)
     # Both phases requeue, as the reference scripts do: a preempted compile comes back too.
-    compile_ = PhaseSpec(phase="compile", job_name=f"{cfg.name}-compile", wrapper=platform.compile_wrapper,
-                         requeue=True, **common)
+    compile_ = PhaseSpec(phase="compile", job_name=f"{cfg.name}-compile",
+                         torchrun_wrapper=platform.compile_wrapper, requeue=True, **common)
     return (compile_, run)

@@ -44,7 +44,6 @@ echo "megatron-hpc: $PHASE phase, node $NODE_RANK of $NNODES, master $MASTER_ADD
 # temporary name and renamed or linked into place, so no reader ever sees half of one.
 SHARED_CACHE={{shared_cache}}
 LOCAL_CACHE=${MEGATRON_HPC_LOCAL_CACHE_DIR:-}  # set it to keep a node-local cache between jobs
-{{neuron_trial_cache}}
 if [ -z "$LOCAL_CACHE" ]; then  # a fresh one for this phase on this node, removed at its end
   if ! LOCAL_CACHE=$(mktemp -d "${TMPDIR:-/tmp}/megatron-hpc-cache.$JOB_ID.node$NODE_RANK.XXXXXX"); then
     echo "megatron-hpc: error: cannot create a node-local compile cache in ${TMPDIR:-/tmp}; set" \
@@ -64,6 +63,11 @@ if [ "$LOCAL_CACHE" != "$SHARED_CACHE" ] && ! cache_transfer sync "$SHARED_CACHE
     | tee -a "$LOG" >&2
 fi
 
+# What torchrun runs under in this phase. A compiler wrapper runs here, inside the node-local cache, and not
+# around this script: neuron_parallel_compile compiles the graphs its trial extracted only after the trial
+# returned (neuron-xla.md 2.5), so the publish below must wait for the whole tool.
+{{torchrun_wrapper}}
+
 # SLURM asks a run to stop with USR2 (submitit's --signal, before the time limit) or TERM (preemption,
 # scontrol requeue). The workers get the signal too and save at the next step boundary; this script
 # survives it, leaves a stop request for rank 0 (in case the workers were not signalled), and waits.
@@ -78,11 +82,13 @@ rm -f "$RUN_DIR/stop-request"  # an earlier attempt's request is not for this on
 trap 'request_stop USR2' USR2
 trap 'request_stop TERM' TERM
 
-# tee keeps the workers' output on stdout, where neuron_parallel_compile parses the graph list.
-# In the background so that the traps run at once; `wait` returns early on each trapped signal.
-# torchrun ignores USR2 (its default would kill it under the saving workers, which install their
-# own handler); tee ignores both signals, or the workers' next print would hit a closed pipe.
-( trap '' USR2; exec torchrun --nnodes="$NNODES" --node_rank="$NODE_RANK" --nproc_per_node={{nproc_per_node}} \
+# The workers' output stays on torchrun's stdout, where a neuron_parallel_compile around it parses the graph
+# list (never torchrun --redirect); tee logs what reaches it. In the background so that the traps run at
+# once; `wait` returns early on each trapped signal. torchrun (and a wrapper) ignore USR2 (its default would
+# kill them under the saving workers, which install their own handler); tee ignores both signals, or the
+# workers' next print would hit a closed pipe.
+( trap '' USR2; exec "${TORCHRUN_WRAPPER[@]}" torchrun --nnodes="$NNODES" --node_rank="$NODE_RANK" \
+    --nproc_per_node={{nproc_per_node}} \
     --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT" \
     -m megatron_hpc train --run-dir "$RUN_DIR" --phase "$PHASE" ) 2>&1 \
   | ( trap '' USR2 TERM; exec tee -a "$LOG" ) &
@@ -90,8 +96,9 @@ PHASE_PID=$!
 wait "$PHASE_PID"; STATUS=$?
 while kill -0 "$PHASE_PID" 2>/dev/null; do wait "$PHASE_PID"; STATUS=$?; done
 
-# The compile phase's fingerprint (recorded below) tells later submits that the shared cache holds this run's
-# graphs, so there a failed publish fails the phase; a run phase publishes what it compiled on top.
+# Publish only after a phase (with its wrapper) succeeded: a failed one publishes nothing. The compile phase's
+# fingerprint (recorded below, once every node published) tells later submits that the shared cache holds
+# this run's graphs, so there a failed publish fails the phase; a run phase publishes what it compiled on top.
 if [ "$STATUS" -eq 0 ] && [ "$LOCAL_CACHE" != "$SHARED_CACHE" ] \
     && ! cache_transfer publish "$LOCAL_CACHE" "$SHARED_CACHE"; then
   echo "megatron-hpc: warning: publishing to the shared compile cache $SHARED_CACHE failed" | tee -a "$LOG" >&2

@@ -97,7 +97,16 @@ def test_launcher_sync_from_a_cache_nobody_published_to_copies_nothing(tmp_path,
     assert "nothing to copy" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("layout", ["tree", "launcher"])
-def test_layouts_other_than_neuron_need_a_root(layout, capsys):
-    assert main(["cache", "verify", "--layout", layout]) == 1
+@pytest.mark.parametrize("action", ["verify", "ls", "stats"])
+def test_a_tree_needs_a_root_and_a_launcher_root_defaults_to_the_shared_cache(action, capsys, own_compile_cache):
+    assert main(["cache", action, "--layout", "tree"]) == 1
     assert "needs --root" in capsys.readouterr().err
+    _write(own_compile_cache / "inductor", {"ab/cab.py": b"code"})
+    assert main(["cache", action, "--layout", "launcher", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert f"cache root {own_compile_cache} (the shared compile cache of submit)" in captured.err
+    out = json.loads(captured.out)
+    if action == "ls":
+        assert [row["key"] for row in out] == ["inductor/ab/cab.py"]
+    else:
+        assert out["entries"] == 1

@@ -52,9 +52,20 @@ def test_srun_lines_match_the_reference(tmp_path):
     compile_cmd = srun_line((out / "compile.sbatch").read_text())
     run_cmd = srun_line((out / "run.sbatch").read_text())
     assert compile_cmd[1:1 + len(ours)] == ours and run_cmd[1:1 + len(ours)] == ours
-    assert compile_cmd[1 + len(ours)] == GOLDEN["reference"]["compile_srun_prefix"]
-    assert run_cmd[1 + len(ours):1 + len(ours) + 2] == ["bash", str(out / "node.sh")]
-    assert compile_cmd[-1] == "compile" and run_cmd[-1] == "run"
+    # the reference's compile prefix runs inside node.sh, around torchrun (`ours` says why)
+    assert GOLDEN["ours"]["compile_torchrun_prefix"] == GOLDEN["reference"]["compile_srun_prefix"]
+    prefix = GOLDEN["ours"]["compile_srun_prefix"].split()
+    assert compile_cmd[1 + len(ours):] == [*prefix, "bash", str(out / "node.sh"), "compile"]
+    assert run_cmd[1 + len(ours):] == [*GOLDEN["reference"]["run_srun_prefix"].split(), "bash",
+                                       str(out / "node.sh"), "run"]
+
+
+def test_the_compile_phase_runs_torchrun_under_the_reference_prefix(tmp_path):
+    node = (render(tmp_path) / "node.sh").read_text()
+    wrapper = GOLDEN["ours"]["compile_torchrun_prefix"]
+    assert ('TORCHRUN_WRAPPER=()\nif [ "$PHASE" = compile ]; then\n'
+            f"  TORCHRUN_WRAPPER=({wrapper})\nfi\n") in node
+    assert 'exec "${TORCHRUN_WRAPPER[@]}" torchrun ' in node
 
 
 def test_node_environment_matches_the_reference(tmp_path):
@@ -74,7 +85,8 @@ def test_node_environment_matches_the_reference(tmp_path):
 def test_torchrun_arguments_match_the_reference(tmp_path):
     node = (render(tmp_path) / "node.sh").read_text()
     joined = re.sub(r"\\\n\s*", " ", node)
-    (line,) = [ln for ln in joined.splitlines() if "exec torchrun " in ln or ln.strip().startswith("torchrun ")]
+    (line,) = [ln for ln in joined.splitlines()
+               if not ln.lstrip().startswith("#") and (" torchrun --" in ln or ln.strip().startswith("torchrun "))]
     args = dict(re.findall(r"--(\w+)=\"?([^\s\"]+)\"?", line))
     for key, value in GOLDEN["reference"]["torchrun"].items():
         assert args[key] == value, key

@@ -32,8 +32,9 @@ def test_dry_run_writes_the_reference_shape(tmp_path):
     for text in (compile_, run):
         flags = sbatch_flags(text)
         assert "--nodes=16" in flags and "--exclusive" in flags and "--ntasks-per-node=1" in flags
-    assert "neuron_parallel_compile bash" in compile_
-    assert "neuron_parallel_compile" not in run
+    # node.sh runs neuron_parallel_compile around torchrun in the compile phase (not srun around node.sh)
+    assert "neuron_parallel_compile" not in compile_ and "neuron_parallel_compile" not in run
+    assert "  TORCHRUN_WRAPPER=(neuron_parallel_compile)" in node.splitlines()
     assert "--requeue" in sbatch_flags(run)
     assert "afterok" in run  # the dependency is carried as a comment
     assert "--dependency=afterok:$COMPILE_JOB_ID run.sbatch" in submit
