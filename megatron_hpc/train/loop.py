@@ -116,10 +116,6 @@ def train(cfg: RunConfig, ctx: ParallelContext, *, device: DeviceInfo, phase: Ph
     loss_sum = torch.zeros((), device=device.device)
     nan_count = torch.zeros((), device=device.device)
     skipped_in_a_row = skipped_in_interval = 0
-    # Only the run phase stops early to save; XLA checks at log steps, where the host syncs anyway.
-    stopwatch = StopWatch(run_dir=run_dir, time_budget_min=cfg.checkpoint.time_budget_min,
-                          check_every=tcfg.log_interval if device.kind == "xla" else 1,
-                          is_first_rank=ctx.is_first_rank, device=device.device) if phase == "run" else None
     stopped: StopDecision | None = None
     # DP all-reduce started inside the last micro-batch's backward (None: after it; see parallel/grads.py).
     grad_reducer = build_grad_reducer(model.parameters(), group=ctx.dp_group, device_kind=device.kind,
@@ -129,56 +125,62 @@ def train(cfg: RunConfig, ctx: ParallelContext, *, device: DeviceInfo, phase: Ph
     lr_steps = ckpt.lr_steps if ckpt.lr_steps is not None else start
     model.train()
     metrics.reset_clock(start)
-    for step in range(start, num_steps):
-        # The schedule always spans the run phase, so a compile trial traces the run's LR values.
-        lr = lr_at(lr_steps, optim=cfg.optim, num_steps=tcfg.num_steps, global_batch_size=tcfg.global_batch_size)
-        set_lr(optimizer, lr)
-        batches = [data.batch(micro_batch_indices(step, micro=m, micro_batch_size=tcfg.micro_batch_size,
-                                                  global_batch_size=tcfg.global_batch_size,
-                                                  dp_rank=ctx.dp_rank, dp_size=ctx.dp_size)).to(device.device)
-                   for m in range(num_micro)]
-        result = train_step(step_model, optimizer, batches, ctx=ctx, clip_grad=cfg.optim.clip_grad,
-                            autocast_dtype=autocast_dtype, device_type=device.kind, scaler=scaler,
-                            grad_reducer=grad_reducer, grad_bucket_mb=cfg.parallel.grad_bucket_mb)
-        step_barrier(device)
-        lr_steps += 0 if result.skipped else 1
-        ckpt.lr_steps = lr_steps
-        # fp16 overflow skips are routine (the loss scale backs off); only real divergence counts.
-        skipped_in_a_row = skipped_in_a_row + 1 if result.skipped and not result.overflow else 0
-        skipped_in_interval += int(result.skipped)
-        if skipped_in_a_row >= tcfg.max_skipped_steps:
-            raise TrainingError(
-                f"{phase} phase: the loss or gradients were not finite for {skipped_in_a_row} steps in a row "
-                f"(iterations {step + 2 - skipped_in_a_row}-{step + 1}, lr {lr:.3g}); lower optim.lr, keep "
-                f"optim.clip_grad above 0, or check the data (train.max_skipped_steps sets the limit)")
-        if not result.skipped:  # Megatron averages the loss over the steps it took
-            loss_sum += result.loss
-        nan_count += (~torch.isfinite(result.loss)).float()
-        iteration = step + 1
-        if metrics.should_log(iteration):
-            interval = iteration - metrics.last_iteration - skipped_in_interval
-            stats = torch.stack([loss_sum, nan_count])
-            dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=ctx.dp_group)
-            # Host sync, only on logging steps: the loss and norm are needed as numbers.
-            loss_total, nans = stats.tolist()
-            grad_norm = result.grad_norm.item()
-            lm_loss = loss_total / (ctx.dp_size * interval) if interval else math.nan
-            records.append(metrics.log(iteration, lr=lr, lm_loss=lm_loss, grad_norm=grad_norm,
-                                       num_nan=round(nans / ctx.dp_size), num_skipped=skipped_in_interval,
-                                       loss_scale=result.loss_scale))
-            skipped_in_interval = 0
-            loss_sum.zero_()
-            nan_count.zero_()
-        evaluator.maybe_evaluate(iteration, model)
-        ckpt.maybe_save(step + 1, model=model, optimizer=optimizer, num_steps=num_steps)
-        stopped = stopwatch.check(iteration) if stopwatch is not None and iteration < num_steps else None
-        if stopped is not None:
-            _stop_early(stopped, ckpt=ckpt, model=model, optimizer=optimizer, run_dir=run_dir,
-                        first_rank=ctx.is_first_rank, out=out)
-            break
-    if stopwatch is not None:
-        stopwatch.close()
-    metrics.close()
+    # Only the run phase stops early to save; XLA checks at log steps, where the host syncs anyway.
+    stopwatch = StopWatch(run_dir=run_dir, time_budget_min=cfg.checkpoint.time_budget_min,
+                          check_every=tcfg.log_interval if device.kind == "xla" else 1,
+                          is_first_rank=ctx.is_first_rank, device=device.device) if phase == "run" else None
+    try:
+        for step in range(start, num_steps):
+            # The schedule always spans the run phase, so a compile trial traces the run's LR values.
+            lr = lr_at(lr_steps, optim=cfg.optim, num_steps=tcfg.num_steps, global_batch_size=tcfg.global_batch_size)
+            set_lr(optimizer, lr)
+            batches = [data.batch(micro_batch_indices(step, micro=m, micro_batch_size=tcfg.micro_batch_size,
+                                                      global_batch_size=tcfg.global_batch_size,
+                                                      dp_rank=ctx.dp_rank, dp_size=ctx.dp_size)).to(device.device)
+                       for m in range(num_micro)]
+            result = train_step(step_model, optimizer, batches, ctx=ctx, clip_grad=cfg.optim.clip_grad,
+                                autocast_dtype=autocast_dtype, device_type=device.kind, scaler=scaler,
+                                grad_reducer=grad_reducer, grad_bucket_mb=cfg.parallel.grad_bucket_mb)
+            step_barrier(device)
+            lr_steps += 0 if result.skipped else 1
+            ckpt.lr_steps = lr_steps
+            # fp16 overflow skips are routine (the loss scale backs off); only real divergence counts.
+            skipped_in_a_row = skipped_in_a_row + 1 if result.skipped and not result.overflow else 0
+            skipped_in_interval += int(result.skipped)
+            if skipped_in_a_row >= tcfg.max_skipped_steps:
+                raise TrainingError(
+                    f"{phase} phase: the loss or gradients were not finite for {skipped_in_a_row} steps in a row "
+                    f"(iterations {step + 2 - skipped_in_a_row}-{step + 1}, lr {lr:.3g}); lower optim.lr, keep "
+                    f"optim.clip_grad above 0, or check the data (train.max_skipped_steps sets the limit)")
+            if not result.skipped:  # Megatron averages the loss over the steps it took
+                loss_sum += result.loss
+            nan_count += (~torch.isfinite(result.loss)).float()
+            iteration = step + 1
+            if metrics.should_log(iteration):
+                interval = iteration - metrics.last_iteration - skipped_in_interval
+                stats = torch.stack([loss_sum, nan_count])
+                dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=ctx.dp_group)
+                # Host sync, only on logging steps: the loss and norm are needed as numbers.
+                loss_total, nans = stats.tolist()
+                grad_norm = result.grad_norm.item()
+                lm_loss = loss_total / (ctx.dp_size * interval) if interval else math.nan
+                records.append(metrics.log(iteration, lr=lr, lm_loss=lm_loss, grad_norm=grad_norm,
+                                           num_nan=round(nans / ctx.dp_size), num_skipped=skipped_in_interval,
+                                           loss_scale=result.loss_scale))
+                skipped_in_interval = 0
+                loss_sum.zero_()
+                nan_count.zero_()
+            evaluator.maybe_evaluate(iteration, model)
+            ckpt.maybe_save(step + 1, model=model, optimizer=optimizer, num_steps=num_steps)
+            stopped = stopwatch.check(iteration) if stopwatch is not None and iteration < num_steps else None
+            if stopped is not None:
+                _stop_early(stopped, ckpt=ckpt, model=model, optimizer=optimizer, run_dir=run_dir,
+                            first_rank=ctx.is_first_rank, out=out)
+                break
+    finally:  # on an error too: the signal handlers go back and the event files are flushed
+        if stopwatch is not None:
+            stopwatch.close()
+        metrics.close()
     steps = stopped.iteration if stopped is not None else num_steps
     return TrainSummary(steps=steps, consumed_samples=steps * tcfg.global_batch_size, records=records,
                         stopped=stopped)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 from pathlib import Path
 
 import pytest
@@ -100,9 +101,13 @@ def test_non_finite_steps_are_skipped_then_stop(tmp_path: Path, monkeypatch: pyt
     # An absurd learning rate without clipping: the first step is finite and blows up the weights,
     # every later loss is NaN.
     exploding = OptimConfig(lr=1e30, clip_grad=0.0, lr_warmup_iters=0, lr_decay_style="constant")
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR2)}
     with pytest.raises(TrainingError, match="not finite for 3 steps in a row") as info:
         run_training(_tiny(optim=exploding, max_skipped_steps=3, log_interval=1), run_dir=tmp_path)
     assert "optim.lr" in str(info.value)
+    # The run phase's stop handlers are gone after the error too: a leftover one would swallow the SIGTERM
+    # of anything this process forks later (it hung a multiprocessing pool's terminate()).
+    assert {sig: signal.getsignal(sig) for sig in before} == before
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1, 2, 3]  # stopped at the third skipped step
     assert [r["num_skipped_iterations"] for r in rows] == [0, 1, 1]
