@@ -25,6 +25,7 @@ from megatron_hpc.launch.scripts import SlurmOptions
 
 from megatron_hpc.config.loader import from_dict
 from megatron_hpc.errors import ConfigError
+from megatron_hpc.plan.jobs import MASTER_PORT_BASE, MASTER_PORT_SPAN
 
 PROFILE_ENV = "MEGATRON_HPC_CLUSTER_CONFIG"
 CLUSTER_FILE = "cluster.json"
@@ -159,9 +160,10 @@ def profile_from_dict(data: object, *, where: str = "cluster profile") -> Cluste
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
     sbatch_flags(profile)  # refuse bad lines now, not at sbatch time
-    for name in profile.env:
+    for name, value in profile.env.items():
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
             raise ConfigError(f"{where}: env key {name!r} is not a valid variable name")
+        check_env_entry(name, value, where=where)
     container_srun_args(profile.container)
     if profile.max_requeues is not None and profile.max_requeues < 0:
         raise ConfigError(f"{where}: max_requeues must be 0 or more, got {profile.max_requeues}")
@@ -170,6 +172,32 @@ def profile_from_dict(data: object, *, where: str = "cluster profile") -> Cluste
         if minutes is not None and minutes <= 0:
             raise ConfigError(f"{where}: time_limit_min.{phase} must be positive minutes, got {minutes}")
     return profile
+
+
+NODE_SCRIPT_ENV = frozenset({"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                             "NODE_RANK", "GROUP_RANK"})
+"""Set for each job by the node script and torchrun: a profile's value would be overwritten."""
+NEURON_CORE_ENV = frozenset({"NEURON_RT_VISIBLE_CORES", "NEURON_RT_NUM_CORES"})
+
+
+def check_env_entry(name: str, value: str, *, where: str) -> None:
+    """Refuse profile variables that would be ignored or break the rendezvous (neuron-xla.md 4.4)."""
+    if name in NODE_SCRIPT_ENV:
+        raise ConfigError(f"{where}: env {name} is set for each job by the node script and torchrun (the master "
+                          f"port comes from the job id: {MASTER_PORT_BASE}-{MASTER_PORT_BASE + MASTER_PORT_SPAN - 1}); "
+                          "remove it from the profile")
+    if name in NEURON_CORE_ENV:
+        raise ConfigError(f"{where}: env {name} must not be set: torch-xla gives each worker its NeuronCore from "
+                          "LOCAL_RANK, and a node-wide value breaks nodes with several workers; remove it")
+    if name == "NEURON_RT_ROOT_COMM_ID":
+        port = value.rpartition(":")[2]
+        if not port.isdigit():
+            raise ConfigError(f"{where}: env NEURON_RT_ROOT_COMM_ID={value!r} is not HOST:PORT; remove it to get "
+                              "the Neuron runtime's default (the master node, port 62182)")
+        if MASTER_PORT_BASE <= int(port) < MASTER_PORT_BASE + MASTER_PORT_SPAN:
+            raise ConfigError(f"{where}: env NEURON_RT_ROOT_COMM_ID uses port {port}, inside the range the master "
+                              f"port is drawn from ({MASTER_PORT_BASE}-{MASTER_PORT_BASE + MASTER_PORT_SPAN - 1}), so "
+                              "the two can collide; use a port outside it, or remove it for the default 62182")
 
 
 def sbatch_flags(profile: ClusterProfile) -> tuple[tuple[str, str | None], ...]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -68,23 +69,30 @@ def group_ranks(ranks: list[RankStacks]) -> list[dict]:
 
 
 def _collect_slurm(run_dir: Path, *, job_id: str, num_nodes: int, method: str, timeout_s: float) -> list[str]:
+    """The JSON lines of every node's stack_dump. Each task writes its own file in the run folder (shared by the
+    nodes): through srun's one stdout, long lines of two nodes can interleave and turn into garbage."""
+    parts = run_dir / DEBUG_DIR / f".parts-{os.getpid()}-{time.time_ns()}"
+    parts.mkdir(parents=True)
     cmd = ["srun", "--overlap", f"--jobid={job_id}", f"--nodes={num_nodes}", "--ntasks-per-node=1",
-           "--kill-on-bad-exit=0", "--job-name=megatron-hpc-debug", sys.executable, "-m",
-           "megatron_hpc.launch.stack_dump", "--run-dir", str(run_dir), "--method", method,
+           "--kill-on-bad-exit=0", "--job-name=megatron-hpc-debug", f"--output={parts}/%t.jsonl", sys.executable,
+           "-m", "megatron_hpc.launch.stack_dump", "--run-dir", str(run_dir), "--method", method,
            "--timeout", str(timeout_s)]
     env = dict(os.environ)
     remove_slurm_vars(env)  # from inside another allocation, its SLURM_* would redirect this step
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s + 120, env=env, check=False)
+        lines = [line for part in sorted(parts.glob("*.jsonl")) for line in part.read_text().splitlines()]
     except FileNotFoundError:
         raise LaunchError("srun is not on PATH; run `megatron-hpc debug` on a login node of the cluster") from None
     except subprocess.TimeoutExpired:
         raise LaunchError(f"`srun --overlap --jobid={job_id}` did not finish within {timeout_s + 120:.0f} s; "
                           "the nodes may be unreachable (check `scontrol show job`)") from None
-    if proc.returncode != 0 and not proc.stdout.strip():
+    finally:
+        shutil.rmtree(parts, ignore_errors=True)
+    if proc.returncode != 0 and not lines:
         raise LaunchError(f"`srun --overlap --jobid={job_id}` failed ({proc.stderr.strip()[:400]}); is the job "
                           "still running?")
-    return proc.stdout.splitlines()
+    return lines
 
 
 def debug_run(run_dir: Path, *, method: str = "auto", timeout_s: float = 20.0) -> DebugReport:

@@ -44,8 +44,12 @@ class RankStacks:
     error: str | None = None
 
 
-def find_workers(run_dir: Path, proc_root: Path = Path("/proc")) -> list[Worker]:
-    """This machine's trainer workers of the run, by rank (lowest pid first when a rank repeats)."""
+def find_workers(run_dir: Path, proc_root: Path = Path("/proc"), *, node_name: str | None = None) -> list[Worker]:
+    """This machine's trainer workers of the run, by rank (lowest pid first when a rank repeats).
+
+    With `node_name` (SLURMD_NODENAME of this step), a worker whose own SLURMD_NODENAME differs is left out: it
+    belongs to another node's slurmd, which happens when several SLURM nodes share one machine (the test cluster).
+    """
     want = os.path.realpath(run_dir)
     found: dict[int, int] = {}
     for entry in proc_root.iterdir():
@@ -64,6 +68,9 @@ def find_workers(run_dir: Path, proc_root: Path = Path("/proc")) -> list[Worker]
             env = dict(item.split(b"=", 1) for item in (entry / "environ").read_bytes().split(b"\0") if b"=" in item)
         except (OSError, IndexError, ValueError):
             continue  # gone, or not ours to read
+        theirs = env.get(b"SLURMD_NODENAME")
+        if node_name is not None and theirs is not None and theirs.decode(errors="replace") != node_name:
+            continue
         if b"RANK" in env and b"GROUP_RANK" in env:
             rank, pid = int(env[b"RANK"]), int(entry.name)
             found[rank] = min(pid, found.get(rank, pid))
@@ -119,7 +126,7 @@ def choose_method(method: str) -> str:
 def collect(run_dir: Path, *, method: str = "auto", timeout_s: float = 20.0) -> list[RankStacks]:
     chosen = choose_method(method)
     host = socket.gethostname()
-    workers = find_workers(run_dir)
+    workers = find_workers(run_dir, node_name=os.environ.get("SLURMD_NODENAME"))
 
     def one(worker: Worker) -> RankStacks:
         if chosen == "py-spy":

@@ -4,12 +4,13 @@ py-spy's documented format; ranks grouped by it, the odd one out listed apart.""
 from __future__ import annotations
 
 import faulthandler
+import sys
 import threading
 from pathlib import Path
 
 import pytest
 from megatron_hpc.launch.debug_run import DebugReport, format_report, group_ranks, innermost_frame
-from megatron_hpc.launch.stack_dump import RankStacks
+from megatron_hpc.launch.stack_dump import RankStacks, find_workers
 
 from megatron_hpc.cli.main import main
 
@@ -66,3 +67,32 @@ def test_debug_of_a_run_that_is_not_running(tmp_path: Path, capsys: pytest.Captu
     capsys.readouterr()
     assert main(["debug", str(out)]) == 1
     assert "no trainer worker of" in capsys.readouterr().err
+
+
+def _fake_process(proc: Path, pid: int, *, run_dir: Path, env: dict[str, str], argv: list[str] | None = None) -> None:
+    entry = proc / str(pid)
+    entry.mkdir(parents=True)
+    argv = argv or [sys.executable, "-m", "megatron_hpc", "train", "--run-dir", str(run_dir), "--phase", "run"]
+    (entry / "cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + b"\0")
+    (entry / "environ").write_bytes(b"\0".join(f"{k}={v}".encode() for k, v in env.items()) + b"\0")
+    (entry / "cwd").symlink_to(run_dir)
+
+
+def test_workers_found_by_command_line_and_torchrun_variables(tmp_path: Path) -> None:
+    """A /proc-shaped tree: workers of this run, a worker of another run, the torchrun agent, and (as on the test
+    cluster, where several SLURM nodes share one machine) a worker started by another node's slurmd."""
+    run_dir, proc = tmp_path / "run", tmp_path / "proc"
+    run_dir.mkdir()
+    mine = {"RANK": "0", "GROUP_RANK": "0", "SLURMD_NODENAME": "node1"}
+    _fake_process(proc, 100, run_dir=run_dir, env=mine)
+    _fake_process(proc, 101, run_dir=run_dir, env={**mine, "RANK": "1"})
+    _fake_process(proc, 102, run_dir=run_dir, env={"RANK": "2", "GROUP_RANK": "1", "SLURMD_NODENAME": "node2"})
+    _fake_process(proc, 103, run_dir=run_dir, env={"GROUP_RANK": "0"})  # no RANK: not a worker
+    other = tmp_path / "other"
+    other.mkdir()
+    _fake_process(proc, 104, run_dir=other, env={**mine, "RANK": "3"})
+    _fake_process(proc, 105, run_dir=run_dir, env=mine,
+                  argv=["/usr/bin/torchrun", "-m", "megatron_hpc", "train", "--run-dir", str(run_dir)])
+    found = find_workers(run_dir, proc, node_name="node1")
+    assert [(w.rank, w.pid) for w in found] == [(0, 100), (1, 101)]
+    assert [(w.rank, w.pid) for w in find_workers(run_dir, proc)] == [(0, 100), (1, 101), (2, 102)]
