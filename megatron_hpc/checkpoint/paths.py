@@ -3,7 +3,7 @@
 Layout (shared/reference/megatron-and-launchers.md 3.1, neuron-xla.md 1.3):
 
     <root>/latest_checkpointed_iteration.txt      str(iteration), no newline, or "release"
-    <root>/iter_0000100/manifest.json             ours: mesh, sizes and sha256 of every file
+    <root>/iter_0000100/manifest.json             ours: mesh, size and crc32 of every file
     <root>/iter_0000100/mp_rank_00/model_optim_rng.pt
     <root>/iter_0000100/mp_rank_00/model_optim_rng.pt.tensors/tensor_<tid>.pt   (xser only)
     <root>/iter_0000100.tmp-<id>/                 a save in progress, renamed when complete

@@ -4,7 +4,7 @@ Order (neuron-xla.md 1.3 lists the reference's race between the tensor writes an
 1. rank 0 creates iter_XXXXXXX.tmp-<token> (and removes temp folders of saves that died);
 2. the DP-rank-0 rank of each TP rank writes mp_rank_XX there, at most io_workers_per_node ranks
    of a node at a time (phases separated by barriers), fsyncing every file;
-3. barrier; rank 0 writes manifest.json (sizes and sha256 of every file), renames the folder to
+3. barrier; rank 0 writes manifest.json (size and crc32 of every file), renames the folder to
    iter_XXXXXXX, then writes the tracker atomically (temp file, fsync, os.replace);
 4. rank 0 deletes all but the newest checkpoint.keep_last complete checkpoints.
 Every rank takes part in the same collectives whatever fails, and all raise CheckpointError together.
@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from megatron_hpc.checkpoint import paths
+from megatron_hpc.checkpoint.file_io import Written, write_bytes_file
 from megatron_hpc.checkpoint.manifest import FileRecord, Manifest, write_manifest
 from megatron_hpc.checkpoint.ranks import RankInfo
-from megatron_hpc.checkpoint.xser import write_file, write_torch, write_xser
+from megatron_hpc.checkpoint.xser import write_torch, write_xser
 from megatron_hpc.errors import CheckpointError
 
 _PARTIAL = ".files.json"
@@ -55,16 +56,14 @@ def _write_rank(state: dict[str, Any], tmp: Path, *, tp_rank: int, fmt: str) -> 
     """This writer's mp_rank_XX folder plus mp_rank_XX.files.json (its files' records)."""
     records: dict[str, dict[str, Any]] = {}
 
-    def sink(path: Path, data: bytes) -> None:
-        write_file(path, data)
-        rec = FileRecord.of(data)
-        records[path.relative_to(tmp).as_posix()] = {"size": rec.size, "sha256": rec.sha256}
+    def on_written(path: Path, written: Written) -> None:  # called from the I/O threads; one key each
+        records[path.relative_to(tmp).as_posix()] = FileRecord(size=written.size, crc32=written.crc32).to_json()
 
     main = paths.main_file(tmp, tp_rank)
     main.parent.mkdir()
-    (write_xser if fmt == "xser" else write_torch)(state, main, sink=sink)
+    (write_xser if fmt == "xser" else write_torch)(state, main, on_written=on_written)
     partial = tmp / (paths.rank_dirname(tp_rank) + _PARTIAL)
-    write_file(partial, json.dumps(records).encode("ascii"))
+    write_bytes_file(partial, json.dumps(records).encode("ascii"))
 
 
 def _finish(tmp: Path, root: Path, iteration: int, *, ranks: RankInfo, fmt: str) -> Path:
@@ -73,7 +72,7 @@ def _finish(tmp: Path, root: Path, iteration: int, *, ranks: RankInfo, fmt: str)
     for tp_rank in range(ranks.tp_size):
         partial = tmp / (paths.rank_dirname(tp_rank) + _PARTIAL)
         for rel, rec in json.loads(partial.read_text(encoding="ascii")).items():
-            files[rel] = FileRecord(size=rec["size"], sha256=rec["sha256"])
+            files[rel] = FileRecord.from_json(rec)
         partial.unlink()
     write_manifest(tmp, Manifest(iteration=iteration, format=fmt, tensor_parallel=ranks.tp_size,
                                  data_parallel=ranks.dp_size, world_size=ranks.world_size, files=files))

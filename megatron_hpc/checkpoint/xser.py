@@ -20,8 +20,6 @@ is `torch_xla.utils.serialization\\nTensorReference` and the real `xser.load` re
 
 from __future__ import annotations
 
-import io
-import os
 import pickle
 import types
 from collections.abc import Callable, Iterable, Iterator
@@ -31,7 +29,8 @@ from typing import Any
 
 import torch
 
-from megatron_hpc.checkpoint.manifest import FileRecord, verify
+from megatron_hpc.checkpoint.file_io import Written, read_torch_file, safe_load, write_torch_file
+from megatron_hpc.checkpoint.manifest import FileRecord
 from megatron_hpc.checkpoint.paths import tensor_file, tensors_dir
 from megatron_hpc.errors import CheckpointError
 
@@ -70,22 +69,12 @@ class _XserPickler(pickle._Pickler):
 _PICKLE_MODULE = types.ModuleType("megatron_hpc_xser_pickle")
 _PICKLE_MODULE.Pickler = _XserPickler  # type: ignore[attr-defined]
 
-FileSink = Callable[[Path, bytes], None]
-"""Writes one file's bytes; the saver's sink records sizes and checksums."""
+OnWritten = Callable[[Path, Written], None]
+"""Told about every file written (size and crc32); the saver collects them for the manifest."""
 
 
-def write_file(path: Path, data: bytes) -> None:
-    """Create `path` (it must not exist), write `data` and fsync it."""
-    with open(path, "xb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
-def _to_bytes(obj: Any, *, pickle_module: Any = pickle) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf, pickle_module=pickle_module, pickle_protocol=2)
-    return buf.getvalue()
+def _ignore(path: Path, written: Written) -> None:
+    pass
 
 
 def _compact_cpu(t: torch.Tensor) -> torch.Tensor:
@@ -137,20 +126,21 @@ IO_THREADS = 4
 disk, the checksum and the serialisation overlap. Host memory peaks at about this many tensors."""
 
 
-def write_xser(obj: Any, main: Path, *, sink: FileSink = write_file, threads: int = IO_THREADS) -> int:
+def write_xser(obj: Any, main: Path, *, on_written: OnWritten = _ignore, threads: int = IO_THREADS) -> int:
     """Write `obj` as xser at `main` (a new path); returns the number of tensor files.
 
-    Tensors are serialised one per thread at a time, so host memory stays near `threads` tensors (the
-    point of xser); the main file, written last, names them all.
+    Tensors are written one per thread at a time, straight from their memory (file_io.py), so host memory stays
+    near what the model already holds (the point of xser); the main file, written last, names them all.
     """
     ref_data, tensors = rewrite(obj)
     tensors_dir(main).mkdir(parents=True)
 
     def write_one(tid: int) -> None:
-        sink(tensor_file(main, tid), _to_bytes(_compact_cpu(tensors[tid])))
+        path = tensor_file(main, tid)
+        on_written(path, write_torch_file(path, _compact_cpu(tensors[tid])))
 
     _each(write_one, range(len(tensors)), threads=threads)
-    sink(main, _to_bytes(ref_data, pickle_module=_PICKLE_MODULE))
+    on_written(main, write_torch_file(main, ref_data, pickle_module=_PICKLE_MODULE))
     return len(tensors)
 
 
@@ -163,39 +153,26 @@ def _each(fn: Callable[[int], Any], items: Iterable[int], *, threads: int) -> di
         return dict(zip(items, pool.map(fn, items), strict=True))
 
 
-def write_torch(obj: Any, main: Path, *, sink: FileSink = write_file) -> int:
+def write_torch(obj: Any, main: Path, *, on_written: OnWritten = _ignore) -> int:
     """Write `obj` as one torch.save file (format torch); same rules on what it may hold."""
     ref_data, tensors = rewrite(obj)
-    sink(main, _to_bytes(resolve(ref_data, lambda tid: _compact_cpu(tensors[tid]))))
+    on_written(main, write_torch_file(main, resolve(ref_data, lambda tid: _compact_cpu(tensors[tid]))))
     return 0
-
-
-def _safe_load(data: bytes | Path, *, what: Path, mmap: bool = False) -> Any:
-    source = data if isinstance(data, Path) else io.BytesIO(data)
-    try:
-        with torch.serialization.safe_globals([TensorReference]):
-            return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
-    except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"{what} holds objects a checkpoint may not contain, so it was not loaded "
-                              f"(nothing in it ran): {first}") from None
-    except (RuntimeError, EOFError, ValueError, OSError) as exc:
-        raise CheckpointError(f"{what} is not a readable torch file ({type(exc).__name__}: "
-                              f"{str(exc).strip()[:200]}); it is truncated or damaged") from None
 
 
 def _read(path: Path, files: dict[Path, FileRecord] | None, *, mmap: bool = False) -> Any:
     """Load one torch file; checked against the manifest records when `files` is given."""
     if files is None:
-        if not path.is_file():
-            raise CheckpointError(f"{path} is missing; the checkpoint is incomplete")
-        return _safe_load(path, what=path, mmap=mmap)
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing; the checkpoint is incomplete, load an earlier one") from None
-    verify(path, data, files.get(path))
-    return _safe_load(data, what=path)
+        if mmap:
+            if not path.is_file():
+                raise CheckpointError(f"{path} is missing; the checkpoint is incomplete")
+            return safe_load(path, what=path, mmap=True, allowed=(TensorReference,))
+        return read_torch_file(path, allowed=(TensorReference,))
+    record = files.get(path)
+    if record is None:
+        raise CheckpointError(f"{path} is not listed in the checkpoint's manifest; the checkpoint is damaged "
+                              "or was modified, load an earlier one")
+    return read_torch_file(path, expected=record, allowed=(TensorReference,))
 
 
 def resolve(ref_data: Any, load: Callable[[int], torch.Tensor]) -> Any:

@@ -14,7 +14,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("inspect", help="iteration, mesh and tensors (name, shape, dtype) of a checkpoint")
     p.add_argument("path", type=Path, help="checkpoint folder (with the tracker), iter_XXXXXXX folder, "
                                            "or a model_optim_rng.pt file (ours or torch_xla's)")
-    p.add_argument("--verify", action="store_true", help="check every file's size and sha256 (reads all data)")
+    p.add_argument("--verify", action="store_true", help="check every file's size and checksum (reads all data)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
     c = sub.add_parser("convert", help="a Hugging Face GPT2LMHeadModel folder (--to hf), or the checkpoint in the "

@@ -64,10 +64,10 @@ def test_no_saves_in_compile_phase_or_graph_extraction(tmp_path: Path, monkeypat
 
 @pytest.fixture
 def small_disk(tmp_path: Path):
-    """A 2 MiB tmpfs: smaller than one checkpoint of the tiny model (about 1.9 MB)."""
+    """A 1 MiB tmpfs: about half of one checkpoint of the tiny model (about 1.9 MB), so every save fails."""
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], check=True, capture_output=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], check=True, capture_output=True)
     yield mnt
     subprocess.run(["umount", str(mnt)], check=True)
 

@@ -1,0 +1,241 @@
+"""One torch file between tensor memory and disk, checksummed on the way (zlib's crc32), with as few copies as we can.
+
+Why: a checkpoint's time is bytes moved. Serialising each tensor into a buffer, hashing the buffer and then writing it
+costs two copies and a slow hash per byte (benchmarks/RESULTS.md, issue 5). Here:
+
+- Writing: torch.save writes into `_WriteSink`, a file object. torch's zip writer hands it each record as one
+  memoryview, the tensor's own memory for the data record, so the bytes go from the tensor to the page cache in one
+  copy, checksummed piece by piece just before each piece is written (still in the CPU's cache). The files are the
+  ordinary torch.save zip format, record CRCs included, so torch.load, torch_xla's xser loader and `unzip -t` read
+  them.
+- Reading a tensor file (one tensor in one storage: what xser writes per tensor): the zip directory says where the
+  data record lies; the file is read in order into a small head, the memory of a fresh tensor, and a small tail,
+  each piece checksummed right after it arrived. torch.load with mmap=True (weights only) gives the dtype, shape and
+  strides without reading the data, and the result is a view of the fresh memory. Any other file (the main file, a
+  file of several storages, a compressed or non-zip file) is read whole and loaded from memory, checksummed the same.
+
+zlib.crc32 and the reads and writes release the GIL, so the saver's and loader's threads overlap checksums with I/O.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import pickle
+import struct
+import zipfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_hpc.checkpoint.manifest import FileRecord
+from megatron_hpc.errors import CheckpointError
+
+CHUNK = 4 << 20
+"""Bytes checksummed and then written or read at a time: small enough to still be in cache for the second pass."""
+_SMALL = 64 << 10
+"""Records smaller than this (zip headers, the pickle) are gathered and written together."""
+_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # zip local file header, 30 bytes (APPNOTE 4.3.7)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Written:
+    size: int
+    crc32: int
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while view.nbytes:
+        done = os.write(fd, view)
+        view = view[done:]
+
+
+class _WriteSink:
+    """The file object torch.save writes into: small records are gathered, large ones leave from the caller's memory."""
+
+    def __init__(self, fd: int):
+        self._fd = fd
+        self._pending = bytearray()
+        self.size = 0
+        self.crc = 0
+        self.error: OSError | None = None
+        """The first failed write (a full disk, say): torch's writer reports it as an unrelated RuntimeError."""
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        n = view.nbytes
+        if n < _SMALL:
+            self._pending += view
+            if len(self._pending) >= CHUNK:
+                self.drain()
+        else:
+            self.drain()
+            for start in range(0, n, CHUNK):
+                self._out(view[start:start + CHUNK])
+        self.size += n
+        return n
+
+    def _out(self, view: memoryview) -> None:
+        self.crc = zlib.crc32(view, self.crc)
+        try:
+            _write_all(self._fd, view)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def drain(self) -> None:
+        if self._pending:
+            self._out(memoryview(self._pending))
+            self._pending = bytearray()
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:  # torch.save calls it; bytes go out in drain()
+        pass
+
+
+def write_torch_file(path: Path, obj: Any, *, pickle_module: Any = pickle) -> Written:
+    """torch.save(obj) into the new file `path` (it must not exist), fsynced; its size and crc32."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        sink = _WriteSink(fd)
+        try:
+            torch.save(obj, sink, pickle_module=pickle_module, pickle_protocol=2)
+        except RuntimeError:
+            if sink.error is not None:
+                raise sink.error from None
+            raise
+        sink.drain()
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return Written(size=sink.size, crc32=sink.crc)
+
+
+def write_bytes_file(path: Path, data: bytes) -> Written:
+    """`data` into the new file `path`, fsynced; its size and crc32."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        _write_all(fd, memoryview(data))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return Written(size=len(data), crc32=zlib.crc32(data))
+
+
+def safe_load(source: io.BytesIO | Path, *, what: Path, mmap: bool = False,
+              allowed: tuple[type, ...] = ()) -> Any:
+    """torch.load that never runs code from the file (weights only, plus the `allowed` classes)."""
+    try:
+        with torch.serialization.safe_globals(list(allowed)):
+            return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{what} holds objects a checkpoint may not contain, so it was not loaded "
+                              f"(nothing in it ran): {first}") from None
+    except (RuntimeError, EOFError, ValueError, OSError) as exc:
+        raise CheckpointError(f"{what} is not a readable torch file ({type(exc).__name__}: "
+                              f"{str(exc).strip()[:200]}); it is truncated or damaged") from None
+
+
+def _read_into(fd: int, view: memoryview, offset: int, crc: int) -> int:
+    """Fill `view` from the file at `offset`, chunk by chunk; the running crc32 over what was read."""
+    done = 0
+    while done < view.nbytes:
+        piece = view[done:done + CHUNK]
+        got = os.preadv(fd, [piece], offset + done)
+        if got == 0:
+            raise EOFError(f"the file ended {view.nbytes - done} bytes early")
+        crc = zlib.crc32(piece[:got], crc)
+        done += got
+    return crc
+
+
+def _data_record(fh: Any) -> tuple[int, int] | None:
+    """(offset, size) of the only data record of a torch zip file, if it is stored uncompressed; else None."""
+    try:
+        with zipfile.ZipFile(fh) as zf:
+            records = [i for i in zf.infolist() if "/data/" in i.filename and "/.data/" not in i.filename]
+            if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED:
+                return None
+            info = records[0]
+        fh.seek(info.header_offset)
+        header = _LOCAL_HEADER.unpack(fh.read(_LOCAL_HEADER.size))
+    except (zipfile.BadZipFile, OSError, ValueError, struct.error, EOFError, KeyError, NotImplementedError):
+        return None  # damaged or unusual: the generic path reads, checks and reports it
+    if header[0] != b"PK\x03\x04":
+        return None
+    name_len, extra_len = header[9], header[10]
+    return info.header_offset + _LOCAL_HEADER.size + name_len + extra_len, info.file_size
+
+
+def _check_size(path: Path, size: int, expected: FileRecord | None) -> None:
+    if expected is not None and size != expected.size:
+        raise CheckpointError(f"{path} has {size} bytes but the manifest says {expected.size} "
+                              "(truncated or altered); load an earlier checkpoint")
+
+
+def _check(path: Path, *, size: int, crc: int, data: bytearray | None, expected: FileRecord | None) -> None:
+    if expected is None:
+        return
+    _check_size(path, size, expected)
+    if expected.crc32 is not None and crc != expected.crc32:
+        raise CheckpointError(f"{path} has crc32 {crc:08x} but the manifest says {expected.crc32:08x} "
+                              "(altered); load an earlier checkpoint")
+    if expected.sha256 is not None:  # manifests of version 1
+        digest = hashlib.sha256(data if data is not None else path.read_bytes()).hexdigest()
+        if digest != expected.sha256:
+            raise CheckpointError(f"{path} has sha256 {digest[:16]}... but the manifest says "
+                                  f"{expected.sha256[:16]}... (altered); load an earlier checkpoint")
+
+
+def read_torch_file(path: Path, *, expected: FileRecord | None = None, allowed: tuple[type, ...] = ()) -> Any:
+    """Load one torch file (CPU), checked against `expected` when given; see the module docstring."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing; the checkpoint is incomplete, load an earlier one") from None
+    try:
+        size = os.fstat(fd).st_size
+        _check_size(path, size, expected)
+        with os.fdopen(os.dup(fd), "rb") as fh:
+            record = _data_record(fh) if expected is None or expected.sha256 is None else None
+        if record is not None and record[0] + record[1] <= size:
+            return _read_tensor_file(path, fd, size=size, record=record, expected=expected, allowed=allowed)
+        data = bytearray(size)
+        try:
+            crc = _read_into(fd, memoryview(data), 0, 0)
+        except EOFError as exc:
+            raise CheckpointError(f"{path} changed while it was read ({exc}); load it again") from None
+    finally:
+        os.close(fd)
+    _check(path, size=size, crc=crc, data=data, expected=expected)
+    return safe_load(io.BytesIO(data), what=path, allowed=allowed)
+
+
+def _read_tensor_file(path: Path, fd: int, *, size: int, record: tuple[int, int], expected: FileRecord | None,
+                      allowed: tuple[type, ...]) -> Any:
+    """The file's object; a lone tensor is read into its own memory and returned as a view of it."""
+    offset, nbytes = record
+    head, tail = bytearray(offset), bytearray(size - offset - nbytes)
+    data = torch.empty(nbytes, dtype=torch.uint8)
+    try:
+        crc = _read_into(fd, memoryview(head), 0, 0)
+        crc = _read_into(fd, memoryview(data.numpy()), offset, crc)
+        crc = _read_into(fd, memoryview(tail), offset + nbytes, crc)
+    except EOFError as exc:
+        raise CheckpointError(f"{path} changed while it was read ({exc}); load it again") from None
+    _check(path, size=size, crc=crc, data=None, expected=expected)
+    # The bytes are good; the pickle gives dtype, shape and strides (mapped again from the page cache, not copied).
+    meta = safe_load(path, what=path, mmap=True, allowed=allowed)
+    if type(meta) is not torch.Tensor or meta.untyped_storage().nbytes() != nbytes:
+        whole = bytes(head) + data.numpy().tobytes() + bytes(tail)
+        return safe_load(io.BytesIO(whole), what=path, allowed=allowed)
+    out = torch.empty(0, dtype=meta.dtype)
+    out.set_(data.untyped_storage(), meta.storage_offset(), meta.shape, meta.stride())
+    return out

@@ -1,0 +1,88 @@
+"""file_io: torch files written from tensor memory and read into fresh memory, checksummed on the way."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import zipfile
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_hpc.checkpoint import paths
+from megatron_hpc.checkpoint.file_io import CHUNK, read_torch_file, write_torch_file
+from megatron_hpc.checkpoint.loader import load_checkpoint
+from megatron_hpc.checkpoint.manifest import FileRecord
+from megatron_hpc.checkpoint.ranks import RankInfo
+from megatron_hpc.checkpoint.saver import save_checkpoint
+from megatron_hpc.errors import CheckpointError
+
+
+def test_written_files_are_ordinary_torch_zips(tmp_path: Path) -> None:
+    t = torch.randn(3 * CHUNK // 4 + 5)  # several chunks, and a ragged end
+    path = tmp_path / "t.pt"
+    written = write_torch_file(path, t)
+    data = path.read_bytes()
+    assert written.size == len(data) and written.crc32 == zlib.crc32(data)
+    assert torch.equal(torch.load(path, weights_only=True), t)  # what torch_xla's xser.load calls
+    with zipfile.ZipFile(path) as zf:
+        assert zf.testzip() is None  # every record's CRC is right: unzip tools accept the file
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool])
+def test_tensor_read_into_fresh_memory(tmp_path: Path, dtype: torch.dtype) -> None:
+    t = (torch.randn(37, 11) * 10).to(dtype)
+    path = tmp_path / "t.pt"
+    rec = write_torch_file(path, t)
+    back = read_torch_file(path, expected=FileRecord(size=rec.size, crc32=rec.crc32))
+    assert back.dtype == dtype and torch.equal(back, t)
+    back.add_(1) if dtype != torch.bool else back.logical_not_()  # its own memory: writable, file untouched
+    assert torch.equal(torch.load(path, weights_only=True), t)
+
+
+def test_view_of_a_larger_storage_keeps_offset_and_strides(tmp_path: Path) -> None:
+    # torch.save of a view writes the whole storage; torch_xla's saver can leave such files.
+    base = torch.arange(200.0)
+    view = base[10:90].view(8, 10)[:, ::3]
+    torch.save(view, tmp_path / "v.pt")
+    back = read_torch_file(tmp_path / "v.pt")
+    assert back.shape == view.shape and back.stride() == view.stride() and torch.equal(back, view)
+
+
+def test_objects_that_are_not_one_tensor_take_the_whole_file_path(tmp_path: Path) -> None:
+    obj = {"a": torch.ones(3), "b": [torch.zeros(2), 7]}
+    rec = write_torch_file(tmp_path / "o.pt", obj)
+    back = read_torch_file(tmp_path / "o.pt", expected=FileRecord(size=rec.size, crc32=rec.crc32))
+    assert torch.equal(back["a"], obj["a"]) and back["b"][1] == 7
+
+
+def test_altered_data_byte_fails_the_crc(tmp_path: Path) -> None:
+    t = torch.randn(4096)
+    path = tmp_path / "t.pt"
+    rec = write_torch_file(path, t)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01  # inside the data record: the zip still parses
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"t\.pt has crc32 .* but the manifest says"):
+        read_torch_file(path, expected=FileRecord(size=rec.size, crc32=rec.crc32))
+
+
+def test_version_1_manifests_with_sha256_still_load(tmp_path: Path) -> None:
+    """Checkpoints written before crc32 (manifest_version 1, sha256 per file) load, and damage is still found."""
+    ranks = RankInfo()
+    folder = save_checkpoint(tmp_path, 5, {"iteration": 5, "model": {"w": torch.arange(6.0)}}, ranks=ranks)
+    manifest = json.loads((folder / paths.MANIFEST).read_text())
+    manifest["manifest_version"] = 1
+    manifest["files"] = {rel: {"size": rec["size"], "sha256": hashlib.sha256((folder / rel).read_bytes()).hexdigest()}
+                         for rel, rec in manifest["files"].items()}
+    (folder / paths.MANIFEST).write_text(json.dumps(manifest))
+    _found, state = load_checkpoint(tmp_path, ranks=ranks)
+    assert torch.equal(state["model"]["w"], torch.arange(6.0))
+    victim = folder / "mp_rank_00/model_optim_rng.pt.tensors/tensor_0.pt"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"tensor_0\.pt has sha256"):
+        load_checkpoint(tmp_path, ranks=ranks)
