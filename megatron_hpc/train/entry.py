@@ -20,7 +20,7 @@ from megatron_hpc.config.platforms import get_platform
 from megatron_hpc.config.schema import RunConfig, TrainConfig
 from megatron_hpc.errors import PlanError
 from megatron_hpc.parallel.context import ParallelContext
-from megatron_hpc.parallel.device import init_method, resolve_device, set_cpu_threads
+from megatron_hpc.parallel.device import init_method, keep_freed_memory, resolve_device, set_cpu_threads
 from megatron_hpc.plan.mesh import Mesh
 from megatron_hpc.train.loop import train
 
@@ -87,6 +87,7 @@ def run_training(cfg: RunConfig, *, phase: Literal["compile", "run"] = "run", ru
     device = resolve_device(get_platform(cfg.launch.platform).backend, local_rank=env.local_rank)
     if device.kind == "cpu":
         set_cpu_threads(local_world_size=env.local_world_size)
+        keep_freed_memory()
     if run_dir is not None:
         run_dir.mkdir(parents=True, exist_ok=True)
     method = init_method(device.kind, master_addr=env.master_addr, master_port=env.master_port)
