@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -74,10 +75,38 @@ def group_options(kind: DeviceKind, *, all_groups: list[list[int]]) -> dict[str,
 
 def step_barrier(info: DeviceInfo) -> None:
     """End of a step: cut and run the lazy XLA graph (neuron-xla.md 4.5); no-op elsewhere."""
-    if info.kind == "xla":
+    mark_step(info.kind)
+
+
+def mark_step(kind: str) -> None:
+    """Cut the lazy XLA graph here and run it; no-op off XLA. The reference also cuts after backward, which
+    bounds the graph (and the device memory it holds) to one forward and backward."""
+    if kind == "xla":
         import torch_xla.core.xla_model as xm
 
         xm.mark_step()
+
+
+def device_batches(batches: Iterable[list[torch.Tensor]], info: DeviceInfo) -> Iterator[list[torch.Tensor]]:
+    """Each step's micro-batches, moved to the device. On XLA through torch_xla's MpDeviceLoader, as the
+    reference trainer feeds data (neuron-xla.md 4.5): a thread copies the next batches to the device while the
+    current step runs."""
+    if info.kind == "xla":
+        import torch_xla.distributed.parallel_loader as pl
+
+        return iter(pl.MpDeviceLoader(batches, info.device))
+    return ([t.to(info.device) for t in micro] for micro in batches)
+
+
+def when_step_done(info: DeviceInfo, fn: Callable[..., None], *args: Any) -> None:
+    """Call fn(*args) once this step's values exist: at once off XLA; on XLA as a step closure after the next
+    mark_step, so reading losses on the host never cuts the step's graph (neuron-xla.md 4.5)."""
+    if info.kind == "xla":
+        import torch_xla.core.xla_model as xm
+
+        xm.add_step_closure(fn, args)
+        return
+    fn(*args)
 
 
 def set_cpu_threads(*, local_world_size: int) -> int:

@@ -18,7 +18,7 @@ from megatron_hpc.data.synthetic import SyntheticTokens, micro_batch_indices
 from megatron_hpc.errors import DataError, TrainingError
 from megatron_hpc.model.gpt import GPT
 from megatron_hpc.parallel.context import ParallelContext
-from megatron_hpc.parallel.device import DeviceInfo, step_barrier
+from megatron_hpc.parallel.device import DeviceInfo, device_batches, step_barrier, when_step_done
 from megatron_hpc.parallel.grads import build_grad_reducer
 from megatron_hpc.plan.vocab import padded_vocab_size
 from megatron_hpc.train.evaluate import build_evaluator
@@ -27,7 +27,7 @@ from megatron_hpc.train.lr import lr_at
 from megatron_hpc.train.metrics import IterationRecord, MetricsLogger
 from megatron_hpc.train.optim import build_optimizer, set_lr
 from megatron_hpc.train.precision import autocast_dtype_for, build_loss_scaler
-from megatron_hpc.train.step import train_step
+from megatron_hpc.train.step import StepOutput, train_step
 from megatron_hpc.train.stop import StopDecision, StopWatch, record_stop
 from megatron_hpc.train.tensorboard import open_tensorboard
 
@@ -113,9 +113,8 @@ def train(cfg: RunConfig, ctx: ParallelContext, *, device: DeviceInfo, phase: Ph
     evaluator = build_evaluator(cfg, ctx, device=device, autocast_dtype=autocast_dtype, train_iters=num_steps,
                                 metrics=metrics)
     records: list[IterationRecord] = []
-    loss_sum = torch.zeros((), device=device.device)
-    nan_count = torch.zeros((), device=device.device)
-    skipped_in_a_row = skipped_in_interval = 0
+    interval = _IntervalSums(device=device.device)
+    skipped_in_a_row = 0
     stopped: StopDecision | None = None
     # DP all-reduce started inside the last micro-batch's backward (None: after it; see parallel/grads.py).
     grad_reducer = build_grad_reducer(model.parameters(), group=ctx.dp_group, device_kind=device.kind,
@@ -123,6 +122,13 @@ def train(cfg: RunConfig, ctx: ParallelContext, *, device: DeviceInfo, phase: Ph
     # Successful (not skipped) optimizer steps: the LR schedule advances only on those, as Megatron's
     # scheduler does; the checkpoint carries the count (lr_scheduler.successful_steps).
     lr_steps = ckpt.lr_steps if ckpt.lr_steps is not None else start
+
+    def host_batches(step: int) -> list[torch.Tensor]:  # this rank's micro-batches of `step`, on the CPU
+        return [data.batch(micro_batch_indices(step, micro=m, micro_batch_size=tcfg.micro_batch_size,
+                                               global_batch_size=tcfg.global_batch_size, dp_rank=ctx.dp_rank,
+                                               dp_size=ctx.dp_size)) for m in range(num_micro)]
+
+    feed = device_batches((host_batches(step) for step in range(start, num_steps)), device)
     model.train()
     metrics.reset_clock(start)
     # Only the run phase stops early to save; XLA checks at log steps, where the host syncs anyway.
@@ -130,46 +136,32 @@ def train(cfg: RunConfig, ctx: ParallelContext, *, device: DeviceInfo, phase: Ph
                           check_every=tcfg.log_interval if device.kind == "xla" else 1,
                           is_first_rank=ctx.is_first_rank, device=device.device) if phase == "run" else None
     try:
-        for step in range(start, num_steps):
+        for step, batches in zip(range(start, num_steps), feed):
             # The schedule always spans the run phase, so a compile trial traces the run's LR values.
             lr = lr_at(lr_steps, optim=cfg.optim, num_steps=tcfg.num_steps, global_batch_size=tcfg.global_batch_size)
             set_lr(optimizer, lr)
-            batches = [data.batch(micro_batch_indices(step, micro=m, micro_batch_size=tcfg.micro_batch_size,
-                                                      global_batch_size=tcfg.global_batch_size,
-                                                      dp_rank=ctx.dp_rank, dp_size=ctx.dp_size)).to(device.device)
-                       for m in range(num_micro)]
             result = train_step(step_model, optimizer, batches, ctx=ctx, clip_grad=cfg.optim.clip_grad,
                                 autocast_dtype=autocast_dtype, device_type=device.kind, scaler=scaler,
                                 grad_reducer=grad_reducer, grad_bucket_mb=cfg.parallel.grad_bucket_mb)
-            step_barrier(device)
             lr_steps += 0 if result.skipped else 1
             ckpt.lr_steps = lr_steps
             # fp16 overflow skips are routine (the loss scale backs off); only real divergence counts.
             skipped_in_a_row = skipped_in_a_row + 1 if result.skipped and not result.overflow else 0
-            skipped_in_interval += int(result.skipped)
             if skipped_in_a_row >= tcfg.max_skipped_steps:
                 raise TrainingError(
                     f"{phase} phase: the loss or gradients were not finite for {skipped_in_a_row} steps in a row "
                     f"(iterations {step + 2 - skipped_in_a_row}-{step + 1}, lr {lr:.3g}); lower optim.lr, keep "
                     f"optim.clip_grad above 0, or check the data (train.max_skipped_steps sets the limit)")
-            if not result.skipped:  # Megatron averages the loss over the steps it took
-                loss_sum += result.loss
-            nan_count += (~torch.isfinite(result.loss)).float()
+            interval.add(result)
             iteration = step + 1
             if metrics.should_log(iteration):
-                interval = iteration - metrics.last_iteration - skipped_in_interval
-                stats = torch.stack([loss_sum, nan_count])
-                dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=ctx.dp_group)
-                # Host sync, only on logging steps: the loss and norm are needed as numbers.
-                loss_total, nans = stats.tolist()
-                grad_norm = result.grad_norm.item()
-                lm_loss = loss_total / (ctx.dp_size * interval) if interval else math.nan
-                records.append(metrics.log(iteration, lr=lr, lm_loss=lm_loss, grad_norm=grad_norm,
-                                           num_nan=round(nans / ctx.dp_size), num_skipped=skipped_in_interval,
-                                           loss_scale=result.loss_scale))
-                skipped_in_interval = 0
-                loss_sum.zero_()
-                nan_count.zero_()
+                stats = interval.reduced(group=ctx.dp_group)
+                taken = iteration - metrics.last_iteration - interval.skipped
+                # The values reach the host after this step's graph ran (a step closure on XLA).
+                when_step_done(device, _log_step, metrics, records, iteration, lr, stats, result.grad_norm,
+                               taken, ctx.dp_size, interval.skipped, result.loss_scale)
+                interval.reset()
+            step_barrier(device)
             evaluator.maybe_evaluate(iteration, model)
             ckpt.maybe_save(step + 1, model=model, optimizer=optimizer, num_steps=num_steps)
             stopped = stopwatch.check(iteration) if stopwatch is not None and iteration < num_steps else None
@@ -184,6 +176,42 @@ def train(cfg: RunConfig, ctx: ParallelContext, *, device: DeviceInfo, phase: Ph
     steps = stopped.iteration if stopped is not None else num_steps
     return TrainSummary(steps=steps, consumed_samples=steps * tcfg.global_batch_size, records=records,
                         stopped=stopped)
+
+
+class _IntervalSums:
+    """The log interval's loss sum over the steps taken, its NaN count (device tensors) and its skipped steps."""
+
+    def __init__(self, *, device: torch.device):
+        self.loss_sum = torch.zeros((), device=device)
+        self.nan_count = torch.zeros((), device=device)
+        self.skipped = 0
+
+    def add(self, result: StepOutput) -> None:
+        if not result.skipped:  # Megatron averages the loss over the steps it took
+            self.loss_sum += result.loss
+        self.nan_count += (~torch.isfinite(result.loss)).float()
+        self.skipped += int(result.skipped)
+
+    def reduced(self, *, group: dist.ProcessGroup) -> torch.Tensor:
+        """[loss sum, NaN count] summed over the DP group, on the device."""
+        stats = torch.stack([self.loss_sum, self.nan_count])
+        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
+        return stats
+
+    def reset(self) -> None:
+        self.loss_sum.zero_()
+        self.nan_count.zero_()
+        self.skipped = 0
+
+
+def _log_step(metrics: MetricsLogger, records: list[IterationRecord], iteration: int, lr: float,
+              stats: torch.Tensor, grad_norm: torch.Tensor, taken: int, dp_size: int, skipped: int,
+              loss_scale: float) -> None:
+    """The iteration line and its records, from the interval's reduced sums (host sync: read as numbers)."""
+    loss_total, nans = stats.tolist()
+    lm_loss = loss_total / (dp_size * taken) if taken else math.nan
+    records.append(metrics.log(iteration, lr=lr, lm_loss=lm_loss, grad_norm=grad_norm.item(),
+                               num_nan=round(nans / dp_size), num_skipped=skipped, loss_scale=loss_scale))
 
 
 def _stop_early(decision: StopDecision, *, ckpt: Checkpointer, model: torch.nn.Module,

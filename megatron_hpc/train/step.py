@@ -11,6 +11,7 @@ from torch import nn
 
 from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron_hpc.parallel.device import mark_step
 from megatron_hpc.parallel.grads import BUCKET_MB, OverlappedGradReducer, all_reduce_gradients, clip_gradients_
 from megatron_hpc.train.precision import DynamicGradScaler
 
@@ -62,6 +63,9 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
         # replicas gives the token mean of the global batch.
         (loss * (scale / len(micro_batches))).backward()
         total += loss.detach()
+    # XLA: run forward and backward as one graph, then the reduce, clip and update as the step's second (the
+    # reference's cut after backward; it bounds what a graph holds). No-op elsewhere.
+    mark_step(device_type)
     if grad_reducer is not None:
         grad_reducer.finish()
     else:

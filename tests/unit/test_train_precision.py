@@ -57,7 +57,10 @@ def test_minimum_scale_and_state_dict() -> None:
 
 def test_autocast_dtype_per_precision_and_device() -> None:
     assert autocast_dtype_for("fp32", device_kind="cpu") is None
-    assert autocast_dtype_for("bf16", device_kind="xla") is torch.bfloat16
+    assert autocast_dtype_for("bf16", device_kind="xla", environ={}) is torch.bfloat16
+    # the trn platforms export XLA_USE_BF16=1: the whole model is bf16 already (pure bf16, stochastic rounding)
+    assert autocast_dtype_for("bf16", device_kind="xla", environ={"XLA_USE_BF16": "1"}) is None
+    assert autocast_dtype_for("bf16", device_kind="cpu", environ={"XLA_USE_BF16": "1"}) is torch.bfloat16
     assert autocast_dtype_for("fp16", device_kind="cpu") is torch.float16
     with pytest.raises(TrainingError, match="use bf16"):
         autocast_dtype_for("fp16", device_kind="xla")
