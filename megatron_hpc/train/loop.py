@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hpc.checkpoint.checkpointer import Checkpointer
-from megatron_hpc.config.schema import RunConfig
+from megatron_hpc.config.schema import RunConfig, TrainConfig
 from megatron_hpc.data.loader import IndexedBatches, build_indexed_batches, check_vocabulary
 from megatron_hpc.data.synthetic import SyntheticTokens, micro_batch_indices
 from megatron_hpc.errors import DataError, TrainingError
@@ -86,7 +86,6 @@ def train(cfg: RunConfig, ctx: ParallelContext, *, device: DeviceInfo, phase: Ph
     out = sys.stdout if out is None else out  # looked up per call, so redirection and capture work
     tcfg = cfg.train
     num_steps = tcfg.num_steps if phase == "run" else cfg.compile.num_steps
-    num_micro = tcfg.global_batch_size // (tcfg.micro_batch_size * ctx.dp_size)
     data = _build_data(cfg, ctx)  # before the model: data errors surface first
     autocast_dtype = autocast_dtype_for(tcfg.precision, device_kind=device.kind)
     scaler = build_loss_scaler(tcfg.precision)  # fp16 only
@@ -97,11 +96,8 @@ def train(cfg: RunConfig, ctx: ParallelContext, *, device: DeviceInfo, phase: Ph
     resuming = ckpt.has_checkpoint()  # then the random init would be thrown away: skip it
     model, padded = build_model(cfg, ctx, device=device.device, from_checkpoint=resuming)
     if ctx.is_first_rank:
-        print(f"> megatron-hpc {phase}: world {ctx.world_size} = {ctx.mesh.num_nodes} node(s) x "
-              f"{ctx.mesh.workers_per_node} worker(s) | tp {ctx.tp_size} dp {ctx.dp_size} | "
-              f"parameters {model.num_params(ctx=ctx):,} | padded vocab {padded} "
-              f"({padded - cfg.model.vocab_size} dummy) | {num_micro} micro-batch(es) of "
-              f"{tcfg.micro_batch_size} | {device.kind} {tcfg.precision} | {num_steps} steps", file=out, flush=True)
+        print(_banner(cfg, ctx, model=model, padded=padded, device=device, phase=phase, num_steps=num_steps),
+              file=out, flush=True)
     step_model = torch.compile(model) if tcfg.compile and device.kind != "xla" else model
     optimizer = build_optimizer(model, optim=cfg.optim)
     start = ckpt.restore(model, optimizer)  # 0 without a checkpoint
@@ -123,18 +119,13 @@ def train(cfg: RunConfig, ctx: ParallelContext, *, device: DeviceInfo, phase: Ph
     # scheduler does; the checkpoint carries the count (lr_scheduler.successful_steps).
     lr_steps = ckpt.lr_steps if ckpt.lr_steps is not None else start
 
-    def host_batches(step: int) -> list[torch.Tensor]:  # this rank's micro-batches of `step`, on the CPU
-        return [data.batch(micro_batch_indices(step, micro=m, micro_batch_size=tcfg.micro_batch_size,
-                                               global_batch_size=tcfg.global_batch_size, dp_rank=ctx.dp_rank,
-                                               dp_size=ctx.dp_size)) for m in range(num_micro)]
-
-    feed = device_batches((host_batches(step) for step in range(start, num_steps)), device)
+    feed = device_batches((_host_batches(data, step, cfg=tcfg, ctx=ctx) for step in range(start, num_steps)), device)
     model.train()
     metrics.reset_clock(start)
     # Only the run phase stops early to save; XLA checks at log steps, where the host syncs anyway.
-    stopwatch = StopWatch(run_dir=run_dir, time_budget_min=cfg.checkpoint.time_budget_min,
-                          check_every=tcfg.log_interval if device.kind == "xla" else 1,
-                          is_first_rank=ctx.is_first_rank, device=device.device) if phase == "run" else None
+    stopwatch = None if phase != "run" else StopWatch(
+        run_dir=run_dir, time_budget_min=cfg.checkpoint.time_budget_min, is_first_rank=ctx.is_first_rank,
+        check_every=tcfg.log_interval if device.kind == "xla" else 1, device=device.device)
     try:
         for step, batches in zip(range(start, num_steps), feed):
             # The schedule always spans the run phase, so a compile trial traces the run's LR values.
@@ -145,13 +136,8 @@ def train(cfg: RunConfig, ctx: ParallelContext, *, device: DeviceInfo, phase: Ph
                                 grad_reducer=grad_reducer, grad_bucket_mb=cfg.parallel.grad_bucket_mb)
             lr_steps += 0 if result.skipped else 1
             ckpt.lr_steps = lr_steps
-            # fp16 overflow skips are routine (the loss scale backs off); only real divergence counts.
-            skipped_in_a_row = skipped_in_a_row + 1 if result.skipped and not result.overflow else 0
-            if skipped_in_a_row >= tcfg.max_skipped_steps:
-                raise TrainingError(
-                    f"{phase} phase: the loss or gradients were not finite for {skipped_in_a_row} steps in a row "
-                    f"(iterations {step + 2 - skipped_in_a_row}-{step + 1}, lr {lr:.3g}); lower optim.lr, keep "
-                    f"optim.clip_grad above 0, or check the data (train.max_skipped_steps sets the limit)")
+            skipped_in_a_row = _skip_streak(skipped_in_a_row, result, limit=tcfg.max_skipped_steps, phase=phase,
+                                            iteration=step + 1, lr=lr)
             interval.add(result)
             iteration = step + 1
             if metrics.should_log(iteration):
@@ -176,6 +162,38 @@ def train(cfg: RunConfig, ctx: ParallelContext, *, device: DeviceInfo, phase: Ph
     steps = stopped.iteration if stopped is not None else num_steps
     return TrainSummary(steps=steps, consumed_samples=steps * tcfg.global_batch_size, records=records,
                         stopped=stopped)
+
+
+def _host_batches(data: SyntheticTokens | IndexedBatches, step: int, *, cfg: TrainConfig,
+                  ctx: ParallelContext) -> list[torch.Tensor]:
+    """This rank's micro-batches of optimizer step `step`, on the CPU."""
+    num_micro = cfg.global_batch_size // (cfg.micro_batch_size * ctx.dp_size)
+    return [data.batch(micro_batch_indices(step, micro=m, micro_batch_size=cfg.micro_batch_size,
+                                           global_batch_size=cfg.global_batch_size, dp_rank=ctx.dp_rank,
+                                           dp_size=ctx.dp_size)) for m in range(num_micro)]
+
+
+def _banner(cfg: RunConfig, ctx: ParallelContext, *, model: GPT, padded: int, device: DeviceInfo, phase: Phase,
+            num_steps: int) -> str:
+    tcfg = cfg.train
+    num_micro = tcfg.global_batch_size // (tcfg.micro_batch_size * ctx.dp_size)
+    return (f"> megatron-hpc {phase}: world {ctx.world_size} = {ctx.mesh.num_nodes} node(s) x "
+            f"{ctx.mesh.workers_per_node} worker(s) | tp {ctx.tp_size} dp {ctx.dp_size} | "
+            f"parameters {model.num_params(ctx=ctx):,} | padded vocab {padded} "
+            f"({padded - cfg.model.vocab_size} dummy) | {num_micro} micro-batch(es) of "
+            f"{tcfg.micro_batch_size} | {device.kind} {tcfg.precision} | {num_steps} steps")
+
+
+def _skip_streak(before: int, result: StepOutput, *, limit: int, phase: Phase, iteration: int, lr: float) -> int:
+    """Non-finite steps in a row, after this one; TrainingError at `limit` (train.max_skipped_steps)."""
+    # fp16 overflow skips are routine (the loss scale backs off); only real divergence counts.
+    streak = before + 1 if result.skipped and not result.overflow else 0
+    if streak >= limit:
+        raise TrainingError(
+            f"{phase} phase: the loss or gradients were not finite for {streak} steps in a row "
+            f"(iterations {iteration + 1 - streak}-{iteration}, lr {lr:.3g}); lower optim.lr, keep "
+            f"optim.clip_grad above 0, or check the data (train.max_skipped_steps sets the limit)")
+    return streak
 
 
 class _IntervalSums:
