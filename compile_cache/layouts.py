@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_hpc.compile_cache import locks, neuron, report, store, tree
+from megatron_hpc.compile_cache import fingerprint, locks, neuron, report, store, tree
 from megatron_hpc.compile_cache.paths import LAUNCHER_LAYOUT, Layout
 
 
@@ -83,7 +83,7 @@ def stats(root: Path, *, layout: Layout) -> dict:
     if layout == "tree":
         return {"layout": "tree", **report.tree_stats(root).to_json()}
     found = {folder: stats(path, layout=sub) for folder, path, sub in parts(root, layout=layout)}
-    markers = root / "megatron-hpc" / "fingerprints"
+    markers = root / fingerprint.MARKER_DIR
     return {"layout": "launcher", "root": str(root), "entries": sum(p["entries"] for p in found.values()),
             "bytes": sum(p["bytes"] for p in found.values()), "parts": found,
             "fingerprints": len(list(markers.glob("*.json"))) if markers.is_dir() and not markers.is_symlink() else 0}

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_hpc.compile_cache import fingerprint, layouts, locks, neuron, store, tree
-from megatron_hpc.compile_cache.paths import Layout
+from megatron_hpc.compile_cache.paths import LAUNCHER_LAYOUT, Layout
 
 from megatron_hpc.errors import CompileCacheError
 
@@ -74,8 +74,10 @@ def prune(root: Path, *, layout: Layout = "neuron", older_than: float | None = N
         if sub == "tree":
             report.folders_removed += [str(p) for p in tree.remove_empty_folders(part_root, older_than=leftover_age,
                                                                                  now=now, dry_run=dry_run)]
-    if layout == "launcher" and report.removed:
-        report.fingerprints_removed = fingerprint.remove_all(root, dry_run=dry_run)
+    if report.removed:
+        launcher_root = root if layout == "launcher" else _launcher_root_of(root)
+        if launcher_root is not None:
+            report.fingerprints_removed = fingerprint.remove_all(launcher_root, dry_run=dry_run)
     return report
 
 
@@ -130,3 +132,11 @@ def _orphan(record: Path, *, now: float) -> bool:
     except FileNotFoundError:
         return False
     return not young and not os.path.lexists(str(record)[: -len(locks.OWNER_SUFFIX)])
+
+
+def _launcher_root_of(part: Path) -> Path | None:
+    """The launcher root `part` is a compiler folder of (`<root>/neuron`, `<root>/inductor`...), if it is one: its
+    fingerprints promise what was just pruned from `part` too."""
+    if part.name in LAUNCHER_LAYOUT and (part.parent / fingerprint.MARKER_DIR).is_dir():
+        return part.parent
+    return None

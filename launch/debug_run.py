@@ -68,31 +68,41 @@ def group_ranks(ranks: list[RankStacks]) -> list[dict]:
     return [{"frame": frame, "ranks": sorted(r)} for frame, r in sorted(groups.items(), key=lambda kv: -len(kv[1]))]
 
 
-def _collect_slurm(run_dir: Path, *, job_id: str, num_nodes: int, method: str, timeout_s: float) -> list[str]:
-    """The JSON lines of every node's stack_dump. Each task writes its own file in the run folder (shared by the
-    nodes): through srun's one stdout, long lines of two nodes can interleave and turn into garbage."""
+def _collect_slurm(run_dir: Path, *, job_id: str, num_nodes: int, method: str,
+                   timeout_s: float) -> tuple[list[str], list[str]]:
+    """The JSON lines of every node's stack_dump, and the stderr tails of nodes that wrote any. Each task writes
+    its own files in the run folder (shared by the nodes): through srun's one stdout, long lines of two nodes can
+    interleave and turn into garbage."""
     parts = run_dir / DEBUG_DIR / f".parts-{os.getpid()}-{time.time_ns()}"
-    parts.mkdir(parents=True)
+    try:
+        parts.mkdir(parents=True)
+    except OSError as exc:
+        raise LaunchError(f"cannot create {parts} for the nodes' reports ({exc.strerror}); debug needs the run "
+                          "folder writable from here and from the nodes") from None
     cmd = ["srun", "--overlap", f"--jobid={job_id}", f"--nodes={num_nodes}", "--ntasks-per-node=1",
-           "--kill-on-bad-exit=0", "--job-name=megatron-hpc-debug", f"--output={parts}/%t.jsonl", sys.executable,
-           "-m", "megatron_hpc.launch.stack_dump", "--run-dir", str(run_dir), "--method", method,
-           "--timeout", str(timeout_s)]
+           "--kill-on-bad-exit=0", "--job-name=megatron-hpc-debug", f"--output={parts}/%t.jsonl",
+           f"--error={parts}/%t.err", sys.executable, "-m", "megatron_hpc.launch.stack_dump", "--run-dir",
+           str(run_dir), "--method", method, "--timeout", str(timeout_s)]
     env = dict(os.environ)
     remove_slurm_vars(env)  # from inside another allocation, its SLURM_* would redirect this step
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s + 120, env=env, check=False)
         lines = [line for part in sorted(parts.glob("*.jsonl")) for line in part.read_text().splitlines()]
-    except FileNotFoundError:
-        raise LaunchError("srun is not on PATH; run `megatron-hpc debug` on a login node of the cluster") from None
+        errors = [f"task {part.stem}: {' | '.join(text.strip().splitlines()[-3:])[:400]}"
+                  for part in sorted(parts.glob("*.err")) if (text := part.read_text(errors="replace")).strip()]
+    except FileNotFoundError as exc:
+        if exc.filename == "srun":
+            raise LaunchError("srun is not on PATH; run `megatron-hpc debug` on a login node of the cluster") from None
+        raise LaunchError(f"a node's report vanished from {parts} ({exc}); run debug again") from None
     except subprocess.TimeoutExpired:
         raise LaunchError(f"`srun --overlap --jobid={job_id}` did not finish within {timeout_s + 120:.0f} s; "
                           "the nodes may be unreachable (check `scontrol show job`)") from None
     finally:
         shutil.rmtree(parts, ignore_errors=True)
     if proc.returncode != 0 and not lines:
-        raise LaunchError(f"`srun --overlap --jobid={job_id}` failed ({proc.stderr.strip()[:400]}); is the job "
-                          "still running?")
-    return lines
+        why = "; ".join(errors) or proc.stderr.strip()[:400]
+        raise LaunchError(f"`srun --overlap --jobid={job_id}` failed ({why}); is the job still running?")
+    return lines, errors
 
 
 def debug_run(run_dir: Path, *, method: str = "auto", timeout_s: float = 20.0) -> DebugReport:
@@ -107,8 +117,8 @@ def debug_run(run_dir: Path, *, method: str = "auto", timeout_s: float = 20.0) -
             raise LaunchError(f"no job of {run_dir} is RUNNING ({states}); debug collects the stacks of a "
                               "running job (see `megatron-hpc logs` for one that ended)")
         report.job_id = running[-1].job_id
-        lines = _collect_slurm(run_dir, job_id=report.job_id, num_nodes=int(plan.get("num_nodes", 1)),
-                               method=method, timeout_s=timeout_s)
+        lines, report.node_errors = _collect_slurm(run_dir, job_id=report.job_id, method=method,
+                                                   num_nodes=int(plan.get("num_nodes", 1)), timeout_s=timeout_s)
         items = []
         for line in lines:
             try:

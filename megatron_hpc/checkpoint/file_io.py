@@ -164,6 +164,9 @@ def _data_record(fh: Any) -> tuple[int, int] | None:
             if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED:
                 return None
             info = records[0]
+            order = [i for i in zf.infolist() if i.filename.endswith("/byteorder")]
+            if order and zf.read(order[0]) != b"little":  # torch.load would swap the bytes; leave that to it
+                return None
         fh.seek(info.header_offset)
         header = _LOCAL_HEADER.unpack(fh.read(_LOCAL_HEADER.size))
     except (zipfile.BadZipFile, OSError, ValueError, struct.error, EOFError, KeyError, NotImplementedError):
@@ -180,7 +183,7 @@ def _check_size(path: Path, size: int, expected: FileRecord | None) -> None:
                               "(truncated or altered); load an earlier checkpoint")
 
 
-def _check(path: Path, *, size: int, crc: int, data: bytearray | None, expected: FileRecord | None) -> None:
+def _check(path: Path, *, size: int, crc: int, data: bytes | None, expected: FileRecord | None) -> None:
     if expected is None:
         return
     _check_size(path, size, expected)
@@ -207,14 +210,15 @@ def read_torch_file(path: Path, *, expected: FileRecord | None = None, allowed: 
             record = _data_record(fh) if expected is None or expected.sha256 is None else None
         if record is not None and record[0] + record[1] <= size:
             return _read_tensor_file(path, fd, size=size, record=record, expected=expected, allowed=allowed)
-        data = bytearray(size)
-        try:
-            crc = _read_into(fd, memoryview(data), 0, 0)
-        except EOFError as exc:
-            raise CheckpointError(f"{path} changed while it was read ({exc}); load it again") from None
+        # One bytes object: BytesIO shares it, so torch.load's copy of each storage is the only other one.
+        with os.fdopen(os.dup(fd), "rb", buffering=0) as fh:
+            fh.seek(0)  # the duplicate shares the offset the zip directory read moved
+            data = fh.read()
     finally:
         os.close(fd)
-    _check(path, size=size, crc=crc, data=data, expected=expected)
+    if len(data) != size:
+        raise CheckpointError(f"{path} changed while it was read ({len(data)} of {size} bytes); load it again")
+    _check(path, size=size, crc=zlib.crc32(data), data=data, expected=expected)
     return safe_load(io.BytesIO(data), what=path, allowed=allowed)
 
 
@@ -232,7 +236,12 @@ def _read_tensor_file(path: Path, fd: int, *, size: int, record: tuple[int, int]
         raise CheckpointError(f"{path} changed while it was read ({exc}); load it again") from None
     _check(path, size=size, crc=crc, data=None, expected=expected)
     # The bytes are good; the pickle gives dtype, shape and strides (mapped again from the page cache, not copied).
-    meta = safe_load(path, what=path, mmap=True, allowed=allowed)
+    # Checkpoints are never rewritten in place, so the mapped pickle is the one just checked. Where mapping fails
+    # (a filesystem without mmap), or the file is not one tensor after all, the checked bytes are loaded instead.
+    try:
+        meta = safe_load(path, what=path, mmap=True, allowed=allowed)
+    except CheckpointError:
+        meta = None
     if type(meta) is not torch.Tensor or meta.untyped_storage().nbytes() != nbytes:
         whole = bytes(head) + data.numpy().tobytes() + bytes(tail)
         return safe_load(io.BytesIO(whole), what=path, allowed=allowed)

@@ -87,15 +87,35 @@ def mark_step(kind: str) -> None:
         xm.mark_step()
 
 
-def device_batches(batches: Iterable[list[torch.Tensor]], info: DeviceInfo) -> Iterator[list[torch.Tensor]]:
-    """Each step's micro-batches, moved to the device. On XLA through torch_xla's MpDeviceLoader, as the
-    reference trainer feeds data (neuron-xla.md 4.5): a thread copies the next batches to the device while the
-    current step runs."""
-    if info.kind == "xla":
-        import torch_xla.distributed.parallel_loader as pl
+class DeviceFeed:
+    """Each step's micro-batches, moved to the device; iterate it. On XLA through torch_xla's MpDeviceLoader, as
+    the reference trainer feeds data (neuron-xla.md 4.5): a thread copies the next batches to the device while the
+    current step runs.
 
-        return iter(pl.MpDeviceLoader(batches, info.device))
-    return ([t.to(info.device) for t in micro] for micro in batches)
+    An error while making a batch (a DataError, say) is kept and raised where the next batch is taken. torch_xla's
+    loader thread would only print it and end the iteration, which looks like the end of the run.
+    """
+
+    def __init__(self, batches: Iterable[list[torch.Tensor]], info: DeviceInfo):
+        self.error: Exception | None = None
+        source = self._guarded(batches)
+        if info.kind == "xla":
+            import torch_xla.distributed.parallel_loader as pl
+
+            self._items: Iterator[list[torch.Tensor]] = iter(pl.MpDeviceLoader(source, info.device))
+        else:
+            self._items = ([t.to(info.device) for t in micro] for micro in source)
+
+    def _guarded(self, batches: Iterable[list[torch.Tensor]]) -> Iterator[list[torch.Tensor]]:
+        try:
+            yield from batches
+        except Exception as exc:  # re-raised by __iter__, in the training thread
+            self.error = exc
+
+    def __iter__(self) -> Iterator[list[torch.Tensor]]:
+        yield from self._items
+        if self.error is not None:
+            raise self.error
 
 
 def when_step_done(info: DeviceInfo, fn: Callable[..., None], *args: Any) -> None:
@@ -131,7 +151,8 @@ def keep_freed_memory() -> bool:
     each block above its mmap threshold with a fresh mmap and unmaps it on free, so every step the kernel faults
     in and zeroes all of them again (benchmarks/RESULTS.md: 3.4x fewer page faults and a third more tokens/s
     on the CPU benchmark without it). With mmap off and the trim threshold at its maximum, freed blocks stay in
-    the heap and the next step reuses them. Peak memory is the same: the blocks are the ones the step needs.
+    the heap and the next step reuses them. The peak is the same (the blocks are the ones the step needs), but
+    the process keeps it resident to the end, also after a large transient such as a checkpoint load.
     """
     import ctypes
 

@@ -18,7 +18,7 @@ from megatron_hpc.data.synthetic import SyntheticTokens, micro_batch_indices
 from megatron_hpc.errors import DataError, TrainingError
 from megatron_hpc.model.gpt import GPT
 from megatron_hpc.parallel.context import ParallelContext
-from megatron_hpc.parallel.device import DeviceInfo, device_batches, step_barrier, when_step_done
+from megatron_hpc.parallel.device import DeviceFeed, DeviceInfo, step_barrier, when_step_done
 from megatron_hpc.parallel.grads import build_grad_reducer
 from megatron_hpc.plan.vocab import padded_vocab_size
 from megatron_hpc.train.evaluate import build_evaluator
@@ -119,10 +119,11 @@ def train(cfg: RunConfig, ctx: ParallelContext, *, device: DeviceInfo, phase: Ph
     # scheduler does; the checkpoint carries the count (lr_scheduler.successful_steps).
     lr_steps = ckpt.lr_steps if ckpt.lr_steps is not None else start
 
-    feed = device_batches((_host_batches(data, step, cfg=tcfg, ctx=ctx) for step in range(start, num_steps)), device)
+    feed = DeviceFeed((_host_batches(data, step, cfg=tcfg, ctx=ctx) for step in range(start, num_steps)), device)
     model.train()
     metrics.reset_clock(start)
-    # Only the run phase stops early to save; XLA checks at log steps, where the host syncs anyway.
+    # Only the run phase stops early to save. The check reads a flag on the host, a graph of its own on XLA:
+    # there it runs at log steps only.
     stopwatch = None if phase != "run" else StopWatch(
         run_dir=run_dir, time_budget_min=cfg.checkpoint.time_budget_min, is_first_rank=ctx.is_first_rank,
         check_every=tcfg.log_interval if device.kind == "xla" else 1, device=device.device)

@@ -15,7 +15,6 @@ a row the scale doubles and the hysteresis is refilled.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -65,14 +64,12 @@ class DynamicGradScaler:
 XLA_PURE_BF16_ENV = ("XLA_USE_BF16", "XLA_DOWNCAST_BF16")
 
 
-def autocast_dtype_for(precision: str, *, device_kind: str,
-                       environ: Mapping[str, str] | None = None) -> torch.dtype | None:
+def autocast_dtype_for(precision: str, *, device_kind: str) -> torch.dtype | None:
     """The autocast dtype for train.precision on this device; None means none (fp32, or pure bf16 on XLA)."""
     if precision == "fp32":
         return None
     if precision == "bf16":
-        env = os.environ if environ is None else environ
-        if device_kind == "xla" and any(env.get(k) == "1" for k in XLA_PURE_BF16_ENV):
+        if device_kind == "xla" and any(os.environ.get(k) == "1" for k in XLA_PURE_BF16_ENV):
             # The platform's XLA_USE_BF16=1 makes every float bf16, with the Neuron runtime's stochastic
             # rounding (the reference's pure bf16, neuron-xla.md 4.6): autocast would only add casts.
             return None

@@ -243,6 +243,18 @@ def test_launcher_root_prunes_neuron_and_inductor_together_and_drops_fingerprint
         "inductor/cd/ccd.py", f"neuron/neuronxcc-{fake.VERSION}/{fake.module_name(2)}"]
 
 
+def test_pruning_one_folder_of_a_launcher_root_drops_the_roots_fingerprints(tmp_path, capsys):
+    root, now = tmp_path / "shared", time.time()
+    fake.write_entry(root / "neuron", version=fake.VERSION, name=fake.module_name(1), mtime=now - 50 * DAY,
+                     files=fake.entry_files("complete", seed=1, neff_size=10_000))
+    fingerprint.record(root, {"sha256": "cd" * 32, "inputs": {}, "cache_root": str(root)}, run_dir="/r", job_id="8")
+    kept = _cli_json(capsys, "prune", "--layout", "neuron", "--root", str(root / "neuron"), "--older-than", "60d")
+    assert kept["removed"] == [] and fingerprint.find(root, "cd" * 32) is not None  # nothing pruned: kept
+    out = _cli_json(capsys, "prune", "--layout", "neuron", "--root", str(root / "neuron"), "--older-than", "30d")
+    assert len(out["removed"]) == 1 and out["fingerprints_removed"] == ["cd" * 32]
+    assert fingerprint.find(root, "cd" * 32) is None  # a later submit compiles again instead of trusting it
+
+
 def test_a_neuron_view_of_another_layout_says_which_layout_to_use(inductor, tmp_path, capsys):
     root, _ = inductor
     capsys.readouterr()

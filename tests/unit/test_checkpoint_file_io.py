@@ -86,3 +86,21 @@ def test_version_1_manifests_with_sha256_still_load(tmp_path: Path) -> None:
     victim.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=r"tensor_0\.pt has sha256"):
         load_checkpoint(tmp_path, ranks=ranks)
+
+
+def test_filesystem_without_mmap_still_loads_the_checked_bytes(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron_hpc.checkpoint import file_io
+
+    real = file_io.safe_load
+
+    def no_mmap(source, *, what, mmap=False, allowed=()):
+        if mmap:
+            raise CheckpointError(f"{what} cannot be mapped (test)")
+        return real(source, what=what, allowed=allowed)
+
+    monkeypatch.setattr(file_io, "safe_load", no_mmap)
+    t = torch.randn(5, 7)
+    rec = write_torch_file(tmp_path / "t.pt", t)
+    back = read_torch_file(tmp_path / "t.pt", expected=FileRecord(size=rec.size, crc32=rec.crc32))
+    assert torch.equal(back, t)

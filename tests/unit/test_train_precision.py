@@ -55,12 +55,15 @@ def test_minimum_scale_and_state_dict() -> None:
     assert (again.scale, again.growth_tracker, again.hysteresis_tracker) == (1.0, 0, s.hysteresis_tracker)
 
 
-def test_autocast_dtype_per_precision_and_device() -> None:
+def test_autocast_dtype_per_precision_and_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("XLA_USE_BF16", "XLA_DOWNCAST_BF16"):
+        monkeypatch.delenv(var, raising=False)
     assert autocast_dtype_for("fp32", device_kind="cpu") is None
-    assert autocast_dtype_for("bf16", device_kind="xla", environ={}) is torch.bfloat16
+    assert autocast_dtype_for("bf16", device_kind="xla") is torch.bfloat16
     # the trn platforms export XLA_USE_BF16=1: the whole model is bf16 already (pure bf16, stochastic rounding)
-    assert autocast_dtype_for("bf16", device_kind="xla", environ={"XLA_USE_BF16": "1"}) is None
-    assert autocast_dtype_for("bf16", device_kind="cpu", environ={"XLA_USE_BF16": "1"}) is torch.bfloat16
+    monkeypatch.setenv("XLA_USE_BF16", "1")
+    assert autocast_dtype_for("bf16", device_kind="xla") is None
+    assert autocast_dtype_for("bf16", device_kind="cpu") is torch.bfloat16
     assert autocast_dtype_for("fp16", device_kind="cpu") is torch.float16
     with pytest.raises(TrainingError, match="use bf16"):
         autocast_dtype_for("fp16", device_kind="xla")

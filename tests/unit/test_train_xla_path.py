@@ -27,6 +27,18 @@ from megatron_hpc.train.loop import train
 import torch
 
 kind = sys.argv[1]
+if len(sys.argv) > 2:  # the data breaks at the 4th micro-batch (step 2), as a damaged .bin would
+    from megatron_hpc.data import synthetic
+    from megatron_hpc.errors import DataError
+    real, calls = synthetic.SyntheticTokens.batch, []
+
+    def broken(self, indices):
+        calls.append(1)
+        if len(calls) == 4:
+            raise DataError("sample 7 cannot be read (test)")
+        return real(self, indices)
+
+    synthetic.SyntheticTokens.batch = broken
 cfg = RunConfig(
     name="tiny",
     model=ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
@@ -48,17 +60,22 @@ print(json.dumps({"losses": [r.lm_loss for r in summary.records], "norms": [r.gr
 """
 
 
-def _run(kind: str) -> dict:
+def _run(kind: str, *extra: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(STANDIN), os.environ.get("PYTHONPATH", "")])}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "XLA_USE_BF16"):
         env.pop(var, None)
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, kind], capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run([sys.executable, "-c", SCRIPT, kind, *extra], capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+def _train(kind: str) -> dict:
+    proc = _run(kind)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def test_xla_branches_follow_the_reference_and_train_the_same_model() -> None:
-    xla, cpu = _run("xla"), _run("cpu")
+    xla, cpu = _train("xla"), _train("cpu")
     assert xla["iterations"] == cpu["iterations"] == [2, 4, 6]
     assert xla["losses"] == cpu["losses"] and xla["norms"] == cpu["norms"]
     events = xla["events"]
@@ -68,3 +85,11 @@ def test_xla_branches_follow_the_reference_and_train_the_same_model() -> None:
     step = ["device_batch", "mark_step", "mark_step"]
     logged = ["device_batch", "mark_step", "add_step_closure", "mark_step", "closure"]
     assert events == (step + logged) * 3
+
+
+def test_a_data_error_in_the_loader_thread_fails_the_run() -> None:
+    """torch_xla's loader thread prints an exception and ends the iteration; the run must not look finished."""
+    proc = _run("xla", "break-data")
+    assert proc.returncode != 0
+    assert "DataError: sample 7 cannot be read (test)" in proc.stderr
+    assert not proc.stdout.strip()  # train() never returned a summary
