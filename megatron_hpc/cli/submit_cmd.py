@@ -10,7 +10,7 @@ from pathlib import Path
 
 from megatron_hpc.cli.common import Resolved, add_recipe_arguments, resolve
 from megatron_hpc.cli.plan_cmd import format_plan
-from megatron_hpc.errors import ConfigError
+from megatron_hpc.errors import ConfigError, DataError
 from megatron_hpc.launch import cluster_profile, env_checks
 from megatron_hpc.launch.run_dir import default_run_dir, prepare_run_dir
 from megatron_hpc.launch.submit import SubmitRequest, SubmitResult, check_cluster, submit, write_run_files
@@ -79,15 +79,22 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("submit needs --recipe NAME (a new run) or --resume RUN (continue a run folder)")
     resolved, resumed_dir = _resume(args) if args.resume else (resolve(args), None)
     profile = _profile(args, resumed_dir)
+    from megatron_hpc.data.preflight import check_data  # numpy, no torch
+
+    data_warning = None
     if not args.dry_run:
         check_cluster(args.cluster, num_nodes=resolved.plan.num_nodes, platform=resolved.platform)
-        from megatron_hpc.data.preflight import check_data  # numpy, no torch
-
         check_data(resolved.cfg.data)
+    else:  # the scripts may be meant for another machine's files: say so, but write them
+        try:
+            check_data(resolved.cfg.data)
+        except DataError as exc:
+            data_warning = f"{exc} (the scripts are written; the run fails unless the nodes see the data)"
     run_dir = prepare_run_dir(resumed_dir or args.out or default_run_dir(Path("runs"), resolved.cfg.name))
     warnings = env_checks.submit_warnings(os.environ, run_dir=run_dir, cluster=args.cluster,
                                           num_nodes=resolved.plan.num_nodes,
                                           nofile_limit=resolved.cfg.launch.nofile_limit)
+    warnings += [data_warning] if data_warning else []
     for warning in warnings:
         print(f"megatron-hpc: warning: {warning}", file=sys.stderr)
     if args.cluster == "slurm" and not args.dry_run:

@@ -132,17 +132,27 @@ def test_bad_input_is_one_line_and_nonzero(argv, needle, capsys, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_dry_run_with_missing_data_writes_the_scripts_and_warns(tmp_path, capsys):
+    out = tmp_path / "o"
+    assert main(["submit", "--recipe", "tiny", "--dry-run", "--json", "--out", str(out),
+                 "--set", f"data.path={tmp_path / 'nope_text_document'}"]) == 0
+    warnings = json.loads(capsys.readouterr().out)["warnings"]
+    assert any("nope_text_document.idx not found" in w and "the run fails unless" in w for w in warnings)
+    assert (out / "run.sbatch").is_file()
+
+
 def test_unknown_recipe_exit_code_and_list(capsys):
     assert main(["plan", "--recipe", "nope"]) == 1
     assert "known recipes" in capsys.readouterr().err
 
 
-def test_launcher_and_plan_never_import_torch():
+def test_launcher_and_plan_never_import_torch(tmp_path):
     code = (
         "import sys\n"
         "import megatron_hpc.launch.submit, megatron_hpc.launch.scripts, megatron_hpc.compile_cache.paths\n"
         "from megatron_hpc.cli.main import main\n"
         "assert main(['plan', '--recipe', 'gpt3_6.7b', '--nodes', '16', '--json']) == 0\n"
+        f"assert main(['submit', '--recipe', 'tiny', '--dry-run', '--out', {str(tmp_path / 'd')!r}]) == 0\n"
         "heavy = [m for m in ('torch', 'megatron_hpc.model', 'megatron_hpc.parallel', 'megatron_hpc.train')"
         " if m in sys.modules]\n"
         "print('HEAVY', heavy)\n"
