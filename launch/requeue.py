@@ -174,7 +174,9 @@ def record_fingerprint(run_dir: Path, *, node_rank: int, environ: dict[str, str]
 
 
 def _ranges(nodes: list[int]) -> str:
-    return ", ".join(map(str, nodes)) if len(nodes) <= 8 else f"{nodes[0]}..{nodes[-1]} ({len(nodes)} nodes)"
+    """The first nodes and a count: "0, 3, 15" has gaps that "0..15" would hide."""
+    shown = ", ".join(map(str, nodes[:8]))
+    return shown if len(nodes) <= 8 else f"{shown} and {len(nodes) - 8} more"
 
 
 def main(argv: list[str] | None = None) -> int:
