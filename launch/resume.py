@@ -17,6 +17,7 @@ from megatron_hpc.launch.run_status import RunStatus
 from megatron_hpc.errors import ConfigError, LaunchError
 
 RESUMABLE_KEYS = frozenset({
+    "optim.lr_decay_iters", "optim.lr_decay_samples",
     "train.num_steps", "train.log_interval", "train.eval_interval", "train.eval_iters", "train.tensorboard",
     "train.max_skipped_steps", "checkpoint.save_interval", "checkpoint.keep_last", "checkpoint.time_budget_min",
     "checkpoint.on_save_failure", "checkpoint.io_workers_per_node", "launch.time_limit_min", "compile.num_steps",
@@ -34,6 +35,35 @@ def check_overrides(overrides: list[str]) -> None:
             raise ConfigError(f"--set {key} cannot change on --resume (it changes the model, mesh, batch or data "
                               f"order); allowed: {', '.join(sorted(RESUMABLE_KEYS))}. For a different run, "
                               f"submit --recipe ... --set checkpoint.load=<this run's checkpoints>")
+
+
+def _override_keys(overrides: list[str]) -> dict[str, str]:
+    return {item.split("=", 1)[0].strip(): item.split("=", 1)[1].strip() for item in overrides if "=" in item}
+
+
+def keep_lr_horizon(stored: dict[str, Any], overrides: list[str]) -> tuple[list[str], str | None]:
+    """Overrides that keep the LR schedule's decay horizon when a resume only changes train.num_steps.
+
+    An unset lr_decay_iters (or, counted in samples, lr_decay_samples) means "decay over train.num_steps", so
+    more steps would stretch the cosine and raise the LR of the steps already past. Megatron keeps the
+    scheduler's horizon from the checkpoint; here it is written into the resumed config instead, where `plan`
+    shows it. Returns (extra overrides, a sentence for the resume summary, or None when nothing changes).
+    """
+    given = _override_keys(overrides)
+    optim, train = stored.get("optim", {}), stored.get("train", {})
+    old_steps = train.get("num_steps")
+    if "train.num_steps" not in given or str(old_steps) == given["train.num_steps"]:
+        return [], None
+    if "optim.lr_decay_iters" in given or "optim.lr_decay_samples" in given:
+        return [], "the LR decay horizon is the one you set"
+    samples = bool(optim.get("lr_warmup_samples")) or optim.get("lr_decay_samples") is not None
+    key = "optim.lr_decay_samples" if samples else "optim.lr_decay_iters"
+    if optim.get(key.split(".")[1]) is not None:
+        return [], f"the LR schedule keeps its decay horizon ({key}={optim[key.split('.')[1]]})"
+    horizon = old_steps * train.get("global_batch_size", 1) if samples else old_steps
+    unit = "samples" if samples else "iterations"
+    return [f"{key}={horizon}"], (f"the LR schedule keeps its decay horizon of {horizon} {unit} ({key}; past it the "
+                                  f"LR stays at optim.min_lr); set {key}=N with the resume to stretch it")
 
 
 def check_not_active(status: RunStatus) -> None:

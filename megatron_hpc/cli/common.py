@@ -9,6 +9,7 @@ from megatron_hpc.config.loader import load_recipe
 from megatron_hpc.config.platforms import PLATFORMS, Platform, get_platform
 from megatron_hpc.config.schema import RunConfig
 from megatron_hpc.plan.planner import Plan, make_plan
+from megatron_hpc.plan.spec import RunSpec
 
 
 def add_recipe_arguments(parser: argparse.ArgumentParser, *, recipe_required: bool = True) -> None:
@@ -27,13 +28,15 @@ class Resolved:
     platform: Platform
     plan: Plan
 
+    @property
+    def spec(self) -> RunSpec:
+        return RunSpec(config=self.cfg, plan=self.plan)
+
 
 def resolve(args: argparse.Namespace) -> Resolved:
-    overrides = list(args.overrides)
-    if args.platform:
-        # The trainer reads its backend from the saved config, so --platform is recorded there.
-        overrides.append(f"launch.platform={args.platform}")
-    cfg = load_recipe(args.recipe, overrides)
-    platform = get_platform(cfg.launch.platform)
+    """The recipe with its overrides, planned for --nodes of --platform (the plan records the platform: the
+    config keeps the recipe's launch.platform as its default, never the flag)."""
+    cfg = load_recipe(args.recipe, list(args.overrides))
+    platform = get_platform(args.platform or cfg.launch.platform)
     nodes = 1 if args.nodes is None else args.nodes
     return Resolved(cfg=cfg, platform=platform, plan=make_plan(cfg, num_nodes=nodes, platform=platform))

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
-from megatron_hpc.cli.common import add_recipe_arguments, resolve
-from megatron_hpc.plan.planner import Plan
+from megatron_hpc.cli.common import Resolved, add_recipe_arguments, resolve
+from megatron_hpc.data.preflight import DataSummary, summarize_data
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,12 +21,37 @@ def _count(n: float) -> str:
     return str(int(n))
 
 
-def format_plan(plan: Plan, *, vocab_size: int) -> str:
+def data_summary(resolved: Resolved) -> DataSummary:
+    """The data line's numbers for this plan (reads the .idx files when they are here)."""
+    plan = resolved.plan
+    return summarize_data(resolved.cfg.data, source=plan.data_source, seq_length=plan.seq_length,
+                          num_samples=resolved.cfg.train.num_steps * plan.global_batch_size)
+
+
+def _checkpoint_line(resolved: Resolved) -> str:
+    ckpt, plan = resolved.cfg.checkpoint, resolved.plan
+    when = (f"every {ckpt.save_interval} steps and at the end" if ckpt.save_interval
+            else "only at the end (and on a stop signal): set checkpoint.save_interval to save along the way")
+    return (f"{plan.checkpoint_gib:.1f} GiB each (fp32 weights + Adam moments), {when}; keeps the last "
+            f"{ckpt.keep_last}")
+
+
+def _lr_line(resolved: Resolved) -> str:
+    optim, plan = resolved.cfg.optim, resolved.plan
+    unit = plan.lr_schedule_unit
+    return (f"{optim.lr:g} -> {optim.min_lr:g} {optim.lr_decay_style}, warmup {plan.lr_warmup:g} and decay over "
+            f"{plan.lr_decay:,} {unit}")
+
+
+def format_plan(resolved: Resolved, *, data: DataSummary | None = None) -> str:
+    plan = resolved.plan
+    vocab_size = resolved.cfg.model.vocab_size
     workers = "worker" if plan.workers_per_node == 1 else "workers"
     rows = [
         ("recipe", f"{plan.recipe} on {plan.num_nodes} x {plan.platform} "
                    f"({plan.workers_per_node} {workers} per node, backend {plan.backend})"),
-        ("mesh", f"world {plan.world_size} = TP {plan.tensor_parallel} x DP {plan.data_parallel}"),
+        ("mesh", f"world {plan.world_size} = TP {plan.tensor_parallel} x PP {plan.pipeline_parallel} x "
+                 f"DP {plan.data_parallel}"),
         ("batch", f"global {plan.global_batch_size} = micro {plan.micro_batch_size} x DP {plan.data_parallel} "
                   f"x {plan.num_micro_batches} micro-batches; {plan.tokens_per_step:,} tokens per step"),
         ("model", f"{_count(plan.num_parameters)} parameters; padded vocab {plan.padded_vocab_size} "
@@ -33,15 +59,27 @@ def format_plan(plan: Plan, *, vocab_size: int) -> str:
         ("memory", f"about {plan.memory_per_worker_gib:.1f} GiB of {plan.memory_limit_gib:g} GiB per worker"),
         ("flops", f"{plan.flops_per_token / 1e9:.2f} GFLOP per token ({plan.flops_formula}); "
                   f"6N gives {plan.flops_per_token_6n / 1e9:.2f}"),
+        ("lr", _lr_line(resolved)),
+        ("data", (data or data_summary(resolved)).line()),
+        ("checkpoint", _checkpoint_line(resolved)),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
+def plan_json(resolved: Resolved, *, data: DataSummary) -> dict[str, object]:
+    """The plan's fields, with the data summary beside them."""
+    return {**resolved.plan.to_json(), "data": data.to_json()}
+
+
 def run(args: argparse.Namespace) -> int:
     resolved = resolve(args)
+    data = data_summary(resolved)
     if args.json:
-        print(json.dumps(resolved.plan.to_json(), indent=2))
+        print(json.dumps(plan_json(resolved, data=data), indent=2))
     else:
-        print(format_plan(resolved.plan, vocab_size=resolved.cfg.model.vocab_size))
+        print(format_plan(resolved, data=data))
+    if resolved.plan.data_source == "missing":
+        print("megatron-hpc: warning: no training data: `submit` refuses this plan; set --set data.path=PREFIX, or "
+              "--set data.source=synthetic to train on synthetic tokens on purpose", file=sys.stderr)
     return 0

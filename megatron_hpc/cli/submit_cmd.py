@@ -5,15 +5,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
 from megatron_hpc.cli.common import Resolved, add_recipe_arguments, resolve
-from megatron_hpc.cli.plan_cmd import format_plan
+from megatron_hpc.cli.plan_cmd import data_summary, format_plan
+from megatron_hpc.data.preflight import DataSummary
 from megatron_hpc.errors import ConfigError, DataError
 from megatron_hpc.launch import cluster_profile, env_checks
 from megatron_hpc.launch.run_dir import default_run_dir, prepare_run_dir
 from megatron_hpc.launch.submit import SubmitRequest, SubmitResult, check_cluster, submit, write_run_files
+from megatron_hpc.plan.planner import check_data_source
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,13 +44,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "fingerprint")
 
 
-def _resume(args: argparse.Namespace) -> tuple[Resolved, Path]:
-    """The stored config and plan of the run folder, with the few overrides a resumed run may take."""
+def _resume(args: argparse.Namespace) -> tuple[Resolved, Path, list[str]]:
+    """The stored config and plan of the run folder, with the few overrides a resumed run may take; and what the
+    resume changes, in sentences for its summary."""
     from megatron_hpc.config.loader import load_recipe
     from megatron_hpc.config.platforms import get_platform
-    from megatron_hpc.launch.resume import check_not_active, check_overrides, stored_plan
+    from megatron_hpc.launch.resume import check_not_active, check_overrides, keep_lr_horizon, stored_plan
     from megatron_hpc.launch.run_status import find_run_dir, read_status
     from megatron_hpc.plan.planner import make_plan
+    from megatron_hpc.run_folder import CONFIG_FILE, read_json
 
     if args.recipe or args.out:
         raise ConfigError("--resume continues a run folder with its stored recipe; drop --recipe and --out")
@@ -59,10 +64,12 @@ def _resume(args: argparse.Namespace) -> tuple[Resolved, Path]:
                               ("--platform", args.platform, stored.get("platform"))):
         if given is not None and given != kept:
             raise ConfigError(f"{run_dir} ran with {flag} {kept}; a resumed run keeps it (got {flag} {given})")
-    cfg = load_recipe(str(run_dir / "config.json"), args.overrides)
-    platform = get_platform(cfg.launch.platform)
+    extra, lr_note = keep_lr_horizon(read_json(run_dir / CONFIG_FILE), args.overrides)
+    cfg = load_recipe(str(run_dir / CONFIG_FILE), [*args.overrides, *extra])
+    platform = get_platform(stored.get("platform") or cfg.launch.platform)
+    notes = [f"--set {item}" for item in args.overrides] + ([lr_note] if lr_note else [])
     return Resolved(cfg=cfg, platform=platform, plan=make_plan(cfg, num_nodes=stored["num_nodes"],
-                                                               platform=platform)), run_dir
+                                                               platform=platform)), run_dir, notes
 
 
 def _profile(args: argparse.Namespace, resumed_dir: Path | None) -> cluster_profile.LoadedProfile:
@@ -77,24 +84,30 @@ def _profile(args: argparse.Namespace, resumed_dir: Path | None) -> cluster_prof
 def run(args: argparse.Namespace) -> int:
     if not args.recipe and not args.resume:
         raise ConfigError("submit needs --recipe NAME (a new run) or --resume RUN (continue a run folder)")
-    resolved, resumed_dir = _resume(args) if args.resume else (resolve(args), None)
+    resolved, resumed_dir, resume_notes = _resume(args) if args.resume else (resolve(args), None, [])
+    check_data_source(resolved.plan)  # before anything is written: the plan has no data to train on
     profile = _profile(args, resumed_dir)
     from megatron_hpc.data.preflight import check_data  # numpy, no torch
 
-    data_warning = None
+    source = resolved.plan.data_source
+    warnings: list[str] = []
+    if source == "synthetic" and resolved.plan.platform != "cpu":
+        warnings.append(f"this run trains on SYNTHETIC tokens (data.source=synthetic), not real data, on "
+                        f"{resolved.plan.num_nodes} x {resolved.plan.platform}; meant for benchmarks and smoke tests")
     if not args.dry_run:
         check_cluster(args.cluster, num_nodes=resolved.plan.num_nodes, platform=resolved.platform)
-        check_data(resolved.cfg.data)
+        check_data(resolved.cfg.data, source=source)
     else:  # the scripts may be meant for another machine's files: say so, but write them
         try:
-            check_data(resolved.cfg.data)
+            check_data(resolved.cfg.data, source=source)
         except DataError as exc:
-            data_warning = f"{exc} (the scripts are written; the run fails unless the nodes see the data)"
+            warnings.append(f"{exc} (the scripts are written; the run fails unless the nodes see the data)")
     run_dir = prepare_run_dir(resumed_dir or args.out or default_run_dir(Path("runs"), resolved.cfg.name))
     warnings = env_checks.submit_warnings(os.environ, run_dir=run_dir, cluster=args.cluster,
                                           num_nodes=resolved.plan.num_nodes,
-                                          nofile_limit=resolved.cfg.launch.nofile_limit)
-    warnings += [data_warning] if data_warning else []
+                                          nofile_limit=resolved.cfg.launch.nofile_limit) + warnings
+    space = checkpoint_space_warning(resolved, run_dir=run_dir)
+    warnings += [space] if space else []
     for warning in warnings:
         print(f"megatron-hpc: warning: {warning}", file=sys.stderr)
     if args.cluster == "slurm" and not args.dry_run:
@@ -107,17 +120,19 @@ def run(args: argparse.Namespace) -> int:
         run_dir=run_dir, options=options, recompile=args.recompile,
         extra_env=cluster_profile.profile_env(profile.profile), profile=cluster_profile.profile_to_json(profile),
     )
+    data = data_summary(resolved)
     if args.dry_run:
         files = write_run_files(req)
         skipped = files.compile_skipped_by is not None
         if args.json:
             print(json.dumps({"run_dir": str(run_dir), "dry_run": True, "plan": resolved.plan.to_json(),
-                              "compile_skipped": skipped, "fingerprint": files.fingerprint,
+                              "data": data.to_json(), "compile_skipped": skipped, "fingerprint": files.fingerprint,
                               "cluster_config": req.profile["path"] if req.profile else None,
-                              "warnings": warnings}, indent=2))
+                              "resume": resume_notes, "warnings": warnings}, indent=2))
         else:
-            print(format_plan(resolved.plan, vocab_size=resolved.cfg.model.vocab_size))
+            print(format_plan(resolved, data=data))
             print(cluster_profile.describe(profile))
+            _print_resume(resume_notes)
             if skipped:
                 print(files.skip_message(req.cache_root))
             written = ", ".join(f"{p.phase}.sbatch" for p in files.phases)
@@ -125,22 +140,49 @@ def run(args: argparse.Namespace) -> int:
             print(f"submit by hand with: bash {run_dir}/submit.sh")
         return 0
     if not args.json:
-        print(format_plan(resolved.plan, vocab_size=resolved.cfg.model.vocab_size))
+        print(format_plan(resolved, data=data))
         print(cluster_profile.describe(profile))
+        _print_resume(resume_notes)
         print(f"run folder: {run_dir}", flush=True)
     echo = None if args.json else (lambda line: print(line, flush=True))
     result = submit(req, wait=args.wait, echo=echo)
     _report(result, as_json=args.json, warnings=warnings, resumed=resumed_dir is not None,
-            cluster_config=str(profile.path) if profile.path else None)
+            cluster_config=str(profile.path) if profile.path else None, data=data, resume_notes=resume_notes)
     return 0 if result.ok else 1
 
 
+def _print_resume(notes: list[str]) -> None:
+    if notes:
+        print("resume  " + "; ".join(notes))
+
+
+def checkpoint_space_warning(resolved: Resolved, *, run_dir: Path) -> str | None:
+    """A warning when the save folder's filesystem cannot hold checkpoint.keep_last + 1 checkpoints (the newest
+    is written in full before the oldest is removed)."""
+    ckpt = resolved.cfg.checkpoint
+    folder = Path(ckpt.save).expanduser() if ckpt.save else run_dir / "checkpoints"
+    probe = folder
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        free_gib = shutil.disk_usage(probe).free / 2**30
+    except OSError:
+        return None
+    need = (ckpt.keep_last + 1) * resolved.plan.checkpoint_gib
+    if free_gib >= need:
+        return None
+    return (f"{folder} has {free_gib:,.1f} GiB free, but keeping {ckpt.keep_last} checkpoints of "
+            f"{resolved.plan.checkpoint_gib:,.1f} GiB needs {need:,.1f} GiB while the next one is written; free "
+            f"space, lower checkpoint.keep_last, or point checkpoint.save at a larger filesystem")
+
+
 def _report(result: SubmitResult, *, as_json: bool, warnings: list[str], resumed: bool,
-            cluster_config: str | None) -> None:
+            cluster_config: str | None, data: DataSummary, resume_notes: list[str]) -> None:
     if as_json:
         print(json.dumps({
             "run_dir": str(result.run_dir), "ok": result.ok, "reason": result.reason, "resumed": resumed,
-            "warnings": warnings, "cluster_config": cluster_config,
+            "resume": resume_notes, "warnings": warnings, "cluster_config": cluster_config,
+            "data": data.to_json(),
             "compile_skipped": bool(result.files and result.files.compile_skipped_by is not None),
             "fingerprint": result.files.fingerprint if result.files else None,
             "jobs": [{"phase": j.phase, "job_id": j.job_id, "state": j.state, "depends_on": j.depends_on}

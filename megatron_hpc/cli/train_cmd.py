@@ -1,47 +1,47 @@
 """`megatron-hpc train`: the per-rank entry point torchrun starts in every worker.
 
-Either `--run-dir DIR` (the folder `submit` wrote, holding config.json) or `--recipe R [--set ...]`
-for a direct `torchrun -m megatron_hpc train --recipe tiny` run. torch is imported only here.
+Either `--run-dir DIR` (the folder `submit` wrote: its config.json and plan.json are the run spec) or
+`--recipe R [--set ...] [--platform P]` for a direct `torchrun -m megatron_hpc train --recipe tiny` run, planned
+here for the world torchrun started. torch is imported only when training starts.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 
-from megatron_hpc.config.loader import from_dict, load_recipe
-from megatron_hpc.config.schema import RunConfig
+from megatron_hpc.config.loader import load_recipe
+from megatron_hpc.config.platforms import PLATFORMS
 from megatron_hpc.debug_stacks import register_stack_dump
 from megatron_hpc.errors import ConfigError, MegatronHpcError
+from megatron_hpc.plan.spec import RunSpec
+from megatron_hpc.run_folder import read_spec
 from megatron_hpc.run_markers import FATAL_FILE, write_marker
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--run-dir", type=Path, help="run folder written by submit (reads config.json)")
-    source.add_argument("--recipe", help="recipe name or YAML path")
+    source.add_argument("--run-dir", type=Path, help="run folder written by submit (reads config.json and plan.json)")
+    source.add_argument("--recipe", help="recipe name or YAML path (planned here for torchrun's world)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a recipe key (with --recipe)")
+    parser.add_argument("--platform", choices=sorted(PLATFORMS), default=None,
+                        help="with --recipe: the platform to plan for (default: the recipe's launch.platform)")
     parser.add_argument("--phase", choices=("compile", "run"), default="run",
                         help="compile: the short trial run; run: the real run (default)")
 
 
-def load_run_config(args: argparse.Namespace) -> RunConfig:
+def load_run_spec(args: argparse.Namespace) -> RunSpec:
+    """The run folder's spec, or the recipe planned for the world torchrun started."""
     if args.recipe:
-        return load_recipe(args.recipe, args.overrides)
-    if args.overrides:
-        raise ConfigError("--set applies to --recipe; edit config.json of the run folder instead")
-    path = args.run_dir / "config.json"
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path} not found; is {args.run_dir} a run folder written by "
-                          "`megatron-hpc submit`?") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path} is not valid JSON ({exc}); re-create the run folder with submit") from None
-    return from_dict(RunConfig, data)
+        from megatron_hpc.train.entry import plan_for_torchrun
+
+        return plan_for_torchrun(load_recipe(args.recipe, args.overrides), platform=args.platform)
+    if args.overrides or args.platform:
+        raise ConfigError("--set and --platform apply to --recipe; a run folder keeps its plan (re-plan it with "
+                          "`megatron-hpc submit --resume RUN --set ...`)")
+    return read_spec(args.run_dir)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,14 +49,30 @@ def run(args: argparse.Namespace) -> int:
         # `megatron-hpc debug` asks for stacks with SIGUSR1 where py-spy is missing.
         register_stack_dump(args.run_dir, rank=int(os.environ.get("RANK", "0")))
     try:
-        cfg = load_run_config(args)
+        spec = load_run_spec(args)
         from megatron_hpc.train.entry import run_training
 
-        return run_training(cfg, phase=args.phase, run_dir=args.run_dir)
-    except MegatronHpcError as exc:
-        # Our own errors (config, data, checkpoint, divergence) come back on a retry: tell the node
-        # task not to requeue. Crashes and lost nodes leave no marker and are requeued.
-        if args.run_dir is not None and args.run_dir.is_dir():
-            write_marker(args.run_dir, FATAL_FILE, {"phase": args.phase, "error": str(exc)[:2000],
+        return run_training(spec, phase=args.phase, run_dir=args.run_dir)
+    except Exception as exc:
+        # Errors a retry cannot fix (our own: config, data, checkpoint, divergence; and the programming errors a
+        # bad value provokes, such as a ValueError from torch) tell the node task not to requeue. Crashes, lost
+        # peers and I/O errors leave no marker and are requeued.
+        if args.run_dir is not None and args.run_dir.is_dir() and is_deterministic(exc):
+            write_marker(args.run_dir, FATAL_FILE, {"phase": args.phase, "error": describe(exc)[:2000],
                                                     "kind": type(exc).__name__})
         raise
+
+
+def is_deterministic(exc: BaseException) -> bool:
+    """Whether the same inputs would raise it again: our own errors and Python's value and type errors."""
+    if isinstance(exc, MegatronHpcError):
+        return True
+    # RuntimeError covers lost peers and device faults (torch.distributed's errors derive from it), OSError a full
+    # or flaky filesystem: both may pass on a retry. A ValueError or TypeError from our configuration will not.
+    return isinstance(exc, (ValueError, TypeError, ZeroDivisionError, AssertionError, KeyError, IndexError,
+                            AttributeError, NotImplementedError)) and not isinstance(exc, OSError)
+
+
+def describe(exc: BaseException) -> str:
+    """One line: ours as they are, others with their type (which says what kind of bug it is)."""
+    return str(exc) if isinstance(exc, MegatronHpcError) else f"{type(exc).__name__}: {exc}"

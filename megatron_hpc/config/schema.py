@@ -63,6 +63,9 @@ class ModelConfig:
 class ParallelConfig:
     tensor: int = 1
     """Tensor-parallel size; must divide workers per node, heads and FFN size."""
+    pipeline: int = 1
+    """Pipeline-parallel size (Megatron --pipeline-model-parallel-size). The mesh has the dimension (tp fastest,
+    then dp, then pp); pipeline stages are not built yet, so the planner refuses values above 1."""
     overlap_grad_reduce: bool = True
     """Start each gradient bucket's data-parallel all-reduce during the last micro-batch's backward
     (Megatron --overlap-grad-reduce); ignored on XLA and when data-parallel size is 1."""
@@ -135,8 +138,10 @@ class OptimConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DataConfig:
-    source: DataSource = "synthetic"
-    """synthetic (deterministic generated tokens, like Megatron --mock-data) or indexed (.bin/.idx)."""
+    source: DataSource | None = None
+    """indexed (.bin/.idx at data.path) or synthetic (deterministic generated tokens, like Megatron --mock-data).
+    Unset means indexed when data.path is set; without a path, synthetic on the cpu platform and refused on the
+    others (a real cluster must not spend its hours on made-up tokens unless you ask: data.source=synthetic)."""
     path: str | None = None
     """Megatron --data-path: one prefix (no .bin/.idx), or a blend "0.3 prefixA 0.7 prefixB"; ~ expands."""
     split: str = "969,30,1"

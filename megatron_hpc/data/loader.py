@@ -3,8 +3,8 @@
 The trainer asks for train split samples num_steps * global_batch_size, as Megatron's
 `get_train_valid_test_num_samples` does (shared/reference/megatron-and-launchers.md 2.1), so the index caches
 are the ones a Megatron run with the same --train-iters, --global-batch-size, --seq-length, --seed, --split and
---data-path builds. Global sample ids are split over steps, micro-batches and DP ranks exactly as
-`synthetic.micro_batch_indices` splits them (Megatron's MegatronPretrainingSampler order).
+--data-path builds. Global sample ids are split over steps, micro-batches and DP ranks by the plan's BatchLayout
+(Megatron's MegatronPretrainingSampler order).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from megatron_hpc.config.schema import DataConfig
 from megatron_hpc.data.blending import BlendedDataset, build_split_dataset, parse_blend
 from megatron_hpc.data.gpt_dataset import GPTDataset, GPTIndexConfig, SplitName
 from megatron_hpc.data.indexed import IndexedDataset
-from megatron_hpc.data.synthetic import micro_batch_indices
 from megatron_hpc.errors import DataError
+from megatron_hpc.plan.batch import BatchLayout
 
 _SCAN_CHUNK = 1 << 24
 """Tokens per chunk when scanning a .bin for its largest id."""
@@ -52,10 +52,8 @@ class IndexedBatches:
     """The train split of data.path, read by one DP rank."""
 
     dataset: GPTDataset | BlendedDataset
-    micro_batch_size: int
-    global_batch_size: int
+    layout: BatchLayout
     dp_rank: int
-    dp_size: int
 
     def batch(self, indices: range | list[int]) -> torch.Tensor:
         """Samples stacked to (len(indices), seq_length + 1), int64: tokens are [:, :-1], labels [:, 1:]."""
@@ -63,30 +61,22 @@ class IndexedBatches:
 
     def micro_batches(self, step: int) -> list[torch.Tensor]:
         """This rank's micro-batches of optimizer step `step`, each (micro_batch_size, seq_length + 1)."""
-        num_micro = self.global_batch_size // (self.micro_batch_size * self.dp_size)
-        return [self.batch(micro_batch_indices(step, micro=m, micro_batch_size=self.micro_batch_size,
-                                               global_batch_size=self.global_batch_size, dp_rank=self.dp_rank,
-                                               dp_size=self.dp_size))
-                for m in range(num_micro)]
+        return [self.batch(ids) for ids in self.layout.rank_indices(step, dp_rank=self.dp_rank)]
 
 
-def build_indexed_batches(data: DataConfig, *, seq_length: int, seed: int, num_steps: int, global_batch_size: int,
-                          micro_batch_size: int, dp_rank: int, dp_size: int) -> IndexedBatches:
+def build_indexed_batches(data: DataConfig, *, seq_length: int, seed: int, num_steps: int, layout: BatchLayout,
+                          dp_rank: int) -> IndexedBatches:
     """Build (or load from the cache) the train split indices for num_steps * global_batch_size samples."""
     if not data.path:
         raise DataError("data.source is indexed but data.path is not set; give a prefix (my-gpt2_text_document) "
                         "or a blend \"0.3 prefixA 0.7 prefixB\"")
-    if global_batch_size % (micro_batch_size * dp_size):
-        raise DataError(f"global batch {global_batch_size} is not a multiple of micro batch {micro_batch_size} x "
-                        f"dp {dp_size}")
     config = GPTIndexConfig(seed=seed, seq_length=seq_length, split=data.split, cache_path=data.cache_path)
-    num_samples = num_steps * global_batch_size
+    num_samples = num_steps * layout.global_batch_size
     dataset = build_split_dataset(data.path, split_name="train", num_samples=num_samples, config=config)
     if len(dataset) < num_samples:
         raise DataError(f"the train split of {data.path} gives {len(dataset)} samples, {num_samples} are needed "
-                        f"({num_steps} steps x {global_batch_size}); this is a bug in the index build")
-    return IndexedBatches(dataset=dataset, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
-                          dp_rank=dp_rank, dp_size=dp_size)
+                        f"({num_steps} steps x {layout.global_batch_size}); this is a bug in the index build")
+    return IndexedBatches(dataset=dataset, layout=layout, dp_rank=dp_rank)
 
 
 def gpt_samples(*, data_path: str, seq_length: int, seed: int, split: str, split_name: SplitName,

@@ -5,9 +5,7 @@ drawn from a generator seeded by (seed, i) alone. So a sample does not depend on
 rank reads it, or on what was read before; and the rule is learnable, so the loss visibly falls
 within a few steps.
 
-Sample order follows Megatron's MegatronPretrainingSampler: global batch k covers samples
-[k*GBS, (k+1)*GBS); its micro-batch m is the slice [m*mbs*dp, (m+1)*mbs*dp), of which DP rank r
-reads [r*mbs, (r+1)*mbs).
+Which samples a rank reads in which step is the plan's BatchLayout (plan/batch.py), for every token source.
 """
 
 from __future__ import annotations
@@ -47,10 +45,3 @@ class SyntheticTokens:
     def batch(self, indices: Sequence[int]) -> torch.Tensor:
         """Samples stacked to (len(indices), seq_length + 1), int64, on the CPU."""
         return torch.from_numpy(np.stack([self.sample(i) for i in indices]))
-
-
-def micro_batch_indices(step: int, *, micro: int, micro_batch_size: int, global_batch_size: int,
-                        dp_rank: int, dp_size: int) -> range:
-    """Global sample indices that DP rank `dp_rank` reads in micro-batch `micro` of step `step`."""
-    first = step * global_batch_size + micro * micro_batch_size * dp_size + dp_rank * micro_batch_size
-    return range(first, first + micro_batch_size)

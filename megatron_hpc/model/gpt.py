@@ -18,7 +18,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megatron_hpc.config.schema import ModelConfig
-from megatron_hpc.errors import ConfigError
 from megatron_hpc.model.rotary import apply_rotary, rotary_dims, rotary_tables
 from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.parallel.layers import (
@@ -28,6 +27,7 @@ from megatron_hpc.parallel.layers import (
     seeded_normal,
 )
 from megatron_hpc.parallel.mappings import copy_to_tp_region
+from megatron_hpc.plan.checks import check_model_shape
 
 
 class Attention(nn.Module):
@@ -87,33 +87,12 @@ def _out_std(cfg: ModelConfig) -> float:
     return cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
 
 
-def check_model_config(cfg: ModelConfig, *, tp: int) -> None:
-    """Raise ConfigError when the model cannot be split tp ways."""
-    if cfg.hidden_size % cfg.num_attention_heads:
-        raise ConfigError(f"hidden_size {cfg.hidden_size} is not divisible by num_attention_heads "
-                          f"{cfg.num_attention_heads}; pick heads dividing the width")
-    if cfg.num_attention_heads % tp or cfg.ffn_size % tp:
-        raise ConfigError(f"tp={tp} must divide num_attention_heads ({cfg.num_attention_heads}) and the FFN "
-                          f"size ({cfg.ffn_size}); use tp in "
-                          f"{[d for d in range(1, cfg.num_attention_heads + 1) if cfg.num_attention_heads % d == 0]}")
-    if cfg.seq_length > cfg.max_position_embeddings:
-        raise ConfigError(f"seq_length {cfg.seq_length} exceeds max_position_embeddings "
-                          f"{cfg.max_position_embeddings}; raise max_position_embeddings")
-    if cfg.position_embedding not in ("learned", "rope"):
-        raise ConfigError(f"position_embedding {cfg.position_embedding!r} is unknown; use 'learned' or 'rope'")
-    if cfg.position_embedding == "rope":
-        try:
-            rotary_dims(cfg.hidden_size // cfg.num_attention_heads, rotary_percent=cfg.rotary_percent)
-        except ValueError as exc:
-            raise ConfigError(f"model.{exc}; pick rotary_percent so that it is (1.0 and 0.25 usually are)") from None
-
-
 class GPT(nn.Module):
     """Decoder-only transformer. forward(ids) returns vocab-sharded logits (B, S, V/tp)."""
 
     def __init__(self, cfg: ModelConfig, *, ctx: ParallelContext, padded_vocab: int, seed: int):
         super().__init__()
-        check_model_config(cfg, tp=ctx.tp_size)
+        check_model_shape(cfg, tensor_parallel=ctx.tp_size)  # the planner ran it too; tools build models directly
         self.group = ctx.tp_group
         self.recompute = cfg.recompute
         h, std = cfg.hidden_size, cfg.init_method_std

@@ -12,17 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from megatron_hpc.plan.model_math import rotary_dims  # noqa: F401  (pure; the model and the planner share it)
+
 ROTARY_BASE = 10000.0
 """Megatron's --rotary-base default."""
-
-
-def rotary_dims(head_dim: int, *, rotary_percent: float) -> int:
-    """Rotated dims per head; ValueError unless it is a positive even number."""
-    rot = int(head_dim * rotary_percent)
-    if rot <= 0 or rot % 2:
-        raise ValueError(f"rotary_percent {rotary_percent} of head dim {head_dim} gives {rot} rotated dims; "
-                         f"it must be a positive even number")
-    return rot
 
 
 def rotary_tables(rot: int, *, max_positions: int, base: float = ROTARY_BASE) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,8 +1,9 @@
-"""ParallelContext: the TP and DP process groups of one rank, built once and passed down.
+"""ParallelContext: the process groups of one rank, built once from the plan's mesh and passed down.
 
 Megatron keeps these in module globals (parallel_state.py); we keep them in one object so that a
 process can hold two contexts (the tests build a TP=1 reference beside a TP=2 model).
-Rank layout comes from megatron_hpc.plan.mesh (TP contiguous, DP strided by TP).
+Rank layout comes from megatron_hpc.plan.mesh (tp fastest, then dp, then pp); this is the one place
+that turns its groups into process groups.
 """
 
 from __future__ import annotations
@@ -13,20 +14,20 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from megatron_hpc.parallel.device import DeviceKind, group_options
-from megatron_hpc.plan.mesh import Mesh
+from megatron_hpc.plan.mesh import DIMS, Mesh
 
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelContext:
     mesh: Mesh
     rank: int
-    tp_group: dist.ProcessGroup
-    dp_group: dist.ProcessGroup
+    groups: dict[str, dist.ProcessGroup]
+    """This rank's process group along each mesh dimension (tp, dp, pp)."""
 
     @classmethod
     def build(cls, mesh: Mesh, *, rank: int, kind: DeviceKind = "cpu",
               timeout: timedelta | None = None) -> ParallelContext:
-        """Create every TP group, then every DP group, in the same order on all ranks.
+        """Create every group of every mesh dimension, in the same order on all ranks.
 
         new_group is collective over the whole world: each rank must call it for every group,
         including the ones it is not a member of, or the ranks deadlock. `timeout` is the
@@ -36,18 +37,26 @@ class ParallelContext:
         if mesh.world_size != dist.get_world_size():
             raise ValueError(f"mesh has {mesh.world_size} ranks but the process group has "
                              f"{dist.get_world_size()}")
-        tp_group = dp_group = None
-        all_tp, all_dp = mesh.tp_groups(), mesh.dp_groups()
-        for ranks in all_tp:
-            group = dist.new_group(ranks, **extra, **group_options(kind, all_groups=all_tp))
-            if rank in ranks:
-                tp_group = group
-        for ranks in all_dp:
-            group = dist.new_group(ranks, **extra, **group_options(kind, all_groups=all_dp))
-            if rank in ranks:
-                dp_group = group
-        assert tp_group is not None and dp_group is not None, "every rank is in one TP and one DP group"
-        return cls(mesh=mesh, rank=rank, tp_group=tp_group, dp_group=dp_group)
+        mine: dict[str, dist.ProcessGroup] = {}
+        for dim, all_groups in mesh.iter_groups():
+            for ranks in all_groups:
+                group = dist.new_group(ranks, **extra, **group_options(kind, all_groups=all_groups))
+                if rank in ranks:
+                    mine[dim] = group
+        assert set(mine) == set(DIMS), "every rank is in one group of each dimension"
+        return cls(mesh=mesh, rank=rank, groups=mine)
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup:
+        return self.groups["tp"]
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return self.groups["dp"]
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        return self.groups["pp"]
 
     @property
     def tp_rank(self) -> int:
@@ -64,6 +73,14 @@ class ParallelContext:
     @property
     def dp_size(self) -> int:
         return self.mesh.data_parallel
+
+    @property
+    def pp_rank(self) -> int:
+        return self.mesh.pp_rank(self.rank)
+
+    @property
+    def pp_size(self) -> int:
+        return self.mesh.pipeline_parallel
 
     @property
     def world_size(self) -> int:

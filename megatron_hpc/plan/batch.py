@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from megatron_hpc.errors import PlanError
 
 
@@ -18,3 +20,28 @@ def num_micro_batches(*, global_batch: int, micro_batch: int, data_parallel: int
         f"{micro_batch} x {data_parallel} = {per_step}; use --set train.global_batch_size="
         + " or ".join(str(v) for v in options)
     )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BatchLayout:
+    """How one global batch is split (the plan's numbers; Plan.batch): micro x DP x micro-batches.
+
+    Sample order follows Megatron's MegatronPretrainingSampler: global batch k covers samples
+    [k*GBS, (k+1)*GBS); its micro-batch m is the slice [m*mbs*dp, (m+1)*mbs*dp), of which DP rank r
+    reads [r*mbs, (r+1)*mbs).
+    """
+
+    micro_batch_size: int
+    global_batch_size: int
+    num_micro_batches: int
+    data_parallel: int
+
+    def indices(self, step: int, *, micro: int, dp_rank: int) -> range:
+        """Global sample indices that DP rank `dp_rank` reads in micro-batch `micro` of global batch `step`."""
+        first = (step * self.global_batch_size + micro * self.micro_batch_size * self.data_parallel
+                 + dp_rank * self.micro_batch_size)
+        return range(first, first + self.micro_batch_size)
+
+    def rank_indices(self, step: int, *, dp_rank: int) -> list[range]:
+        """This DP rank's micro-batches of global batch `step`, in order."""
+        return [self.indices(step, micro=m, dp_rank=dp_rank) for m in range(self.num_micro_batches)]

@@ -14,6 +14,15 @@ from megatron_hpc.config.schema import ModelConfig
 FLOPS_FORMULA = "megatron-classic: 12*L*h^2*(2 + s/h + ffn/h) + 6*h*V_padded per token (Narayanan et al. 2021)"
 
 
+def rotary_dims(head_dim: int, *, rotary_percent: float) -> int:
+    """Rotated dims per head of rotary embeddings; ValueError unless it is a positive even number."""
+    rot = int(head_dim * rotary_percent)
+    if rot <= 0 or rot % 2:
+        raise ValueError(f"rotary_percent {rotary_percent} of head dim {head_dim} gives {rot} rotated dims; "
+                         f"it must be a positive even number")
+    return rot
+
+
 def num_parameters(model: ModelConfig, *, padded_vocab: int) -> int:
     """Parameters of the full (unsharded) model."""
     h, f, layers = model.hidden_size, model.ffn_size, model.num_layers

@@ -1,12 +1,14 @@
-"""run_training: the entry point torchrun workers (and the CLI) call.
+"""run_training: the entry point torchrun workers (and the CLI) call, given the run spec (config + plan).
 
 Reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT); without it, runs as a world of one on a free local port. Checks the mesh and batch
-before any process group exists, so a bad plan fails fast and identically on every rank.
+MASTER_PORT); without it, runs as a world of one on a free local port. Checks the plan's mesh against that
+world before any process group exists, so a mismatch fails fast and identically on every rank. This is the
+edge of the trainer: environment reads happen here and are passed down as values.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from dataclasses import dataclass
@@ -17,11 +19,12 @@ from typing import Literal
 import torch.distributed as dist
 
 from megatron_hpc.config.platforms import get_platform
-from megatron_hpc.config.schema import RunConfig, TrainConfig
+from megatron_hpc.config.schema import RunConfig
 from megatron_hpc.errors import PlanError
 from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.parallel.device import init_method, keep_freed_memory, resolve_device, set_cpu_threads
-from megatron_hpc.plan.mesh import Mesh
+from megatron_hpc.plan.planner import check_data_source, check_torchrun_world
+from megatron_hpc.plan.spec import RunSpec, plan_run
 from megatron_hpc.train.loop import train
 
 
@@ -53,38 +56,30 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def build_mesh(env: DistEnv, *, tensor_parallel: int) -> Mesh:
-    """The TP x DP mesh of this job; PlanError when TP does not fit the node."""
+def plan_for_torchrun(cfg: RunConfig, *, platform: str | None = None,
+                      environ: dict[str, str] | None = None) -> RunSpec:
+    """Plan `cfg` for the world torchrun started (a direct `train --recipe` run, and tests).
+
+    The node count is WORLD_SIZE / LOCAL_WORLD_SIZE; on a platform whose worker count is configurable (cpu)
+    the plan takes torchrun's LOCAL_WORLD_SIZE, elsewhere the platform's count must match it.
+    """
+    env = read_dist_env(environ)
+    chosen = get_platform(platform or cfg.launch.platform)
+    if chosen.workers_configurable:
+        cfg = dataclasses.replace(cfg, launch=dataclasses.replace(cfg.launch, workers_per_node=env.local_world_size))
     if env.world_size % env.local_world_size:
         raise PlanError(f"WORLD_SIZE {env.world_size} is not a multiple of LOCAL_WORLD_SIZE "
                         f"{env.local_world_size}; launch the same number of workers on every node")
-    if tensor_parallel < 1 or env.local_world_size % tensor_parallel:
-        choices = [d for d in range(1, env.local_world_size + 1) if env.local_world_size % d == 0]
-        raise PlanError(f"tp={tensor_parallel} does not divide {env.local_world_size} workers per node; "
-                        f"use tp in {choices}")
-    return Mesh(num_nodes=env.world_size // env.local_world_size, workers_per_node=env.local_world_size,
-                tensor_parallel=tensor_parallel)
+    return plan_run(cfg, num_nodes=env.world_size // env.local_world_size, platform=chosen)
 
 
-def check_batch(train_cfg: TrainConfig, *, data_parallel: int) -> int:
-    """Micro-batches per step; PlanError naming the nearest valid global batch sizes otherwise."""
-    unit = train_cfg.micro_batch_size * data_parallel
-    gbs = train_cfg.global_batch_size
-    if train_cfg.micro_batch_size < 1 or gbs < 1 or gbs % unit:
-        lower, upper = (gbs // unit) * unit, (gbs // unit + 1) * unit
-        nearest = " or ".join(str(v) for v in (lower, upper) if v > 0)
-        raise PlanError(f"global_batch_size {gbs} is not a multiple of micro_batch_size "
-                        f"{train_cfg.micro_batch_size} x dp {data_parallel} = {unit}; use global_batch_size "
-                        f"{nearest}")
-    return gbs // unit
-
-
-def run_training(cfg: RunConfig, *, phase: Literal["compile", "run"] = "run", run_dir: Path | None = None) -> int:
+def run_training(spec: RunSpec, *, phase: Literal["compile", "run"] = "run", run_dir: Path | None = None) -> int:
     """Train this worker's share of the run (or the compile trial); returns 0 on success."""
+    plan = spec.plan
     env = read_dist_env()
-    mesh = build_mesh(env, tensor_parallel=cfg.parallel.tensor)
-    check_batch(cfg.train, data_parallel=mesh.data_parallel)
-    device = resolve_device(get_platform(cfg.launch.platform).backend, local_rank=env.local_rank)
+    check_torchrun_world(plan, world_size=env.world_size, local_world_size=env.local_world_size)
+    check_data_source(plan)
+    device = resolve_device(plan.backend, local_rank=env.local_rank)
     if device.kind == "cpu":
         set_cpu_threads(local_world_size=env.local_world_size)
         keep_freed_memory()
@@ -94,11 +89,13 @@ def run_training(cfg: RunConfig, *, phase: Literal["compile", "run"] = "run", ru
     # xla:// takes rank and world size from torch-xla's runtime (neuron-xla.md 4.4).
     ranks = {} if device.kind == "xla" else {"rank": env.rank, "world_size": env.world_size}
     # A peer that stops answering fails the collective after this long (a hang becomes a requeue).
-    timeout = timedelta(seconds=cfg.launch.collective_timeout_s)
+    timeout = timedelta(seconds=spec.config.launch.collective_timeout_s)
     dist.init_process_group(device.backend, init_method=method, timeout=timeout, **ranks)
     try:
-        ctx = ParallelContext.build(mesh, rank=env.rank, kind=device.kind, timeout=timeout)
-        train(cfg, ctx, device=device, phase=phase, run_dir=run_dir)
+        ctx = ParallelContext.build(plan.mesh, rank=env.rank, kind=device.kind, timeout=timeout)
+        # A neuron_parallel_compile trial (graphs only) returns zeros: nothing of it may be saved or loaded.
+        graphs_only = bool(os.environ.get("NEURON_EXTRACT_GRAPHS_ONLY"))
+        train(spec, ctx, device=device, phase=phase, run_dir=run_dir, checkpoints=phase == "run" and not graphs_only)
     finally:
         dist.destroy_process_group()
     return 0

@@ -28,14 +28,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_hpc.config.schema import RunConfig
 from megatron_hpc.data.blending import BlendedDataset, build_split_dataset
 from megatron_hpc.data.gpt_dataset import GPTDataset, GPTIndexConfig, split_matrix
-from megatron_hpc.data.synthetic import SyntheticTokens, micro_batch_indices
+from megatron_hpc.data.synthetic import SyntheticTokens
 from megatron_hpc.errors import DataError
 from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_hpc.parallel.device import DeviceInfo, step_barrier
+from megatron_hpc.plan.batch import BatchLayout
+from megatron_hpc.plan.spec import RunSpec
 from megatron_hpc.train.metrics import MetricsLogger
 
 VALID_SAMPLE_OFFSET = 10**12
@@ -75,8 +76,8 @@ class Evaluator:
     eval_iters: int
     train_iters: int
     """Steps of this phase: the last one is always evaluated."""
-    micro_batch_size: int
-    global_batch_size: int
+    layout: BatchLayout
+    """The plan's split of a global batch over micro-batches and DP ranks."""
     ctx: ParallelContext
     device: DeviceInfo
     autocast_dtype: torch.dtype | None
@@ -101,7 +102,7 @@ class Evaluator:
         """Mean lm loss of evaluation `index`, averaged over eval_iters, micro-batches and DP."""
         assert self.data is not None, "evaluate() needs validation data"
         ctx, dev = self.ctx, self.device.device
-        num_micro = self.global_batch_size // (self.micro_batch_size * ctx.dp_size)
+        num_micro = self.layout.num_micro_batches
         was_training = model.training
         model.eval()
         total = torch.zeros((), device=dev, dtype=torch.float32)
@@ -109,11 +110,7 @@ class Evaluator:
                 else contextlib.nullcontext())
         with torch.no_grad():
             for j in range(self.eval_iters):
-                for m in range(num_micro):
-                    ids = micro_batch_indices(index * self.eval_iters + j, micro=m,
-                                              micro_batch_size=self.micro_batch_size,
-                                              global_batch_size=self.global_batch_size,
-                                              dp_rank=ctx.dp_rank, dp_size=ctx.dp_size)
+                for ids in self.layout.rank_indices(index * self.eval_iters + j, dp_rank=ctx.dp_rank):
                     tokens = self.data.batch(ids).to(dev)
                     with cast:
                         logits = model(tokens[:, :-1])  # (mbs, S, V/tp)
@@ -125,10 +122,11 @@ class Evaluator:
         return total.item() / (ctx.dp_size * num_micro * self.eval_iters)
 
 
-def _valid_data(cfg: RunConfig) -> _Batches | None:
+def _valid_data(spec: RunSpec) -> _Batches | None:
+    cfg, plan = spec.config, spec.plan
     tcfg = cfg.train
-    if cfg.data.source == "synthetic":
-        return _OffsetSynthetic(SyntheticTokens(vocab_size=cfg.model.vocab_size, seq_length=cfg.model.seq_length,
+    if plan.data_source == "synthetic":
+        return _OffsetSynthetic(SyntheticTokens(vocab_size=cfg.model.vocab_size, seq_length=plan.seq_length,
                                                 seed=tcfg.seed))
     if not cfg.data.path:
         raise DataError("data.source is indexed but data.path is not set; validation needs its valid split")
@@ -138,8 +136,8 @@ def _valid_data(cfg: RunConfig) -> _Batches | None:
                       stacklevel=3)
         return None
     count = num_valid_samples(train_iters=tcfg.num_steps, eval_interval=tcfg.eval_interval,
-                              eval_iters=tcfg.eval_iters, global_batch_size=tcfg.global_batch_size)
-    config = GPTIndexConfig(seed=tcfg.seed, seq_length=cfg.model.seq_length, split=cfg.data.split,
+                              eval_iters=tcfg.eval_iters, global_batch_size=plan.global_batch_size)
+    config = GPTIndexConfig(seed=tcfg.seed, seq_length=plan.seq_length, split=cfg.data.split,
                             cache_path=cfg.data.cache_path)
     dataset = build_split_dataset(cfg.data.path, split_name="valid", num_samples=count, config=config)
     if len(dataset) < count:
@@ -148,12 +146,11 @@ def _valid_data(cfg: RunConfig) -> _Batches | None:
     return _ValidSplit(dataset)
 
 
-def build_evaluator(cfg: RunConfig, ctx: ParallelContext, *, device: DeviceInfo, autocast_dtype: torch.dtype | None,
+def build_evaluator(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, autocast_dtype: torch.dtype | None,
                     train_iters: int, metrics: MetricsLogger) -> Evaluator:
     """The evaluator of this phase; it does nothing when train.eval_interval or eval_iters is 0."""
-    tcfg = cfg.train
+    tcfg = spec.config.train
     enabled = tcfg.eval_interval > 0 and tcfg.eval_iters > 0
-    return Evaluator(data=_valid_data(cfg) if enabled else None, interval=max(1, tcfg.eval_interval),
-                     eval_iters=tcfg.eval_iters, train_iters=train_iters, micro_batch_size=tcfg.micro_batch_size,
-                     global_batch_size=tcfg.global_batch_size, ctx=ctx, device=device, autocast_dtype=autocast_dtype,
-                     metrics=metrics)
+    return Evaluator(data=_valid_data(spec) if enabled else None, interval=max(1, tcfg.eval_interval),
+                     eval_iters=tcfg.eval_iters, train_iters=train_iters, layout=spec.plan.batch, ctx=ctx,
+                     device=device, autocast_dtype=autocast_dtype, metrics=metrics)

@@ -1,4 +1,4 @@
-"""train(cfg, ctx): build the model, optimizer and data, then step, log, repeat (nanoGPT's train.py)."""
+"""train(spec, ctx): build the model, optimizer and data, then step, log, repeat (nanoGPT's train.py)."""
 
 from __future__ import annotations
 
@@ -11,22 +11,24 @@ from typing import Literal, TextIO
 import torch
 import torch.distributed as dist
 
-from megatron_hpc.checkpoint.checkpointer import Checkpointer
-from megatron_hpc.config.schema import RunConfig, TrainConfig
+from megatron_hpc.config.schema import ModelConfig
 from megatron_hpc.data.loader import IndexedBatches, build_indexed_batches, check_vocabulary
-from megatron_hpc.data.synthetic import SyntheticTokens, micro_batch_indices
-from megatron_hpc.errors import DataError, TrainingError
+from megatron_hpc.data.synthetic import SyntheticTokens
+from megatron_hpc.errors import TrainingError
 from megatron_hpc.model.gpt import GPT
 from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.parallel.device import DeviceFeed, DeviceInfo, step_barrier, when_step_done
 from megatron_hpc.parallel.grads import build_grad_reducer
-from megatron_hpc.plan.vocab import padded_vocab_size
+from megatron_hpc.plan.planner import Plan
+from megatron_hpc.plan.spec import RunSpec
+from megatron_hpc.train.checkpointing import Checkpointer, checkpoint_roots
 from megatron_hpc.train.evaluate import build_evaluator
 from megatron_hpc.train.init_skip import skip_random_init
-from megatron_hpc.train.lr import lr_at
+from megatron_hpc.train.lr import lr_at_count
 from megatron_hpc.train.metrics import IterationRecord, MetricsLogger
 from megatron_hpc.train.optim import build_optimizer, set_lr
 from megatron_hpc.train.precision import autocast_dtype_for, build_loss_scaler
+from megatron_hpc.train.state import TrainState
 from megatron_hpc.train.step import StepOutput, train_step
 from megatron_hpc.train.stop import StopDecision, StopWatch, record_stop
 from megatron_hpc.train.tensorboard import open_tensorboard
@@ -46,67 +48,62 @@ class TrainSummary:
     """Set when a signal or the time budget ended the run early (after a save)."""
 
 
-def model_padded_vocab(cfg: RunConfig, ctx: ParallelContext) -> int:
-    return padded_vocab_size(cfg.model.vocab_size, divisible_by=cfg.model.make_vocab_size_divisible_by,
-                             tensor_parallel=ctx.tp_size)
-
-
-def build_model(cfg: RunConfig, ctx: ParallelContext, *, device: torch.device,
-                from_checkpoint: bool = False) -> tuple[GPT, int]:
-    """The GPT for this rank, on `device`, and the padded vocabulary it was built with.
+def build_model(model_cfg: ModelConfig, ctx: ParallelContext, *, padded_vocab: int, seed: int,
+                device: torch.device, from_checkpoint: bool = False) -> GPT:
+    """The GPT for this rank, on `device`, with the plan's padded vocabulary.
 
     With from_checkpoint, the weights are left uninitialised: the caller loads them next.
     """
-    padded = model_padded_vocab(cfg, ctx)
     # Built on the CPU (TP-invariant init) and then moved, like Megatron's --use-cpu-initialization.
     with skip_random_init(from_checkpoint):
-        model = GPT(cfg.model, ctx=ctx, padded_vocab=padded, seed=cfg.train.seed)
-    return model.to(device), padded
+        model = GPT(model_cfg, ctx=ctx, padded_vocab=padded_vocab, seed=seed)
+    return model.to(device)
 
 
-def _build_data(cfg: RunConfig, ctx: ParallelContext) -> SyntheticTokens | IndexedBatches:
+def _build_data(spec: RunSpec, ctx: ParallelContext) -> SyntheticTokens | IndexedBatches:
     """The token source; both give `.batch(indices)` -> (len, seq_length + 1) int64."""
-    tcfg = cfg.train
-    if cfg.data.source == "synthetic":
-        return SyntheticTokens(vocab_size=cfg.model.vocab_size, seq_length=cfg.model.seq_length, seed=tcfg.seed)
-    if cfg.data.source != "indexed":
-        raise DataError(f"data.source {cfg.data.source!r} is not supported by the trainer; use synthetic or indexed")
+    cfg, plan = spec.config, spec.plan
+    if plan.data_source == "synthetic":
+        return SyntheticTokens(vocab_size=cfg.model.vocab_size, seq_length=plan.seq_length, seed=cfg.train.seed)
     if cfg.data.path and ctx.is_first_rank:
         # One full read of every .bin is enough: rank 0's DataError ends the whole torchrun job.
         check_vocabulary(cfg.data.path, vocab_size=cfg.model.vocab_size)
     # Always the run phase's sample count, so a compile trial builds the run's index cache.
-    return build_indexed_batches(cfg.data, seq_length=cfg.model.seq_length, seed=tcfg.seed, num_steps=tcfg.num_steps,
-                                 global_batch_size=tcfg.global_batch_size, micro_batch_size=tcfg.micro_batch_size,
-                                 dp_rank=ctx.dp_rank, dp_size=ctx.dp_size)
+    return build_indexed_batches(cfg.data, seq_length=plan.seq_length, seed=cfg.train.seed,
+                                 num_steps=cfg.train.num_steps, layout=plan.batch, dp_rank=ctx.dp_rank)
 
 
-def train(cfg: RunConfig, ctx: ParallelContext, *, device: DeviceInfo, phase: Phase = "run",
-          run_dir: Path | None = None, out: TextIO | None = None) -> TrainSummary:
-    """Train for train.num_steps (phase run) or compile.num_steps (phase compile) steps."""
+def train(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, phase: Phase = "run",
+          run_dir: Path | None = None, checkpoints: bool = True, out: TextIO | None = None) -> TrainSummary:
+    """Train for train.num_steps (phase run) or compile.num_steps (phase compile) steps.
+
+    Every derived number (mesh, batch split, padded vocabulary, LR schedule) comes from spec.plan.
+    `checkpoints` False (a compile trial) neither loads nor saves.
+    """
     out = sys.stdout if out is None else out  # looked up per call, so redirection and capture work
-    tcfg = cfg.train
+    cfg, plan, tcfg = spec.config, spec.plan, spec.config.train
     num_steps = tcfg.num_steps if phase == "run" else cfg.compile.num_steps
-    data = _build_data(cfg, ctx)  # before the model: data errors surface first
+    data = _build_data(spec, ctx)  # before the model: data errors surface first
     autocast_dtype = autocast_dtype_for(tcfg.precision, device_kind=device.kind)
-    scaler = build_loss_scaler(tcfg.precision)  # fp16 only
     torch.manual_seed(tcfg.seed + ctx.dp_rank)  # dropout masks: same across TP, different across DP
 
-    ckpt = Checkpointer(cfg, ctx, device=device, phase=phase, run_dir=run_dir,
-                        padded_vocab=model_padded_vocab(cfg, ctx), out=out, scaler=scaler)
+    save_root, load_root = checkpoint_roots(cfg.checkpoint, run_dir=run_dir, active=checkpoints)
+    ckpt = Checkpointer(spec, ctx, device=device, save_root=save_root, load_root=load_root, out=out)
     resuming = ckpt.has_checkpoint()  # then the random init would be thrown away: skip it
-    model, padded = build_model(cfg, ctx, device=device.device, from_checkpoint=resuming)
+    model = build_model(cfg.model, ctx, padded_vocab=plan.padded_vocab_size, seed=tcfg.seed, device=device.device,
+                        from_checkpoint=resuming)
     if ctx.is_first_rank:
-        print(_banner(cfg, ctx, model=model, padded=padded, device=device, phase=phase, num_steps=num_steps),
-              file=out, flush=True)
+        print(_banner(spec, ctx, model=model, device=device, phase=phase, num_steps=num_steps), file=out, flush=True)
     step_model = torch.compile(model) if tcfg.compile and device.kind != "xla" else model
     optimizer = build_optimizer(model, optim=cfg.optim)
-    start = ckpt.restore(model, optimizer)  # 0 without a checkpoint
-    metrics = MetricsLogger(model=cfg.model, padded_vocab=padded, world_size=ctx.world_size,
-                            train_iters=num_steps, global_batch_size=tcfg.global_batch_size, phase=phase,
+    state = ckpt.restore(model, optimizer, TrainState(scaler=build_loss_scaler(tcfg.precision)))
+    start = state.step
+    metrics = MetricsLogger(model=cfg.model, padded_vocab=plan.padded_vocab_size, world_size=ctx.world_size,
+                            train_iters=num_steps, global_batch_size=plan.global_batch_size, phase=phase,
                             log_interval=tcfg.log_interval, enabled=ctx.is_last_rank, run_dir=run_dir, out=out)
     metrics.tensorboard = open_tensorboard(run_dir, enabled=ctx.is_last_rank and tcfg.tensorboard,
-                                           platform=cfg.launch.platform, device=device.device)
-    evaluator = build_evaluator(cfg, ctx, device=device, autocast_dtype=autocast_dtype, train_iters=num_steps,
+                                           platform=plan.platform, device=device.device)
+    evaluator = build_evaluator(spec, ctx, device=device, autocast_dtype=autocast_dtype, train_iters=num_steps,
                                 metrics=metrics)
     records: list[IterationRecord] = []
     interval = _IntervalSums(device=device.device)
@@ -115,11 +112,7 @@ def train(cfg: RunConfig, ctx: ParallelContext, *, device: DeviceInfo, phase: Ph
     # DP all-reduce started inside the last micro-batch's backward (None: after it; see parallel/grads.py).
     grad_reducer = build_grad_reducer(model.parameters(), group=ctx.dp_group, device_kind=device.kind,
                                       overlap=cfg.parallel.overlap_grad_reduce, bucket_mb=cfg.parallel.grad_bucket_mb)
-    # Successful (not skipped) optimizer steps: the LR schedule advances only on those, as Megatron's
-    # scheduler does; the checkpoint carries the count (lr_scheduler.successful_steps).
-    lr_steps = ckpt.lr_steps if ckpt.lr_steps is not None else start
-
-    feed = DeviceFeed((_host_batches(data, step, cfg=tcfg, ctx=ctx) for step in range(start, num_steps)), device)
+    feed = DeviceFeed((_host_batches(data, step, plan=plan, ctx=ctx) for step in range(start, num_steps)), device)
     model.train()
     metrics.reset_clock(start)
     # Only the run phase stops early to save. The check reads a flag on the host, a graph of its own on XLA:
@@ -128,19 +121,18 @@ def train(cfg: RunConfig, ctx: ParallelContext, *, device: DeviceInfo, phase: Ph
         run_dir=run_dir, time_budget_min=cfg.checkpoint.time_budget_min, is_first_rank=ctx.is_first_rank,
         check_every=tcfg.log_interval if device.kind == "xla" else 1, device=device.device)
     try:
-        for step, batches in zip(range(start, num_steps), feed):
-            # The schedule always spans the run phase, so a compile trial traces the run's LR values.
-            lr = lr_at(lr_steps, optim=cfg.optim, num_steps=tcfg.num_steps, global_batch_size=tcfg.global_batch_size)
+        for batches in feed:
+            # The schedule (from the plan) always spans the run phase, so a compile trial traces the run's LRs.
+            lr = lr_at_count(state.lr_steps * plan.lr_schedule.per_step, sched=plan.lr_schedule, optim=cfg.optim)
             set_lr(optimizer, lr)
             result = train_step(step_model, optimizer, batches, ctx=ctx, clip_grad=cfg.optim.clip_grad,
-                                autocast_dtype=autocast_dtype, device_type=device.kind, scaler=scaler,
+                                autocast_dtype=autocast_dtype, device_type=device.kind, scaler=state.scaler,
                                 grad_reducer=grad_reducer, grad_bucket_mb=cfg.parallel.grad_bucket_mb)
-            lr_steps += 0 if result.skipped else 1
-            ckpt.lr_steps = lr_steps
+            state.advance(global_batch_size=plan.global_batch_size, applied=not result.skipped)
+            iteration = state.step
             skipped_in_a_row = _skip_streak(skipped_in_a_row, result, limit=tcfg.max_skipped_steps, phase=phase,
-                                            iteration=step + 1, lr=lr)
+                                            iteration=iteration, lr=lr)
             interval.add(result)
-            iteration = step + 1
             if metrics.should_log(iteration):
                 stats = interval.reduced(group=ctx.dp_group)
                 taken = iteration - metrics.last_iteration - interval.skipped
@@ -150,39 +142,36 @@ def train(cfg: RunConfig, ctx: ParallelContext, *, device: DeviceInfo, phase: Ph
                 interval.reset()
             step_barrier(device)
             evaluator.maybe_evaluate(iteration, model)
-            ckpt.maybe_save(step + 1, model=model, optimizer=optimizer, num_steps=num_steps)
+            ckpt.maybe_save(state, model=model, optimizer=optimizer, num_steps=num_steps)
             stopped = stopwatch.check(iteration) if stopwatch is not None and iteration < num_steps else None
             if stopped is not None:
-                _stop_early(stopped, ckpt=ckpt, model=model, optimizer=optimizer, run_dir=run_dir,
+                _stop_early(stopped, state, ckpt=ckpt, model=model, optimizer=optimizer, run_dir=run_dir,
                             first_rank=ctx.is_first_rank, out=out)
                 break
     finally:  # on an error too: the signal handlers go back and the event files are flushed
         if stopwatch is not None:
             stopwatch.close()
         metrics.close()
-    steps = stopped.iteration if stopped is not None else num_steps
-    return TrainSummary(steps=steps, consumed_samples=steps * tcfg.global_batch_size, records=records,
-                        stopped=stopped)
+    return TrainSummary(steps=state.step, consumed_samples=state.consumed_samples, records=records, stopped=stopped)
 
 
-def _host_batches(data: SyntheticTokens | IndexedBatches, step: int, *, cfg: TrainConfig,
+def _host_batches(data: SyntheticTokens | IndexedBatches, step: int, *, plan: Plan,
                   ctx: ParallelContext) -> list[torch.Tensor]:
     """This rank's micro-batches of optimizer step `step`, on the CPU."""
-    num_micro = cfg.global_batch_size // (cfg.micro_batch_size * ctx.dp_size)
-    return [data.batch(micro_batch_indices(step, micro=m, micro_batch_size=cfg.micro_batch_size,
-                                           global_batch_size=cfg.global_batch_size, dp_rank=ctx.dp_rank,
-                                           dp_size=ctx.dp_size)) for m in range(num_micro)]
+    return [data.batch(ids) for ids in plan.batch.rank_indices(step, dp_rank=ctx.dp_rank)]
 
 
-def _banner(cfg: RunConfig, ctx: ParallelContext, *, model: GPT, padded: int, device: DeviceInfo, phase: Phase,
+def _banner(spec: RunSpec, ctx: ParallelContext, *, model: GPT, device: DeviceInfo, phase: Phase,
             num_steps: int) -> str:
-    tcfg = cfg.train
-    num_micro = tcfg.global_batch_size // (tcfg.micro_batch_size * ctx.dp_size)
+    plan, vocab = spec.plan, spec.config.model.vocab_size
+    data = "indexed data"
+    if plan.data_source == "synthetic":  # loudly where hours are spent: never real data, whatever the loss says
+        data = "synthetic tokens" if plan.platform == "cpu" else "SYNTHETIC TOKENS, NOT REAL DATA (data.source)"
     return (f"> megatron-hpc {phase}: world {ctx.world_size} = {ctx.mesh.num_nodes} node(s) x "
-            f"{ctx.mesh.workers_per_node} worker(s) | tp {ctx.tp_size} dp {ctx.dp_size} | "
-            f"parameters {model.num_params(ctx=ctx):,} | padded vocab {padded} "
-            f"({padded - cfg.model.vocab_size} dummy) | {num_micro} micro-batch(es) of "
-            f"{tcfg.micro_batch_size} | {device.kind} {tcfg.precision} | {num_steps} steps")
+            f"{ctx.mesh.workers_per_node} worker(s) | tp {ctx.tp_size} pp {ctx.pp_size} dp {ctx.dp_size} | "
+            f"parameters {model.num_params(ctx=ctx):,} | padded vocab {plan.padded_vocab_size} "
+            f"({plan.padded_vocab_size - vocab} dummy) | {plan.num_micro_batches} micro-batch(es) of "
+            f"{plan.micro_batch_size} | {device.kind} {spec.config.train.precision} | {num_steps} steps | {data}")
 
 
 def _skip_streak(before: int, result: StepOutput, *, limit: int, phase: Phase, iteration: int, lr: float) -> int:
@@ -233,10 +222,10 @@ def _log_step(metrics: MetricsLogger, records: list[IterationRecord], iteration:
                                num_nan=round(nans / dp_size), num_skipped=skipped, loss_scale=loss_scale))
 
 
-def _stop_early(decision: StopDecision, *, ckpt: Checkpointer, model: torch.nn.Module,
+def _stop_early(decision: StopDecision, state: TrainState, *, ckpt: Checkpointer, model: torch.nn.Module,
                 optimizer: torch.optim.Optimizer, run_dir: Path | None, first_rank: bool, out: TextIO) -> None:
     """Save at the agreed iteration, then leave a stopped.json for the node task (which requeues)."""
-    folder = ckpt.save_now(decision.iteration, model=model, optimizer=optimizer)
+    folder = ckpt.save_now(state, model=model, optimizer=optimizer)
     if not first_rank:
         return
     where = f"checkpoint {folder}" if folder else "no checkpoint (no save folder)"

@@ -13,7 +13,6 @@ import torch.distributed as dist
 from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.parallel.grads import OverlappedGradReducer, build_grad_reducer
 from megatron_hpc.plan.mesh import Mesh
-from megatron_hpc.train.loop import build_model
 from megatron_hpc.train.optim import build_optimizer
 from megatron_hpc.train.step import train_step
 
@@ -27,6 +26,12 @@ def _setup(rank: int, world: int, port: int) -> tuple[ParallelContext, Any]:
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
     ctx = ParallelContext.build(Mesh(num_nodes=1, workers_per_node=world, tensor_parallel=1), rank=rank)
     return ctx, mp_workers.tiny_config()
+
+
+def _model(cfg: Any, ctx: ParallelContext) -> Any:
+    import mp_workers
+
+    return mp_workers.model_for(cfg, ctx)
 
 
 def _micro_batches(ctx: ParallelContext, *, step: int, count: int) -> list[torch.Tensor]:
@@ -52,7 +57,7 @@ def overlap_matches_plain(ctx: ParallelContext, cfg: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"grads": [], "weights": None, "buckets": 0, "started": []}
     runs = {}
     for overlap in (True, False):
-        model, _ = build_model(cfg, ctx, device=torch.device("cpu"))
+        model = _model(cfg, ctx)
         optimizer = build_optimizer(model, optim=cfg.optim)
         reducer = OverlappedGradReducer(model.parameters(), group=ctx.dp_group, bucket_mb=BUCKET_MB) \
             if overlap else None
@@ -89,7 +94,7 @@ def overlap_event_order(ctx: ParallelContext, cfg: Any) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     try:
         for overlap in (True, False):
-            model, _ = build_model(cfg, ctx, device=torch.device("cpu"))
+            model = _model(cfg, ctx)
             optimizer = build_optimizer(model, optim=cfg.optim)
             model.h[0].register_full_backward_pre_hook(lambda *_: events.append("backward reached h.0"))
             reducer = OverlappedGradReducer(model.parameters(), group=ctx.dp_group, bucket_mb=BUCKET_MB) \

@@ -33,6 +33,16 @@ def tiny_config(*, tp: int = 1, micro_batch_size: int = 2, global_batch_size: in
     )
 
 
+def model_for(cfg: RunConfig, ctx: Any) -> Any:
+    """The trainer's model for `cfg` at ctx's TP size (the padded vocabulary from the planner's one function)."""
+    from megatron_hpc.plan.vocab import padded_vocab_size
+    from megatron_hpc.train.loop import build_model
+
+    padded = padded_vocab_size(cfg.model.vocab_size, divisible_by=cfg.model.make_vocab_size_divisible_by,
+                               tensor_parallel=ctx.tp_size)
+    return build_model(cfg.model, ctx, padded_vocab=padded, seed=cfg.train.seed, device=torch.device("cpu"))
+
+
 def free_ports(n: int) -> list[int]:
     socks = [socket.socket() for _ in range(n)]
     try:
@@ -66,11 +76,11 @@ def spawn(fn: Callable[..., Any], *, world: int, out_dir: Path, args: tuple = ()
 
 def train_runs(rank: int, world: int, ports: list[int], configs: list[RunConfig], run_root: str) -> None:
     """run_training once per config (a fresh process group each, on its own port)."""
-    from megatron_hpc.train.entry import run_training
+    from megatron_hpc.train.entry import plan_for_torchrun, run_training
 
     for i, cfg in enumerate(configs):
         os.environ["MASTER_PORT"] = str(ports[i])
-        assert run_training(cfg, run_dir=Path(run_root) / f"run{i}") == 0
+        assert run_training(plan_for_torchrun(cfg), run_dir=Path(run_root) / f"run{i}") == 0
 
 
 def _init(rank: int, world: int, port: int) -> None:
@@ -93,14 +103,12 @@ def tp_layers(rank: int, world: int, ports: list[int]) -> dict[str, Any]:
     from megatron_hpc.parallel.cross_entropy import vocab_parallel_cross_entropy
     from megatron_hpc.parallel.mappings import gather_from_tp_region
     from megatron_hpc.plan.mesh import Mesh
-    from megatron_hpc.train.loop import build_model
-
     _init(rank, world, ports[0])
     cfg = tiny_config(tp=2)
     ctx2 = ParallelContext.build(Mesh(num_nodes=1, workers_per_node=2, tensor_parallel=2), rank=rank)
     ctx1 = ParallelContext.build(Mesh(num_nodes=1, workers_per_node=2, tensor_parallel=1), rank=rank)
-    model2, padded2 = build_model(cfg, ctx2, device=torch.device("cpu"))
-    model1, padded1 = build_model(cfg, ctx1, device=torch.device("cpu"))
+    model2, model1 = model_for(cfg, ctx2), model_for(cfg, ctx1)
+    padded2, padded1 = model2.wte.per_rank * ctx2.tp_size, model1.wte.per_rank * ctx1.tp_size
     ref = dict(model1.named_parameters())
     weights = {name: (_full_param(p, ref[name].shape, ctx2.tp_group), ref[name].detach())
                for name, p in model2.named_parameters()}

@@ -34,17 +34,18 @@ def _metrics(run_dir: Path) -> list[dict]:
 def resume_runs(rank: int, world: int, ports: list[int], plan: list[tuple[int, RunConfig, str]],
                 run_root: str) -> None:
     """run_training for each (world size, config, name); world-1 entries run on rank 0 alone."""
-    from megatron_hpc.train.entry import run_training
+    from megatron_hpc.train.entry import plan_for_torchrun, run_training
 
     for i, (size, cfg, name) in enumerate(plan):
         if size == 1:
             if rank == 0:
                 env = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-                assert run_training(cfg, run_dir=Path(run_root) / name) == 0  # a world of one, own port
+                # a world of one, on its own port
+                assert run_training(plan_for_torchrun(cfg), run_dir=Path(run_root) / name) == 0
                 os.environ.update(env)
             continue
         os.environ["MASTER_PORT"] = str(ports[i])
-        assert run_training(cfg, run_dir=Path(run_root) / name) == 0
+        assert run_training(plan_for_torchrun(cfg), run_dir=Path(run_root) / name) == 0
 
 
 @pytest.fixture(scope="module")

@@ -87,14 +87,14 @@ def test_reshard_tp2_to_tp1_and_back_keeps_the_logits(tp2_checkpoint, tmp_path):
     torch.testing.assert_close(back, ref, rtol=0, atol=1e-4)
     # the trainer resumes from the resharded checkpoint at TP=1, optimizer included
     from megatron_hpc.config.loader import load_recipe
-    from megatron_hpc.train.entry import run_training
+    from megatron_hpc.train.entry import plan_for_torchrun, run_training
 
     cfg = load_recipe("tiny", [*MODEL, "data.source=synthetic", "train.num_steps=4", "train.micro_batch_size=4",
                                "train.global_batch_size=4", "train.tensorboard=false",
                                f"checkpoint.load={tmp_path / 'tp1'}", f"checkpoint.save={tmp_path / 'tp1-more'}"])
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         os.environ.pop(var, None)
-    assert run_training(cfg, run_dir=tmp_path / "resumed") == 0
+    assert run_training(plan_for_torchrun(cfg), run_dir=tmp_path / "resumed") == 0
     assert (tmp_path / "tp1-more" / "latest_checkpointed_iteration.txt").read_text() == "4"
 
 

@@ -18,7 +18,7 @@ from megatron_hpc.config.schema import (
     TrainConfig,
 )
 from megatron_hpc.errors import CheckpointError
-from megatron_hpc.train.entry import run_training
+from megatron_hpc.train.entry import plan_for_torchrun, run_training
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -46,18 +46,18 @@ def _iterations(run_dir: Path) -> list[int]:
 
 
 def test_saves_at_interval_and_end_into_run_dir(tmp_path: Path) -> None:
-    run_training(_tiny(num_steps=5, save_interval=2, keep_last=5), run_dir=tmp_path)
+    run_training(plan_for_torchrun(_tiny(num_steps=5, save_interval=2, keep_last=5)), run_dir=tmp_path)
     root = tmp_path / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["iter_0000002", "iter_0000004", "iter_0000005", paths.TRACKER]
     # Same recipe again: it resumes at 5, trains nothing and saves nothing new.
-    run_training(_tiny(num_steps=5, save_interval=2, keep_last=5), run_dir=tmp_path)
+    run_training(plan_for_torchrun(_tiny(num_steps=5, save_interval=2, keep_last=5)), run_dir=tmp_path)
     assert _iterations(tmp_path) == [1, 2, 3, 4, 5]
 
 
 def test_no_saves_in_compile_phase_or_graph_extraction(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    run_training(_tiny(save_interval=1), phase="compile", run_dir=tmp_path / "compile")
+    run_training(plan_for_torchrun(_tiny(save_interval=1)), phase="compile", run_dir=tmp_path / "compile")
     monkeypatch.setenv("NEURON_EXTRACT_GRAPHS_ONLY", "1")
-    run_training(_tiny(save_interval=1), run_dir=tmp_path / "extract")
+    run_training(plan_for_torchrun(_tiny(save_interval=1)), run_dir=tmp_path / "extract")
     assert not (tmp_path / "compile" / "checkpoints").exists()
     assert not (tmp_path / "extract" / "checkpoints").exists()
 
@@ -75,7 +75,7 @@ def small_disk(tmp_path: Path):
 def test_full_disk_continue_keeps_training(tmp_path: Path, small_disk: Path,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     cfg = _tiny(num_steps=4, save=str(small_disk), save_interval=2, on_save_failure="continue")
-    assert run_training(cfg, run_dir=tmp_path) == 0
+    assert run_training(plan_for_torchrun(cfg), run_dir=tmp_path) == 0
     assert _iterations(tmp_path) == [1, 2, 3, 4]
     assert list(small_disk.iterdir()) == []  # the failed saves left nothing behind
     assert capsys.readouterr().err.count("No space left on device") == 2
@@ -84,7 +84,7 @@ def test_full_disk_continue_keeps_training(tmp_path: Path, small_disk: Path,
 def test_full_disk_stop_raises(tmp_path: Path, small_disk: Path) -> None:
     cfg = _tiny(num_steps=4, save=str(small_disk), save_interval=2)
     with pytest.raises(CheckpointError, match=r"saving checkpoint 2 .*No space left on device"):
-        run_training(cfg, run_dir=tmp_path)
+        run_training(plan_for_torchrun(cfg), run_dir=tmp_path)
     assert _iterations(tmp_path) == [1, 2]
 
 
@@ -96,7 +96,7 @@ def test_fp16_loss_scale_is_saved_and_restored(tmp_path: Path) -> None:
 
     cfg = _tiny(num_steps=3)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision="fp16", log_interval=1))
-    run_training(cfg, run_dir=tmp_path)
+    run_training(plan_for_torchrun(cfg), run_dir=tmp_path)
     # The scale starts at 2**32, far above fp16's range: the first steps overflow and halve it.
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     logged_scale = rows[-1]["loss_scale"]
@@ -106,7 +106,7 @@ def test_fp16_loss_scale_is_saved_and_restored(tmp_path: Path) -> None:
     assert state["grad_scaler"]["scale"] == logged_scale
     # Resumed for two more steps: the scale continues from the saved one instead of 2**32.
     more = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, num_steps=5))
-    run_training(more, run_dir=tmp_path)
+    run_training(plan_for_torchrun(more), run_dir=tmp_path)
     resumed = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][len(rows):]
     assert [r["iteration"] for r in resumed] == [4, 5]
     assert all(r["loss_scale"] <= logged_scale for r in resumed)
@@ -134,10 +134,38 @@ class _CountRandomFills:
 def test_resume_does_not_draw_the_initial_weights(tmp_path: Path) -> None:
     fresh = _CountRandomFills()
     with fresh.mode:
-        run_training(_tiny(num_steps=2), run_dir=tmp_path)
+        run_training(plan_for_torchrun(_tiny(num_steps=2)), run_dir=tmp_path)
     assert fresh.count > 0  # every weight matrix is drawn once on a fresh start
     resumed = _CountRandomFills()
     with resumed.mode:
-        run_training(_tiny(num_steps=3), run_dir=tmp_path)
+        run_training(plan_for_torchrun(_tiny(num_steps=3)), run_dir=tmp_path)
     assert resumed.count == 0
     assert _iterations(tmp_path) == [1, 2, 3]  # and it continued from iteration 2
+
+
+def _lrs(run_dir: Path) -> list[float]:
+    return [json.loads(line)["lr"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_resuming_with_more_steps_keeps_the_decay_horizon_that_submit_pins(tmp_path: Path) -> None:
+    """`submit --resume --set train.num_steps=8` writes optim.lr_decay_iters=4 (launch/resume.py keep_lr_horizon);
+    the trainer's LR (from the plan) then stays at min_lr past the old end instead of climbing back up."""
+    import dataclasses
+
+    from megatron_hpc.launch.resume import keep_lr_horizon
+
+    base = _tiny(num_steps=4)
+    base = dataclasses.replace(base, optim=OptimConfig(lr=3e-3, min_lr=3e-4, lr_decay_style="cosine"),
+                               train=dataclasses.replace(base.train, log_interval=1))
+    for name, pinned in (("pinned", True), ("stretched", False)):
+        run_dir = tmp_path / name
+        run_training(plan_for_torchrun(base), run_dir=run_dir)
+        extra, note = keep_lr_horizon(dataclasses.asdict(base), ["train.num_steps=8"]) if pinned else ([], None)
+        assert (extra, bool(note)) == ((["optim.lr_decay_iters=4"], True) if pinned else ([], False))
+        optim = dataclasses.replace(base.optim, lr_decay_iters=4 if pinned else None)
+        more = dataclasses.replace(base, optim=optim, train=dataclasses.replace(base.train, num_steps=8))
+        run_training(plan_for_torchrun(more), run_dir=run_dir)
+    pinned, stretched = _lrs(tmp_path / "pinned"), _lrs(tmp_path / "stretched")
+    assert pinned[:4] == stretched[:4]
+    assert pinned[4:] == pytest.approx([3e-4] * 4)  # past the horizon: min_lr, never above the last LR
+    assert stretched[4] > 2 * stretched[3]  # what an unpinned resume does: the cosine restarts higher

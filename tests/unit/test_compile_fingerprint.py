@@ -10,7 +10,8 @@ from megatron_hpc.compile_cache import fingerprint
 
 from megatron_hpc.cli.main import main
 
-BASE = ["submit", "--recipe", "gpt3_6.7b", "--nodes", "16", "--platform", "trn1", "--dry-run", "--json"]
+BASE = ["submit", "--recipe", "gpt3_6.7b", "--nodes", "16", "--platform", "trn1", "--dry-run", "--json",
+        "--set", "data.source=synthetic"]
 
 
 def dry_run(capsys, out, *sets: str, recompile: bool = False) -> dict:
@@ -27,7 +28,7 @@ def dry_run(capsys, out, *sets: str, recompile: bool = False) -> dict:
 def test_graph_inputs_change_it_and_the_rest_does_not(tmp_path, capsys):
     base = dry_run(capsys, tmp_path / "a")["fingerprint"]
     same = [dry_run(capsys, tmp_path / f"s{i}", s)["fingerprint"]
-            for i, s in enumerate(["optim.lr=1e-5", "train.num_steps=7", "train.seed=9", "train.log_interval=3",
+            for i, s in enumerate(["optim.lr=1e-4", "train.num_steps=7", "train.seed=9", "train.log_interval=3",
                                    "checkpoint.save_interval=50"])]
     assert same == [base] * len(same)
     changed = [dry_run(capsys, tmp_path / f"c{i}", s)["fingerprint"]

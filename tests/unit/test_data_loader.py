@@ -21,7 +21,8 @@ from megatron_hpc.config.schema import (
 from megatron_hpc.data.indexed import IndexedDatasetWriter
 from megatron_hpc.data.loader import build_indexed_batches, check_vocabulary, gpt_samples
 from megatron_hpc.errors import DataError
-from megatron_hpc.train.entry import run_training
+from megatron_hpc.plan.batch import BatchLayout
+from megatron_hpc.train.entry import plan_for_torchrun, run_training
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "megatron_core"
 CASES = json.loads((FIXTURES / "expected.json").read_text())["cases"]
@@ -40,8 +41,10 @@ def _corpus(path: Path, *, vocab: int = 300, num_docs: int = 80) -> str:
 def test_dp_slices_are_disjoint_and_cover_the_global_batch(tmp_path: Path, dp_size: int, mbs: int,
                                                            gbs: int) -> None:
     data = DataConfig(source="indexed", path=_corpus(tmp_path), split="90,5,5", cache_path=str(tmp_path / "cache"))
-    loaders = [build_indexed_batches(data, seq_length=16, seed=5, num_steps=3, global_batch_size=gbs,
-                                     micro_batch_size=mbs, dp_rank=r, dp_size=dp_size) for r in range(dp_size)]
+    layout = BatchLayout(micro_batch_size=mbs, global_batch_size=gbs, num_micro_batches=gbs // (mbs * dp_size),
+                         data_parallel=dp_size)
+    loaders = [build_indexed_batches(data, seq_length=16, seed=5, num_steps=3, layout=layout, dp_rank=r)
+               for r in range(dp_size)]
     dataset = loaders[0].dataset
     assert dataset.num_samples == 3 * gbs  # Megatron: train_iters * global_batch_size
     for step in range(3):
@@ -106,7 +109,7 @@ def test_trainer_reads_indexed_data_and_checks_the_vocabulary(tmp_path: Path, mo
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
     data = DataConfig(source="indexed", path=_corpus(tmp_path), split="90,5,5", cache_path=str(tmp_path / "cache"))
-    assert run_training(_run_config(data, vocab_size=300), run_dir=tmp_path / "run") == 0
+    assert run_training(plan_for_torchrun(_run_config(data, vocab_size=300)), run_dir=tmp_path / "run") == 0
     assert len(list((tmp_path / "cache").glob("*-GPTDataset-train-shuffle_index.npy"))) == 1
     with pytest.raises(DataError, match="vocab_size is 100"):
-        run_training(_run_config(data, vocab_size=100), run_dir=tmp_path / "run2")
+        run_training(plan_for_torchrun(_run_config(data, vocab_size=100)), run_dir=tmp_path / "run2")

@@ -46,7 +46,7 @@ def _srun_line(text: str) -> list[str]:
 def _dry_run(tmp_path: Path, *extra: str) -> Path:
     out = tmp_path / "run"
     assert main(["submit", "--recipe", "gpt3_6.7b", "--nodes", "16", "--platform", "trn1",
-                 "--dry-run", "--out", str(out), *extra]) == 0
+                 "--set", "data.source=synthetic", "--dry-run", "--out", str(out), *extra]) == 0
     return out
 
 

@@ -14,7 +14,7 @@ GOLDEN = yaml.safe_load((Path(__file__).parent / "golden" / "gpt3_6.7b_trn1_16no
 def render(tmp_path: Path) -> Path:
     out = tmp_path / "d"
     assert main(["submit", "--recipe", "gpt3_6.7b", "--nodes", "16", "--platform", "trn1", "--dry-run",
-                 "--out", str(out)]) == 0
+                 "--set", "data.source=synthetic", "--out", str(out)]) == 0
     return out
 
 

@@ -83,5 +83,20 @@ def test_resume_keeps_the_stored_config_and_takes_more_steps(tmp_path, capsys):
     assert out["run_dir"] == run
     after = json.loads((tmp_path / "run" / "config.json").read_text())
     assert after["train"]["num_steps"] == 250
+    # More steps must not stretch the LR schedule under the steps already taken: the horizon is pinned.
+    assert before["optim"]["lr_decay_iters"] is None
+    assert after["optim"]["lr_decay_iters"] == before["train"]["num_steps"]
+    assert out["plan"]["lr_decay"] == before["train"]["num_steps"]
+    assert any(f"decay horizon of {before['train']['num_steps']} iterations" in note for note in out["resume"])
     after["train"]["num_steps"] = before["train"]["num_steps"]
+    after["optim"]["lr_decay_iters"] = None
     assert after == before
+
+
+def test_resume_with_an_explicit_horizon_takes_it(tmp_path, capsys):
+    run = _finished_run(tmp_path, capsys)
+    assert main(["submit", "--resume", run, "--dry-run", "--json", "--set", "train.num_steps=250",
+                 "--set", "optim.lr_decay_iters=250"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["plan"]["lr_decay"] == 250
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["optim"]["lr_decay_iters"] == 250

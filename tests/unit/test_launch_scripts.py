@@ -14,7 +14,7 @@ from megatron_hpc.cli.main import main
 def dry_run(tmp_path: Path, *extra: str) -> Path:
     out = tmp_path / "d"
     code = main(["submit", "--recipe", "gpt3_6.7b", "--nodes", "16", "--platform", "trn1",
-                 "--dry-run", "--out", str(out), *extra])
+                 "--set", "data.source=synthetic", "--dry-run", "--out", str(out), *extra])
     assert code == 0
     return out
 
@@ -125,7 +125,7 @@ def test_unwritable_output_folder(tmp_path, capsys):
     (["--set", "trian.num_steps=3"], "did you mean 'train'"),
 ])
 def test_bad_input_is_one_line_and_nonzero(argv, needle, capsys, tmp_path):
-    code = main(["submit", "--recipe", "gpt3_6.7b", "--platform", "trn1", "--dry-run",
+    code = main(["submit", "--recipe", "gpt3_6.7b", "--set", "data.source=synthetic", "--platform", "trn1", "--dry-run",
                  "--out", str(tmp_path / "o"), *argv])
     err = capsys.readouterr().err.strip()
     assert code == 1 and needle in err and len(err.splitlines()) == 1
@@ -168,7 +168,8 @@ def test_launcher_and_plan_never_import_torch(tmp_path):
 def test_dry_run_scales_to_512_nodes(tmp_path, platform, nodes):
     out = tmp_path / "d"
     assert main(["submit", "--recipe", "gpt3_6.7b", "--nodes", str(nodes), "--platform", platform, "--dry-run",
-                 "--json", "--out", str(out), "--set", "train.global_batch_size=8192"]) == 0
+                 "--json", "--out", str(out), "--set", "train.global_batch_size=8192",
+                 "--set", "data.source=synthetic"]) == 0
     plan = json.loads((out / "plan.json").read_text())
     assert plan["num_nodes"] == nodes and plan["data_parallel"] * plan["tensor_parallel"] == plan["world_size"]
     for phase in ("compile", "run"):

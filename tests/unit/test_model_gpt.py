@@ -11,10 +11,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_hpc.config.schema import ModelConfig
-from megatron_hpc.errors import ConfigError
-from megatron_hpc.model.gpt import GPT, check_model_config
+from megatron_hpc.errors import PlanError
+from megatron_hpc.model.gpt import GPT
 from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron_hpc.plan.checks import check_model_shape
 from megatron_hpc.plan.mesh import Mesh
 
 CFG = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, max_position_embeddings=32,
@@ -77,8 +78,8 @@ def test_causal(ctx: ParallelContext) -> None:
 
 
 def test_config_checks() -> None:
-    with pytest.raises(ConfigError, match="tp=3"):
-        check_model_config(CFG, tp=3)
-    with pytest.raises(ConfigError, match="max_position_embeddings"):
-        check_model_config(ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=2, seq_length=64,
-                                       max_position_embeddings=32), tp=1)
+    with pytest.raises(PlanError, match=r"parallel\.tensor=3"):
+        check_model_shape(CFG, tensor_parallel=3)
+    with pytest.raises(PlanError, match="max_position_embeddings"):
+        check_model_shape(ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=2, seq_length=64,
+                                       max_position_embeddings=32), tensor_parallel=1)

@@ -12,10 +12,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_hpc.config.schema import ModelConfig
-from megatron_hpc.errors import ConfigError
-from megatron_hpc.model.gpt import GPT, check_model_config
+from megatron_hpc.errors import PlanError
+from megatron_hpc.model.gpt import GPT
 from megatron_hpc.model.rotary import apply_rotary, rotary_dims, rotary_tables
 from megatron_hpc.parallel.context import ParallelContext
+from megatron_hpc.plan.checks import check_model_shape
 from megatron_hpc.plan.mesh import Mesh
 
 CFG = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, max_position_embeddings=32,
@@ -93,6 +94,6 @@ def test_rope_gpt_has_no_position_table_and_is_causal(ctx: ParallelContext) -> N
 
 
 def test_rope_config_checks() -> None:
-    check_model_config(CFG, tp=2)
-    with pytest.raises(ConfigError, match=r"rotary_percent 0\.1"):
-        check_model_config(dataclasses.replace(CFG, rotary_percent=0.1), tp=1)  # 1.6 dims of 16
+    check_model_shape(CFG, tensor_parallel=2)
+    with pytest.raises(PlanError, match=r"rotary_percent 0\.1"):
+        check_model_shape(dataclasses.replace(CFG, rotary_percent=0.1), tensor_parallel=1)  # 1.6 dims of 16

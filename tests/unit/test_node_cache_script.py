@@ -49,7 +49,8 @@ def test_cpu_without_torch_compile_sets_no_inductor_switches(tmp_path):
 def test_trainium_compiles_under_neuron_parallel_compile_in_the_node_local_cache(tmp_path):
     """The whole neuron_parallel_compile (trial and compile) uses the node-local cache; it is published after the
     tool returned. Running it: tests/unit/test_compile_cache_node_publish.py."""
-    node = node_script(tmp_path, "--recipe", "gpt3_6.7b", "--nodes", "16", "--platform", "trn1")
+    node = node_script(tmp_path, "--recipe", "gpt3_6.7b", "--nodes", "16", "--platform", "trn1",
+                       "--set", "data.source=synthetic")
     assert 'export NEURON_COMPILE_CACHE_URL="$LOCAL_CACHE/neuron"' in node.splitlines()
     assert "TORCHINDUCTOR" not in node
     assert "NEURON_EXTRACT_GRAPHS_ONLY" not in node and "LOCAL_CACHE=$SHARED_CACHE" not in node

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from megatron_hpc.data.synthetic import SyntheticTokens, micro_batch_indices
+from megatron_hpc.data.synthetic import SyntheticTokens
+from megatron_hpc.plan.batch import BatchLayout
 
 
 def test_sample_depends_only_on_seed_and_index() -> None:
@@ -37,9 +38,8 @@ def test_tokens_follow_a_progression_within_vocab() -> None:
 
 @pytest.mark.parametrize(("mbs", "gbs", "dp"), [(2, 8, 1), (2, 8, 2), (1, 8, 4), (4, 8, 2)])
 def test_dp_ranks_partition_each_global_batch(mbs: int, gbs: int, dp: int) -> None:
-    num_micro = gbs // (mbs * dp)
+    layout = BatchLayout(micro_batch_size=mbs, global_batch_size=gbs, num_micro_batches=gbs // (mbs * dp),
+                         data_parallel=dp)
     for step in (0, 3):
-        seen = [i for r in range(dp) for m in range(num_micro)
-                for i in micro_batch_indices(step, micro=m, micro_batch_size=mbs, global_batch_size=gbs,
-                                             dp_rank=r, dp_size=dp)]
+        seen = [i for r in range(dp) for ids in layout.rank_indices(step, dp_rank=r) for i in ids]
         assert sorted(seen) == list(range(step * gbs, (step + 1) * gbs))  # disjoint and complete

@@ -19,7 +19,7 @@ from megatron_hpc.config.schema import (
 )
 from megatron_hpc.data.indexed import IndexedDatasetWriter
 from megatron_hpc.data.synthetic import SyntheticTokens
-from megatron_hpc.train.entry import run_training
+from megatron_hpc.train.entry import plan_for_torchrun, run_training
 from megatron_hpc.train.evaluate import VALID_SAMPLE_OFFSET, _OffsetSynthetic, num_valid_samples
 from megatron_hpc.train.metrics import format_validation_block, validation_ppl
 
@@ -69,7 +69,7 @@ def test_valid_sample_count_is_megatrons() -> None:
 
 
 def test_evaluates_every_interval_and_at_the_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert run_training(_cfg(num_steps=8, eval_interval=3, log_interval=4), run_dir=tmp_path) == 0
+    assert run_training(plan_for_torchrun(_cfg(num_steps=8, eval_interval=3, log_interval=4)), run_dir=tmp_path) == 0
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     valid = [r for r in rows if r["phase"] == "valid"]
     assert [r["iteration"] for r in valid] == [3, 6, 8]
@@ -85,7 +85,7 @@ def test_evaluates_every_interval_and_at_the_end(tmp_path: Path, capsys: pytest.
 
 
 def test_no_validation_when_interval_is_zero(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert run_training(_cfg(eval_interval=0, num_steps=2), run_dir=tmp_path) == 0
+    assert run_training(plan_for_torchrun(_cfg(eval_interval=0, num_steps=2)), run_dir=tmp_path) == 0
     assert "validation loss at" not in capsys.readouterr().out
     assert all(json.loads(x)["phase"] == "run" for x in (tmp_path / "metrics.jsonl").read_text().splitlines())
 
@@ -102,7 +102,7 @@ def _corpus(path: Path) -> str:
 def test_indexed_reads_the_valid_split_with_megatrons_count(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     data = DataConfig(source="indexed", path=_corpus(tmp_path), split="80,15,5", cache_path=str(cache))
-    assert run_training(_cfg(data, num_steps=6, eval_interval=3), run_dir=tmp_path / "run") == 0
+    assert run_training(plan_for_torchrun(_cfg(data, num_steps=6, eval_interval=3)), run_dir=tmp_path / "run") == 0
     descriptions = [json.loads(p.read_text()) for p in cache.glob("*-GPTDataset-valid-description.txt")]
     assert [d["num_samples"] for d in descriptions] == [(6 // 3 + 1) * 2 * 4]
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -112,5 +112,5 @@ def test_indexed_reads_the_valid_split_with_megatrons_count(tmp_path: Path) -> N
 def test_zero_valid_weight_warns_and_skips(tmp_path: Path) -> None:
     data = DataConfig(source="indexed", path=_corpus(tmp_path), split="100,0,0", cache_path=str(tmp_path / "c"))
     with pytest.warns(UserWarning, match="valid split no weight"):
-        assert run_training(_cfg(data, num_steps=2), run_dir=tmp_path / "run") == 0
+        assert run_training(plan_for_torchrun(_cfg(data, num_steps=2)), run_dir=tmp_path / "run") == 0
     assert all(json.loads(x)["phase"] == "run" for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())

@@ -23,7 +23,7 @@ from megatron_hpc.config.schema import (
     TrainConfig,
 )
 from megatron_hpc.errors import ConfigError
-from megatron_hpc.train.entry import run_training
+from megatron_hpc.train.entry import plan_for_torchrun, run_training
 from megatron_hpc.train.lr import decay_and_warmup_steps, lr_at
 
 LR, MIN_LR = 6e-4, 6e-5
@@ -129,7 +129,7 @@ def test_skipped_steps_hold_the_lr(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     """fp16 from a loss scale of 2**32 skips its first steps; the schedule waits for the first update."""
     _single_process(monkeypatch)
     cfg = _fp16_config()
-    assert run_training(cfg, run_dir=tmp_path) == 0
+    assert run_training(plan_for_torchrun(cfg), run_dir=tmp_path) == 0
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     skipped = [r["num_skipped_iterations"] for r in rows]
     assert len(rows) == 20 and skipped.index(0) > 3 and sum(skipped) < 20
@@ -149,12 +149,12 @@ def test_resume_keeps_the_count_of_applied_steps(tmp_path: Path, monkeypatch: py
 
     _single_process(monkeypatch)
     straight = _fp16_config()
-    assert run_training(straight, run_dir=tmp_path / "straight") == 0
+    assert run_training(plan_for_torchrun(straight), run_dir=tmp_path / "straight") == 0
     want = [r["lr"] for r in _rows(tmp_path / "straight")]
 
     first = _fp16_config(save_interval=0)
     first = dataclasses.replace(first, train=dataclasses.replace(first.train, num_steps=17))
-    assert run_training(first, run_dir=tmp_path / "split") == 0
+    assert run_training(plan_for_torchrun(first), run_dir=tmp_path / "split") == 0
     rows = _rows(tmp_path / "split")
     skipped = sum(r["num_skipped_iterations"] for r in rows)
     assert 0 < skipped < 17
@@ -162,7 +162,7 @@ def test_resume_keeps_the_count_of_applied_steps(tmp_path: Path, monkeypatch: py
     assert state["lr_scheduler"]["successful_steps"] == 17 - skipped
     assert state["lr_scheduler"]["num_steps"] == (17 - skipped) * 4  # Megatron counts samples
     # The second part keeps num_steps=20 as the schedule's span, as `submit --resume` would.
-    assert run_training(_fp16_config(save_interval=0), run_dir=tmp_path / "split") == 0
+    assert run_training(plan_for_torchrun(_fp16_config(save_interval=0)), run_dir=tmp_path / "split") == 0
     assert [r["lr"] for r in _rows(tmp_path / "split")] == pytest.approx(want, abs=1e-12)
 
 

@@ -29,7 +29,7 @@ def test_no_decay_on_biases_and_norms(ctx: ParallelContext) -> None:
                                                 max_position_embeddings=8, vocab_size=100, tie_embeddings=False),
                     train=TrainConfig(num_steps=1, micro_batch_size=1, global_batch_size=1),
                     optim=OptimConfig(lr=1e-3, weight_decay=0.1))
-    model, _ = build_model(cfg, ctx, device=torch.device("cpu"))
+    model = build_model(cfg.model, ctx, padded_vocab=128, seed=1, device=torch.device("cpu"))
     opt = build_optimizer(model, optim=cfg.optim)
     assert opt.defaults["fused"] is True  # torch's fused AdamW kernel on CPU (no apex here)
     decay_of = {id(p): g["weight_decay"] for g in opt.param_groups for p in g["params"]}

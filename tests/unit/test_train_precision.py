@@ -10,7 +10,7 @@ import torch
 
 from megatron_hpc.config.schema import CompilePhaseConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
 from megatron_hpc.errors import TrainingError
-from megatron_hpc.train.entry import run_training
+from megatron_hpc.train.entry import plan_for_torchrun, run_training
 from megatron_hpc.train.metrics import parse_iteration_line
 from megatron_hpc.train.precision import DynamicGradScaler, autocast_dtype_for, build_loss_scaler
 
@@ -84,7 +84,7 @@ def test_fp16_run_backs_off_from_2_pow_32_and_trains(tmp_path: Path, capsys: pyt
         compile=CompilePhaseConfig(num_steps=1),
     )
     # Many more than max_skipped_steps overflow skips in a row: routine for fp16, not an error.
-    assert run_training(cfg, run_dir=tmp_path) == 0
+    assert run_training(plan_for_torchrun(cfg), run_dir=tmp_path) == 0
     lines = [parse_iteration_line(x) for x in capsys.readouterr().out.splitlines() if "] iteration " in x]
     scales = [float(x["loss scale"]) for x in lines]
     skipped = [int(x["number of skipped iterations"]) for x in lines]

@@ -9,7 +9,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from megatron_hpc.config.schema import CompilePhaseConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
-from megatron_hpc.train.entry import run_training
+from megatron_hpc.train.entry import plan_for_torchrun, run_training
 
 
 def _cfg(**train: object) -> RunConfig:
@@ -35,7 +35,7 @@ def _scalars(acc: EventAccumulator, tag: str) -> dict[int, float]:
 
 
 def test_event_files_hold_megatrons_scalars(tmp_path: Path) -> None:
-    assert run_training(_cfg(), run_dir=tmp_path) == 0
+    assert run_training(plan_for_torchrun(_cfg()), run_dir=tmp_path) == 0
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
@@ -66,5 +66,5 @@ def test_event_files_hold_megatrons_scalars(tmp_path: Path) -> None:
 
 
 def test_disabled_writes_nothing(tmp_path: Path) -> None:
-    assert run_training(_cfg(tensorboard=False, num_steps=1, eval_interval=0), run_dir=tmp_path) == 0
+    assert run_training(plan_for_torchrun(_cfg(tensorboard=False, num_steps=1, eval_interval=0)), run_dir=tmp_path) == 0
     assert not (tmp_path / "tensorboard").exists()

@@ -23,6 +23,7 @@ from megatron_hpc.config.schema import CompilePhaseConfig, ModelConfig, OptimCon
 from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.parallel.device import DeviceInfo
 from megatron_hpc.plan.mesh import Mesh
+from megatron_hpc.train.entry import plan_for_torchrun
 from megatron_hpc.train.loop import train
 import torch
 
@@ -50,7 +51,7 @@ cfg = RunConfig(
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
 ctx = ParallelContext.build(Mesh(num_nodes=1, workers_per_node=1, tensor_parallel=1), rank=0)
 device = DeviceInfo(kind=kind, device=torch.device("cpu"), backend="gloo")
-summary = train(cfg, ctx, device=device, phase="run", run_dir=None, out=sys.stderr)
+summary = train(plan_for_torchrun(cfg, environ={}), ctx, device=device, phase="run", run_dir=None, out=sys.stderr)
 events = []
 if kind == "xla":
     from torch_xla import EVENTS

@@ -29,7 +29,7 @@ import json, sys
 from pathlib import Path
 from megatron_hpc.config.schema import (CheckpointConfig, CompilePhaseConfig, LaunchConfig, ModelConfig,
                                          OptimConfig, RunConfig, TrainConfig)
-from megatron_hpc.train.entry import run_training
+from megatron_hpc.train.entry import plan_for_torchrun, run_training
 platform, run_dir, steps = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
 cfg = RunConfig(
     name="tiny",
@@ -41,7 +41,7 @@ cfg = RunConfig(
     launch=LaunchConfig(platform=platform),
     checkpoint=CheckpointConfig(save_interval=4),
 )
-assert run_training(cfg, run_dir=run_dir) == 0
+assert run_training(plan_for_torchrun(cfg), run_dir=run_dir) == 0
 rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 print(json.dumps([[r["iteration"], r["lm_loss"]] for r in rows]))
 """

@@ -1,0 +1,102 @@
+"""Checks of recipe values that would otherwise fail later (in a queued job, or with a ZeroDivisionError). Pure.
+
+`check_values` refuses out-of-range numbers with the key, the value and the range; `check_model_shape` refuses a
+model that cannot be built or split `tensor_parallel` ways. The planner runs both before it computes anything, and
+the model calls `check_model_shape` too, so the rule lives here once, with one exception type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from megatron_hpc.config.schema import ModelConfig, RunConfig
+from megatron_hpc.errors import ConfigError, PlanError
+from megatron_hpc.plan.model_math import rotary_dims
+
+_Rule = tuple[str, Callable[[Any], bool], str]
+
+_AT_LEAST_1 = (lambda v: v >= 1, "at least 1")
+_POSITIVE = (lambda v: v > 0, "above 0")
+_NOT_NEGATIVE = (lambda v: v >= 0, "0 or more")
+_PROBABILITY = (lambda v: 0.0 <= v < 1.0, "in [0, 1)")
+
+
+def _rules() -> list[_Rule]:
+    """(key, test, what it must be) for every numeric key a run cannot start without."""
+    return [
+        *[(f"model.{k}", *_AT_LEAST_1) for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                                                  "max_position_embeddings", "vocab_size",
+                                                  "make_vocab_size_divisible_by")],
+        ("model.ffn_hidden_size", lambda v: v is None or v >= 1, "at least 1 (or unset for 4 x hidden_size)"),
+        ("model.rotary_percent", lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
+        ("model.init_method_std", *_NOT_NEGATIVE),
+        ("model.layernorm_epsilon", *_POSITIVE),
+        ("model.attention_dropout", *_PROBABILITY),
+        ("model.hidden_dropout", *_PROBABILITY),
+        ("parallel.tensor", *_AT_LEAST_1),
+        ("parallel.pipeline", *_AT_LEAST_1),
+        ("parallel.grad_bucket_mb", *_POSITIVE),
+        *[(f"train.{k}", *_AT_LEAST_1) for k in ("num_steps", "micro_batch_size", "global_batch_size",
+                                                  "log_interval", "max_skipped_steps")],
+        ("train.eval_interval", *_NOT_NEGATIVE),
+        ("train.eval_iters", *_NOT_NEGATIVE),
+        ("optim.lr", *_POSITIVE),
+        ("optim.min_lr", *_NOT_NEGATIVE),
+        ("optim.weight_decay", *_NOT_NEGATIVE),
+        ("optim.adam_beta1", *_PROBABILITY),
+        ("optim.adam_beta2", *_PROBABILITY),
+        ("optim.adam_eps", *_POSITIVE),
+        ("optim.clip_grad", lambda v: v >= 0, "0 (no clipping) or more"),
+        ("optim.lr_warmup_iters", *_NOT_NEGATIVE),
+        ("optim.lr_warmup_fraction", lambda v: v is None or 0.0 <= v <= 1.0, "in [0, 1] (or unset)"),
+        ("optim.lr_decay_iters", lambda v: v is None or v >= 1, "at least 1 (or unset for train.num_steps)"),
+        ("optim.lr_warmup_samples", *_NOT_NEGATIVE),
+        ("optim.lr_decay_samples", lambda v: v is None or v >= 1, "at least 1 (or unset)"),
+        ("checkpoint.save_interval", lambda v: v >= 0, "0 (save at the end only) or more"),
+        ("checkpoint.keep_last", *_AT_LEAST_1),
+        ("checkpoint.io_workers_per_node", *_AT_LEAST_1),
+        ("checkpoint.time_budget_min", lambda v: v >= 0, "0 (no budget) or more"),
+        ("compile.num_steps", *_AT_LEAST_1),
+        ("launch.nofile_limit", *_AT_LEAST_1),
+        ("launch.time_limit_min", *_AT_LEAST_1),
+        ("launch.init_timeout_s", *_POSITIVE),
+        ("launch.collective_timeout_s", *_POSITIVE),
+    ]
+
+
+def _value(cfg: RunConfig, key: str) -> Any:
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def check_values(cfg: RunConfig) -> None:
+    """ConfigError naming the first key whose value no run can use, with its range and a fix."""
+    for key, ok, requirement in _rules():
+        value = _value(cfg, key)
+        if not ok(value):
+            raise ConfigError(f"{key}={value!r} must be {requirement}; fix the recipe or use --set {key}=...")
+    if cfg.optim.min_lr > cfg.optim.lr:
+        raise ConfigError(f"optim.min_lr={cfg.optim.min_lr:g} is above optim.lr={cfg.optim.lr:g}; the LR decays "
+                          f"from lr down to min_lr, so use --set optim.min_lr=N with N <= {cfg.optim.lr:g}")
+
+
+def check_model_shape(model: ModelConfig, *, tensor_parallel: int) -> None:
+    """PlanError when the model cannot be built, or split `tensor_parallel` ways (heads, FFN)."""
+    if model.seq_length > model.max_position_embeddings:
+        raise PlanError(f"model.seq_length={model.seq_length} is longer than model.max_position_embeddings="
+                        f"{model.max_position_embeddings}; lower seq_length or raise max_position_embeddings")
+    if model.hidden_size % model.num_attention_heads:
+        raise PlanError(f"model.hidden_size={model.hidden_size} is not divisible by model.num_attention_heads="
+                        f"{model.num_attention_heads}; pick a head count that divides the width")
+    if model.position_embedding == "rope":
+        try:
+            rotary_dims(model.hidden_size // model.num_attention_heads, rotary_percent=model.rotary_percent)
+        except ValueError as exc:
+            raise PlanError(f"model.{exc}; pick rotary_percent so that it is (1.0 and 0.25 usually are)") from None
+    if model.num_attention_heads % tensor_parallel or model.ffn_size % tensor_parallel:
+        heads = model.num_attention_heads
+        choices = [d for d in range(1, heads + 1) if heads % d == 0 and model.ffn_size % d == 0]
+        raise PlanError(f"parallel.tensor={tensor_parallel} must divide model.num_attention_heads ({heads}) and the "
+                        f"FFN size ({model.ffn_size}); use --set parallel.tensor=N with N in "
+                        f"{{{', '.join(map(str, choices))}}}")

@@ -1,0 +1,113 @@
+"""The run folder contract: its file names, the one atomic JSON writer, and the run spec read and written there.
+
+Everything that reads or writes a run folder (the launcher, requeue, status, report, the trainer) takes its
+names from here, and node.sh gets the ones it needs rendered from here, so a file is never called two things.
+No torch, no clock beyond time stamps in records; safe for the launcher to import.
+
+    <run>/config.json            resolved config (RunConfig as JSON)
+    <run>/plan.json              the plan made from it (plan/planner.py Plan); with config.json the RunSpec
+    <run>/cluster.json           the cluster profile it was submitted with
+    <run>/compile-fingerprint.json   what shapes the compiled graphs (compile_cache/fingerprint.py)
+    <run>/submission.json        job ids of every submission
+    <run>/node.sh, <phase>.sbatch, submit.sh   the scripts
+    <run>/logs/<phase>-node<K>.log
+    <run>/attempts.jsonl         one line per phase end on node 0 (launch/requeue.py)
+    <run>/metrics.jsonl          one line per logged iteration (the trainer's last rank)
+    <run>/stop-request, stopped.json, fatal.json   markers between node task and trainer (run_markers.py)
+    <run>/checkpoints/           default checkpoint folder
+    <run>/tensorboard/, debug/, compile-published/, submitit/
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from megatron_hpc.errors import ConfigError
+from megatron_hpc.plan.spec import RunSpec
+
+CONFIG_FILE = "config.json"
+PLAN_FILE = "plan.json"
+CLUSTER_FILE = "cluster.json"
+SUBMISSION_FILE = "submission.json"
+FINGERPRINT_FILE = "compile-fingerprint.json"
+NODE_SCRIPT = "node.sh"
+SUBMIT_SCRIPT = "submit.sh"
+LOG_DIR = "logs"
+ATTEMPTS_FILE = "attempts.jsonl"
+METRICS_FILE = "metrics.jsonl"
+STOP_REQUEST_FILE = "stop-request"
+STOPPED_FILE = "stopped.json"
+FATAL_FILE = "fatal.json"
+CHECKPOINT_DIR = "checkpoints"
+TENSORBOARD_DIR = "tensorboard"
+DEBUG_DIR = "debug"
+PUBLISHED_DIR = "compile-published"
+SUBMITIT_DIR = "submitit"
+
+
+def sbatch_file(phase: str) -> str:
+    return f"{phase}.sbatch"
+
+
+def node_log(run_dir: Path, phase: str, node: int) -> Path:
+    return run_dir / LOG_DIR / f"{phase}-node{node}.log"
+
+
+def node_logs(run_dir: Path, phase: str) -> list[Path]:
+    """Every node's log of a phase, by node number."""
+    found = (run_dir / LOG_DIR).glob(f"{phase}-node*.log")
+    return sorted(found, key=lambda p: int(p.stem.rsplit("node", 1)[1]) if p.stem.rsplit("node", 1)[1].isdigit()
+                  else -1)
+
+
+def write_json(path: Path, data: Any, *, indent: int | None = 2) -> Path:
+    """Write JSON atomically: a temporary sibling unique to this process, then os.replace.
+
+    A reader (another node, `status`) sees the old file or the new one, never half of one; two writers do
+    not share a temporary file.
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(data, indent=indent) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def read_json(path: Path) -> Any:
+    """The JSON in `path`; OSError and ValueError (json.JSONDecodeError) pass to the caller, who knows the fix."""
+    return json.loads(path.read_text())
+
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    """Append one JSON line in a single write (atomic enough for short lines, also on NFS)."""
+    with path.open("a") as fh:
+        fh.write(json.dumps(record) + "\n")
+
+
+def write_spec(run_dir: Path, spec: RunSpec) -> None:
+    """config.json and plan.json: the two halves of the run spec."""
+    write_json(run_dir / CONFIG_FILE, spec.config_json())
+    write_json(run_dir / PLAN_FILE, spec.plan.to_json())
+
+
+def read_spec(run_dir: Path) -> RunSpec:
+    """The run spec of a run folder, or ConfigError/PlanError naming the file and the fix."""
+    halves = []
+    for name in (CONFIG_FILE, PLAN_FILE):
+        path = run_dir / name
+        try:
+            halves.append(read_json(path))
+        except FileNotFoundError:
+            raise ConfigError(f"{path} not found; is {run_dir} a run folder written by `megatron-hpc submit`?") \
+                from None
+        except PermissionError:
+            raise ConfigError(f"{path} cannot be read (permission denied); run as its owner or fix its "
+                              "permissions") from None
+        except ValueError as exc:
+            raise ConfigError(f"{path} is not valid JSON ({exc}); re-create the run folder with submit") from None
+    return RunSpec.from_json(halves[0], halves[1], where=str(run_dir))

@@ -1,0 +1,154 @@
+"""Checkpointer: the trainer's one object for checkpoints (`ckpt.restore(...)`, `ckpt.maybe_save(...)`).
+
+A thin facade: it turns the loop's TrainState, model and optimizer into the state dict of
+checkpoint/contents.py and hands it to the pure checkpoint I/O (checkpoint/saver.py, loader.py), and back.
+Whether checkpoints are active at all (not in a compile trial) is decided by the caller.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_hpc.checkpoint.contents import Progress, build_state_dict, read_progress, read_rng, saved_global_batch
+from megatron_hpc.checkpoint.loader import find_checkpoint, load_checkpoint
+from megatron_hpc.checkpoint.paths import iteration_dir
+from megatron_hpc.checkpoint.ranks import RankInfo
+from megatron_hpc.checkpoint.saver import save_checkpoint
+from megatron_hpc.config.schema import CheckpointConfig
+from megatron_hpc.errors import CheckpointError
+from megatron_hpc.parallel.context import ParallelContext
+from megatron_hpc.parallel.device import DeviceInfo
+from megatron_hpc.plan.spec import RunSpec
+from megatron_hpc.train.state import RngState, TrainState
+
+
+def checkpoint_roots(ckpt: CheckpointConfig, *, run_dir: Path | None, active: bool) -> tuple[Path | None, Path | None]:
+    """(save folder, load folder): checkpoint.save, else <run_dir>/checkpoints; load defaults to the save folder.
+
+    Both are None when checkpoints are not active (a compile trial) or there is nowhere to save.
+    """
+    if not active:
+        return None, None
+    save = ckpt.save or (str(run_dir / "checkpoints") if run_dir is not None else None)
+    load = ckpt.load or save
+    return (Path(save).expanduser() if save else None), (Path(load).expanduser() if load else None)
+
+
+class Checkpointer:
+    """Saves every checkpoint.save_interval steps and at the end of the run; restores at start."""
+
+    def __init__(self, spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, save_root: Path | None,
+                 load_root: Path | None, out: TextIO | None = None):
+        self.ckpt: CheckpointConfig = spec.config.checkpoint
+        self.ctx, self.device = ctx, device
+        self.config_json: dict[str, Any] = dataclasses.asdict(spec.config)
+        self.plan_json: dict[str, Any] = spec.plan.to_json()
+        self.global_batch_size = spec.plan.global_batch_size
+        self.out = sys.stdout if out is None else out
+        self.ranks = RankInfo.of(ctx, device=device.device)
+        self.save_root, self.load_root = save_root, load_root
+        self.last_saved = -1
+        self.promised = False
+        """has_checkpoint() said a checkpoint will be loaded (and the model skipped its initialisation)."""
+
+    def _print(self, message: str) -> None:
+        if self.ctx.is_first_rank:
+            print(message, file=self.out, flush=True)
+
+    def has_checkpoint(self) -> bool:
+        """Whether restore() will load one (every rank reads the same tracker on the shared filesystem)."""
+        self.promised = self.load_root is not None and find_checkpoint(self.load_root, quiet=True) is not None
+        return self.promised
+
+    def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState) -> TrainState:
+        """Load the newest complete checkpoint into model, optimizer, RNG and `state`; `state` as it was without one.
+
+        The model was built without its random initialisation when has_checkpoint() said so; a
+        checkpoint that cannot be loaded then is an error, never a silent fresh start.
+        """
+        if self.load_root is None:
+            return state
+        loaded = load_checkpoint(self.load_root, ranks=self.ranks, io_workers_per_node=self.ckpt.io_workers_per_node)
+        if loaded is None:
+            if self.promised:  # the weights were never initialised: training on them would be garbage
+                raise CheckpointError(f"the checkpoint found in {self.load_root} at start-up disappeared before it "
+                                      "was loaded; check that nothing else writes there, and resubmit")
+            return state
+        found, saved = loaded
+        where = found.folder
+        saved_gbs = saved_global_batch(saved)
+        if saved_gbs is not None and saved_gbs != self.global_batch_size:
+            raise CheckpointError(f"{where} was trained with global_batch_size {saved_gbs}, this run has "
+                                  f"{self.global_batch_size}; the data order depends on it, so keep "
+                                  f"train.global_batch_size={saved_gbs}")
+        progress = read_progress(saved, where=where)
+        rng = RngState.from_megatron(read_rng(saved, dp_rank=self.ctx.dp_rank, where=where), where=where)
+        try:
+            model.load_state_dict(saved["model"])
+            if "optimizer" in saved:
+                optimizer.load_state_dict(saved["optimizer"])
+            else:  # `ckpt reshard` could not move it
+                self._print(f"megatron-hpc: warning: {where} has no optimizer state; Adam's moments start at zero")
+            if state.scaler is not None and "grad_scaler" in saved:
+                state.scaler.load_state_dict(saved["grad_scaler"])
+        except (KeyError, IndexError, TypeError, RuntimeError, ValueError) as exc:
+            raise CheckpointError(f"{where} does not fit this model or optimizer ({type(exc).__name__}: "
+                                  f"{str(exc)[:300]}); check model.* against its resolved_config") from None
+        rng.restore(self.device)
+        self.last_saved = progress.iteration
+        self._print(f"> loaded checkpoint {where} at iteration {progress.iteration} "
+                    f"({progress.consumed_samples} samples consumed)")
+        return TrainState(step=progress.iteration, consumed_samples=progress.consumed_samples,
+                          lr_steps=progress.lr_steps, scaler=state.scaler, rng=rng)
+
+    def _rng_per_dp_rank(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
+        if self.ctx.dp_size == 1 or self.device.kind == "xla":
+            # TODO(ckpt): on XLA the dropout RNG is torch_xla's; DP ranks > 0 reuse DP rank 0's CPU state.
+            return [mine]
+        gathered: list[Any] = [None] * self.ctx.dp_size
+        dist.all_gather_object(gathered, mine, group=self.ctx.dp_group)
+        return gathered
+
+    def maybe_save(self, state: TrainState, *, model: nn.Module, optimizer: torch.optim.Optimizer,
+                   num_steps: int) -> bool:
+        """Save when the step is a multiple of save_interval or the last one; True when saved."""
+        interval = self.ckpt.save_interval
+        due = (interval > 0 and state.step % interval == 0) or state.step == num_steps
+        if not due:
+            return False
+        return self.save_now(state, model=model, optimizer=optimizer) is not None
+
+    def save_now(self, state: TrainState, *, model: nn.Module, optimizer: torch.optim.Optimizer) -> str | None:
+        """Save this step (collective); the checkpoint folder, or None when there is nowhere to save or the
+        save failed with on_save_failure=continue. Saving a step already saved is a no-op."""
+        if self.save_root is None:
+            return None
+        if state.step == self.last_saved:
+            return str(iteration_dir(self.save_root, state.step))
+        rng = RngState.capture(self.device).to_megatron()
+        content = build_state_dict(
+            config=self.config_json, plan=self.plan_json, model=dict(model.state_dict()),
+            optimizer=optimizer.state_dict(),
+            progress=Progress(iteration=state.step, consumed_samples=state.consumed_samples, lr_steps=state.lr_steps),
+            rng_per_dp_rank=self._rng_per_dp_rank(rng),
+            grad_scaler=state.scaler.state_dict() if state.scaler is not None else None)
+        try:
+            folder = save_checkpoint(self.save_root, state.step, content, ranks=self.ranks, fmt=self.ckpt.format,
+                                     io_workers_per_node=self.ckpt.io_workers_per_node, keep_last=self.ckpt.keep_last)
+        except CheckpointError as exc:
+            if self.ckpt.on_save_failure != "continue":
+                raise
+            if self.ctx.is_first_rank:
+                print(f"megatron-hpc: warning: {exc}; training continues (checkpoint.on_save_failure=continue)",
+                      file=sys.stderr, flush=True)
+            return None
+        self.last_saved = state.step
+        self._print(f"> saved checkpoint {folder} at iteration {state.step}")
+        return str(folder)
