@@ -122,3 +122,45 @@ def test_plan_scales(platform, nodes):
     assert p.world_size == nodes * workers
     assert p.data_parallel * p.tensor_parallel == p.world_size
     assert p.micro_batch_size * p.data_parallel * p.num_micro_batches == 8192
+
+
+@pytest.mark.parametrize(("key", "value", "expected"), [
+    ("optim.lr", "-1", "optim.lr=-1.0 must be above 0"),
+    ("optim.lr", "0", "optim.lr=0.0 must be above 0"),
+    ("train.num_steps", "0", "train.num_steps=0 must be at least 1"),
+    ("model.vocab_size", "0", "model.vocab_size=0 must be at least 1"),
+    ("parallel.tensor", "0", "parallel.tensor=0 must be at least 1"),
+    ("model.num_attention_heads", "0", "model.num_attention_heads=0 must be at least 1"),
+    ("train.micro_batch_size", "-2", "train.micro_batch_size=-2 must be at least 1"),
+    ("model.hidden_dropout", "1.5", "model.hidden_dropout=1.5 must be in [0, 1)"),
+    ("checkpoint.keep_last", "0", "checkpoint.keep_last=0 must be at least 1"),
+    ("optim.min_lr", "0.5", "optim.min_lr=0.5 is above optim.lr=0.001"),
+])
+def test_values_that_only_fail_later_are_refused_in_one_line(key, value, expected):
+    with pytest.raises(ConfigError) as info:
+        plan("tiny", 1, "cpu", [f"{key}={value}"])
+    assert expected in str(info.value) and "\n" not in str(info.value)
+
+
+def test_pipeline_is_a_mesh_dimension_refused_above_one_for_now():
+    p = plan("tiny", 1, "cpu")
+    assert p.pipeline_parallel == 1 and p.mesh.sizes == {"tp": 1, "dp": 1, "pp": 1}
+    with pytest.raises(PlanError, match=r"parallel\.pipeline=2: pipeline parallelism is not available yet"):
+        plan("tiny", 1, "cpu", ["parallel.pipeline=2"])
+
+
+def test_data_source_resolution():
+    assert plan("gpt3_6.7b", 16, "trn1").data_source == "missing"
+    assert plan("gpt3_6.7b", 16, "trn1", ["data.path=/fsx/my_text_document"]).data_source == "indexed"
+    assert plan("gpt3_6.7b", 16, "trn1", ["data.source=synthetic"]).data_source == "synthetic"
+    assert plan("tiny", 1, "cpu", ["data.path=null", "data.source=null"]).data_source == "synthetic"
+
+
+def test_checkpoint_size_and_lr_schedule_are_planned():
+    p = plan("gpt3_6.7b", 16, "trn1")
+    # 12 bytes per parameter (fp32 weights and two Adam moments): the reference's ~76 GB (decimal) per save.
+    assert p.checkpoint_gib * 2**30 / 1e9 == pytest.approx(6.662e9 * 12 / 1e9, rel=1e-3)
+    assert (p.lr_schedule_unit, p.lr_decay) == ("iterations", 123977)
+    assert p.lr_warmup == pytest.approx(0.00125 * 123977)
+    s = plan("tiny", 1, "cpu", ["optim.lr_warmup_iters=0", "optim.lr_warmup_samples=80"])
+    assert (s.lr_schedule_unit, s.lr_warmup, s.lr_decay, s.lr_schedule.per_step) == ("samples", 80, 800, 8)
