@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 
 from megatron_hpc.config.loader import load_recipe
-from megatron_hpc.config.platforms import PLATFORMS, Platform, get_platform
+from megatron_hpc.config.platforms import PLATFORMS, Platform, resolve_platform
 from megatron_hpc.config.schema import RunConfig
 from megatron_hpc.plan.planner import Plan, make_plan
 from megatron_hpc.plan.spec import RunSpec
@@ -37,6 +37,6 @@ def resolve(args: argparse.Namespace) -> Resolved:
     """The recipe with its overrides, planned for --nodes of --platform (the plan records the platform: the
     config keeps the recipe's launch.platform as its default, never the flag)."""
     cfg = load_recipe(args.recipe, list(args.overrides))
-    platform = get_platform(args.platform or cfg.launch.platform)
+    platform = resolve_platform(args.platform, default=cfg.launch.platform)
     nodes = 1 if args.nodes is None else args.nodes
     return Resolved(cfg=cfg, platform=platform, plan=make_plan(cfg, num_nodes=nodes, platform=platform))

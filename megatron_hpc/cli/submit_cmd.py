@@ -48,7 +48,7 @@ def _resume(args: argparse.Namespace) -> tuple[Resolved, Path, list[str]]:
     """The stored config and plan of the run folder, with the few overrides a resumed run may take; and what the
     resume changes, in sentences for its summary."""
     from megatron_hpc.config.loader import load_recipe
-    from megatron_hpc.config.platforms import get_platform
+    from megatron_hpc.config.platforms import resolve_platform
     from megatron_hpc.launch.resume import check_not_active, check_overrides, keep_lr_horizon, stored_plan
     from megatron_hpc.launch.run_status import find_run_dir, read_status
     from megatron_hpc.plan.planner import make_plan
@@ -66,7 +66,7 @@ def _resume(args: argparse.Namespace) -> tuple[Resolved, Path, list[str]]:
             raise ConfigError(f"{run_dir} ran with {flag} {kept}; a resumed run keeps it (got {flag} {given})")
     extra, lr_note = keep_lr_horizon(read_json(run_dir / CONFIG_FILE), args.overrides)
     cfg = load_recipe(str(run_dir / CONFIG_FILE), [*args.overrides, *extra])
-    platform = get_platform(stored.get("platform") or cfg.launch.platform)
+    platform = resolve_platform(stored.get("platform"), default=cfg.launch.platform)
     notes = [f"--set {item}" for item in args.overrides] + ([lr_note] if lr_note else [])
     return Resolved(cfg=cfg, platform=platform, plan=make_plan(cfg, num_nodes=stored["num_nodes"],
                                                                platform=platform)), run_dir, notes

@@ -103,3 +103,9 @@ def get_platform(name: str) -> Platform:
     except KeyError:
         known = ", ".join(sorted(PLATFORMS))
         raise ConfigError(f"unknown platform {name!r}; use one of: {known}") from None
+
+
+def resolve_platform(requested: str | None, *, default: str) -> Platform:
+    """The platform a run is planned for: the one asked for (--platform, or a resumed run's plan), else the
+    recipe's launch.platform. The plan records it; the config keeps the recipe's default."""
+    return get_platform(requested or default)

@@ -18,7 +18,7 @@ from typing import Literal
 
 import torch.distributed as dist
 
-from megatron_hpc.config.platforms import get_platform
+from megatron_hpc.config.platforms import resolve_platform
 from megatron_hpc.config.schema import RunConfig
 from megatron_hpc.errors import PlanError
 from megatron_hpc.parallel.context import ParallelContext
@@ -64,7 +64,7 @@ def plan_for_torchrun(cfg: RunConfig, *, platform: str | None = None,
     the plan takes torchrun's LOCAL_WORLD_SIZE, elsewhere the platform's count must match it.
     """
     env = read_dist_env(environ)
-    chosen = get_platform(platform or cfg.launch.platform)
+    chosen = resolve_platform(platform, default=cfg.launch.platform)
     if chosen.workers_configurable:
         cfg = dataclasses.replace(cfg, launch=dataclasses.replace(cfg.launch, workers_per_node=env.local_world_size))
     if env.world_size % env.local_world_size:

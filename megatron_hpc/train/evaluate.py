@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron_hpc.config.schema import DataConfig, TrainConfig
 from megatron_hpc.data.blending import BlendedDataset, build_split_dataset
 from megatron_hpc.data.gpt_dataset import GPTDataset, GPTIndexConfig, split_matrix
 from megatron_hpc.data.synthetic import SyntheticTokens
@@ -36,7 +37,7 @@ from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_hpc.parallel.device import DeviceInfo, step_barrier
 from megatron_hpc.plan.batch import BatchLayout
-from megatron_hpc.plan.spec import RunSpec
+from megatron_hpc.plan.planner import Plan
 from megatron_hpc.train.metrics import MetricsLogger
 
 VALID_SAMPLE_OFFSET = 10**12
@@ -122,35 +123,31 @@ class Evaluator:
         return total.item() / (ctx.dp_size * num_micro * self.eval_iters)
 
 
-def _valid_data(spec: RunSpec) -> _Batches | None:
-    cfg, plan = spec.config, spec.plan
-    tcfg = cfg.train
+def _valid_data(tcfg: TrainConfig, data: DataConfig, *, vocab_size: int, plan: Plan) -> _Batches | None:
     if plan.data_source == "synthetic":
-        return _OffsetSynthetic(SyntheticTokens(vocab_size=cfg.model.vocab_size, seq_length=plan.seq_length,
-                                                seed=tcfg.seed))
-    if not cfg.data.path:
+        return _OffsetSynthetic(SyntheticTokens(vocab_size=vocab_size, seq_length=plan.seq_length, seed=tcfg.seed))
+    if not data.path:
         raise DataError("data.source is indexed but data.path is not set; validation needs its valid split")
-    if split_matrix(cfg.data.split)[1] is None:
-        warnings.warn(f"train.eval_interval is {tcfg.eval_interval} but data.split {cfg.data.split!r} gives the "
+    if split_matrix(data.split)[1] is None:
+        warnings.warn(f"train.eval_interval is {tcfg.eval_interval} but data.split {data.split!r} gives the "
                       f"valid split no weight; validation is off (give the second weight a positive value)",
                       stacklevel=3)
         return None
     count = num_valid_samples(train_iters=tcfg.num_steps, eval_interval=tcfg.eval_interval,
                               eval_iters=tcfg.eval_iters, global_batch_size=plan.global_batch_size)
-    config = GPTIndexConfig(seed=tcfg.seed, seq_length=plan.seq_length, split=cfg.data.split,
-                            cache_path=cfg.data.cache_path)
-    dataset = build_split_dataset(cfg.data.path, split_name="valid", num_samples=count, config=config)
+    config = GPTIndexConfig(seed=tcfg.seed, seq_length=plan.seq_length, split=data.split, cache_path=data.cache_path)
+    dataset = build_split_dataset(data.path, split_name="valid", num_samples=count, config=config)
     if len(dataset) < count:
-        raise DataError(f"the valid split of {cfg.data.path} gives {len(dataset)} samples, {count} are needed; "
+        raise DataError(f"the valid split of {data.path} gives {len(dataset)} samples, {count} are needed; "
                         f"this is a bug in the index build")
     return _ValidSplit(dataset)
 
 
-def build_evaluator(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, autocast_dtype: torch.dtype | None,
-                    train_iters: int, metrics: MetricsLogger) -> Evaluator:
+def build_evaluator(tcfg: TrainConfig, data: DataConfig, *, vocab_size: int, plan: Plan, ctx: ParallelContext,
+                    device: DeviceInfo, autocast_dtype: torch.dtype | None, train_iters: int,
+                    metrics: MetricsLogger) -> Evaluator:
     """The evaluator of this phase; it does nothing when train.eval_interval or eval_iters is 0."""
-    tcfg = spec.config.train
     enabled = tcfg.eval_interval > 0 and tcfg.eval_iters > 0
-    return Evaluator(data=_valid_data(spec) if enabled else None, interval=max(1, tcfg.eval_interval),
-                     eval_iters=tcfg.eval_iters, train_iters=train_iters, layout=spec.plan.batch, ctx=ctx,
-                     device=device, autocast_dtype=autocast_dtype, metrics=metrics)
+    return Evaluator(data=_valid_data(tcfg, data, vocab_size=vocab_size, plan=plan) if enabled else None,
+                     interval=max(1, tcfg.eval_interval), eval_iters=tcfg.eval_iters, train_iters=train_iters,
+                     layout=plan.batch, ctx=ctx, device=device, autocast_dtype=autocast_dtype, metrics=metrics)

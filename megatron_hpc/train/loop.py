@@ -103,8 +103,8 @@ def train(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, phase: Pha
                             log_interval=tcfg.log_interval, enabled=ctx.is_last_rank, run_dir=run_dir, out=out)
     metrics.tensorboard = open_tensorboard(run_dir, enabled=ctx.is_last_rank and tcfg.tensorboard,
                                            platform=plan.platform, device=device.device)
-    evaluator = build_evaluator(spec, ctx, device=device, autocast_dtype=autocast_dtype, train_iters=num_steps,
-                                metrics=metrics)
+    evaluator = build_evaluator(tcfg, cfg.data, vocab_size=cfg.model.vocab_size, plan=plan, ctx=ctx, device=device,
+                                autocast_dtype=autocast_dtype, train_iters=num_steps, metrics=metrics)
     records: list[IterationRecord] = []
     interval = _IntervalSums(device=device.device)
     skipped_in_a_row = 0
