@@ -189,7 +189,8 @@ class LaunchConfig:
     platform: str = "cpu"
     """Default platform (trn1, trn2, p5, cpu); --platform overrides it."""
     workers_per_node: int | None = None
-    """Processes per node on the cpu platform; None takes the platform's default."""
+    """Processes per node; None takes the platform's count (one per device). On cpu any count; elsewhere at most
+    the platform's (fewer uses a slice of each node)."""
     nofile_limit: int = 65535
     """ulimit -n raised on every node before torchrun."""
     time_limit_min: int = 60

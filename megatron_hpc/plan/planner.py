@@ -165,10 +165,11 @@ def workers_per_node(cfg: RunConfig, platform: Platform) -> int:
         return platform.workers_per_node
     if requested < 1:
         raise PlanError(f"launch.workers_per_node={requested} must be at least 1")
-    if not platform.workers_configurable and requested != platform.workers_per_node:
+    if not platform.workers_configurable and requested > platform.workers_per_node:
+        # Fewer workers than devices is a slice of the node (debugging, a single-core XLA run); more is impossible.
         raise PlanError(
-            f"launch.workers_per_node={requested} cannot change {platform.name}, which runs "
-            f"{platform.workers_per_node} workers per node; remove the setting or use --platform cpu"
+            f"launch.workers_per_node={requested}: a {platform.name} node has {platform.workers_per_node} devices, "
+            f"one worker each; use at most {platform.workers_per_node}, or remove the setting"
         )
     return requested
 

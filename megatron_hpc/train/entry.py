@@ -60,13 +60,12 @@ def plan_for_torchrun(cfg: RunConfig, *, platform: str | None = None,
                       environ: dict[str, str] | None = None) -> RunSpec:
     """Plan `cfg` for the world torchrun started (a direct `train --recipe` run, and tests).
 
-    The node count is WORLD_SIZE / LOCAL_WORLD_SIZE; on a platform whose worker count is configurable (cpu)
-    the plan takes torchrun's LOCAL_WORLD_SIZE, elsewhere the platform's count must match it.
+    The node count is WORLD_SIZE / LOCAL_WORLD_SIZE and the plan takes torchrun's LOCAL_WORLD_SIZE as
+    launch.workers_per_node (the planner refuses more workers than the platform's node has devices).
     """
     env = read_dist_env(environ)
     chosen = resolve_platform(platform, default=cfg.launch.platform)
-    if chosen.workers_configurable:
-        cfg = dataclasses.replace(cfg, launch=dataclasses.replace(cfg.launch, workers_per_node=env.local_world_size))
+    cfg = dataclasses.replace(cfg, launch=dataclasses.replace(cfg.launch, workers_per_node=env.local_world_size))
     if env.world_size % env.local_world_size:
         raise PlanError(f"WORLD_SIZE {env.world_size} is not a multiple of LOCAL_WORLD_SIZE "
                         f"{env.local_world_size}; launch the same number of workers on every node")

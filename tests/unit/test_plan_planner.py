@@ -101,11 +101,14 @@ def test_model_that_fits_nowhere_says_so():
         plan("gpt3_310.1b", 64, "trn2")
 
 
-def test_workers_per_node_only_on_cpu():
+def test_workers_per_node_any_on_cpu_and_at_most_the_devices_elsewhere():
     p = plan("tiny", 1, "cpu", ["launch.workers_per_node=2", "parallel.tensor=2"])
     assert (p.world_size, p.tensor_parallel, p.data_parallel) == (2, 2, 1)
-    with pytest.raises(PlanError, match="cannot change trn1"):
-        plan("gpt3_6.7b", 1, "trn1", ["launch.workers_per_node=4"])
+    with pytest.raises(PlanError, match="a trn1 node has 32 devices, one worker each; use at most 32"):
+        plan("gpt3_6.7b", 1, "trn1", ["launch.workers_per_node=64"])
+    # Fewer workers than devices: a slice of the node (here 16 NeuronCores at TP 8 gives DP 2).
+    p = plan("gpt3_6.7b", 1, "trn1", ["launch.workers_per_node=16", "train.global_batch_size=32"])
+    assert (p.workers_per_node, p.world_size, p.data_parallel) == (16, 16, 2)
 
 
 def test_unknown_platform():
