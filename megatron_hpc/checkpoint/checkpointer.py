@@ -2,7 +2,8 @@
 
 The saved state dict follows the reference Megatron's keys where they exist (neuron-xla.md 1.3):
 flat args, checkpoint_version 3.0, iteration, model, optimizer, lr_scheduler and the RNG keys.
-Ours: rng_state (one entry per DP rank, Megatron HEAD's key), resolved_config and data_position.
+Ours: rng_state (one entry per DP rank, Megatron HEAD's key), xla_rng_state, resolved_config, data_position and
+precision (what the weights really hold: under XLA_USE_BF16 the files say float32 but the values are bf16).
 Unlike the reference, consumed_train_samples is read back (its bug (a)).
 """
 
@@ -34,12 +35,14 @@ CHECKPOINT_VERSION = 3.0
 
 def build_state_dict(cfg: RunConfig, *, model: nn.Module, optimizer: torch.optim.Optimizer, resume: ResumeState,
                      padded_vocab: int, rng_per_dp_rank: list[dict[str, Any]],
-                     scaler: DynamicGradScaler | None = None, lr_steps: int | None = None) -> dict[str, Any]:
+                     scaler: DynamicGradScaler | None = None, lr_steps: int | None = None,
+                     float_dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """One TP rank's checkpoint content; model tensors are state_dict() tensors, never Parameters.
 
     lr_steps counts the optimizer steps that were applied (skipped fp16-overflow steps excluded);
     None means every step was. Megatron's lr_scheduler.num_steps counts samples, so it is stored as
-    lr_steps * global batch size, with our own successful_steps beside it.
+    lr_steps * global batch size, with our own successful_steps beside it. float_dtype is what the device held
+    float32 tensors as (DeviceInfo.float_dtype).
     """
     successful = resume.step if lr_steps is None else lr_steps
     m = cfg.model
@@ -64,6 +67,8 @@ def build_state_dict(cfg: RunConfig, *, model: nn.Module, optimizer: torch.optim
         "resolved_config": config_to_dict(cfg),
         "data_position": {"step": resume.step, "consumed_samples": resume.consumed_samples,
                           "global_batch_size": cfg.train.global_batch_size, "seed": cfg.train.seed},
+        "precision": {"train_precision": cfg.train.precision,
+                      "weights_hold": str(float_dtype).removeprefix("torch.")},
     }
 
 
@@ -154,7 +159,8 @@ class Checkpointer:
 
     def _rng_per_dp_rank(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
         if self.ctx.dp_size == 1 or self.device.kind == "xla":
-            # TODO(ckpt): on XLA the dropout RNG is torch_xla's; DP ranks > 0 reuse DP rank 0's CPU state.
+            # TODO(ckpt): no object all-gather on XLA: DP ranks > 0 resume with DP rank 0's CPU and XLA states, so
+            # their dropout masks coincide after a resume (gather the XLA seeds as a device tensor instead).
             return [mine]
         gathered: list[Any] = [None] * self.ctx.dp_size
         dist.all_gather_object(gathered, mine, group=self.ctx.dp_group)
@@ -163,11 +169,15 @@ class Checkpointer:
     def maybe_save(self, iteration: int, *, model: nn.Module, optimizer: torch.optim.Optimizer,
                    num_steps: int) -> bool:
         """Save when iteration is a multiple of save_interval or the last one; True when saved."""
-        ccfg = self.cfg.checkpoint
-        due = (ccfg.save_interval > 0 and iteration % ccfg.save_interval == 0) or iteration == num_steps
-        if not due:
+        if not self.save_due(iteration, num_steps=num_steps):
             return False
         return self.save_now(iteration, model=model, optimizer=optimizer) is not None
+
+    def save_due(self, iteration: int, *, num_steps: int) -> bool:
+        """Whether maybe_save(iteration) saves."""
+        ccfg = self.cfg.checkpoint
+        return self.save_root is not None and (
+            (ccfg.save_interval > 0 and iteration % ccfg.save_interval == 0) or iteration == num_steps)
 
     def save_now(self, iteration: int, *, model: nn.Module, optimizer: torch.optim.Optimizer) -> str | None:
         """Save this iteration (collective); the checkpoint folder, or None when there is nowhere to save
@@ -182,7 +192,7 @@ class Checkpointer:
         state = build_state_dict(self.cfg, model=model, optimizer=optimizer, resume=resume,
                                  padded_vocab=self.padded_vocab,
                                  rng_per_dp_rank=self._rng_per_dp_rank(resume.rng_dict()), scaler=self.scaler,
-                                 lr_steps=self.lr_steps)
+                                 lr_steps=self.lr_steps, float_dtype=self.device.float_dtype)
         try:
             folder = save_checkpoint(self.save_root, iteration, state, ranks=self.ranks, fmt=ccfg.format,
                                      io_workers_per_node=ccfg.io_workers_per_node, keep_last=ccfg.keep_last)

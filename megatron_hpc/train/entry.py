@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -23,6 +24,7 @@ from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.parallel.device import init_method, keep_freed_memory, resolve_device, set_cpu_threads
 from megatron_hpc.plan.mesh import Mesh
 from megatron_hpc.train.loop import train
+from megatron_hpc.train.precision import set_xla_precision_env
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -84,7 +86,12 @@ def run_training(cfg: RunConfig, *, phase: Literal["compile", "run"] = "run", ru
     env = read_dist_env()
     mesh = build_mesh(env, tensor_parallel=cfg.parallel.tensor)
     check_batch(cfg.train, data_parallel=mesh.data_parallel)
-    device = resolve_device(get_platform(cfg.launch.platform).backend, local_rank=env.local_rank)
+    backend = get_platform(cfg.launch.platform).backend
+    # The configured precision decides, not XLA_USE_BF16 left in the environment: set before torch_xla reads it.
+    warning = set_xla_precision_env(cfg.train.precision) if backend == "xla" else None
+    if warning and env.rank == 0:
+        print(f"megatron-hpc: warning: {warning}", file=sys.stderr, flush=True)
+    device = resolve_device(backend, local_rank=env.local_rank)
     if device.kind == "cpu":
         set_cpu_threads(local_world_size=env.local_world_size)
         keep_freed_memory()

@@ -15,10 +15,10 @@ from megatron_hpc.checkpoint.checkpointer import Checkpointer
 from megatron_hpc.config.schema import RunConfig, TrainConfig
 from megatron_hpc.data.loader import IndexedBatches, build_indexed_batches, check_vocabulary
 from megatron_hpc.data.synthetic import SyntheticTokens, micro_batch_indices
-from megatron_hpc.errors import DataError, TrainingError
+from megatron_hpc.errors import DataError
 from megatron_hpc.model.gpt import GPT
 from megatron_hpc.parallel.context import ParallelContext
-from megatron_hpc.parallel.device import DeviceFeed, DeviceInfo, step_barrier, when_step_done
+from megatron_hpc.parallel.device import DeviceFeed, DeviceInfo, seed_everything, step_barrier, when_step_done
 from megatron_hpc.parallel.grads import build_grad_reducer
 from megatron_hpc.plan.vocab import padded_vocab_size
 from megatron_hpc.train.evaluate import build_evaluator
@@ -26,8 +26,8 @@ from megatron_hpc.train.init_skip import skip_random_init
 from megatron_hpc.train.lr import lr_at
 from megatron_hpc.train.metrics import IterationRecord, MetricsLogger
 from megatron_hpc.train.optim import build_optimizer, set_lr
-from megatron_hpc.train.precision import autocast_dtype_for, build_loss_scaler
-from megatron_hpc.train.step import StepOutput, train_step
+from megatron_hpc.train.precision import autocast_dtype_for, build_loss_scaler, compute_label
+from megatron_hpc.train.step import SkipTracker, StepOutput, train_step
 from megatron_hpc.train.stop import StopDecision, StopWatch, record_stop
 from megatron_hpc.train.tensorboard import open_tensorboard
 
@@ -87,17 +87,17 @@ def train(cfg: RunConfig, ctx: ParallelContext, *, device: DeviceInfo, phase: Ph
     tcfg = cfg.train
     num_steps = tcfg.num_steps if phase == "run" else cfg.compile.num_steps
     data = _build_data(cfg, ctx)  # before the model: data errors surface first
-    autocast_dtype = autocast_dtype_for(tcfg.precision, device_kind=device.kind)
+    autocast_dtype = autocast_dtype_for(tcfg.precision, device_kind=device.kind, float_dtype=device.float_dtype)
     scaler = build_loss_scaler(tcfg.precision)  # fp16 only
-    torch.manual_seed(tcfg.seed + ctx.dp_rank)  # dropout masks: same across TP, different across DP
+    seed_everything(device, tcfg.seed + ctx.dp_rank)  # dropout masks: same across TP, different across DP
 
     ckpt = Checkpointer(cfg, ctx, device=device, phase=phase, run_dir=run_dir,
                         padded_vocab=model_padded_vocab(cfg, ctx), out=out, scaler=scaler)
     resuming = ckpt.has_checkpoint()  # then the random init would be thrown away: skip it
     model, padded = build_model(cfg, ctx, device=device.device, from_checkpoint=resuming)
     if ctx.is_first_rank:
-        print(_banner(cfg, ctx, model=model, padded=padded, device=device, phase=phase, num_steps=num_steps),
-              file=out, flush=True)
+        print(_banner(cfg, ctx, model=model, padded=padded, device=device, phase=phase, num_steps=num_steps,
+                      autocast_dtype=autocast_dtype), file=out, flush=True)
     step_model = torch.compile(model) if tcfg.compile and device.kind != "xla" else model
     optimizer = build_optimizer(model, optim=cfg.optim)
     start = ckpt.restore(model, optimizer)  # 0 without a checkpoint
@@ -110,14 +110,14 @@ def train(cfg: RunConfig, ctx: ParallelContext, *, device: DeviceInfo, phase: Ph
                                 metrics=metrics)
     records: list[IterationRecord] = []
     interval = _IntervalSums(device=device.device)
-    skipped_in_a_row = 0
     stopped: StopDecision | None = None
     # DP all-reduce started inside the last micro-batch's backward (None: after it; see parallel/grads.py).
     grad_reducer = build_grad_reducer(model.parameters(), group=ctx.dp_group, device_kind=device.kind,
                                       overlap=cfg.parallel.overlap_grad_reduce, bucket_mb=cfg.parallel.grad_bucket_mb)
     # Successful (not skipped) optimizer steps: the LR schedule advances only on those, as Megatron's
     # scheduler does; the checkpoint carries the count (lr_scheduler.successful_steps).
-    lr_steps = ckpt.lr_steps if ckpt.lr_steps is not None else start
+    skips = SkipTracker(device, optimizer, applied=ckpt.lr_steps if ckpt.lr_steps is not None else start,
+                        limit=tcfg.max_skipped_steps, phase=phase)
 
     feed = DeviceFeed((_host_batches(data, step, cfg=tcfg, ctx=ctx) for step in range(start, num_steps)), device)
     model.train()
@@ -130,32 +130,36 @@ def train(cfg: RunConfig, ctx: ParallelContext, *, device: DeviceInfo, phase: Ph
     try:
         for step, batches in zip(range(start, num_steps), feed):
             # The schedule always spans the run phase, so a compile trial traces the run's LR values.
-            lr = lr_at(lr_steps, optim=cfg.optim, num_steps=tcfg.num_steps, global_batch_size=tcfg.global_batch_size)
+            lr = lr_at(skips.applied, optim=cfg.optim, num_steps=tcfg.num_steps,
+                       global_batch_size=tcfg.global_batch_size)
             set_lr(optimizer, lr)
             result = train_step(step_model, optimizer, batches, ctx=ctx, clip_grad=cfg.optim.clip_grad,
                                 autocast_dtype=autocast_dtype, device_type=device.kind, scaler=scaler,
                                 grad_reducer=grad_reducer, grad_bucket_mb=cfg.parallel.grad_bucket_mb)
-            lr_steps += 0 if result.skipped else 1
-            ckpt.lr_steps = lr_steps
-            skipped_in_a_row = _skip_streak(skipped_in_a_row, result, limit=tcfg.max_skipped_steps, phase=phase,
-                                            iteration=step + 1, lr=lr)
-            interval.add(result)
             iteration = step + 1
+            skips.add(result, iteration=iteration, lr=lr)
+            interval.add(result)
             if metrics.should_log(iteration):
                 stats = interval.reduced(group=ctx.dp_group)
-                taken = iteration - metrics.last_iteration - interval.skipped
                 # The values reach the host after this step's graph ran (a step closure on XLA).
                 when_step_done(device, _log_step, metrics, records, iteration, lr, stats, result.grad_norm,
-                               taken, ctx.dp_size, interval.skipped, result.loss_scale)
+                               iteration - metrics.last_iteration, ctx.dp_size, result.loss_scale)
                 interval.reset()
             step_barrier(device)
             evaluator.maybe_evaluate(iteration, model)
+            if ckpt.save_due(iteration, num_steps=num_steps):
+                skips.settle()  # XLA: this step's flag, so the saved count is exact (a host sync, saves only)
+            ckpt.lr_steps = skips.applied
             ckpt.maybe_save(step + 1, model=model, optimizer=optimizer, num_steps=num_steps)
             stopped = stopwatch.check(iteration) if stopwatch is not None and iteration < num_steps else None
             if stopped is not None:
+                skips.settle()
+                ckpt.lr_steps = skips.applied
                 _stop_early(stopped, ckpt=ckpt, model=model, optimizer=optimizer, run_dir=run_dir,
                             first_rank=ctx.is_first_rank, out=out)
                 break
+        else:
+            skips.settle()  # XLA: the last step's flag, which no later step reads
     finally:  # on an error too: the signal handlers go back and the event files are flushed
         if stopwatch is not None:
             stopwatch.close()
@@ -175,59 +179,51 @@ def _host_batches(data: SyntheticTokens | IndexedBatches, step: int, *, cfg: Tra
 
 
 def _banner(cfg: RunConfig, ctx: ParallelContext, *, model: GPT, padded: int, device: DeviceInfo, phase: Phase,
-            num_steps: int) -> str:
+            num_steps: int, autocast_dtype: torch.dtype | None) -> str:
     tcfg = cfg.train
     num_micro = tcfg.global_batch_size // (tcfg.micro_batch_size * ctx.dp_size)
     return (f"> megatron-hpc {phase}: world {ctx.world_size} = {ctx.mesh.num_nodes} node(s) x "
             f"{ctx.mesh.workers_per_node} worker(s) | tp {ctx.tp_size} dp {ctx.dp_size} | "
             f"parameters {model.num_params(ctx=ctx):,} | padded vocab {padded} "
             f"({padded - cfg.model.vocab_size} dummy) | {num_micro} micro-batch(es) of "
-            f"{tcfg.micro_batch_size} | {device.kind} {tcfg.precision} | {num_steps} steps")
-
-
-def _skip_streak(before: int, result: StepOutput, *, limit: int, phase: Phase, iteration: int, lr: float) -> int:
-    """Non-finite steps in a row, after this one; TrainingError at `limit` (train.max_skipped_steps)."""
-    # fp16 overflow skips are routine (the loss scale backs off); only real divergence counts.
-    streak = before + 1 if result.skipped and not result.overflow else 0
-    if streak >= limit:
-        raise TrainingError(
-            f"{phase} phase: the loss or gradients were not finite for {streak} steps in a row "
-            f"(iterations {iteration + 1 - streak}-{iteration}, lr {lr:.3g}); lower optim.lr, keep "
-            f"optim.clip_grad above 0, or check the data (train.max_skipped_steps sets the limit)")
-    return streak
+            f"{tcfg.micro_batch_size} | {device.kind} "
+            f"{compute_label(tcfg.precision, float_dtype=device.float_dtype, autocast_dtype=autocast_dtype)} | "
+            f"{num_steps} steps")
 
 
 class _IntervalSums:
-    """The log interval's loss sum over the steps taken, its NaN count (device tensors) and its skipped steps."""
+    """The log interval's loss sum over the steps taken, its NaN count and its skipped steps (device tensors: on
+    XLA whether a step was skipped is known on the device only)."""
 
     def __init__(self, *, device: torch.device):
         self.loss_sum = torch.zeros((), device=device)
         self.nan_count = torch.zeros((), device=device)
-        self.skipped = 0
+        self.skipped = torch.zeros((), device=device)
 
     def add(self, result: StepOutput) -> None:
-        if not result.skipped:  # Megatron averages the loss over the steps it took
-            self.loss_sum += result.loss
+        # Megatron averages the loss over the steps it took.
+        self.loss_sum += torch.where(result.finite, result.loss, torch.zeros_like(result.loss))
         self.nan_count += (~torch.isfinite(result.loss)).float()
-        self.skipped += int(result.skipped)
+        self.skipped += (~result.finite).float()
 
     def reduced(self, *, group: dist.ProcessGroup) -> torch.Tensor:
-        """[loss sum, NaN count] summed over the DP group, on the device."""
-        stats = torch.stack([self.loss_sum, self.nan_count])
+        """[loss sum, NaN count, skipped count] summed over the DP group, on the device."""
+        stats = torch.stack([self.loss_sum, self.nan_count, self.skipped])
         dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
         return stats
 
     def reset(self) -> None:
         self.loss_sum.zero_()
         self.nan_count.zero_()
-        self.skipped = 0
+        self.skipped.zero_()
 
 
 def _log_step(metrics: MetricsLogger, records: list[IterationRecord], iteration: int, lr: float,
-              stats: torch.Tensor, grad_norm: torch.Tensor, taken: int, dp_size: int, skipped: int,
-              loss_scale: float) -> None:
+              stats: torch.Tensor, grad_norm: torch.Tensor, steps: int, dp_size: int, loss_scale: float) -> None:
     """The iteration line and its records, from the interval's reduced sums (host sync: read as numbers)."""
-    loss_total, nans = stats.tolist()
+    loss_total, nans, skipped_sum = stats.tolist()
+    skipped = round(skipped_sum / dp_size)  # every DP rank skips the same steps
+    taken = steps - skipped
     lm_loss = loss_total / (dp_size * taken) if taken else math.nan
     records.append(metrics.log(iteration, lr=lr, lm_loss=lm_loss, grad_norm=grad_norm.item(),
                                num_nan=round(nans / dp_size), num_skipped=skipped, loss_scale=loss_scale))
