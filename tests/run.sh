@@ -3,6 +3,9 @@
 # everything the suite needs: the CPU build of torch (pinned first, so nothing pulls CUDA),
 # this package with its test extras, and (through the slurm fixture) Debian's Slurm and MariaDB.
 # The SLURM tests run on a real local cluster that tests/slurm/conftest.py starts and stops.
+# Then the xla tier (tests/xla/run.sh): real torch-xla 2.9 on XLA:CPU, in its own environment that it
+# builds once and caches (torch 2.9 with its CUDA libraries, about 4 GB). Arguments go to the main
+# suite's pytest; the xla tier always runs whole. Fails if either tier fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -13,8 +16,14 @@ PY=${PYTHON:-python3}
 "$PY" -m ruff check .
 set +e
 "$PY" -m pytest -m "not gpu and not neuron and not xla" "$@"
-code=$?
-set -e
+main=$?
 # exit 5 means no test ran at all: a broken suite, not a pass
-[ "$code" -eq 5 ] && echo "no tests were collected" >&2
-exit "$code"
+[ "$main" -eq 5 ] && echo "no tests were collected" >&2
+bash tests/xla/run.sh -q
+xla=$?
+set -e
+if [ "$main" -ne 0 ] || [ "$xla" -ne 0 ]; then
+    echo "tests/run.sh: FAILED (main suite exit $main, xla tier exit $xla)" >&2
+    [ "$main" -ne 0 ] && exit "$main"
+    exit "$xla"
+fi

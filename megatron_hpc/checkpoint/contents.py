@@ -2,8 +2,8 @@
 
 The keys follow the reference (neuron-xla.md 1.3): flat args, checkpoint_version 3.0, iteration, model,
 optimizer, lr_scheduler and the RNG keys (random_rng_state, np_rng_state, torch_rng_state, cuda_rng_state).
-Ours beside them: rng_state (one RNG entry per DP rank, Megatron HEAD's key), resolved_config, resolved_plan
-and data_position. Unlike the reference, consumed_train_samples is read back (its bug (a)).
+Ours beside them: rng_state (one RNG entry per DP rank, Megatron HEAD's key), xla_rng_state, resolved_config,
+resolved_plan, data_position and precision. Unlike the reference, consumed_train_samples is read back (its bug (a)).
 Nothing here knows the trainer: the trainer's TrainState is turned into a Progress and RNG dicts by its
 Checkpointer (train/checkpointing.py).
 """
@@ -32,15 +32,20 @@ class Progress:
 
 def build_state_dict(*, config: dict[str, Any], plan: dict[str, Any], model: dict[str, Any],
                      optimizer: dict[str, Any], progress: Progress, rng_per_dp_rank: list[dict[str, Any]],
-                     grad_scaler: dict[str, Any] | None = None) -> dict[str, Any]:
+                     grad_scaler: dict[str, Any] | None = None,
+                     precision: dict[str, str] | None = None) -> dict[str, Any]:
     """One TP rank's checkpoint content; model tensors are state_dict() tensors, never Parameters.
 
     `config` and `plan` are the run's resolved JSON (config.json and plan.json). Megatron's
     lr_scheduler.num_steps counts samples, so it is stored as lr_steps * global batch size, with our
     own successful_steps beside it. rng_per_dp_rank holds Megatron's RNG keys, one dict per DP rank.
+    `precision` records what the weights really hold ({"train_precision", "weights_hold"}): under XLA_USE_BF16 the
+    files say float32 while the values are bf16.
     """
     m = config["model"]
-    extra = {} if grad_scaler is None else {"grad_scaler": grad_scaler}  # Megatron keeps it for fp16
+    extra: dict[str, Any] = {} if grad_scaler is None else {"grad_scaler": grad_scaler}  # Megatron's, for fp16
+    if precision is not None:
+        extra["precision"] = precision
     return {
         **extra,
         "num_layers": m["num_layers"], "hidden_size": m["hidden_size"],

@@ -34,20 +34,28 @@ def _single_file(main: Path) -> dict[str, Any]:
     return {"path": str(main), "iteration": top.get("iteration"), "format":
             "xser" if paths.tensors_dir(main).is_dir() else "torch", "tensor_parallel": tp,
             "data_parallel": None, "world_size": None, "files": None, "bytes": None,
-            "tensors": _tensor_rows(state, tp_rank=None)}
+            "precision": _precision(top), "tensors": _tensor_rows(state, tp_rank=None)}
+
+
+def _precision(top: Any) -> dict[str, Any] | None:
+    """What the trainer recorded the weights to hold (checkpoint/contents.py); None for checkpoints without it."""
+    record = top.get("precision") if isinstance(top, dict) else None
+    return record if isinstance(record, dict) else None
 
 
 def _folder(found: FoundCheckpoint, *, verify: bool) -> dict[str, Any]:
     m = found.manifest
     rows: list[dict[str, Any]] = []
+    precision = None
     for tp_rank in range(m.tensor_parallel):
         state = (read_shard(found, tp_rank=tp_rank) if verify
                  else read_xser(paths.main_file(found.folder, tp_rank), mmap=True))
         rows += _tensor_rows(state, tp_rank=tp_rank)
+        precision = precision or _precision(state)
     return {"path": str(found.folder), "iteration": m.iteration, "format": m.format,
             "tensor_parallel": m.tensor_parallel, "data_parallel": m.data_parallel, "world_size": m.world_size,
             "files": len(m.files), "bytes": sum(r.size for r in m.files.values()), "verified": verify,
-            "tensors": rows}
+            "precision": precision, "tensors": rows}
 
 
 def summarize(path: Path, *, verify: bool = False) -> dict[str, Any]:

@@ -44,6 +44,12 @@ def format_summary(s: dict[str, Any]) -> str:
     if s.get("files") is not None:
         verified = ", verified" if s.get("verified") else ""
         lines.append(f"files       {s['files']} ({s['bytes']:,} bytes{verified})")
+    precision = s.get("precision")
+    if precision:
+        held = precision.get("weights_hold", "?")
+        stored = {r["dtype"] for r in s["tensors"] if r["name"].startswith("model.")}
+        note = f", stored as {'/'.join(sorted(stored))}" if stored and stored != {held} else ""
+        lines.append(f"precision   {precision.get('train_precision', '?')} (weights hold {held} values{note})")
     rows = s["tensors"]
     width = max((len(r["name"]) for r in rows), default=4)
     lines.append(f"tensors     {len(rows)}")

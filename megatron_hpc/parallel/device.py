@@ -29,6 +29,9 @@ class DeviceInfo:
     """Where this process's parameters and activations live."""
     backend: str
     """torch.distributed backend matching the device."""
+    float_dtype: torch.dtype = torch.float32
+    """What a float32 tensor really holds on this device: bfloat16 on XLA under XLA_USE_BF16 or XLA_DOWNCAST_BF16
+    (the tensor still reports float32), measured at start-up; float32 elsewhere."""
 
 
 def xla_available() -> bool:
@@ -54,11 +57,31 @@ def resolve_device(backend: str, *, local_rank: int) -> DeviceInfo:
         if not xla_available():
             raise TrainingError("backend xla needs torch_xla, which is not installed; install torch-neuronx "
                                 "on the Trainium nodes or use the cpu platform")
-        import torch_xla.core.xla_model as xm
-        import torch_xla.distributed.xla_backend  # noqa: F401  registers the 'xla' backend
+        import torch_xla
+        import torch_xla.distributed.xla_backend  # registers the 'xla' backend
 
-        return DeviceInfo(kind=kind, device=xm.xla_device(), backend=backend)
+        device = torch_xla.device()
+        return DeviceInfo(kind=kind, device=device, backend=backend, float_dtype=_xla_float_dtype(device))
     return DeviceInfo(kind=kind, device=torch.device("cpu"), backend=backend)
+
+
+_PROBE = 1.0 + 2.0**-10  # exact in float32; bfloat16 (8 mantissa bits) rounds it to 1.0
+
+
+def _xla_float_dtype(device: torch.device) -> torch.dtype:
+    """bfloat16 when the device rounds float32 values to bfloat16, as torch-xla 2.9 does under XLA_USE_BF16=1
+    (neuron-xla.md 4.6; the variable is deprecated, so a later torch-xla may ignore it: the value decides).
+
+    One host round trip at start-up, no graph. Should the value come back as neither (a neuron_parallel_compile
+    trial may hand back zeros), the variables decide.
+    """
+    back = torch.tensor([_PROBE], dtype=torch.float32).to(device).cpu().item()
+    if back == _PROBE:
+        return torch.float32
+    if back == 1.0:
+        return torch.bfloat16
+    pure = any(os.environ.get(k, "0") not in ("", "0") for k in ("XLA_USE_BF16", "XLA_DOWNCAST_BF16"))
+    return torch.bfloat16 if pure else torch.float32
 
 
 def init_method(kind: DeviceKind, *, master_addr: str, master_port: int) -> str:
@@ -79,12 +102,12 @@ def step_barrier(info: DeviceInfo) -> None:
 
 
 def mark_step(kind: str) -> None:
-    """Cut the lazy XLA graph here and run it; no-op off XLA. The reference also cuts after backward, which
-    bounds the graph (and the device memory it holds) to one forward and backward."""
+    """Cut the lazy XLA graph here and run it (torch_xla.sync, formerly xm.mark_step); no-op off XLA. The reference
+    also cuts after backward, which bounds the graph (and the device memory it holds) to one forward and backward."""
     if kind == "xla":
-        import torch_xla.core.xla_model as xm
+        import torch_xla
 
-        xm.mark_step()
+        torch_xla.sync()
 
 
 class DeviceFeed:
@@ -120,7 +143,7 @@ class DeviceFeed:
 
 def when_step_done(info: DeviceInfo, fn: Callable[..., None], *args: Any) -> None:
     """Call fn(*args) once this step's values exist: at once off XLA; on XLA as a step closure after the next
-    mark_step, so reading losses on the host never cuts the step's graph (neuron-xla.md 4.5)."""
+    sync, so reading losses on the host never cuts the step's graph (neuron-xla.md 4.5)."""
     if info.kind == "xla":
         import torch_xla.core.xla_model as xm
 
@@ -168,6 +191,16 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
 
 
+def seed_everything(info: DeviceInfo, seed: int) -> None:
+    """Seed the CPU generator and this device's. torch.manual_seed also seeds CUDA's, but not torch_xla's, which
+    draws the dropout masks on XLA: without its own seed every XLA run and DP rank drew the same masks."""
+    torch.manual_seed(seed)
+    if info.kind == "xla":
+        import torch_xla
+
+        torch_xla.manual_seed(seed, info.device)
+
+
 def accelerator_rng_state(info: DeviceInfo) -> list[torch.Tensor] | None:
     """The CUDA generators' states (for checkpoints); None on CPU and XLA."""
     return torch.cuda.get_rng_state_all() if info.kind == "cuda" else None
@@ -176,3 +209,20 @@ def accelerator_rng_state(info: DeviceInfo) -> list[torch.Tensor] | None:
 def set_accelerator_rng_state(info: DeviceInfo, states: list[torch.Tensor] | None) -> None:
     if info.kind == "cuda" and states:
         torch.cuda.set_rng_state_all(states)
+
+
+def xla_rng_state(info: DeviceInfo) -> list[int] | None:
+    """torch_xla's RNG state of this worker's device (one int, the running seed, in a list like CUDA's per-device
+    states); None off XLA. Read on the host without a graph: torch_xla keeps the running seed there."""
+    if info.kind != "xla":
+        return None
+    import torch_xla.core.xla_model as xm
+
+    return [int(xm.get_rng_state(str(info.device)))]
+
+
+def set_xla_rng_state(info: DeviceInfo, states: list[int] | None) -> None:
+    if info.kind == "xla" and states:
+        import torch_xla.core.xla_model as xm
+
+        xm.set_rng_state(int(states[0]), str(info.device))

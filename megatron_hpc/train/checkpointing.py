@@ -51,6 +51,7 @@ class Checkpointer:
         self.config_json: dict[str, Any] = dataclasses.asdict(spec.config)
         self.plan_json: dict[str, Any] = spec.plan.to_json()
         self.global_batch_size = spec.plan.global_batch_size
+        self.precision = spec.config.train.precision
         self.out = sys.stdout if out is None else out
         self.ranks = RankInfo.of(ctx, device=device.device)
         self.save_root, self.load_root = save_root, load_root
@@ -110,7 +111,8 @@ class Checkpointer:
 
     def _rng_per_dp_rank(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
         if self.ctx.dp_size == 1 or self.device.kind == "xla":
-            # TODO(ckpt): on XLA the dropout RNG is torch_xla's; DP ranks > 0 reuse DP rank 0's CPU state.
+            # TODO(ckpt): no object all-gather on XLA: DP ranks > 0 resume with DP rank 0's CPU and XLA states, so
+            # their dropout masks coincide after a resume (gather the XLA seeds as a device tensor instead).
             return [mine]
         gathered: list[Any] = [None] * self.ctx.dp_size
         dist.all_gather_object(gathered, mine, group=self.ctx.dp_group)
@@ -119,11 +121,14 @@ class Checkpointer:
     def maybe_save(self, state: TrainState, *, model: nn.Module, optimizer: torch.optim.Optimizer,
                    num_steps: int) -> bool:
         """Save when the step is a multiple of save_interval or the last one; True when saved."""
-        interval = self.ckpt.save_interval
-        due = (interval > 0 and state.step % interval == 0) or state.step == num_steps
-        if not due:
+        if not self.save_due(state.step, num_steps=num_steps):
             return False
         return self.save_now(state, model=model, optimizer=optimizer) is not None
+
+    def save_due(self, step: int, *, num_steps: int) -> bool:
+        """Whether maybe_save saves after `step`."""
+        interval = self.ckpt.save_interval
+        return self.save_root is not None and ((interval > 0 and step % interval == 0) or step == num_steps)
 
     def save_now(self, state: TrainState, *, model: nn.Module, optimizer: torch.optim.Optimizer) -> str | None:
         """Save this step (collective); the checkpoint folder, or None when there is nowhere to save or the
@@ -138,7 +143,9 @@ class Checkpointer:
             optimizer=optimizer.state_dict(),
             progress=Progress(iteration=state.step, consumed_samples=state.consumed_samples, lr_steps=state.lr_steps),
             rng_per_dp_rank=self._rng_per_dp_rank(rng),
-            grad_scaler=state.scaler.state_dict() if state.scaler is not None else None)
+            grad_scaler=state.scaler.state_dict() if state.scaler is not None else None,
+            precision={"train_precision": self.precision, "weights_hold": str(self.device.float_dtype).removeprefix(
+                "torch.")})
         try:
             folder = save_checkpoint(self.save_root, state.step, content, ranks=self.ranks, fmt=self.ckpt.format,
                                      io_workers_per_node=self.ckpt.io_workers_per_node, keep_last=self.ckpt.keep_last)

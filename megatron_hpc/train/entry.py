@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -26,6 +27,7 @@ from megatron_hpc.parallel.device import init_method, keep_freed_memory, resolve
 from megatron_hpc.plan.planner import check_data_source, check_torchrun_world
 from megatron_hpc.plan.spec import RunSpec, plan_run
 from megatron_hpc.train.loop import train
+from megatron_hpc.train.precision import set_xla_precision_env
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -78,6 +80,10 @@ def run_training(spec: RunSpec, *, phase: Literal["compile", "run"] = "run", run
     env = read_dist_env()
     check_torchrun_world(plan, world_size=env.world_size, local_world_size=env.local_world_size)
     check_data_source(plan)
+    # The configured precision decides, not XLA_USE_BF16 left in the environment: set before torch_xla reads it.
+    warning = set_xla_precision_env(spec.config.train.precision) if plan.backend == "xla" else None
+    if warning and env.rank == 0:
+        print(f"megatron-hpc: warning: {warning}", file=sys.stderr, flush=True)
     device = resolve_device(plan.backend, local_rank=env.local_rank)
     if device.kind == "cpu":
         set_cpu_threads(local_world_size=env.local_world_size)

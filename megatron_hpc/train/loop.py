@@ -14,10 +14,9 @@ import torch.distributed as dist
 from megatron_hpc.config.schema import ModelConfig
 from megatron_hpc.data.loader import IndexedBatches, build_indexed_batches, check_vocabulary
 from megatron_hpc.data.synthetic import SyntheticTokens
-from megatron_hpc.errors import TrainingError
 from megatron_hpc.model.gpt import GPT
 from megatron_hpc.parallel.context import ParallelContext
-from megatron_hpc.parallel.device import DeviceFeed, DeviceInfo, step_barrier, when_step_done
+from megatron_hpc.parallel.device import DeviceFeed, DeviceInfo, seed_everything, step_barrier, when_step_done
 from megatron_hpc.parallel.grads import build_grad_reducer
 from megatron_hpc.plan.planner import Plan
 from megatron_hpc.plan.spec import RunSpec
@@ -27,9 +26,9 @@ from megatron_hpc.train.init_skip import skip_random_init
 from megatron_hpc.train.lr import lr_at_count
 from megatron_hpc.train.metrics import IterationRecord, MetricsLogger
 from megatron_hpc.train.optim import build_optimizer, set_lr
-from megatron_hpc.train.precision import autocast_dtype_for, build_loss_scaler
+from megatron_hpc.train.precision import autocast_dtype_for, build_loss_scaler, compute_label
 from megatron_hpc.train.state import TrainState
-from megatron_hpc.train.step import StepOutput, train_step
+from megatron_hpc.train.step import SkipTracker, StepOutput, train_step
 from megatron_hpc.train.stop import StopDecision, StopWatch, record_stop
 from megatron_hpc.train.tensorboard import open_tensorboard
 
@@ -84,8 +83,8 @@ def train(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, phase: Pha
     cfg, plan, tcfg = spec.config, spec.plan, spec.config.train
     num_steps = tcfg.num_steps if phase == "run" else cfg.compile.num_steps
     data = _build_data(spec, ctx)  # before the model: data errors surface first
-    autocast_dtype = autocast_dtype_for(tcfg.precision, device_kind=device.kind)
-    torch.manual_seed(tcfg.seed + ctx.dp_rank)  # dropout masks: same across TP, different across DP
+    autocast_dtype = autocast_dtype_for(tcfg.precision, device_kind=device.kind, float_dtype=device.float_dtype)
+    seed_everything(device, tcfg.seed + ctx.dp_rank)  # dropout masks: same across TP, different across DP
 
     save_root, load_root = checkpoint_roots(cfg.checkpoint, run_dir=run_dir, active=checkpoints)
     ckpt = Checkpointer(spec, ctx, device=device, save_root=save_root, load_root=load_root, out=out)
@@ -93,7 +92,8 @@ def train(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, phase: Pha
     model = build_model(cfg.model, ctx, padded_vocab=plan.padded_vocab_size, seed=tcfg.seed, device=device.device,
                         from_checkpoint=resuming)
     if ctx.is_first_rank:
-        print(_banner(spec, ctx, model=model, device=device, phase=phase, num_steps=num_steps), file=out, flush=True)
+        print(_banner(spec, ctx, model=model, device=device, phase=phase, num_steps=num_steps,
+                      autocast_dtype=autocast_dtype), file=out, flush=True)
     step_model = torch.compile(model) if tcfg.compile and device.kind != "xla" else model
     optimizer = build_optimizer(model, optim=cfg.optim)
     state = ckpt.restore(model, optimizer, TrainState(scaler=build_loss_scaler(tcfg.precision)))
@@ -107,7 +107,9 @@ def train(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, phase: Pha
                                 autocast_dtype=autocast_dtype, train_iters=num_steps, metrics=metrics)
     records: list[IterationRecord] = []
     interval = _IntervalSums(device=device.device)
-    skipped_in_a_row = 0
+    # Counts the applied steps into state.lr_steps (the LR advances only on those, as Megatron's scheduler does)
+    # and stops a streak of non-finite steps; on XLA one step late, without a host sync.
+    skips = SkipTracker(device, optimizer, state=state, limit=tcfg.max_skipped_steps, phase=phase)
     stopped: StopDecision | None = None
     # DP all-reduce started inside the last micro-batch's backward (None: after it; see parallel/grads.py).
     grad_reducer = build_grad_reducer(model.parameters(), group=ctx.dp_group, device_kind=device.kind,
@@ -128,26 +130,29 @@ def train(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, phase: Pha
             result = train_step(step_model, optimizer, batches, ctx=ctx, clip_grad=cfg.optim.clip_grad,
                                 autocast_dtype=autocast_dtype, device_type=device.kind, scaler=state.scaler,
                                 grad_reducer=grad_reducer, grad_bucket_mb=cfg.parallel.grad_bucket_mb)
-            state.advance(global_batch_size=plan.global_batch_size, applied=not result.skipped)
+            state.advance(global_batch_size=plan.global_batch_size)
             iteration = state.step
-            skipped_in_a_row = _skip_streak(skipped_in_a_row, result, limit=tcfg.max_skipped_steps, phase=phase,
-                                            iteration=iteration, lr=lr)
+            skips.add(result, iteration=iteration, lr=lr)
             interval.add(result)
             if metrics.should_log(iteration):
                 stats = interval.reduced(group=ctx.dp_group)
-                taken = iteration - metrics.last_iteration - interval.skipped
                 # The values reach the host after this step's graph ran (a step closure on XLA).
                 when_step_done(device, _log_step, metrics, records, iteration, lr, stats, result.grad_norm,
-                               taken, ctx.dp_size, interval.skipped, result.loss_scale)
+                               iteration - metrics.last_iteration, ctx.dp_size, result.loss_scale)
                 interval.reset()
             step_barrier(device)
             evaluator.maybe_evaluate(iteration, model)
+            if ckpt.save_due(state.step, num_steps=num_steps):
+                skips.settle()  # XLA: this step's flag, so the saved count is exact (a host sync, saves only)
             ckpt.maybe_save(state, model=model, optimizer=optimizer, num_steps=num_steps)
             stopped = stopwatch.check(iteration) if stopwatch is not None and iteration < num_steps else None
             if stopped is not None:
+                skips.settle()
                 _stop_early(stopped, state, ckpt=ckpt, model=model, optimizer=optimizer, run_dir=run_dir,
                             first_rank=ctx.is_first_rank, out=out)
                 break
+        else:
+            skips.settle()  # XLA: the last step's flag, which no later step reads
     finally:  # on an error too: the signal handlers go back and the event files are flushed
         if stopwatch is not None:
             stopwatch.close()
@@ -162,8 +167,9 @@ def _host_batches(data: SyntheticTokens | IndexedBatches, step: int, *, plan: Pl
 
 
 def _banner(spec: RunSpec, ctx: ParallelContext, *, model: GPT, device: DeviceInfo, phase: Phase,
-            num_steps: int) -> str:
+            num_steps: int, autocast_dtype: torch.dtype | None) -> str:
     plan, vocab = spec.plan, spec.config.model.vocab_size
+    label = compute_label(spec.config.train.precision, float_dtype=device.float_dtype, autocast_dtype=autocast_dtype)
     data = "indexed data"
     if plan.data_source == "synthetic":  # loudly where hours are spent: never real data, whatever the loss says
         data = "synthetic tokens" if plan.platform == "cpu" else "SYNTHETIC TOKENS, NOT REAL DATA (data.source)"
@@ -171,52 +177,42 @@ def _banner(spec: RunSpec, ctx: ParallelContext, *, model: GPT, device: DeviceIn
             f"{ctx.mesh.workers_per_node} worker(s) | tp {ctx.tp_size} pp {ctx.pp_size} dp {ctx.dp_size} | "
             f"parameters {model.num_params(ctx=ctx):,} | padded vocab {plan.padded_vocab_size} "
             f"({plan.padded_vocab_size - vocab} dummy) | {plan.num_micro_batches} micro-batch(es) of "
-            f"{plan.micro_batch_size} | {device.kind} {spec.config.train.precision} | {num_steps} steps | {data}")
-
-
-def _skip_streak(before: int, result: StepOutput, *, limit: int, phase: Phase, iteration: int, lr: float) -> int:
-    """Non-finite steps in a row, after this one; TrainingError at `limit` (train.max_skipped_steps)."""
-    # fp16 overflow skips are routine (the loss scale backs off); only real divergence counts.
-    streak = before + 1 if result.skipped and not result.overflow else 0
-    if streak >= limit:
-        raise TrainingError(
-            f"{phase} phase: the loss or gradients were not finite for {streak} steps in a row "
-            f"(iterations {iteration + 1 - streak}-{iteration}, lr {lr:.3g}); lower optim.lr, keep "
-            f"optim.clip_grad above 0, or check the data (train.max_skipped_steps sets the limit)")
-    return streak
+            f"{plan.micro_batch_size} | {device.kind} {label} | {num_steps} steps | {data}")
 
 
 class _IntervalSums:
-    """The log interval's loss sum over the steps taken, its NaN count (device tensors) and its skipped steps."""
+    """The log interval's loss sum over the steps taken, its NaN count and its skipped steps (device tensors: on
+    XLA whether a step was skipped is known on the device only)."""
 
     def __init__(self, *, device: torch.device):
         self.loss_sum = torch.zeros((), device=device)
         self.nan_count = torch.zeros((), device=device)
-        self.skipped = 0
+        self.skipped = torch.zeros((), device=device)
 
     def add(self, result: StepOutput) -> None:
-        if not result.skipped:  # Megatron averages the loss over the steps it took
-            self.loss_sum += result.loss
+        # Megatron averages the loss over the steps it took.
+        self.loss_sum += torch.where(result.finite, result.loss, torch.zeros_like(result.loss))
         self.nan_count += (~torch.isfinite(result.loss)).float()
-        self.skipped += int(result.skipped)
+        self.skipped += (~result.finite).float()
 
     def reduced(self, *, group: dist.ProcessGroup) -> torch.Tensor:
-        """[loss sum, NaN count] summed over the DP group, on the device."""
-        stats = torch.stack([self.loss_sum, self.nan_count])
+        """[loss sum, NaN count, skipped count] summed over the DP group, on the device."""
+        stats = torch.stack([self.loss_sum, self.nan_count, self.skipped])
         dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
         return stats
 
     def reset(self) -> None:
         self.loss_sum.zero_()
         self.nan_count.zero_()
-        self.skipped = 0
+        self.skipped.zero_()
 
 
 def _log_step(metrics: MetricsLogger, records: list[IterationRecord], iteration: int, lr: float,
-              stats: torch.Tensor, grad_norm: torch.Tensor, taken: int, dp_size: int, skipped: int,
-              loss_scale: float) -> None:
+              stats: torch.Tensor, grad_norm: torch.Tensor, steps: int, dp_size: int, loss_scale: float) -> None:
     """The iteration line and its records, from the interval's reduced sums (host sync: read as numbers)."""
-    loss_total, nans = stats.tolist()
+    loss_total, nans, skipped_sum = stats.tolist()
+    skipped = round(skipped_sum / dp_size)  # every DP rank skips the same steps
+    taken = steps - skipped
     lm_loss = loss_total / (dp_size * taken) if taken else math.nan
     records.append(metrics.log(iteration, lr=lr, lm_loss=lm_loss, grad_norm=grad_norm.item(),
                                num_nan=round(nans / dp_size), num_skipped=skipped, loss_scale=loss_scale))

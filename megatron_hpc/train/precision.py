@@ -15,6 +15,7 @@ a row the scale doubles and the hysteresis is refilled.
 from __future__ import annotations
 
 import os
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 
 import torch
@@ -64,14 +65,42 @@ class DynamicGradScaler:
 XLA_PURE_BF16_ENV = ("XLA_USE_BF16", "XLA_DOWNCAST_BF16")
 
 
-def autocast_dtype_for(precision: str, *, device_kind: str) -> torch.dtype | None:
-    """The autocast dtype for train.precision on this device; None means none (fp32, or pure bf16 on XLA)."""
+def set_xla_precision_env(precision: str, *, environ: MutableMapping[str, str] | None = None) -> str | None:
+    """Make the XLA variables say what train.precision says; call before torch_xla reads them (its first tensor).
+
+    bf16: XLA_USE_BF16=1 unless one of the two is on already, the reference's pure bf16 with the Neuron runtime's
+    stochastic rounding (neuron-xla.md 4.6). fp32: both cleared, since either one silently makes every float bf16
+    while the tensors still report float32. Returns a warning when it overrode what the environment said.
+    """
+    env = os.environ if environ is None else environ
+    on = {k: env[k] for k in XLA_PURE_BF16_ENV if env.get(k, "0") not in ("", "0")}
+    if precision == "bf16":
+        if not on:
+            env["XLA_USE_BF16"] = "1"
+        return None
+    for key in XLA_PURE_BF16_ENV:
+        env.pop(key, None)
+    if not on:
+        return None
+    settings = " and ".join(f"{k}={v}" for k, v in on.items())
+    return (f"{settings} ignored: train.precision is {precision} and {'they' if len(on) > 1 else 'it'} would make "
+            f"every float bf16 on the device, so the trainer cleared {'them' if len(on) > 1 else 'it'}; "
+            f"set train.precision=bf16 to train in bf16")
+
+
+def autocast_dtype_for(precision: str, *, device_kind: str,
+                       float_dtype: torch.dtype = torch.float32) -> torch.dtype | None:
+    """The autocast dtype for train.precision on this device; None means none (fp32, or pure bf16 on XLA).
+
+    float_dtype is what the device really holds a float32 tensor as (DeviceInfo.float_dtype).
+    """
     if precision == "fp32":
         return None
     if precision == "bf16":
-        if device_kind == "xla" and any(os.environ.get(k) == "1" for k in XLA_PURE_BF16_ENV):
-            # The platform's XLA_USE_BF16=1 makes every float bf16, with the Neuron runtime's stochastic
-            # rounding (the reference's pure bf16, neuron-xla.md 4.6): autocast would only add casts.
+        if device_kind == "xla" and float_dtype == torch.bfloat16:
+            # XLA_USE_BF16=1 made every float bf16, with the Neuron runtime's stochastic rounding (the reference's
+            # pure bf16, neuron-xla.md 4.6): autocast would only add casts. A torch-xla that ignores the variable
+            # leaves float32 on the device, and then autocast gives the bf16 matmuls.
             return None
         return torch.bfloat16
     if precision == "fp16":
@@ -80,6 +109,16 @@ def autocast_dtype_for(precision: str, *, device_kind: str) -> torch.dtype | Non
                                 "path here); use bf16, which the Neuron reference uses")
         return torch.float16
     raise TrainingError(f"train.precision {precision!r} is unknown; use fp32, bf16 or fp16")
+
+
+def compute_label(precision: str, *, float_dtype: torch.dtype, autocast_dtype: torch.dtype | None) -> str:
+    """What the device computes, for the banner: 'fp32', 'bf16 (pure: ...)', 'bf16 (autocast, fp32 weights)'."""
+    if float_dtype == torch.bfloat16:
+        return "bf16 (pure: every float is bf16 on the device, weights and Adam state included)"
+    if autocast_dtype is not None:
+        name = "bf16" if autocast_dtype == torch.bfloat16 else "fp16"
+        return f"{name} (autocast, fp32 weights and Adam state{', loss scaling' if name == 'fp16' else ''})"
+    return "fp32"
 
 
 def build_loss_scaler(precision: str) -> DynamicGradScaler | None:

@@ -16,7 +16,13 @@ import numpy as np
 import torch
 
 from megatron_hpc.errors import CheckpointError
-from megatron_hpc.parallel.device import DeviceInfo, accelerator_rng_state, set_accelerator_rng_state
+from megatron_hpc.parallel.device import (
+    DeviceInfo,
+    accelerator_rng_state,
+    set_accelerator_rng_state,
+    set_xla_rng_state,
+    xla_rng_state,
+)
 from megatron_hpc.train.precision import DynamicGradScaler
 
 
@@ -30,6 +36,9 @@ class RngState:
     """torch.get_rng_state() (CPU generator)."""
     accelerator: list[torch.Tensor] | None = None
     """One state per CUDA device; None off CUDA."""
+    xla: list[int] | None = None
+    """torch_xla's RNG state (its running seed) of the worker's XLA device, which draws the dropout masks there;
+    None off XLA. Saved as xla_rng_state (the reference's cuda_rng_state is the CPU state under another name)."""
 
     @classmethod
     def capture(cls, device: DeviceInfo) -> RngState:
@@ -37,7 +46,8 @@ class RngState:
         name, keys, pos, has_gauss, cached = np.random.get_state()
         return cls(python=[version, list(internal), gauss],
                    numpy=[str(name), [int(k) for k in keys], int(pos), int(has_gauss), float(cached)],
-                   torch_cpu=torch.get_rng_state(), accelerator=accelerator_rng_state(device))
+                   torch_cpu=torch.get_rng_state(), accelerator=accelerator_rng_state(device),
+                   xla=xla_rng_state(device))
 
     def restore(self, device: DeviceInfo) -> None:
         version, internal, gauss = self.python
@@ -46,16 +56,18 @@ class RngState:
         np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
         torch.set_rng_state(self.torch_cpu)
         set_accelerator_rng_state(device, self.accelerator)
+        set_xla_rng_state(device, self.xla)
 
     def to_megatron(self) -> dict[str, Any]:
         return {"random_rng_state": self.python, "np_rng_state": self.numpy,
-                "torch_rng_state": self.torch_cpu, "cuda_rng_state": self.accelerator}
+                "torch_rng_state": self.torch_cpu, "cuda_rng_state": self.accelerator, "xla_rng_state": self.xla}
 
     @classmethod
     def from_megatron(cls, rng: dict[str, Any], *, where: object) -> RngState:
         try:
             return cls(python=list(rng["random_rng_state"]), numpy=list(rng["np_rng_state"]),
-                       torch_cpu=rng["torch_rng_state"], accelerator=rng.get("cuda_rng_state"))
+                       torch_cpu=rng["torch_rng_state"], accelerator=rng.get("cuda_rng_state"),
+                       xla=rng.get("xla_rng_state"))
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"the RNG state in {where} is incomplete ({type(exc).__name__}: {exc}); it was "
                                   "not written by megatron-hpc or is damaged") from None
@@ -76,8 +88,8 @@ class TrainState:
     rng: RngState | None = None
     """The RNG states: set when restored from a checkpoint (and captured at each save)."""
 
-    def advance(self, *, global_batch_size: int, applied: bool) -> None:
-        """Count one optimizer step over a global batch; `applied` is False when the update was skipped."""
+    def advance(self, *, global_batch_size: int) -> None:
+        """Count one optimizer step over a global batch (train/step.py SkipTracker counts lr_steps: whether the
+        update was applied is known one step late on XLA)."""
         self.step += 1
         self.consumed_samples += global_batch_size
-        self.lr_steps += int(applied)

@@ -1,4 +1,5 @@
-"""One optimizer step: micro-batches, forward, loss scaling, backward, DP all-reduce, clip, AdamW."""
+"""One optimizer step: micro-batches, forward, loss scaling, backward, DP all-reduce, clip, AdamW; and the count of
+steps skipped because their gradients were not finite."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from megatron_hpc.errors import TrainingError
 from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron_hpc.parallel.device import mark_step
+from megatron_hpc.parallel.device import DeviceInfo, mark_step, when_step_done
 from megatron_hpc.parallel.grads import BUCKET_MB, OverlappedGradReducer, all_reduce_gradients, clip_gradients_
 from megatron_hpc.train.precision import DynamicGradScaler
+from megatron_hpc.train.state import TrainState
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,8 +25,11 @@ class StepOutput:
     """Mean lm loss of this rank's micro-batches (0-dim, on device; not DP-averaged)."""
     grad_norm: torch.Tensor
     """Global gradient norm before clipping (0-dim, on device; same on all ranks)."""
-    skipped: bool
-    """The loss or gradients were not finite, so the optimizer step was not taken."""
+    finite: torch.Tensor
+    """Whether the gradient norm was finite, i.e. the optimizer step was taken (0-dim bool, on device)."""
+    skipped: bool | None
+    """The loss or gradients were not finite, so the optimizer step was not taken; None on XLA, where the host
+    learns it one step later (`finite` holds it on the device)."""
     overflow: bool = False
     """Skipped by the fp16 loss scaler while it could still back off: routine, not divergence."""
     loss_scale: float = 1.0
@@ -40,8 +46,10 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
     buckets (of grad_bucket_mb MiB) are all-reduced after backward.
     One host sync off XLA: whether the gradient norm is finite, to skip the optimizer step
     instead of writing NaN into the weights and Adam moments (Megatron's "skipped iterations").
-    On XLA the check is left out: it would cut the graph, and a neuron_parallel_compile trial
-    returns zeros anyway. With an fp16 `scaler` the same check is its overflow test.
+    With an fp16 `scaler` the same check is its overflow test. On XLA a host read would cut the
+    graph and stall the device, so the flag stays on the device: the update always runs and a
+    select keeps the old weights and Adam state when it is not finite (`_step_where`), and
+    SkipTracker reads the flag one step later.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     # Off XLA the first backward assigns the gradients (no zero fill, no add); on XLA zero in
@@ -74,12 +82,105 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
         torch._foreach_mul_([p.grad for p in params if p.grad is not None], 1.0 / scale)
     norm = clip_gradients_(params, max_norm=clip_grad, ctx=ctx)
     # The norm is the same on every rank (it was all-reduced), so all ranks skip together.
-    skipped = device_type != "xla" and not bool(torch.isfinite(norm).item())
+    finite = torch.isfinite(norm)
+    if device_type == "xla":
+        _step_where(optimizer, finite)
+        return StepOutput(loss=total / len(micro_batches), grad_norm=norm, finite=finite, skipped=None)
+    skipped = not bool(finite.item())  # host sync: the skip decision
     overflow = False
     if scaler is not None:
         overflow = skipped and scale > scaler.min_scale
         scaler.update(found_inf=skipped)
     if not skipped:
         optimizer.step()
-    return StepOutput(loss=total / len(micro_batches), grad_norm=norm, skipped=skipped, overflow=overflow,
-                      loss_scale=scaler.scale if scaler is not None else 1.0)
+    return StepOutput(loss=total / len(micro_batches), grad_norm=norm, finite=finite, skipped=skipped,
+                      overflow=overflow, loss_scale=scaler.scale if scaler is not None else 1.0)
+
+
+@torch.no_grad()
+def _step_where(optimizer: torch.optim.Optimizer, finite: torch.Tensor) -> None:
+    """optimizer.step() where `finite` (a device flag) holds, a no-op elsewhere, with no branch in the graph.
+
+    The update always runs; a select then keeps each parameter's and each state tensor's old value when the flag
+    is false. On XLA the old values are buffers the step graph reads anyway, so keeping them costs no copy. State
+    created by this very step starts from zeros, as AdamW's does. AdamW's step count is left out: it stays on the
+    host (on the device it would be bf16 under XLA_USE_BF16, where 0.999 rounds to 1 and counts above 256 are
+    inexact), so it advances here and SkipTracker takes it back once the host has read the flag (`_unstep`).
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    old = [(p.detach().clone(), {k: v.detach().clone() for k, v in optimizer.state[p].items() if _selected(k, v)})
+           for p in params]
+    optimizer.step()
+    for p, (old_p, old_state) in zip(params, old):
+        p.copy_(torch.where(finite, p, old_p))
+        for key, value in optimizer.state[p].items():
+            if _selected(key, value):
+                before = old_state.get(key)
+                value.copy_(torch.where(finite, value, before if before is not None else torch.zeros_like(value)))
+
+
+def _selected(key: str, value: object) -> bool:
+    return key != "step" and torch.is_tensor(value)
+
+
+def _unstep(optimizer: torch.optim.Optimizer) -> None:
+    """Take back AdamW's step count of a step that `_step_where` did not apply."""
+    for state in optimizer.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] -= 1
+
+
+class SkipTracker:
+    """Steps skipped because their gradients were not finite: the streak that ends the run at
+    train.max_skipped_steps (Megatron's divergence stop) and the count of applied steps, which drives the LR.
+
+    Off XLA each step's flag is known at once (train_step read it). On XLA it stays on the device; each step's
+    closure reads the previous step's flag, which the previous graph already computed, so the host never waits
+    for the step in flight. The counts and the stop therefore act one step late there: the step right after a
+    skipped one runs with the LR and Adam's bias correction one step ahead, and the run stops one step after the
+    streak reached the limit, with the same message. `settle()` reads the pending flag at once (a host sync),
+    for saves and the run's end.
+    """
+
+    def __init__(self, device: DeviceInfo, optimizer: torch.optim.Optimizer, *, state: TrainState, limit: int,
+                 phase: str):
+        self.device, self.optimizer, self.limit, self.phase = device, optimizer, limit, phase
+        self.state = state
+        """Its lr_steps is the count of applied (not skipped) optimizer steps; on XLA the step in flight counts as
+        applied until its flag is read."""
+        self.streak = 0
+        self._pending: list[tuple[int, float, torch.Tensor]] = []
+
+    def add(self, result: StepOutput, *, iteration: int, lr: float) -> None:
+        """Count the step that ended at `iteration`; TrainingError once the streak reaches the limit."""
+        if result.skipped is not None:
+            self.state.lr_steps += 0 if result.skipped else 1
+            # fp16 overflow skips are routine (the loss scale backs off); only real divergence counts.
+            self._count(result.skipped and not result.overflow, iteration=iteration, lr=lr)
+            return
+        self.state.lr_steps += 1
+        if self._pending:  # the previous step's flag: read after this step's sync, when its graph is done
+            when_step_done(self.device, self._resolve, self._pending[-1][0])
+        self._pending.append((iteration, lr, result.finite))
+
+    def settle(self) -> None:
+        """Read every pending flag now (XLA: a host sync; nothing to do elsewhere)."""
+        if self._pending:
+            self._resolve(self._pending[-1][0])
+
+    def _resolve(self, upto: int) -> None:
+        while self._pending and self._pending[0][0] <= upto:
+            iteration, lr, finite = self._pending.pop(0)
+            skipped = not bool(finite.item())  # host read of a value the device already computed
+            if skipped:
+                self.state.lr_steps -= 1
+                _unstep(self.optimizer)
+            self._count(skipped, iteration=iteration, lr=lr)
+
+    def _count(self, skipped: bool, *, iteration: int, lr: float) -> None:
+        self.streak = self.streak + 1 if skipped else 0
+        if self.streak >= self.limit:
+            raise TrainingError(
+                f"{self.phase} phase: the loss or gradients were not finite for {self.streak} steps in a row "
+                f"(iterations {iteration + 1 - self.streak}-{iteration}, lr {lr:.3g}); lower optim.lr, keep "
+                f"optim.clip_grad above 0, or check the data (train.max_skipped_steps sets the limit)")

@@ -35,3 +35,18 @@ def test_inspect_single_file_text(tmp_path: Path, capsys: pytest.CaptureFixture[
 def test_inspect_not_a_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["ckpt", "inspect", str(tmp_path)]) == 1
     assert "is not a checkpoint" in capsys.readouterr().err
+
+
+def test_inspect_shows_what_the_weights_hold(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Under XLA_USE_BF16 the files say float32 but the values are bf16: the trainer's record says so."""
+    write_xser({"iteration": 3, "model": {"w": torch.ones(2, 3)},
+                "precision": {"train_precision": "bf16", "weights_hold": "bfloat16"}}, tmp_path / "pure.pt")
+    write_xser({"iteration": 3, "model": {"w": torch.ones(2, 3)},
+                "precision": {"train_precision": "fp32", "weights_hold": "float32"}}, tmp_path / "fp32.pt")
+    write_xser({"iteration": 3, "model": {"w": torch.ones(2, 3)}}, tmp_path / "old.pt")
+    assert main(["ckpt", "inspect", str(tmp_path / "pure.pt")]) == 0
+    assert "precision   bf16 (weights hold bfloat16 values, stored as float32)" in capsys.readouterr().out
+    assert main(["ckpt", "inspect", str(tmp_path / "fp32.pt")]) == 0
+    assert "precision   fp32 (weights hold float32 values)\n" in capsys.readouterr().out
+    assert main(["ckpt", "inspect", str(tmp_path / "old.pt"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["precision"] is None  # written before the record existed

@@ -12,7 +12,13 @@ from megatron_hpc.config.schema import CompilePhaseConfig, ModelConfig, OptimCon
 from megatron_hpc.errors import TrainingError
 from megatron_hpc.train.entry import plan_for_torchrun, run_training
 from megatron_hpc.train.metrics import parse_iteration_line
-from megatron_hpc.train.precision import DynamicGradScaler, autocast_dtype_for, build_loss_scaler
+from megatron_hpc.train.precision import (
+    DynamicGradScaler,
+    autocast_dtype_for,
+    build_loss_scaler,
+    compute_label,
+    set_xla_precision_env,
+)
 
 
 def test_defaults_are_megatrons() -> None:
@@ -55,19 +61,43 @@ def test_minimum_scale_and_state_dict() -> None:
     assert (again.scale, again.growth_tracker, again.hysteresis_tracker) == (1.0, 0, s.hysteresis_tracker)
 
 
-def test_autocast_dtype_per_precision_and_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("XLA_USE_BF16", "XLA_DOWNCAST_BF16"):
-        monkeypatch.delenv(var, raising=False)
+def test_autocast_dtype_per_precision_and_device() -> None:
     assert autocast_dtype_for("fp32", device_kind="cpu") is None
-    assert autocast_dtype_for("bf16", device_kind="xla") is torch.bfloat16
-    # the trn platforms export XLA_USE_BF16=1: the whole model is bf16 already (pure bf16, stochastic rounding)
-    monkeypatch.setenv("XLA_USE_BF16", "1")
-    assert autocast_dtype_for("bf16", device_kind="xla") is None
+    assert autocast_dtype_for("fp32", device_kind="xla", float_dtype=torch.bfloat16) is None
+    # pure bf16 on XLA (XLA_USE_BF16=1 made every float bf16, with stochastic rounding): autocast would only add casts
+    assert autocast_dtype_for("bf16", device_kind="xla", float_dtype=torch.bfloat16) is None
+    # a torch-xla that ignores XLA_USE_BF16 leaves float32 on the device: then autocast gives the bf16 matmuls
+    assert autocast_dtype_for("bf16", device_kind="xla", float_dtype=torch.float32) is torch.bfloat16
     assert autocast_dtype_for("bf16", device_kind="cpu") is torch.bfloat16
     assert autocast_dtype_for("fp16", device_kind="cpu") is torch.float16
     with pytest.raises(TrainingError, match="use bf16"):
         autocast_dtype_for("fp16", device_kind="xla")
     assert build_loss_scaler("fp16") is not None and build_loss_scaler("bf16") is None
+
+
+def test_the_configured_precision_sets_the_xla_variables() -> None:
+    env = {"XLA_USE_BF16": "1", "PATH": "/bin"}
+    warning = set_xla_precision_env("fp32", environ=env)
+    assert env == {"PATH": "/bin"}  # cleared: it would have trained an fp32 run in bf16
+    assert warning is not None and warning.startswith("XLA_USE_BF16=1 ignored: train.precision is fp32")
+    env = {"XLA_USE_BF16": "1", "XLA_DOWNCAST_BF16": "1"}
+    assert "XLA_USE_BF16=1 and XLA_DOWNCAST_BF16=1 ignored" in (set_xla_precision_env("fp32", environ=env) or "")
+    assert env == {}
+    env = {"XLA_USE_BF16": "0"}  # off already: nothing to warn about
+    assert set_xla_precision_env("fp32", environ=env) is None and env == {}
+    env = {}
+    assert set_xla_precision_env("bf16", environ=env) is None and env == {"XLA_USE_BF16": "1"}
+    env = {"XLA_DOWNCAST_BF16": "1"}  # the user's choice of bf16 flavour stays
+    assert set_xla_precision_env("bf16", environ=env) is None and env == {"XLA_DOWNCAST_BF16": "1"}
+
+
+def test_the_banner_says_what_the_device_computes() -> None:
+    assert compute_label("fp32", float_dtype=torch.float32, autocast_dtype=None) == "fp32"
+    assert compute_label("bf16", float_dtype=torch.bfloat16, autocast_dtype=None).startswith("bf16 (pure:")
+    assert compute_label("bf16", float_dtype=torch.float32, autocast_dtype=torch.bfloat16) == \
+        "bf16 (autocast, fp32 weights and Adam state)"
+    assert compute_label("fp16", float_dtype=torch.float32, autocast_dtype=torch.float16) == \
+        "fp16 (autocast, fp32 weights and Adam state, loss scaling)"
 
 
 def test_fp16_run_backs_off_from_2_pow_32_and_trains(tmp_path: Path, capsys: pytest.CaptureFixture[str],

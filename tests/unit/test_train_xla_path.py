@@ -1,9 +1,10 @@
 """The trainer's XLA branches, driven for real against a stand-in torch_xla (tests/fixtures/xla_standin).
 
 The stand-in only records what the trainer asks of torch_xla and when; the model, the step and the collectives
-are the real ones (gloo on CPU tensors). Real torch-xla cannot be installed next to this torch, so this is what
-CI can check of the XLA path: the reference's order of calls (neuron-xla.md 3.3, 4.5), and losses equal to the
-CPU path's (the XLA branches change when values are computed and read, never what they are).
+are the real ones (gloo on CPU tensors). Real torch-xla cannot be installed next to this torch (tests/xla runs it
+in its own environment), so this is what the main suite checks of the XLA path: the reference's order of calls
+(neuron-xla.md 3.3, 4.5), and losses equal to the CPU path's (the XLA branches change when values are computed
+and read, never what they are).
 """
 
 from __future__ import annotations
@@ -14,12 +15,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
+from megatron_hpc.checkpoint import paths
+from megatron_hpc.checkpoint.xser import iter_tensors, read_xser
+
 STANDIN = Path(__file__).resolve().parents[1] / "fixtures" / "xla_standin"
 
 SCRIPT = r"""
 import json, sys
+from pathlib import Path
 import torch.distributed as dist
-from megatron_hpc.config.schema import CompilePhaseConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
+from megatron_hpc.config.schema import (CheckpointConfig, CompilePhaseConfig, ModelConfig, OptimConfig, RunConfig,
+                                         TrainConfig)
+from megatron_hpc.errors import TrainingError
 from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.parallel.device import DeviceInfo
 from megatron_hpc.plan.mesh import Mesh
@@ -27,8 +36,8 @@ from megatron_hpc.train.entry import plan_for_torchrun
 from megatron_hpc.train.loop import train
 import torch
 
-kind = sys.argv[1]
-if len(sys.argv) > 2:  # the data breaks at the 4th micro-batch (step 2), as a damaged .bin would
+kind, opts = sys.argv[1], json.loads(sys.argv[2])
+if opts.get("break_data"):  # the data breaks at the 4th micro-batch (step 2), as a damaged .bin would
     from megatron_hpc.data import synthetic
     from megatron_hpc.errors import DataError
     real, calls = synthetic.SyntheticTokens.batch, []
@@ -40,57 +49,122 @@ if len(sys.argv) > 2:  # the data breaks at the 4th micro-batch (step 2), as a d
         return real(self, indices)
 
     synthetic.SyntheticTokens.batch = broken
+if opts.get("poison_after_step"):  # every loss from that step on is NaN, as a poisoned batch would make it
+    import megatron_hpc.train.step as step_module
+    real_ce, ce_calls = step_module.vocab_parallel_cross_entropy, []
+
+    def poisoned(*args, **kwargs):
+        ce_calls.append(1)
+        loss = real_ce(*args, **kwargs)
+        return loss * float("nan") if len(ce_calls) > 2 * opts["poison_after_step"] else loss  # 2 micro-batches
+
+    step_module.vocab_parallel_cross_entropy = poisoned
+dropout = opts.get("dropout", 0.0)
 cfg = RunConfig(
     name="tiny",
     model=ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
-                      max_position_embeddings=32, vocab_size=500),
-    train=TrainConfig(num_steps=6, micro_batch_size=2, global_batch_size=4, log_interval=2, tensorboard=False),
+                      max_position_embeddings=32, vocab_size=500, hidden_dropout=dropout, attention_dropout=dropout),
+    train=TrainConfig(num_steps=opts.get("num_steps", 6), micro_batch_size=2, global_batch_size=4, log_interval=2,
+                      tensorboard=False, max_skipped_steps=opts.get("max_skipped_steps", 5)),
     optim=OptimConfig(lr=3e-3, min_lr=3e-4, lr_warmup_iters=2),
     compile=CompilePhaseConfig(num_steps=2),
+    checkpoint=CheckpointConfig(save_interval=opts.get("save_interval", 0)),
 )
+run_dir = Path(opts["run_dir"]) if opts.get("run_dir") else None
+if run_dir is not None:
+    run_dir.mkdir(parents=True, exist_ok=True)  # as run_training does
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
 ctx = ParallelContext.build(Mesh(num_nodes=1, workers_per_node=1, tensor_parallel=1), rank=0)
 device = DeviceInfo(kind=kind, device=torch.device("cpu"), backend="gloo")
-summary = train(plan_for_torchrun(cfg, environ={}), ctx, device=device, phase="run", run_dir=None, out=sys.stderr)
+error, records = None, []
+try:
+    records = train(plan_for_torchrun(cfg, environ={}), ctx, device=device, phase="run", run_dir=run_dir,
+                    out=sys.stderr).records
+except TrainingError as exc:
+    error = str(exc)
 events = []
 if kind == "xla":
     from torch_xla import EVENTS
     events = EVENTS
-print(json.dumps({"losses": [r.lm_loss for r in summary.records], "norms": [r.grad_norm for r in summary.records],
-                  "iterations": [r.iteration for r in summary.records], "events": events}))
+print(json.dumps({"losses": [r.lm_loss for r in records], "norms": [r.grad_norm for r in records],
+                  "iterations": [r.iteration for r in records], "error": error, "events": events}))
 """
 
 
-def _run(kind: str, *extra: str) -> subprocess.CompletedProcess[str]:
+def _run(kind: str, **opts: object) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(STANDIN), os.environ.get("PYTHONPATH", "")])}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "XLA_USE_BF16"):
         env.pop(var, None)
-    return subprocess.run([sys.executable, "-c", SCRIPT, kind, *extra], capture_output=True, text=True, env=env,
-                          timeout=300)
+    return subprocess.run([sys.executable, "-c", SCRIPT, kind, json.dumps(opts)], capture_output=True, text=True,
+                          env=env, timeout=300)
 
 
-def _train(kind: str) -> dict:
-    proc = _run(kind)
+def _train(kind: str, **opts: object) -> dict:
+    proc = _run(kind, **opts)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _checkpoint(run_dir: Path, iteration: int) -> dict:
+    main = paths.main_file(paths.iteration_dir(run_dir / "checkpoints", iteration), 0)
+    return read_xser(main)
 
 
 def test_xla_branches_follow_the_reference_and_train_the_same_model() -> None:
     xla, cpu = _train("xla"), _train("cpu")
     assert xla["iterations"] == cpu["iterations"] == [2, 4, 6]
     assert xla["losses"] == cpu["losses"] and xla["norms"] == cpu["norms"]
-    events = xla["events"]
-    # Per step: the batch arrives through MpDeviceLoader, a graph cut after backward and one at the step end;
-    # on log steps the host reads happen in a step closure, after the step's last cut. Nothing else reaches
-    # torch_xla (no mid-step syncs through it).
-    step = ["device_batch", "mark_step", "mark_step"]
-    logged = ["device_batch", "mark_step", "add_step_closure", "mark_step", "closure"]
-    assert events == (step + logged) * 3
+    # Only torch-xla 2.9's current API: torch_xla.sync, not the deprecated xm.mark_step (the stand-in has none).
+    # Seeded with train.seed (torch.manual_seed does not reach torch_xla's generator). Per step: the batch
+    # arrives through MpDeviceLoader, a graph cut after backward and one at the step end; from the second step
+    # on, a step closure reads the previous step's finite flag (the skip check, one step late, after the cut);
+    # on log steps the host reads the interval's sums in a step closure too. Nothing else reaches torch_xla (no
+    # mid-step syncs through it).
+    first = ["device_batch", "sync", "sync"]
+    step = ["device_batch", "sync", "add_step_closure", "sync", "closure"]
+    logged = ["device_batch", "sync", "add_step_closure", "add_step_closure", "sync", "closure", "closure"]
+    assert xla["events"] == ["set_rng_state 1234", *first, *logged, *(step + logged) * 2]
 
 
 def test_a_data_error_in_the_loader_thread_fails_the_run() -> None:
     """torch_xla's loader thread prints an exception and ends the iteration; the run must not look finished."""
-    proc = _run("xla", "break-data")
+    proc = _run("xla", break_data=True)
     assert proc.returncode != 0
     assert "DataError: sample 7 cannot be read (test)" in proc.stderr
     assert not proc.stdout.strip()  # train() never returned a summary
+
+
+def test_non_finite_steps_change_nothing_and_stop_the_run_as_on_cpu(tmp_path: Path) -> None:
+    """Every loss from step 3 on is NaN. On XLA the update runs in the graph and a select keeps the old values,
+    and the host counts the skip one step late: same checkpoints, same count of applied steps, same error."""
+    opts = {"poison_after_step": 2, "max_skipped_steps": 3, "save_interval": 2, "num_steps": 8}
+    cpu = _train("cpu", run_dir=str(tmp_path / "cpu"), **opts)
+    xla = _train("xla", run_dir=str(tmp_path / "xla"), **opts)
+    assert cpu["error"] is not None and "not finite for 3 steps in a row (iterations 3-5," in cpu["error"]
+    assert xla["error"] == cpu["error"]
+    # Stopped when step 5's flag was read: in the closure after step 6's last cut, before step 6's log closure.
+    assert xla["events"][-4:] == ["add_step_closure", "add_step_closure", "sync", "closure"]
+    for run in ("cpu", "xla"):
+        before, after = _checkpoint(tmp_path / run, 2), _checkpoint(tmp_path / run, 4)
+        assert after["lr_scheduler"]["successful_steps"] == 2
+        tensors = dict(iter_tensors({"model": after["model"], "optimizer": after["optimizer"]}))
+        assert tensors and all(bool(torch.isfinite(t).all()) for t in tensors.values())
+        old = dict(iter_tensors({"model": before["model"], "optimizer": before["optimizer"]}))
+        # Weights, Adam moments and Adam's step count as after step 2: steps 3 and 4 were no-ops.
+        assert old.keys() == tensors.keys()
+        assert [k for k in old if not torch.equal(old[k], tensors[k])] == [], run
+
+
+def test_the_xla_rng_state_is_saved_and_restored(tmp_path: Path) -> None:
+    """torch_xla's generator draws the dropout masks on XLA: its state goes into the checkpoint
+    (xla_rng_state, beside Megatron's cuda_rng_state) and comes back on resume."""
+    first = _train("xla", run_dir=str(tmp_path), num_steps=4, save_interval=4, dropout=0.1)
+    saved = _checkpoint(tmp_path, 4)
+    seed = saved["xla_rng_state"]
+    assert first["events"].count("get_rng_state") == 1  # read once, for the one save
+    assert isinstance(seed, list) and len(seed) == 1 and seed[0] != 1234  # the running seed at iteration 4
+    assert saved["rng_state"][0]["xla_rng_state"] == seed
+    resumed = _train("xla", run_dir=str(tmp_path), num_steps=6, save_interval=4, dropout=0.1)
+    assert resumed["events"][:2] == ["set_rng_state 1234", f"set_rng_state {seed[0]}"]  # seeded, then restored
+    _train("cpu", run_dir=str(tmp_path / "cpu"), num_steps=2, save_interval=2)
+    assert _checkpoint(tmp_path / "cpu", 2)["xla_rng_state"] is None
