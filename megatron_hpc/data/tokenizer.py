@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_hpc.data.fast_encode import WordCacheEncoder
+from megatron_hpc.data.jsonl import open_jsonl
 from megatron_hpc.errors import DataError
 
 EOD_TOKEN = "<|endoftext|>"
@@ -143,8 +144,6 @@ class GPT2BPETokenizer:
 
 
 def _training_texts(paths: Sequence[Path], json_key: str) -> Iterator[str]:
-    from megatron_hpc.data.preprocess import open_jsonl
-
     for path in paths:
         if not path.is_file():
             raise DataError(f"training input {path} not found")
