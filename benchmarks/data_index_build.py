@@ -2,8 +2,18 @@
 
 Issue 3's figure: building the document/sample/shuffle indices of the train split for 5,000,000
 documents (mean 600 tokens), seq 2048, enough samples for 1 epoch and for 10 epochs. Each build is
-its own process with a fresh cache folder (so it builds, never loads), timed whole, with its peak
-RSS from wait4. The `.bin` is a sparse file of the right size: building indices reads only `.idx`.
+its own process with a fresh cache folder (so it builds, never loads), timed whole. The `.bin` is a
+sparse file of the right size: building indices reads only `.idx`.
+
+Memory: each process reports its own peak, VmHWM of /proc/self/status read at its end, and its resident
+size just before the build (after the imports). Not the parent's view: wait4's ru_maxrss of a child starts
+from the high-water mark of the memory it was spawned from (Linux sets it at exec from the old mm, which a
+posix_spawn child shares with this script), so it reported this script's own peak (about 283 MiB, the dataset
+arrays it generates) instead of a small build's. getrusage(RUSAGE_SELF) inside the child carries the same
+inherited value; VmHWM belongs to the new process image alone.
+
+Paired ratios: every round runs both builds back to back, and the ratio of each round is reported with the
+median, so the spread shows whether a difference is larger than the machine's noise.
 
 megatron-core runs from a separate virtualenv (never a project dependency):
     python3 -m venv /tmp/mcore-venv && /tmp/mcore-venv/bin/pip install torch==2.13.0 megatron-core==0.16.1
@@ -18,21 +28,31 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-OURS = """
+# Both children end with this: their own resident peak (VmHWM) and size before the build, in KiB.
+MEMORY = """
+def _status_kib(field):
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith(field + ":"))
+"""
+
+OURS = MEMORY + """
 import sys, time
 from megatron_hpc.data.gpt_dataset import GPTIndexConfig, build_gpt_dataset
 prefix, n, seq, cache = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+before = _status_kib("VmRSS")
 start = time.perf_counter()
 ds = build_gpt_dataset(prefix, split_name="train", num_samples=n,
                        config=GPTIndexConfig(seed=1234, seq_length=seq, split="100,0,0", cache_path=cache))
 print("BUILD", time.perf_counter() - start, len(ds))
+print("MEMORY", before, _status_kib("VmHWM"))
 """
 
-MCORE = """
+MCORE = MEMORY + """
 import sys, time
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
@@ -41,9 +61,11 @@ prefix, n, seq, cache = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.arg
 config = GPTDatasetConfig(random_seed=1234, sequence_length=seq, blend=([prefix], None), split="100,0,0",
                           tokenizer=NullTokenizer(65000), reset_position_ids=False, reset_attention_mask=False,
                           eod_mask_loss=False, path_to_cache=cache)
+before = _status_kib("VmRSS")
 start = time.perf_counter()
 train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [n, None, None], lambda: True, config).build()
 print("BUILD", time.perf_counter() - start, len(train))
+print("MEMORY", before, _status_kib("VmHWM"))
 """
 
 
@@ -65,9 +87,20 @@ def make_dataset(folder: Path, *, docs: int, mean_tokens: int, seed: int = 0) ->
     return str(prefix), tokens
 
 
-def run(python: str, code: str, args: list[str], env: dict[str, str]) -> tuple[float, float, float, int]:
-    """Build seconds (timed inside the child, imports excluded), whole-process seconds, peak RSS (MiB),
-    number of samples."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Run:
+    build_s: float
+    """Timed inside the child around the build call (imports excluded)."""
+    wall_s: float
+    """The whole process, as this script sees it."""
+    peak_mib: float
+    """The child's own VmHWM at its end."""
+    before_mib: float
+    """The child's VmRSS just before the build: what the imports took."""
+    samples: int
+
+
+def run(python: str, code: str, args: list[str], env: dict[str, str]) -> Run:
     read, write = os.pipe()
     start = time.perf_counter()
     pid = os.posix_spawn(python, [python, "-c", code, *args], env,
@@ -76,12 +109,21 @@ def run(python: str, code: str, args: list[str], env: dict[str, str]) -> tuple[f
     os.close(write)
     with os.fdopen(read) as fh:
         out = fh.read()
-    _, status, usage = os.wait4(pid, 0)
+    _, status = os.waitpid(pid, 0)
     wall = time.perf_counter() - start
     if os.waitstatus_to_exitcode(status):
         raise SystemExit(f"{python} failed building indices:\n{out}")
-    _, build_s, length = next(line for line in out.splitlines() if line.startswith("BUILD")).split()
-    return float(build_s), wall, usage.ru_maxrss / 1024, int(length)
+    fields = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.startswith(("BUILD", "MEMORY"))}
+    (build_s, length), (before, peak) = fields["BUILD"], fields["MEMORY"]
+    return Run(build_s=float(build_s), wall_s=wall, peak_mib=int(peak) / 1024, before_mib=int(before) / 1024,
+               samples=int(length))
+
+
+def verdict(ratios: list[float]) -> str:
+    """'parity' when the paired ratios fall on both sides of 1, else which side all of them fall on."""
+    if min(ratios) < 1.0 < max(ratios):
+        return "parity (the rounds disagree on which is faster)"
+    return "faster in every round" if max(ratios) < 1.0 else "slower in every round"
 
 
 def main() -> None:
@@ -102,24 +144,29 @@ def main() -> None:
         for epochs in args.epochs:
             # just under `epochs` epochs of samples, so Megatron's epoch count is exactly `epochs`
             num_samples = int((epochs - 0.2) * (tokens - 1) / args.seq_length)
-            rows: dict[str, list[tuple[float, float, float, int]]] = {"megatron-hpc": [], "megatron-core": []}
+            rows: dict[str, list[Run]] = {"megatron-hpc": [], "megatron-core": []}
             for r in range(args.rounds):
                 for name, python, code in (("megatron-hpc", sys.executable, OURS),
                                            ("megatron-core", args.mcore_python, MCORE)):
                     cache = Path(tmp) / f"cache-{name}-{epochs}-{r}"
                     rows[name].append(run(python, code, [prefix, str(num_samples), str(args.seq_length),
                                                          str(cache)], env))
-            lengths = {v[3] for rows_ in rows.values() for v in rows_}
+            lengths = {v.samples for rows_ in rows.values() for v in rows_}
             assert len(lengths) == 1, f"the two builds disagree on the number of samples: {lengths}"
-            med = {k: tuple(statistics.median(x[i] for x in v) for i in range(3)) for k, v in rows.items()}
-            for name, (build, wall, rss) in med.items():
-                runs = ", ".join(f"{x[0]:.2f}" for x in rows[name])
-                print(f"{epochs:>2} epoch(s) {name:<14} build median {build:6.2f} s (runs {runs}); "
-                      f"whole process {wall:6.2f} s; peak RSS {rss:7.0f} MiB")
-            ours, ref = med["megatron-hpc"], med["megatron-core"]
-            print(f"{epochs:>2} epoch(s) ratio megatron-hpc/megatron-core ({lengths.pop():,} samples): "
-                  f"build time {ours[0] / ref[0]:.2f}x, whole process {ours[1] / ref[1]:.2f}x, "
-                  f"peak memory {ours[2] / ref[2]:.2f}x")
+            for name, runs in rows.items():
+                med = {f: statistics.median(getattr(x, f) for x in runs)
+                       for f in ("build_s", "wall_s", "peak_mib", "before_mib")}
+                print(f"{epochs:>2} epoch(s) {name:<14} build median {med['build_s']:6.2f} s (runs "
+                      f"{', '.join(f'{x.build_s:.2f}' for x in runs)}); whole process {med['wall_s']:6.2f} s; "
+                      f"own peak RSS {med['peak_mib']:5.0f} MiB ({med['before_mib']:.0f} MiB before the build)")
+            pairs = list(zip(rows["megatron-hpc"], rows["megatron-core"]))
+            build = [a.build_s / b.build_s for a, b in pairs]
+            peak = [a.peak_mib / b.peak_mib for a, b in pairs]
+            growth = [(a.peak_mib - a.before_mib) / (b.peak_mib - b.before_mib) for a, b in pairs]
+            print(f"{epochs:>2} epoch(s) megatron-hpc/megatron-core ({lengths.pop():,} samples), per round: "
+                  f"build {', '.join(f'{x:.2f}' for x in build)}x (median {statistics.median(build):.2f}x: "
+                  f"{verdict(build)}); own peak {', '.join(f'{x:.2f}' for x in peak)}x; growth during the "
+                  f"build {', '.join(f'{x:.2f}' for x in growth)}x")
 
 
 if __name__ == "__main__":

@@ -139,11 +139,11 @@ def verify(root: Path, *, stale_after: float = locks.DEFAULT_STALE_AFTER_S,
                                        fix="replace it with a real directory or remove it"))
     for entry in neuron.scan(root):
         report.entries += 1
-        report.problems += _entry_problems(entry, stale_after=stale_after, now=now)
+        report.problems += _entry_problems(entry, root=root, stale_after=stale_after, now=now)
     return report
 
 
-def _entry_problems(entry: neuron.Entry, *, stale_after: float, now: float) -> list[Problem]:
+def _entry_problems(entry: neuron.Entry, *, root: Path, stale_after: float, now: float) -> list[Problem]:
     p = str(entry.path)
     found = []
     if entry.graph_hash is None:
@@ -154,13 +154,14 @@ def _entry_problems(entry: neuron.Entry, *, stale_after: float, now: float) -> l
                              fix="remove the entry (`cache prune` or rm -r) so it is compiled again"))
     if entry.state is neuron.State.FAILED:
         found.append(Problem(path=p, what="cached compile failure: blocks recompiling this graph",
-                             fix="read model.log, then `megatron-hpc cache clear-failed` or set "
+                             fix=f"read model.log, then `megatron-hpc cache clear-failed --root {root}` or set "
                                  "--retry_failed_compilation in NEURON_CC_FLAGS"))
     for name in entry.locks:
         status = locks.lock_status(entry.path / name, stale_after=stale_after, now=now)
         if status.stale:
             found.append(Problem(path=str(status.path), what=f"stale lock ({status.reason})",
-                                 fix="`megatron-hpc cache clear-locks`, else every run needing it waits forever"))
+                                 fix=f"`megatron-hpc cache clear-locks --root {root}`, else every run needing it "
+                                     "waits forever"))
     if neuron.NEFF in entry.files and neuron.DONE not in entry.files and not entry.locks:
         found.append(Problem(path=p, what="model.neff without model.done: the compile was interrupted",
                              fix="remove the entry so it is compiled again"))

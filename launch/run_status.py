@@ -5,18 +5,22 @@ the requeue count), then from `sacct`; when neither answers (no accounting datab
 controller has forgotten the job), from `attempts.jsonl`, which the node script appends when a phase
 ends on node 0; failing that, the state recorded at submit time, marked stale. Progress comes from
 `metrics.jsonl`, which the last rank appends; the last checkpoint from the checkpoint tracker.
+
+A file that exists but may not be read (another user's run, a private mode) raises RunAccessError naming it,
+never counts as missing: a status built from the files that happened to be readable would be wrong.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from megatron_hpc.checkpoint.paths import parse_tracker, tracker_file
-from megatron_hpc.errors import LaunchError
+from megatron_hpc.errors import ACCESS_FIX, LaunchError, access_problem
 
 ENDED_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL",
                           "BOOT_FAIL", "DEADLINE", "PREEMPTED"})
@@ -58,23 +62,118 @@ class RunStatus:
         return asdict(self)
 
 
+class RunAccessError(LaunchError):
+    """A file or folder of a run that exists but may not be read by this process."""
+
+    def __init__(self, path: Path, exc: OSError):
+        super().__init__(f"cannot read {path}: {access_problem(path, exc)}; {ACCESS_FIX}")
+        self.path = path
+        self.reason = exc.strerror or type(exc).__name__
+        """The system's words ("Permission denied"), for a table cell."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunFolder:
+    """One folder of a runs root: a run (it holds plan.json), or a folder that may hold runs but cannot be read."""
+
+    path: Path
+    mtime: float
+    """Of submission.json, else plan.json, else (unreadable) of the folder itself."""
+    submitted: bool = False
+    """It holds submission.json (a dry run does not)."""
+    problem: str | None = None
+    """Why it cannot be read ("Permission denied"); None for a readable run."""
+    message: str | None = None
+    """The whole sentence: which file or folder refuses, its mode and owner, and the fix."""
+
+
+def _mtime(entry: os.DirEntry) -> float:
+    try:
+        return entry.stat(follow_symlinks=False).st_mtime
+    except OSError:
+        return 0.0
+
+
+def _unreadable(folder: Path, exc: OSError, *, mtime: float, file: Path | None = None) -> RunFolder:
+    return RunFolder(path=folder, mtime=mtime, problem=exc.strerror or type(exc).__name__,
+                     message=str(RunAccessError(file or folder, exc)))
+
+
+def scan_runs(runs_root: Path) -> list[RunFolder]:
+    """The run folders `<runs_root>/<recipe>/<stamp>/`, newest first; folders that cannot be read are listed
+    (with their problem) rather than silently left out, as a glob would."""
+    try:
+        recipes = sorted(os.scandir(runs_root), key=lambda e: e.name)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError as exc:
+        raise RunAccessError(runs_root, exc) from None
+    found = []
+    for recipe in recipes:
+        if recipe.name.startswith(".") or not recipe.is_dir():
+            continue
+        try:
+            runs = list(os.scandir(recipe.path))
+        except OSError as exc:
+            found.append(_unreadable(Path(recipe.path), exc, mtime=_mtime(recipe)))
+            continue
+        for run in runs:
+            if run.name.startswith(".") or not run.is_dir():
+                continue
+            folder = Path(run.path)
+            try:
+                stamp = (folder / "plan.json").stat().st_mtime
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # not a run folder
+            except OSError as exc:
+                found.append(_unreadable(folder, exc, mtime=_mtime(run), file=folder / "plan.json"))
+                continue
+            try:
+                stamp, submitted = (folder / "submission.json").stat().st_mtime, True
+            except OSError:
+                submitted = False
+            found.append(RunFolder(path=folder, mtime=stamp, submitted=submitted))
+    return sorted(found, key=lambda r: r.mtime, reverse=True)
+
+
 def find_run_dir(spec: str | None, *, runs_root: Path = Path("runs")) -> Path:
-    """A run folder from a path, a job id, or (None) the most recent run under runs_root."""
-    if spec and Path(spec).is_dir():
+    """A run folder from a path, a job id, or (None) the most recent submitted run under runs_root."""
+    if spec and os.path.isdir(spec):
         path = Path(spec)
-        if not (path / "plan.json").is_file():
-            raise LaunchError(f"{path} is not a run folder (no plan.json); pass the folder submit printed")
+        try:
+            (path / "plan.json").stat()
+        except (FileNotFoundError, NotADirectoryError):
+            raise LaunchError(f"{path} is not a run folder (no plan.json); pass the folder submit printed") from None
+        except OSError as exc:
+            raise RunAccessError(path / "plan.json", exc) from None
         return path.resolve()
-    candidates = sorted(runs_root.glob("*/*/submission.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+    candidates = [r for r in scan_runs(runs_root) if r.submitted or r.problem]
     if spec is None:
         if not candidates:
             raise LaunchError(f"no runs under {runs_root.resolve()}; pass a run folder or a job id")
-        return candidates[0].parent.resolve()
-    for sub in candidates:
-        jobs = json.loads(sub.read_text()).get("jobs", [])
+        newest = candidates[0]
+        if newest.problem:  # the most recent run is this one; showing an older one instead would mislead
+            try:
+                (newest.path / "plan.json").stat()
+            except OSError as exc:
+                raise RunAccessError(newest.path / "plan.json", exc) from None
+        return newest.path.resolve()
+    unreadable = [r.path for r in candidates if r.problem]
+    for run in candidates:
+        if run.problem:
+            continue
+        try:
+            jobs = json.loads(_read_text(run.path / "submission.json") or "{}").get("jobs", [])
+        except RunAccessError as exc:
+            unreadable.append(exc.path)
+            continue
+        except json.JSONDecodeError:
+            continue
         if any(str(j.get("job_id")) == spec for j in jobs):
-            return sub.parent.resolve()
-    raise LaunchError(f"{spec!r} is neither a run folder nor a job id of a run under {runs_root.resolve()}")
+            return run.path.resolve()
+    skipped = f"; {len(unreadable)} could not be read ({unreadable[0]}, ...)" if unreadable else ""
+    raise LaunchError(f"{spec!r} is neither a run folder nor a job id of a run under {runs_root.resolve()}"
+                      f"{skipped}")
 
 
 def read_status(run_dir: Path) -> RunStatus:
@@ -99,10 +198,10 @@ def read_status(run_dir: Path) -> RunStatus:
 
 def last_checkpoint(root: Path) -> str | None:
     """The folder the tracker names, when it exists (the trainer writes the tracker last)."""
-    try:
-        named = parse_tracker(tracker_file(root).read_text())
-    except OSError:
+    text = _read_text(tracker_file(root))
+    if text is None:
         return None
+    named = parse_tracker(text)
     if named is None:
         return None
     folder = root / (f"iter_{named:07d}" if isinstance(named, int) else named)
@@ -110,10 +209,9 @@ def last_checkpoint(root: Path) -> str | None:
 
 
 def _read_attempts(run_dir: Path) -> list[dict[str, Any]]:
-    rows = []
-    try:
-        text = (run_dir / "attempts.jsonl").read_text()
-    except OSError:
+    rows: list[dict[str, Any]] = []
+    text = _read_text(run_dir / "attempts.jsonl")
+    if text is None:
         return rows
     for line in text.splitlines():
         try:
@@ -136,11 +234,11 @@ def _refresh_from_attempts(entry: JobStatus, attempts: list[dict[str, Any]]) -> 
 
 
 def read_progress(run_dir: Path, *, train_iters: int | None) -> Progress | None:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
+    text = _read_text(run_dir / "metrics.jsonl")
+    if text is None:
         return None
     last = None
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
@@ -157,10 +255,21 @@ def read_progress(run_dir: Path, *, train_iters: int | None) -> Progress | None:
                     lm_loss=last["lm_loss"], tokens_per_s=last.get("tokens_per_s", 0.0), eta_s=eta)
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
+def _read_text(path: Path) -> str | None:
+    """The file's text; None when it is not there; RunAccessError when it is there but cannot be read."""
     try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        return path.read_text(errors="replace")
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        raise RunAccessError(path, exc) from None
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    text = _read_text(path)
+    try:
+        return None if text is None else json.loads(text)
+    except json.JSONDecodeError:
         return None
 
 

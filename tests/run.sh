@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The project's test command (README, .ci/run). On a fresh Debian 12 machine as root it installs
-# everything the suite needs: the CPU build of torch (pinned first, so nothing pulls CUDA),
-# this package with its test extras, and (through the slurm fixture) Debian's Slurm and MariaDB.
+# everything the suite needs: torch 2.13.0 (first, so this package's `torch>=2.4` is already met; the CPU
+# build when pip finds its wheel locally, else install it from PyTorch's CPU wheel index first, as the
+# README says: the default index gives the CUDA build on Linux), this package with its test extras, and
+# (through the slurm fixture) Debian's Slurm and MariaDB.
 # The SLURM tests run on a real local cluster that tests/slurm/conftest.py starts and stops.
 # Then the xla tier (tests/xla/run.sh): real torch-xla 2.9 on XLA:CPU, in its own environment that it
 # builds once and caches (torch 2.9 with its CUDA libraries, about 4 GB). Arguments go to the main

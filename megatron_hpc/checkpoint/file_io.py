@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from megatron_hpc.checkpoint.manifest import FileRecord
-from megatron_hpc.errors import CheckpointError
+from megatron_hpc.errors import CheckpointAccessError, CheckpointError
 
 CHUNK = 4 << 20
 """Bytes checksummed and then written or read at a time: small enough to still be in cache for the second pass."""
@@ -134,6 +134,8 @@ def safe_load(source: io.BytesIO | Path, *, what: Path, mmap: bool = False,
     try:
         with torch.serialization.safe_globals(list(allowed)):
             return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
+    except PermissionError as exc:  # an OSError too, but no sign of damage
+        raise CheckpointAccessError(what, exc) from None
     except pickle.UnpicklingError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"{what} holds objects a checkpoint may not contain, so it was not loaded "
@@ -204,6 +206,8 @@ def read_torch_file(path: Path, *, expected: FileRecord | None = None, allowed: 
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing; the checkpoint is incomplete, load an earlier one") from None
+    except OSError as exc:  # permission, or the disk: the file is there, so nothing says it is damaged
+        raise CheckpointAccessError(path, exc) from None
     try:
         size = os.fstat(fd).st_size
         _check_size(path, size, expected)

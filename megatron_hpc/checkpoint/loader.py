@@ -17,7 +17,7 @@ from megatron_hpc.checkpoint.manifest import Manifest, read_manifest
 from megatron_hpc.checkpoint.ranks import RankInfo
 from megatron_hpc.checkpoint.saver import complete_iterations
 from megatron_hpc.checkpoint.xser import read_xser
-from megatron_hpc.errors import CheckpointError
+from megatron_hpc.errors import CheckpointAccessError, CheckpointError
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -36,8 +36,12 @@ def _warn(message: str, *, quiet: bool) -> None:
 
 
 def _complete(folder: Path) -> Manifest | None:
+    """The folder's manifest, None when it is missing or damaged; a manifest this process may not read raises
+    (CheckpointAccessError): taking an older checkpoint instead would silently undo training."""
     try:
         return read_manifest(folder)
+    except CheckpointAccessError:
+        raise
     except CheckpointError:
         return None
 
@@ -52,6 +56,8 @@ def find_checkpoint(root: Path, *, quiet: bool = False) -> FoundCheckpoint | Non
             _warn(f"{root} has checkpoint folders but no {paths.TRACKER}; starting from scratch "
                   "(write the iteration into the tracker to resume from one)", quiet=quiet)
         return None
+    except PermissionError as exc:
+        raise CheckpointAccessError(tracker, exc) from None
     except (OSError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"cannot read {tracker} ({exc}); fix or delete it") from None
     named = paths.parse_tracker(text)

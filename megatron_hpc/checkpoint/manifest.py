@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from megatron_hpc.checkpoint.paths import MANIFEST
-from megatron_hpc.errors import CheckpointError
+from megatron_hpc.errors import CheckpointAccessError, CheckpointError
 
 MANIFEST_VERSION = 2
 READABLE_VERSIONS = (1, 2)
@@ -95,6 +95,8 @@ def read_manifest(ckpt_dir: Path) -> Manifest:
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing, so {ckpt_dir} is incomplete (a save did not finish); "
                               "load an earlier checkpoint or delete the folder") from None
+    except PermissionError as exc:
+        raise CheckpointAccessError(path, exc) from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path} is not a valid manifest ({type(exc).__name__}: {exc}); "
                               "the checkpoint is damaged, load an earlier one") from None

@@ -24,7 +24,7 @@ from megatron_hpc.checkpoint.file_io import Written, write_bytes_file
 from megatron_hpc.checkpoint.manifest import FileRecord, Manifest, write_manifest
 from megatron_hpc.checkpoint.ranks import RankInfo
 from megatron_hpc.checkpoint.xser import write_torch, write_xser
-from megatron_hpc.errors import CheckpointError
+from megatron_hpc.errors import CheckpointAccessError, CheckpointError
 
 _PARTIAL = ".files.json"
 
@@ -90,13 +90,16 @@ def _finish(tmp: Path, root: Path, iteration: int, *, ranks: RankInfo, fmt: str)
 
 def complete_iterations(root: Path) -> list[int]:
     """Iterations of the final-named folders that hold a manifest, ascending."""
-    if not root.is_dir():
-        return []
     found = []
-    for entry in root.iterdir():
-        iteration = paths.parse_iteration_dirname(entry.name)
-        if iteration is not None and (entry / paths.MANIFEST).is_file():
-            found.append(iteration)
+    try:
+        if not root.is_dir():
+            return []
+        for entry in root.iterdir():
+            iteration = paths.parse_iteration_dirname(entry.name)
+            if iteration is not None and (entry / paths.MANIFEST).is_file():
+                found.append(iteration)
+    except PermissionError as exc:  # not "no checkpoint": starting from scratch would undo training
+        raise CheckpointAccessError(exc.filename or root, exc) from None
     return sorted(found)
 
 

@@ -13,7 +13,7 @@ from megatron_hpc.checkpoint import paths
 from megatron_hpc.checkpoint.loader import FoundCheckpoint, find_checkpoint, read_shard
 from megatron_hpc.checkpoint.manifest import read_manifest
 from megatron_hpc.checkpoint.xser import iter_tensors, read_xser
-from megatron_hpc.errors import CheckpointError
+from megatron_hpc.errors import CheckpointAccessError, CheckpointError
 
 
 def _tensor_rows(state: Any, *, tp_rank: int | None) -> list[dict[str, Any]]:
@@ -64,6 +64,13 @@ def summarize(path: Path, *, verify: bool = False) -> dict[str, Any]:
     `path`: a checkpoint root (the tracker picks the folder), an iter_XXXXXXX folder, an
     mp_rank_XX folder, or one main file. `verify`: check every file against the manifest.
     """
+    try:
+        return _summarize(path, verify=verify)
+    except PermissionError as exc:  # a probe (is_file) into a folder this user may not enter
+        raise CheckpointAccessError(exc.filename or path, exc) from None
+
+
+def _summarize(path: Path, *, verify: bool) -> dict[str, Any]:
     if path.is_file():
         return _single_file(path)
     if (path / paths.MAIN_FILE).is_file():

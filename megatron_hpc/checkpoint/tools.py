@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,9 +45,11 @@ def hf_blockers(model: dict[str, Any]) -> list[str]:
     return found
 
 
-def hf_config(model: dict[str, Any]) -> dict[str, Any]:
+def hf_config(model: dict[str, Any], *, eos_token_id: int | None = None) -> dict[str, Any]:
+    """`eos_token_id`: the tokenizer's <|endoftext|> id; without a tokenizer, the last id (where GPT-2 style
+    vocabularies keep it)."""
     h = model["hidden_size"]
-    eos = model["vocab_size"] - 1  # GPT-2 style vocabularies end with <|endoftext|>
+    eos = model["vocab_size"] - 1 if eos_token_id is None else eos_token_id
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
         "vocab_size": model["vocab_size"], "n_positions": model["max_position_embeddings"],
@@ -83,7 +87,7 @@ def hf_state_dict(full: dict[str, torch.Tensor], model: dict[str, Any]) -> dict[
     return {k: v.detach().to(torch.float32).contiguous().clone() for k, v in sd.items()}
 
 
-def export_hf(whole: WholeCheckpoint, out: Path) -> Path:
+def export_hf(whole: WholeCheckpoint, out: Path, *, eos_token_id: int | None = None) -> Path:
     """Write config.json and the weights (model.safetensors, or pytorch_model.bin without safetensors)."""
     model = _model_config(whole)
     blockers = hf_blockers(model)
@@ -93,7 +97,8 @@ def export_hf(whole: WholeCheckpoint, out: Path) -> Path:
     full = tp_layout.merge_model([s["model"] for s in whole.states])
     sd = hf_state_dict(full, model)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(hf_config(model), indent=2) + "\n")
+    config = out / "config.json"
+    config.write_text(json.dumps(hf_config(model, eos_token_id=eos_token_id), indent=2) + "\n")
     try:
         from safetensors.torch import save_file
     except ImportError:
@@ -102,7 +107,31 @@ def export_hf(whole: WholeCheckpoint, out: Path) -> Path:
     else:
         path = out / "model.safetensors"
         save_file(sd, str(path), metadata={"format": "pt"})
+        # safetensors creates its file with mode 0600 whatever the umask, so a folder meant for others to load
+        # was unreadable to them; it gets the mode of the config.json beside it (0666 less the umask).
+        path.chmod(stat.S_IMODE(config.stat().st_mode))
     return path
+
+
+def tokenizer_files(whole: WholeCheckpoint) -> tuple[Path, Path] | str:
+    """The run's GPT-2 vocab.json and merges.txt (its resolved data.vocab_file, data.merge_file), or why there
+    are none to export."""
+    try:
+        data = whole.states[0]["resolved_config"]["data"]
+    except (KeyError, TypeError):
+        return "the checkpoint has no resolved data config"
+    if data.get("source") == "synthetic":
+        return "the run trained on synthetic tokens (data.source=synthetic)"
+    if data.get("tokenizer_type", "GPT2BPETokenizer") != "GPT2BPETokenizer":
+        return f"the run's tokenizer is {data['tokenizer_type']}, not GPT2BPETokenizer"
+    if not data.get("vocab_file") or not data.get("merge_file"):
+        return "the run names no data.vocab_file and data.merge_file"
+    found = (Path(data["vocab_file"]).expanduser(), Path(data["merge_file"]).expanduser())
+    for key, path in zip(("data.vocab_file", "data.merge_file"), found):
+        if not os.access(path, os.R_OK) or not path.is_file():
+            why = "not readable" if path.exists() else "gone"
+            return f"the run's {key} {path} is {why}"
+    return found
 
 
 # ---------------------------------------------------------------------------------------------- reshard

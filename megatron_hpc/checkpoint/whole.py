@@ -18,7 +18,7 @@ from megatron_hpc.checkpoint.loader import FoundCheckpoint, find_checkpoint, rea
 from megatron_hpc.checkpoint.manifest import read_manifest
 from megatron_hpc.checkpoint.ranks import RankInfo
 from megatron_hpc.checkpoint.saver import _finish, _write_rank
-from megatron_hpc.errors import CheckpointError
+from megatron_hpc.errors import CheckpointAccessError, CheckpointError
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -38,6 +38,13 @@ class WholeCheckpoint:
 
 def locate(path: Path, *, iteration: int | None = None) -> FoundCheckpoint:
     """A checkpoint root (the tracker picks, or `iteration`) or one iter_XXXXXXX folder."""
+    try:
+        return _locate(path, iteration=iteration)
+    except PermissionError as exc:  # a probe (exists, is_file) into a folder this user may not enter
+        raise CheckpointAccessError(exc.filename or path, exc) from None
+
+
+def _locate(path: Path, *, iteration: int | None) -> FoundCheckpoint:
     if not path.exists():
         raise CheckpointError(f"{path} does not exist; pass a checkpoint folder (with "
                               f"{paths.TRACKER}) or one of its iter_XXXXXXX folders")

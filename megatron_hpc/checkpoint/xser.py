@@ -20,6 +20,7 @@ is `torch_xla.utils.serialization\\nTensorReference` and the real `xser.load` re
 
 from __future__ import annotations
 
+import os
 import pickle
 import types
 from collections.abc import Callable, Iterable, Iterator
@@ -32,7 +33,7 @@ import torch
 from megatron_hpc.checkpoint.file_io import Written, read_torch_file, safe_load, write_torch_file
 from megatron_hpc.checkpoint.manifest import FileRecord
 from megatron_hpc.checkpoint.paths import tensor_file, tensors_dir
-from megatron_hpc.errors import CheckpointError
+from megatron_hpc.errors import CheckpointAccessError, CheckpointError
 
 _XLA_MODULE = "torch_xla.utils.serialization"
 _SCALARS = (str, bytes, int, float, bool, type(None))
@@ -164,8 +165,12 @@ def _read(path: Path, files: dict[Path, FileRecord] | None, *, mmap: bool = Fals
     """Load one torch file; checked against the manifest records when `files` is given."""
     if files is None:
         if mmap:
-            if not path.is_file():
-                raise CheckpointError(f"{path} is missing; the checkpoint is incomplete")
+            try:
+                os.stat(path)
+            except (FileNotFoundError, NotADirectoryError):
+                raise CheckpointError(f"{path} is missing; the checkpoint is incomplete") from None
+            except OSError as exc:
+                raise CheckpointAccessError(path, exc) from None
             return safe_load(path, what=path, mmap=True, allowed=(TensorReference,))
         return read_torch_file(path, allowed=(TensorReference,))
     record = files.get(path)

@@ -4,14 +4,17 @@
     megatron-hpc cache publish --from LOCAL --to SHARED      # after a compile phase on node-local disk
     megatron-hpc cache sync --from SHARED --to LOCAL         # before a run, so lookups stay off NFS
 
-ls, stats, verify, prune, publish and sync take `--layout`: `neuron` (default; Neuron's neuronxcc-*/MODULE_*
-entries), `tree` (a plain tree of files such as TorchInductor's cache, shared file by file; an entry is a file, or
-a folder of Triton group files) or `launcher` (the root the node script uses: neuron/ and inductor/ below it).
+Every action but publish and sync takes `--root` and `--layout`: `launcher` (the root `submit` gives its jobs:
+neuron/ and inductor/ below it), `neuron` (Neuron's neuronxcc-*/MODULE_* entries) or `tree` (a plain tree of files
+such as TorchInductor's cache, shared file by file; an entry is a file, or a folder of Triton group files).
+clear-locks and clear-failed work on Neuron entries only (a launcher root's neuron/ folder).
 
-`--root` defaults to the root Neuron itself would use (NEURON_CC_FLAGS --cache_dir, NEURON_COMPILE_CACHE_URL,
-/var/tmp/neuron-compile-cache); with `--layout launcher`, to the shared cache `submit` uses
-($MEGATRON_HPC_CACHE_DIR, else ~/.cache/megatron-hpc/compile-cache); a tree needs `--root`. Results go to stdout
-(`--json` for scripts), notes to stderr.
+Without `--root` a command works on the shared cache `submit` uses ($MEGATRON_HPC_CACHE_DIR, else
+~/.cache/megatron-hpc/compile-cache), so a user who just submitted sees what the jobs compiled; it notes Neuron's
+own cache when that holds entries too. `--layout neuron` without `--root` is the root Neuron itself would use
+(NEURON_CC_FLAGS --cache_dir, NEURON_COMPILE_CACHE_URL, /var/tmp/neuron-compile-cache); a tree needs `--root`.
+With `--root` and no `--layout`, a root holding neuron/, inductor/ or megatron-hpc/ is a launcher root and any
+other is read as Neuron's layout. Results go to stdout (`--json` for scripts), notes to stderr.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from megatron_hpc.compile_cache import layouts, locks, neuron, prune, store
+from megatron_hpc.compile_cache import fingerprint, layouts, locks, neuron, prune, store
 from megatron_hpc.compile_cache.paths import LAUNCHER_LAYOUT, default_cache_root
 from megatron_hpc.errors import CompileCacheError
 
@@ -66,8 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--json", action="store_true", help="print JSON for scripts")
         if root:
             p.add_argument("--root", type=Path, default=None,
-                           help="cache root (default: the one Neuron picks from NEURON_CC_FLAGS --cache_dir, "
-                                "NEURON_COMPILE_CACHE_URL, else /var/tmp/neuron-compile-cache)")
+                           help="cache root (default: the shared compile cache of submit, $MEGATRON_HPC_CACHE_DIR "
+                                "else ~/.cache/megatron-hpc/compile-cache; with --layout neuron, the one Neuron "
+                                "picks from NEURON_CC_FLAGS --cache_dir, NEURON_COMPILE_CACHE_URL, else "
+                                "/var/tmp/neuron-compile-cache)")
         return p
 
     ls = action("ls", "list the entries with their state, size and last use")
@@ -80,8 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           ("prune", "remove least recently used entries by age and/or total size")):
         p = action(name, summary)
         p.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
-        if name in ("verify", "prune"):
-            _add_layout(p)
+        _add_layout(p, choices=("launcher", "neuron", "tree") if name in ("verify", "prune")
+                    else ("launcher", "neuron"))
         if name in ("verify", "clear-locks"):
             p.add_argument("--stale-after", type=parse_duration, default=locks.DEFAULT_STALE_AFTER_S,
                            metavar="DURATION", help="age after which a lock whose owner cannot be checked "
@@ -106,25 +111,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--to", dest="dst", type=Path, required=True, metavar=dst, help="cache to copy into")
         p.add_argument("--group-writable", action="store_true",
                        help="make new entries group writable (g+w, setgid directories) for a team cache")
-        _add_layout(p)
+        _add_layout(p, default="neuron")
 
 
-def _add_layout(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--layout", choices=("neuron", "tree", "launcher"), default="neuron",
-                   help="neuron (default): Neuron's neuronxcc-*/MODULE_* entries; tree: a plain tree of files "
-                        f"(Inductor's, Triton's); launcher: a megatron-hpc root ({', '.join(LAUNCHER_LAYOUT)})")
+def _add_layout(p: argparse.ArgumentParser, *, choices: tuple[str, ...] = ("launcher", "neuron", "tree"),
+                default: str | None = None) -> None:
+    # default None: the layout follows from --root (see _root), so a bare command shows the cache submit uses
+    p.add_argument("--layout", choices=choices, default=default,
+                   help=f"launcher: a megatron-hpc root ({', '.join(LAUNCHER_LAYOUT)}), the default without "
+                        "--root; neuron: Neuron's neuronxcc-*/MODULE_* entries; tree: a plain tree of files "
+                        "(Inductor's, Triton's). With --root and no --layout: launcher if the root holds its "
+                        "folders, else neuron")
 
 
 def _root(args: argparse.Namespace) -> Path:
-    layout = getattr(args, "layout", "neuron")
+    """The root to work on; sets `args.layout` when the command line left it open."""
     if args.root is not None:
+        if args.layout is None:
+            args.layout = "launcher" if _looks_like_launcher(args.root) else "neuron"
+            if args.layout == "launcher":
+                print(f"cache root {args.root} (a megatron-hpc root: --layout launcher)", file=sys.stderr)
         return args.root
-    if layout == "launcher":
+    if args.layout in (None, "launcher"):
+        args.layout = "launcher"
         root = default_cache_root()
         print(f"cache root {root} (the shared compile cache of submit)", file=sys.stderr)
+        _note_neuron_default(root)
         return root
-    if layout != "neuron":
-        raise CompileCacheError(f"--layout {layout} needs --root PATH; only Neuron and launcher caches have a "
+    if args.layout != "neuron":
+        raise CompileCacheError(f"--layout {args.layout} needs --root PATH; only Neuron and launcher caches have a "
                                 "default root")
     resolved = neuron.resolve_root()
     for warning in resolved.warnings:
@@ -133,11 +148,41 @@ def _root(args: argparse.Namespace) -> Path:
     return resolved.path
 
 
+def _looks_like_launcher(root: Path) -> bool:
+    return any((root / folder).is_dir() for folder in (*LAUNCHER_LAYOUT, fingerprint.MARKER_DIR.split("/")[0]))
+
+
+def _note_neuron_default(shared: Path) -> None:
+    """Jobs of `submit` compile into the shared root; a compiler run by hand outside them fills the root Neuron
+    picks itself. Name that one when it holds entries, so neither stays invisible."""
+    try:
+        own = neuron.resolve_root()
+    except CompileCacheError:  # an S3 URL: nothing on this filesystem to mention
+        return
+    if own.path in (shared, shared / "neuron"):
+        return
+    try:
+        found = sum(1 for version in neuron.iter_version_dirs(own.path) for _ in neuron.iter_entry_dirs(version))
+    except OSError:
+        return
+    if found:
+        print(f"megatron-hpc: note: Neuron's own cache {own.path} (from {own.source}) holds {found} entries too; "
+              "see them with --layout neuron", file=sys.stderr)
+
+
+def _neuron_roots(args: argparse.Namespace) -> list[tuple[str, Path]]:
+    """(key prefix, root) of each Neuron-layout part of a clear-locks/clear-failed target: a launcher root's
+    neuron/ folder, or the root itself."""
+    root = _root(args)
+    return [(f"{folder}/" if folder else "", path) for folder, path, sub in layouts.parts(root, layout=args.layout)
+            if sub == "neuron"]
+
+
 def _hint_layout(root: Path, layout: str) -> None:
     """Say so when a Neuron view of `root` found nothing because it is another layout."""
     if layout != "neuron" or any(True for _ in neuron.iter_version_dirs(root)):
         return
-    if any((root / folder).is_dir() for folder in LAUNCHER_LAYOUT):
+    if _looks_like_launcher(root):
         print(f"megatron-hpc: note: {root} holds {', '.join(f'{f}/' for f in LAUNCHER_LAYOUT)} folders: "
               "a megatron-hpc cache root; use --layout launcher", file=sys.stderr)
     elif any((root / folder).is_dir() for folder in ("fxgraph", "aotautograd")):
@@ -203,7 +248,8 @@ def _stats_lines(s: dict) -> list[str]:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    r = layouts.verify(_root(args), layout=args.layout, stale_after=args.stale_after,
+    root = _root(args)  # first: it settles args.layout
+    r = layouts.verify(root, layout=args.layout, stale_after=args.stale_after,
                        leftover_age=args.leftovers_older_than, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     lines = [f"{verb} leftover {p}" for p in r.leftovers_removed]
@@ -214,7 +260,12 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _clear_locks(args: argparse.Namespace) -> int:
-    r = prune.clear_locks(_root(args), stale_after=args.stale_after, dry_run=args.dry_run)
+    r = prune.ClearLocksReport()
+    for _prefix, root in _neuron_roots(args):
+        part = prune.clear_locks(root, stale_after=args.stale_after, dry_run=args.dry_run)
+        r.cleared += part.cleared
+        r.kept += part.kept
+        r.orphan_records += part.orphan_records
     verb = "would clear" if args.dry_run else "cleared"
     lines = [f"{verb} {s.path}: {s.reason}" for s in r.cleared]
     lines += [f"kept    {s.path}: {s.reason}" for s in r.kept]
@@ -225,7 +276,8 @@ def _clear_locks(args: argparse.Namespace) -> int:
 
 
 def _clear_failed(args: argparse.Namespace) -> int:
-    removed = prune.clear_failed(_root(args), dry_run=args.dry_run)
+    removed = [prefix + key for prefix, root in _neuron_roots(args)
+               for key in prune.clear_failed(root, dry_run=args.dry_run)]
     verb = "would remove" if args.dry_run else "removed"
     _out(args, {"removed": removed}, [f"{verb} {k}" for k in removed] + [f"{len(removed)} failed entries {verb}"])
     return 0
@@ -234,7 +286,8 @@ def _clear_failed(args: argparse.Namespace) -> int:
 def _prune(args: argparse.Namespace) -> int:
     if args.older_than is None and args.max_size is None:
         raise CompileCacheError("prune needs --older-than DURATION and/or --max-size SIZE, e.g. --older-than 7d")
-    r = prune.prune(_root(args), layout=args.layout, older_than=args.older_than, max_size=args.max_size,
+    root = _root(args)  # first: it settles args.layout
+    r = prune.prune(root, layout=args.layout, older_than=args.older_than, max_size=args.max_size,
                     dry_run=args.dry_run, leftover_age=args.leftovers_older_than)
     verb = "would remove" if args.dry_run else "removed"
     lines = [f"{verb} {k}" for k in r.removed]

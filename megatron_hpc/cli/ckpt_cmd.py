@@ -72,17 +72,51 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from megatron_hpc.checkpoint.tools import convert_format, export_hf
+    from megatron_hpc.checkpoint.tools import convert_format
     from megatron_hpc.checkpoint.whole import read_whole
 
     whole = read_whole(args.path, iteration=args.iteration)
-    written = export_hf(whole, args.out) if args.to == "hf" else convert_format(whole, to=args.to, out=args.out)
+    tokenizer: list[str] | None = None
+    if args.to == "hf":
+        written, tokenizer = _export_hf(whole, args.out)
+    else:
+        written = convert_format(whole, to=args.to, out=args.out)
     report = {"source": str(whole.found.folder), "iteration": whole.iteration, "to": args.to, "out": str(args.out),
               "tensor_parallel": whole.tensor_parallel, "written": str(written)}
+    if args.to == "hf":
+        report["tokenizer"] = tokenizer
     print(json.dumps(report, indent=1) if args.json else
           f"converted {whole.found.folder} (iteration {whole.iteration}, tp {whole.tensor_parallel}) to {args.to}: "
           f"{written}")
     return 0
+
+
+def _export_hf(whole: Any, out: Path) -> tuple[Path, list[str] | None]:
+    """The model, and the run's tokenizer when it has one (else a note on stderr): the weights file and the
+    tokenizer files written (None without a tokenizer)."""
+    import sys
+
+    from megatron_hpc.checkpoint.tools import export_hf, tokenizer_files
+    from megatron_hpc.data.tokenizer import EOD_TOKEN, GPT2BPETokenizer
+    from megatron_hpc.errors import DataError
+
+    files = tokenizer_files(whole)
+    model = whole.states[0]["resolved_config"]["model"]
+    tok = None
+    if not isinstance(files, str):
+        try:
+            tok = GPT2BPETokenizer(*files)
+        except DataError as exc:
+            files = str(exc)
+        else:
+            if tok.vocab_size > model["vocab_size"]:
+                files = f"{files[0]} has {tok.vocab_size} tokens but the model only {model['vocab_size']}"
+    if isinstance(files, str) or tok is None:
+        print(f"megatron-hpc: note: no tokenizer files written: {files}; {out} holds the model only (add GPT-2 "
+              "vocab.json and merges.txt to it for transformers.AutoTokenizer)", file=sys.stderr)
+        return export_hf(whole, out), None
+    written = export_hf(whole, out, eos_token_id=tok.vocab.get(EOD_TOKEN))
+    return written, [str(p) for p in tok.save_hf(out, model_max_length=model["max_position_embeddings"])]
 
 
 def _reshard(args: argparse.Namespace) -> int:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import fnmatch
+import os
 import sys
 import time
 from pathlib import Path
 
 from megatron_hpc.errors import LaunchError
-from megatron_hpc.launch.run_status import ENDED_STATES, find_run_dir, read_status
+from megatron_hpc.launch.run_status import ENDED_STATES, RunAccessError, find_run_dir, read_status
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,8 +22,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def pick_log(run_dir: Path, *, phase: str | None, node: int | None) -> Path:
     phases = [phase] if phase else ["run", "compile"]
+    try:
+        names = os.listdir(run_dir / "logs")  # a glob would take an unreadable folder for an empty one
+    except (FileNotFoundError, NotADirectoryError):
+        names = []
+    except OSError as exc:
+        raise RunAccessError(run_dir / "logs", exc) from None
     for name in phases:
-        logs = sorted((run_dir / "logs").glob(f"{name}-node*.log"),
+        logs = sorted((run_dir / "logs" / n for n in names if fnmatch.fnmatchcase(n, f"{name}-node*.log")),
                       key=lambda p: int(p.stem.rsplit("node", 1)[1]))
         if not logs:
             continue
@@ -42,10 +50,13 @@ def run(args: argparse.Namespace) -> int:
     phase = log.stem.split("-node")[0]
     offset = 0
     while True:
-        with log.open(errors="replace") as fh:
-            fh.seek(offset)
-            sys.stdout.write(fh.read())
-            offset = fh.tell()
+        try:
+            with log.open(errors="replace") as fh:
+                fh.seek(offset)
+                sys.stdout.write(fh.read())
+                offset = fh.tell()
+        except PermissionError as exc:
+            raise RunAccessError(log, exc) from None
         sys.stdout.flush()
         if not args.follow:
             return 0

@@ -14,7 +14,7 @@ import sys
 import traceback
 
 from megatron_hpc import __version__
-from megatron_hpc.errors import MegatronHpcError
+from megatron_hpc.errors import MegatronHpcError, access_problem
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "submit": ("megatron_hpc.cli.submit_cmd", "plan, write and queue the compile and run phases"),
@@ -71,6 +71,14 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "debug", False):
             traceback.print_exc()
         print(f"megatron-hpc: error: {exc}", file=sys.stderr)
+        return 1
+    except PermissionError as exc:
+        # What the commands do not word themselves (a file written, a folder listed): still one line, naming it
+        if getattr(args, "debug", False):
+            traceback.print_exc()
+        where = f"{exc.filename}: {access_problem(exc.filename, exc)}" if exc.filename else str(exc)
+        print(f"megatron-hpc: error: {where}; change its permissions (chmod, or ask its owner) or run as a user "
+              "who may use it", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("megatron-hpc: interrupted", file=sys.stderr)

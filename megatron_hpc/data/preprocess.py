@@ -5,8 +5,7 @@ one JSON line is one document; a string value is one sequence, a list of strings
 sequence per non-empty string; `--append-eod` appends the EOD id to the last sequence of every
 non-empty document; an empty document is still written (a document with no sequences); the
 token dtype is uint16 below 65500 vocab entries, else int32; outputs are
-`{prefix}_{key}_document.{bin,idx}`. Lines are read in text mode with universal newlines, as
-Megatron's `open(..., 'r', encoding='utf-8')` does.
+`{prefix}_{key}_document.{bin,idx}`. Lines are read as Megatron reads them (jsonl.py).
 
 Where Megatron crashes (a blank line, bad JSON or UTF-8, a missing key, a value that is not
 text), we skip the whole line for every key, report its line number, and `strict=True` makes
@@ -22,15 +21,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import gzip
-import io
 import json
 import multiprocessing
 import os
 import re
 import signal
 import time
-import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +36,7 @@ import numpy as np
 
 from megatron_hpc.data.fast_encode import WordCacheEncoder
 from megatron_hpc.data.indexed import IndexedDatasetWriter, optimal_dtype
+from megatron_hpc.data.jsonl import open_jsonl
 from megatron_hpc.data.tokenizer import GPT2BPETokenizer
 from megatron_hpc.errors import DataError
 
@@ -56,23 +53,6 @@ _MAX_REPORTED = 20
 def output_prefix_for(output_prefix: str | os.PathLike[str], key: str) -> str:
     """Megatron's output name without extension: `{prefix}_{key}_document`."""
     return f"{os.fspath(output_prefix)}_{key}_document"
-
-
-@contextlib.contextmanager
-def open_jsonl(path: str | os.PathLike[str]) -> Iterator[tuple[TextIO, object]]:
-    """(text lines, raw file) of a .jsonl or .jsonl.gz; `raw.tell()` is the input bytes read so far."""
-    path = Path(path)
-    try:
-        raw = open(path, "rb")  # noqa: SIM115  (closed below)
-    except FileNotFoundError:
-        raise DataError(f"input {path} not found; pass a .jsonl or .jsonl.gz file") from None
-    with raw:
-        stream = gzip.GzipFile(fileobj=raw, mode="rb") if path.name.endswith(".gz") else raw
-        text = io.TextIOWrapper(stream, encoding="utf-8", errors="surrogateescape")  # newline=None as Megatron
-        try:
-            yield text, raw
-        except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
-            raise DataError(f"{path}: not a complete gzip file ({exc}); re-compress it or pass the .jsonl") from None
 
 
 def _parse(line: str, keys: Sequence[str]) -> dict[str, list[str]] | str:

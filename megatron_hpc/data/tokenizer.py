@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_hpc.data.fast_encode import WordCacheEncoder
+from megatron_hpc.data.jsonl import open_jsonl
 from megatron_hpc.errors import DataError
 
 EOD_TOKEN = "<|endoftext|>"
@@ -117,10 +118,32 @@ class GPT2BPETokenizer:
         """Bytes of every token, joined and decoded as UTF-8 with U+FFFD for broken sequences."""
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
+    def save_hf(self, out: str | os.PathLike[str], *, model_max_length: int) -> list[Path]:
+        """Write what `transformers`' GPT-2 tokenizer loads from a folder; the paths written.
+
+        vocab.json and merges.txt are copied byte for byte; tokenizer_config.json names the class and the
+        settings that give our ids (no prefix space, no BOS added, U+FFFD for broken UTF-8), and
+        special_tokens_map.json makes `<|endoftext|>` GPT-2's BOS, EOS and unknown token, as in GPT-2's own
+        folder. Without `<|endoftext|>` in the vocabulary the three are null: GPT2Tokenizer would otherwise
+        default them to `<|endoftext|>` and add it as a new id the model does not have.
+        """
+        folder = Path(out)
+        folder.mkdir(parents=True, exist_ok=True)
+        eod = EOD_TOKEN if EOD_TOKEN in self.vocab else None
+        specials = {name: eod for name in ("bos_token", "eos_token", "unk_token")}
+        config = {"tokenizer_class": "GPT2Tokenizer", "model_max_length": model_max_length,
+                  "add_prefix_space": False, "add_bos_token": False, "errors": "replace", **specials}
+        written = []
+        for name, data in (("vocab.json", self.vocab_file.read_bytes()), ("merges.txt", self.merge_file.read_bytes()),
+                           ("tokenizer_config.json", (json.dumps(config, indent=2) + "\n").encode()),
+                           ("special_tokens_map.json",
+                            (json.dumps({k: v for k, v in specials.items() if v}, indent=2) + "\n").encode())):
+            (folder / name).write_bytes(data)
+            written.append(folder / name)
+        return written
+
 
 def _training_texts(paths: Sequence[Path], json_key: str) -> Iterator[str]:
-    from megatron_hpc.data.preprocess import open_jsonl
-
     for path in paths:
         if not path.is_file():
             raise DataError(f"training input {path} not found")

@@ -26,17 +26,23 @@ MODEL = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_head
 TOKENS = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(7))
 
 
-def _cli(*args: str) -> str:
+def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """The CLI under the usual umask (022), so files it creates are 0644 unless it narrows them itself."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, "-m", "megatron_hpc", *args], capture_output=True, text=True, env=env)
+    proc = subprocess.run([sys.executable, "-m", "megatron_hpc", *args], capture_output=True, text=True, env=env,
+                          preexec_fn=lambda: os.umask(0o022))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout
+    return proc
 
 
-def _train_tp2(ckpt: Path) -> None:
-    sets = [*MODEL, "data.source=synthetic", "parallel.tensor=2", "train.num_steps=3", "train.micro_batch_size=4",
+def _cli(*args: str) -> str:
+    return _run_cli(*args).stdout
+
+
+def _train(ckpt: Path, sets: list[str], *, tp: int) -> None:
+    sets = [*sets, f"parallel.tensor={tp}", "train.num_steps=3", "train.micro_batch_size=4",
             "train.global_batch_size=4", "train.tensorboard=false", f"checkpoint.save={ckpt}"]
-    args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
+    args = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={tp}", "--master_port",
             str(mp_workers.free_ports(1)[0]), "-m", "megatron_hpc", "train", "--recipe", "tiny"]
     for item in sets:
         args += ["--set", item]
@@ -71,7 +77,7 @@ def model_logits(rank: int, world: int, ports: list[int], ckpt: str, tokens: tor
 @pytest.fixture(scope="module")
 def tp2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ckpt = tmp_path_factory.mktemp("tools") / "tp2"
-    _train_tp2(ckpt)
+    _train(ckpt, [*MODEL, "data.source=synthetic"], tp=2)
     return ckpt
 
 
@@ -101,14 +107,58 @@ def test_reshard_tp2_to_tp1_and_back_keeps_the_logits(tp2_checkpoint, tmp_path):
 def test_hf_export_matches_our_logits_in_transformers(tp2_checkpoint, tmp_path):
     import transformers  # the real library (the `test` extra installs it)
     ref = mp_workers.spawn(model_logits, world=2, out_dir=tmp_path / "ref", args=(str(tp2_checkpoint), TOKENS))[0]
-    report = json.loads(_cli("ckpt", "convert", str(tp2_checkpoint), "--to", "hf", str(tmp_path / "hf"), "--json"))
+    proc = _run_cli("ckpt", "convert", str(tp2_checkpoint), "--to", "hf", str(tmp_path / "hf"), "--json")
+    report = json.loads(proc.stdout)
     assert (report["to"], report["tensor_parallel"], report["iteration"]) == ("hf", 2, 3)
+    # synthetic tokens: no tokenizer to export, said in one line
+    notes = [line for line in proc.stderr.splitlines() if "tokenizer" in line]
+    assert len(notes) == 1 and "no tokenizer files written: the run trained on synthetic tokens" in notes[0]
+    assert report["tokenizer"] is None and not (tmp_path / "hf" / "vocab.json").exists()
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in (tmp_path / "hf").iterdir()} == {
+        "config.json": "0o644", "model.safetensors": "0o644"}  # others can load it
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
     hf.eval()
     with torch.no_grad():
         theirs = hf(TOKENS).logits
     assert theirs.shape == (2, 32, VOCAB)
     torch.testing.assert_close(theirs, ref, rtol=0, atol=1e-4)
+
+
+def test_hf_export_of_a_run_on_demo_data_carries_its_tokenizer(demo_data, tmp_path):
+    """A run trained on `data demo` output: AutoTokenizer loads the exported folder and gives the ids the
+    training data holds (the .bin file written by our preprocessing), <|endoftext|> included."""
+    import transformers
+
+    from megatron_hpc.data.indexed import IndexedDataset
+
+    sets = [s for s in demo_data if s != "--set"]
+    prefix, vocab_file, merge_file = (s.split("=", 1)[1] for s in sets)
+    _train(tmp_path / "ckpt", [*sets, "data.source=indexed", "model.num_layers=1", "model.hidden_size=64",
+                               "model.seq_length=32", "model.max_position_embeddings=32"], tp=1)
+    out = tmp_path / "hf"
+    proc = _run_cli("ckpt", "convert", str(tmp_path / "ckpt"), "--to", "hf", str(out), "--json")
+    assert "no tokenizer" not in proc.stderr
+    names = {"config.json", "model.safetensors", "vocab.json", "merges.txt", "tokenizer_config.json",
+             "special_tokens_map.json"}
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == dict.fromkeys(names, "0o644")
+    assert (out / "vocab.json").read_bytes() == Path(vocab_file).read_bytes()
+    assert (out / "merges.txt").read_bytes() == Path(merge_file).read_bytes()
+
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    vocab = json.loads(Path(vocab_file).read_text(encoding="utf-8"))
+    eod = vocab["<|endoftext|>"]
+    assert (tok.eos_token_id, tok.bos_token_id, len(tok)) == (eod, eod, len(vocab))
+    hf = transformers.GPT2LMHeadModel.from_pretrained(out)
+    assert hf.config.eos_token_id == eod and hf.config.vocab_size >= len(vocab)
+    corpus = Path(vocab_file).with_name("stdlib.jsonl")
+    with corpus.open(encoding="utf-8") as f:
+        texts = [json.loads(next(f))["text"] for _ in range(3)]
+    data = IndexedDataset(prefix)
+    for i, text in enumerate(texts):
+        stored = data[i].tolist()  # preprocessing appended EOD to each document
+        assert stored[-1] == eod
+        assert tok(text + "<|endoftext|>")["input_ids"] == stored
+        assert tok.decode(stored) == text + "<|endoftext|>"
 
 
 def test_convert_xser_to_torch_and_back_is_identical(tp2_checkpoint, tmp_path):

@@ -196,9 +196,9 @@ def test_inductor_cache_published_and_synced_elsewhere_gives_a_warm_start(tmp_pa
     assert warm["grad"] == cold["grad"]
 
 
-def test_node_script_syncs_before_and_publishes_after_a_phase(tmp_path, own_compile_cache):
+def test_node_script_syncs_before_and_publishes_after_a_phase(tmp_path, own_compile_cache, capsys):
     """The real node script and trainer (one step of `tiny`): what the shared cache holds reaches the phase's
-    node-local cache, and what the phase's cache gained reaches the shared one."""
+    node-local cache, and what the phase's cache gained reaches the shared one, where a bare `cache ls` shows it."""
     run_dir, local = tmp_path / "run", tmp_path / "node-local"
     sets = ["data.source=synthetic", "compile.num_steps=1", "train.num_steps=1", "train.tensorboard=false"]
     assert main(["submit", "--recipe", "tiny", "--cluster", "local", "--dry-run", "--out", str(run_dir),
@@ -212,6 +212,10 @@ def test_node_script_syncs_before_and_publishes_after_a_phase(tmp_path, own_comp
     assert (local / "inductor" / "ab" / "cab-from-shared.py").read_bytes() == b"compiled earlier"
     assert (own_compile_cache / "inductor" / "cd" / "ccd-from-this-node.py").read_bytes() == b"compiled here"
     assert len(list((own_compile_cache / "megatron-hpc" / "fingerprints").glob("*.json"))) == 1
+    capsys.readouterr()
+    assert main(["cache", "ls", "--json"]) == 0  # what a user types after submit: no --root, no --layout
+    keys = {row["key"] for row in json.loads(capsys.readouterr().out)}
+    assert {"inductor/ab/cab-from-shared.py", "inductor/cd/ccd-from-this-node.py"} <= keys
 
     # without MEGATRON_HPC_LOCAL_CACHE_DIR each phase gets a fresh node-local cache under $TMPDIR, removed after
     env.pop("MEGATRON_HPC_LOCAL_CACHE_DIR")

@@ -261,5 +261,7 @@ def test_a_neuron_view_of_another_layout_says_which_layout_to_use(inductor, tmp_
     assert main(["cache", "ls", "--root", str(root)]) == 0
     assert "use --layout tree" in capsys.readouterr().err
     (tmp_path / "launcher" / "inductor").mkdir(parents=True)
-    assert main(["cache", "stats", "--root", str(tmp_path / "launcher")]) == 0
+    assert main(["cache", "stats", "--layout", "neuron", "--root", str(tmp_path / "launcher")]) == 0
     assert "use --layout launcher" in capsys.readouterr().err
+    assert main(["cache", "stats", "--root", str(tmp_path / "launcher"), "--json"]) == 0  # found without --layout
+    assert list(json.loads(capsys.readouterr().out)["parts"]) == ["inductor"]

@@ -84,14 +84,64 @@ def test_cli_ls_and_stats_classify_the_fake_tree(tmp_path, capsys):
     assert s["bytes"] == on_disk
 
 
-def test_cli_default_root_comes_from_the_environment(tmp_path, monkeypatch, capsys):
+def test_cli_neuron_layout_without_root_takes_neuron_own_root_from_the_environment(tmp_path, monkeypatch, capsys):
     _fake_tree(tmp_path / "nc")
     monkeypatch.setenv("NEURON_COMPILE_CACHE_URL", "/nonexistent/elsewhere")
     monkeypatch.setenv("NEURON_CC_FLAGS", f"--model-type transformer --cache_dir={tmp_path / 'nc'}")
-    assert main(["cache", "stats", "--json"]) == 0
+    assert main(["cache", "stats", "--layout", "neuron", "--json"]) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out)["entries"] == 8
     assert "NEURON_CC_FLAGS --cache_dir" in captured.err
+
+
+def test_cli_without_root_shows_the_shared_cache_of_submit_and_names_neurons_own(tmp_path, monkeypatch, capsys,
+                                                                                  own_compile_cache):
+    """A user who ran `submit` and then `cache ls` sees what the jobs put in $MEGATRON_HPC_CACHE_DIR (neuron/ of
+    the launcher root); Neuron's own cache, filled by compiles outside submit, is named on stderr, not hidden."""
+    monkeypatch.setenv("NEURON_COMPILE_CACHE_URL", str(tmp_path / "nc"))
+    monkeypatch.delenv("NEURON_CC_FLAGS", raising=False)
+    neurons_own = _fake_tree(tmp_path / "nc")
+    shared = {}
+    for i in (20, 21):
+        fake.write_entry(own_compile_cache / "neuron", version=fake.VERSION, name=fake.module_name(i),
+                         files=fake.entry_files("complete", seed=i))
+        shared[f"neuron/neuronxcc-{fake.VERSION}/{fake.module_name(i)}"] = "complete"
+    (own_compile_cache / "inductor" / "ab").mkdir(parents=True)
+    (own_compile_cache / "inductor" / "ab" / "cab.py").write_bytes(b"code")
+    shared["inductor/ab/cab.py"] = "complete"
+
+    assert main(["cache", "ls", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert {r["key"]: r["state"] for r in json.loads(captured.out)} == shared
+    assert f"cache root {own_compile_cache} (the shared compile cache of submit)" in captured.err
+    assert f"Neuron's own cache {tmp_path / 'nc'} (from NEURON_COMPILE_CACHE_URL) holds 8 entries" in captured.err
+    assert main(["cache", "stats", "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert (s["layout"], s["entries"], s["parts"]["neuron"]["entries"]) == ("launcher", 3, 2)
+    assert main(["cache", "ls"]) == 0
+    table = capsys.readouterr().out
+    assert all(key in table for key in shared) and not any(key in table for key in neurons_own)
+
+    # --layout neuron is Neuron's own root; an explicit --root is read in the layout it holds
+    assert main(["cache", "ls", "--layout", "neuron", "--json"]) == 0
+    assert {r["key"]: r["state"] for r in json.loads(capsys.readouterr().out)} == neurons_own
+    assert main(["cache", "ls", "--root", str(tmp_path / "nc"), "--json"]) == 0
+    assert {r["key"]: r["state"] for r in json.loads(capsys.readouterr().out)} == neurons_own
+    assert main(["cache", "ls", "--root", str(own_compile_cache), "--json"]) == 0
+    assert {r["key"]: r["state"] for r in json.loads(capsys.readouterr().out)} == shared
+
+
+def test_cli_clear_failed_and_locks_without_root_work_on_the_shared_neuron_folder(tmp_path, monkeypatch, capsys,
+                                                                                  own_compile_cache):
+    monkeypatch.setenv("NEURON_COMPILE_CACHE_URL", str(tmp_path / "nc"))
+    _fake_tree(tmp_path / "nc")
+    fake.write_entry(own_compile_cache / "neuron", version=fake.VERSION, name=fake.module_name(30),
+                     files=fake.entry_files("failed", seed=30))
+    assert main(["cache", "clear-failed", "--dry-run", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["removed"] == [f"neuron/neuronxcc-{fake.VERSION}/{fake.module_name(30)}"]
+    assert main(["cache", "clear-failed", "--layout", "neuron", "--dry-run", "--json"]) == 0
+    removed = json.loads(capsys.readouterr().out)["removed"]
+    assert len(removed) == 2 and all(key.startswith("neuronxcc-") for key in removed)  # the fake tree's two
 
 
 def test_compile_cache_and_its_cli_never_import_torch(tmp_path):

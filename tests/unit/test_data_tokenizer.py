@@ -80,3 +80,31 @@ def test_errors(tmp_path: Path) -> None:
     (tmp_path / "v.json").write_text(json.dumps({"a": 0, "b": 1, "ab": 2}))
     with pytest.raises(DataError, match="no <\\|endoftext\\|>"):
         GPT2BPETokenizer(tmp_path / "v.json", tmp_path / "m.txt").eod  # noqa: B018
+
+
+def test_saved_hf_folder_gives_megatrons_ids_in_transformers(tok: GPT2BPETokenizer, tmp_path: Path) -> None:
+    """The real transformers loads what save_hf writes and matches Megatron's default (HF fast) path, whose ids
+    tests/fixtures/preprocess/probes.json holds, the literal <|endoftext|> included."""
+    import transformers
+
+    tok.save_hf(tmp_path, model_max_length=64)
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    probes = json.loads((FIXTURES / "probes.json").read_text())
+    assert [hf(text)["input_ids"] for text in probes["texts"]] == probes["hf_fast_ids"]
+    assert (hf.eos_token, hf.eos_token_id, hf.model_max_length, len(hf)) == (EOD_TOKEN, tok.eod, 64, 400)
+
+
+def test_saved_hf_folder_without_eod_names_no_special_token(tmp_path: Path) -> None:
+    """Naming <|endoftext|> when the vocabulary lacks it would make transformers add an id the model lacks."""
+    import transformers
+
+    vocab = json.loads((FIXTURES / "vocab.json").read_text())
+    del vocab[EOD_TOKEN]
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "vocab.json").write_text(json.dumps(vocab))
+    no_eod = GPT2BPETokenizer(tmp_path / "src" / "vocab.json", FIXTURES / "merges.txt")
+    no_eod.save_hf(tmp_path / "hf", model_max_length=64)
+    assert json.loads((tmp_path / "hf" / "special_tokens_map.json").read_text()) == {}
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert len(hf) == len(vocab) and hf.eos_token_id is None
+    assert hf("def f(x): return x")["input_ids"] == no_eod.encode("def f(x): return x")
