@@ -21,6 +21,7 @@ from typing import Any
 
 from megatron_hpc.checkpoint.paths import parse_tracker, tracker_file
 from megatron_hpc.errors import ACCESS_FIX, LaunchError, access_problem
+from megatron_hpc.run_folder import METRICS_FILE, IterationRecord, read_metrics
 
 ENDED_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL",
                           "BOOT_FAIL", "DEADLINE", "PREEMPTED"})
@@ -234,25 +235,21 @@ def _refresh_from_attempts(entry: JobStatus, attempts: list[dict[str, Any]]) -> 
 
 
 def read_progress(run_dir: Path, *, train_iters: int | None) -> Progress | None:
-    text = _read_text(run_dir / "metrics.jsonl")
-    if text is None:
+    path = run_dir / METRICS_FILE
+    try:
+        rows = read_metrics(path)
+    except (FileNotFoundError, NotADirectoryError):
         return None
-    last = None
-    for line in text.splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line being appended right now
-        if row.get("phase") in ("compile", "run"):  # validation rows carry no throughput
-            last = row
-    if last is None:
+    except OSError as exc:
+        raise RunAccessError(path, exc) from None
+    trained = [r for r in rows if isinstance(r, IterationRecord)]  # validation rows carry no throughput
+    if not trained:
         return None
-    total = train_iters if last.get("phase") == "run" else None
-    eta = None
-    if total and last.get("elapsed_ms"):
-        eta = max(0, total - last["iteration"]) * last["elapsed_ms"] / 1000.0
-    return Progress(phase=last.get("phase", "run"), iteration=last["iteration"], train_iters=total,
-                    lm_loss=last["lm_loss"], tokens_per_s=last.get("tokens_per_s", 0.0), eta_s=eta)
+    last = trained[-1]
+    total = train_iters if last.phase == "run" else None
+    eta = max(0, total - last.iteration) * last.elapsed_ms / 1000.0 if total and last.elapsed_ms else None
+    return Progress(phase=last.phase, iteration=last.iteration, train_iters=total, lm_loss=last.lm_loss,
+                    tokens_per_s=last.tokens_per_s, eta_s=eta)
 
 
 def _read_text(path: Path) -> str | None:

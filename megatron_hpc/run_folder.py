@@ -20,8 +20,11 @@ No torch, no clock beyond time stamps in records; safe for the launcher to impor
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -111,3 +114,93 @@ def read_spec(run_dir: Path) -> RunSpec:
         except ValueError as exc:
             raise ConfigError(f"{path} is not valid JSON ({exc}); re-create the run folder with submit") from None
     return RunSpec.from_json(halves[0], halves[1], where=str(run_dir))
+
+
+# ------------------------------------------------------------------------------------------ metrics.jsonl rows
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class IterationRecord:
+    """One logged training interval: Megatron's iteration line, and (without train_iters and num_nan_iterations)
+    one metrics.jsonl row of phase compile or run."""
+
+    iteration: int
+    train_iters: int
+    consumed_samples: int
+    elapsed_ms: float
+    lr: float
+    global_batch_size: int
+    lm_loss: float
+    grad_norm: float
+    tokens_per_s: float
+    tflops_per_worker: float
+    num_skipped_iterations: int
+    num_nan_iterations: int
+    phase: str
+    loss_scale: float = 1.0
+    """fp16 dynamic loss scale after the interval's last step; 1.0 for fp32 and bf16."""
+    warmup: bool = False
+    """The interval holds one of the first steps of a process: its timing is not representative."""
+
+    _NOT_IN_ROW = ("train_iters", "num_nan_iterations")
+
+    def jsonl(self) -> str:
+        data = asdict(self)
+        for key in self._NOT_IN_ROW:
+            data.pop(key)
+        # json writes nan/inf as NaN/Infinity, which json.loads reads back.
+        return json.dumps(data)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ValidationRecord:
+    """One validation: a metrics.jsonl row of phase valid."""
+
+    iteration: int
+    consumed_samples: int
+    lm_loss: float
+    lm_loss_ppl: float
+    train_phase: str
+    """The phase (compile or run) whose training it evaluated."""
+    phase: str = "valid"
+
+    def jsonl(self) -> str:
+        return json.dumps(asdict(self))
+
+
+_ROW_DEFAULTS: dict[str, Any] = {
+    "train_iters": 0, "num_nan_iterations": 0, "consumed_samples": 0, "elapsed_ms": 0.0, "lr": math.nan,
+    "global_batch_size": 0, "grad_norm": math.nan, "tokens_per_s": math.nan, "tflops_per_worker": math.nan,
+    "num_skipped_iterations": 0, "lm_loss_ppl": math.nan, "train_phase": "run",
+}
+"""What a row written by an older version (or by hand) may lack; iteration, phase and lm_loss it must have."""
+
+
+def _row(data: Any) -> IterationRecord | ValidationRecord | None:
+    """A parsed line as its record; None for a line that is not one."""
+    if not isinstance(data, dict) or not {"iteration", "phase", "lm_loss"} <= data.keys():
+        return None
+    cls: type = ValidationRecord if data["phase"] == "valid" else IterationRecord
+    names = {f.name for f in dataclasses.fields(cls)}
+    values = {k: v for k, v in {**_ROW_DEFAULTS, **data}.items() if k in names}
+    try:
+        return cls(**values)
+    except TypeError:
+        return None
+
+
+def read_metrics(path: Path) -> list[IterationRecord | ValidationRecord]:
+    """The rows of a metrics.jsonl in file order; a line being appended right now (or not ours) is left out.
+
+    OSError passes to the caller, who knows whether a missing file is a problem. Rows written back by a
+    reader have train_iters and num_nan_iterations 0: they are not part of the file.
+    """
+    rows = []
+    for line in path.read_text(encoding="ascii", errors="replace").splitlines():
+        try:
+            row = _row(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+        if row is not None:
+            rows.append(row)
+    return rows

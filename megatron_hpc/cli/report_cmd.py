@@ -9,12 +9,12 @@ wins. matplotlib is imported only here, with the Agg canvas (no display needed).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_hpc.errors import MegatronHpcError
+from megatron_hpc.run_folder import METRICS_FILE, IterationRecord, ValidationRecord, read_metrics
 
 
 @dataclass(slots=True)
@@ -30,28 +30,23 @@ class RunSeries:
 
 def read_series(path: Path) -> RunSeries:
     """The series of one metrics.jsonl; MegatronHpcError when it holds no iteration rows."""
-    rows = []
-    for line in path.read_text(encoding="ascii", errors="replace").splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line being appended right now
-    phases = {r.get("phase") for r in rows}
+    rows = read_metrics(path)
+    phases = {r.phase for r in rows}
     phase = "run" if "run" in phases else "compile"
-    train = {r["iteration"]: r for r in rows if r.get("phase") == phase}
+    train = {r.iteration: r for r in rows if isinstance(r, IterationRecord) and r.phase == phase}
     if not train:
         raise MegatronHpcError(f"{path} has no iteration rows yet; wait for the first log interval "
                                f"(train.log_interval) and run report again")
-    valid = {r["iteration"]: r for r in rows if r.get("phase") == "valid" and r.get("train_phase", phase) == phase}
+    valid = {r.iteration: r for r in rows if isinstance(r, ValidationRecord) and r.train_phase == phase}
     series = RunSeries(phase=phase)
     for it in sorted(train):
         row = train[it]
-        if math.isfinite(row["lm_loss"]):
-            series.train_loss.append((it, row["lm_loss"]))
-        series.lr.append((it, row["lr"]))
-        if not row.get("warmup", False) and math.isfinite(row.get("tokens_per_s", math.nan)):
-            series.tokens_per_s.append((it, row["tokens_per_s"]))
-    series.valid_loss = [(it, valid[it]["lm_loss"]) for it in sorted(valid) if math.isfinite(valid[it]["lm_loss"])]
+        if math.isfinite(row.lm_loss):
+            series.train_loss.append((it, row.lm_loss))
+        series.lr.append((it, row.lr))
+        if not row.warmup and math.isfinite(row.tokens_per_s):
+            series.tokens_per_s.append((it, row.tokens_per_s))
+    series.valid_loss = [(it, valid[it].lm_loss) for it in sorted(valid) if math.isfinite(valid[it].lm_loss)]
     return series
 
 
@@ -88,13 +83,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.run and (Path(args.run) / "metrics.jsonl").is_file():
+    if args.run and (Path(args.run) / METRICS_FILE).is_file():
         run_dir = Path(args.run)
     else:
         from megatron_hpc.launch.run_status import find_run_dir
 
         run_dir = find_run_dir(args.run)
-    metrics = run_dir / "metrics.jsonl"
+    metrics = run_dir / METRICS_FILE
     if not metrics.is_file():
         raise MegatronHpcError(f"{metrics} does not exist; the run has not logged an iteration yet")
     out = args.out if args.out is not None else run_dir / "report.png"

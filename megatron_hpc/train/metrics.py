@@ -8,50 +8,19 @@ form of 4.4 with the padded vocabulary). TensorBoard scalars go through train/te
 
 from __future__ import annotations
 
-import json
 import math
 import time
-from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import TextIO
 
 from megatron_hpc.config.schema import ModelConfig
 from megatron_hpc.plan.model_math import flops_per_token
+from megatron_hpc.run_folder import METRICS_FILE, IterationRecord, ValidationRecord
 from megatron_hpc.train.tensorboard import TensorBoardWriter
 
 WARMUP_STEPS = 2
 """Steps at the start of a process (graph capture, allocator growth) kept out of throughput figures."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class IterationRecord:
-    """One logged step; field names are the metrics.jsonl keys."""
-
-    iteration: int
-    train_iters: int
-    consumed_samples: int
-    elapsed_ms: float
-    lr: float
-    global_batch_size: int
-    lm_loss: float
-    grad_norm: float
-    tokens_per_s: float
-    tflops_per_worker: float
-    num_skipped_iterations: int
-    num_nan_iterations: int
-    phase: str
-    loss_scale: float = 1.0
-    """fp16 dynamic loss scale after the interval's last step; 1.0 for fp32 and bf16."""
-    warmup: bool = False
-    """The interval holds one of the first WARMUP_STEPS steps: its timing is not representative."""
-
-    def jsonl(self) -> str:
-        data = asdict(self)
-        for key in ("train_iters", "num_nan_iterations"):
-            data.pop(key)
-        # json writes nan/inf as NaN/Infinity, which json.loads reads back.
-        return json.dumps(data)
 
 
 def format_iteration_line(rec: IterationRecord, *, now: datetime) -> str:
@@ -116,7 +85,7 @@ class MetricsLogger:
         self.tokens_per_step = global_batch_size * model.seq_length
         self.world_size, self.train_iters, self.gbs = world_size, train_iters, global_batch_size
         self.phase, self.log_interval, self.enabled, self.out = phase, max(1, log_interval), enabled, out
-        self.jsonl_path = run_dir / "metrics.jsonl" if run_dir is not None and enabled else None
+        self.jsonl_path = run_dir / METRICS_FILE if run_dir is not None and enabled else None
         self.last_time = time.perf_counter()
         self.last_iteration = 0
         self.first_iteration: int | None = None
@@ -166,9 +135,8 @@ class MetricsLogger:
         ppl = validation_ppl(lm_loss)
         if self.enabled:
             print(format_validation_block(iteration, lm_loss=lm_loss), file=self.out, flush=True)
-            self._append_jsonl(json.dumps({"iteration": iteration, "consumed_samples": iteration * self.gbs,
-                                           "lm_loss": lm_loss, "lm_loss_ppl": ppl, "phase": "valid",
-                                           "train_phase": self.phase}))
+            self._append_jsonl(ValidationRecord(iteration=iteration, consumed_samples=iteration * self.gbs,
+                                                lm_loss=lm_loss, lm_loss_ppl=ppl, train_phase=self.phase).jsonl())
             if self.tensorboard is not None:
                 self.tensorboard.validation(iteration, consumed_samples=iteration * self.gbs, lm_loss=lm_loss,
                                             ppl=ppl)

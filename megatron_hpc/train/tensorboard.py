@@ -21,7 +21,7 @@ import torch
 from megatron_hpc.config.platforms import get_platform
 
 if TYPE_CHECKING:
-    from megatron_hpc.train.metrics import IterationRecord
+    from megatron_hpc.run_folder import IterationRecord
 
 
 def max_memory(device: torch.device) -> tuple[str, int] | None:
