@@ -1,8 +1,10 @@
 """Run folders and checkpoints another user cannot read: one line naming the file and the permission problem,
 never a traceback, never "truncated or damaged", never advice to delete anything; `runs` lists the rest.
 
-The tests run as root, whom file modes do not stop, so the commands under test run as the unprivileged user
-nobody (setpriv) on a folder made readable to it, except the file or folder under test.
+The tests run as root, whom file modes do not stop. The run folders and checkpoints therefore belong to another
+user (nobody), as a colleague's would, and the commands under test run as root without the capabilities that
+override file modes (setpriv drops CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH): the kernel then checks the modes as
+for any other user. (Running them as nobody instead would lock them out of an interpreter under /root.)
 """
 
 from __future__ import annotations
@@ -27,12 +29,16 @@ NOBODY = 65534
 
 
 def _as_nobody(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    """`python args...` as nobody (as this user when the tests do not run as root)."""
+    """`python args...` bound by file modes: as root without its override capabilities (as this user when the
+    tests do not run as root), on files that belong to nobody."""
     prefix: list[str] = []
     if os.geteuid() == 0:
         setpriv = shutil.which("setpriv")
-        assert setpriv, "setpriv (util-linux) is needed to run the command as an unprivileged user"
-        prefix = [setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+        assert setpriv, "setpriv (util-linux) is needed to run the command without root's file-mode override"
+        prefix = [setpriv, "--inh-caps=-all", "--bounding-set=-dac_override,-dac_read_search"]
+        for d, _dirs, files in os.walk(cwd):  # everything the test made belongs to the other user
+            for name in (d, *(os.path.join(d, f) for f in files)):
+                os.chown(name, NOBODY, NOBODY)
     env = {**os.environ, "HOME": str(cwd), "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     return subprocess.run([*prefix, sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=300)
@@ -52,7 +58,7 @@ def _one_error_line(proc: subprocess.CompletedProcess[str], *, names: Path, mode
     assert f"cannot read {names}: permission denied: mode {mode}, " in line or \
         f"permission denied: the folder {names} has mode {mode}, " in line, line
     if os.geteuid() == 0:
-        assert "owner root, and this process runs as nobody" in line, line
+        assert "owner nobody, and this process runs as root" in line, line
     for wrong in ("truncated", "damaged", "delete", "incomplete", "missing"):
         assert wrong not in line, line
     return line
