@@ -112,14 +112,16 @@ def run(args: argparse.Namespace) -> int:
         skipped = files.compile_skipped_by is not None
         if args.json:
             print(json.dumps({"run_dir": str(run_dir), "dry_run": True, "plan": resolved.plan.to_json(),
-                              "compile_skipped": skipped, "fingerprint": files.fingerprint,
+                              "compile_skipped": skipped, "compile_left_out": files.compile_left_out,
+                              "fingerprint": files.fingerprint,
                               "cluster_config": req.profile["path"] if req.profile else None,
                               "warnings": warnings}, indent=2))
         else:
             print(format_plan(resolved.plan, vocab_size=resolved.cfg.model.vocab_size))
             print(cluster_profile.describe(profile))
-            if skipped:
-                print(files.skip_message(req.cache_root))
+            note = files.compile_message(req.cache_root)
+            if note:
+                print(note)
             written = ", ".join(f"{p.phase}.sbatch" for p in files.phases)
             print(f"\nwrote {run_dir}: node.sh, {written}, submit.sh (nothing submitted)")
             print(f"submit by hand with: bash {run_dir}/submit.sh")
@@ -142,6 +144,7 @@ def _report(result: SubmitResult, *, as_json: bool, warnings: list[str], resumed
             "run_dir": str(result.run_dir), "ok": result.ok, "reason": result.reason, "resumed": resumed,
             "warnings": warnings, "cluster_config": cluster_config,
             "compile_skipped": bool(result.files and result.files.compile_skipped_by is not None),
+            "compile_left_out": result.files.compile_left_out if result.files else None,
             "fingerprint": result.files.fingerprint if result.files else None,
             "jobs": [{"phase": j.phase, "job_id": j.job_id, "state": j.state, "depends_on": j.depends_on}
                      for j in result.jobs],
