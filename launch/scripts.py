@@ -170,9 +170,12 @@ def parse_job_id(parsable: str) -> str:
     return parsable.strip().splitlines()[-1].split(";")[0].strip() if parsable.strip() else ""
 
 
+_JOB_ID_ARG = re.compile(r"[\w=:-]*\$[A-Z]+_JOB_ID")
+
+
 def _shell_line(argv: list[str]) -> str:
-    # A `$VAR` argument is ours (a job id variable of submit.sh): double quotes let bash expand it.
-    return " ".join(f'"{a}"' if "$" in a else shlex.quote(a) for a in argv)
+    # An argument naming one of submit.sh's job id variables goes in double quotes, so that bash expands it.
+    return " ".join(f'"{a}"' if _JOB_ID_ARG.fullmatch(a) else shlex.quote(a) for a in argv)
 
 
 def render_submit_script(phases: tuple[PhaseSpec, ...], *, out_dir: str) -> str:
