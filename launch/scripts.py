@@ -118,7 +118,7 @@ def sbatch_directives(spec: PhaseSpec, *, log_dir: str, workdir: str,
         flags.append(("exclusive", None))
     if spec.requeue:
         flags.append(("requeue", None))
-    # The same warning signal submitit asks for, so a hand-submitted run also saves before its limit.
+    # submitit's default warning (USR2 90 s before the limit): the run saves, then requeues.
     flags.append(("signal", f"USR2@{spec.signal_lead_s}"))
     for key, value in (("partition", options.partition), ("account", options.account),
                        ("qos", options.qos), ("constraint", options.constraint), ("exclude", options.exclude)):

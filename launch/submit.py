@@ -250,7 +250,7 @@ def _run_local(req: SubmitRequest, phases: tuple[PhaseSpec, ...],
         except Exception:  # submitit re-raises whatever the task raised, as FailedJobError
             entry.state = "FAILED"
             result.ok = False
-            # exc is submitit's FailedJobError around the node task's exit code; the logs say why.
+            # The error only carries the node script's exit code; the node logs say why.
             result.reason = f"{spec.phase} phase failed: {explain_failure(req.run_dir, spec.phase)}"
             return result
     return result

@@ -69,7 +69,7 @@ fi
 # returned (neuron-xla.md 2.5), so the publish below must wait for the whole tool.
 {{torchrun_wrapper}}
 
-# SLURM asks a run to stop with USR2 (submitit's --signal, before the time limit) or TERM (preemption,
+# SLURM asks a run to stop with USR2 (the sbatch file's --signal, before the time limit) or TERM (preemption,
 # scontrol requeue). The workers get the signal too and save at the next step boundary; this script
 # survives it, leaves a stop request for rank 0 (in case the workers were not signalled), and waits.
 request_stop() {
