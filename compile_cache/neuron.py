@@ -193,13 +193,3 @@ def scan(root: Path) -> Iterator[Entry]:
             if entry is not None:
                 yield entry
 
-
-def find_entry(root: Path, key: str) -> Entry | None:
-    """The entry `neuronxcc-<version>/MODULE_...` under `root`, if it is there."""
-    version_dir, _, name = key.partition("/")
-    if not version_dir.startswith(VERSION_PREFIX) or not name.startswith(MODULE_PREFIX) or "/" in name:
-        raise CompileCacheError(f"{key!r} is not an entry key; expected neuronxcc-<version>/MODULE_<hash>+<flags>")
-    path = root / version_dir / name
-    if path.is_symlink() or not path.is_dir():
-        return None
-    return read_entry(path, version=version_dir[len(VERSION_PREFIX):])

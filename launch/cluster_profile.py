@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+from megatron_hpc.launch.requeue import MAX_REQUEUES_ENV
 from megatron_hpc.launch.scripts import SlurmOptions
 
 from megatron_hpc.config.loader import from_dict
@@ -30,8 +31,6 @@ from megatron_hpc.plan.jobs import MASTER_PORT_BASE, MASTER_PORT_SPAN
 PROFILE_ENV = "MEGATRON_HPC_CLUSTER_CONFIG"
 CLUSTER_FILE = "cluster.json"
 """The profile a run was submitted with, in its run folder; `submit --resume` uses it again."""
-MAX_REQUEUES_ENV = "MEGATRON_HPC_MAX_REQUEUES"
-"""Read by the requeue helper on the nodes (launch/requeue.py)."""
 
 # Directives the launcher writes itself: a profile that set them would break the job's shape,
 # its logs, the compile -> run dependency or the warning signal the trainer saves on.
@@ -48,6 +47,8 @@ _OWNED = {
     "A": "use the account key", "qos": "use the qos key", "q": "use the qos key",
     "constraint": "use the constraint key", "C": "use the constraint key", "exclude": "use the exclude key",
     "x": "use the exclude key", "exclusive": "use the exclusive key",
+    "chdir": "jobs run in the folder submit ran in", "D": "jobs run in the folder submit ran in",
+    "gpus-per-node": "the platform asks for its GPUs (p5: 8 per node)",
 }
 _FLAG = re.compile(r"^(?:#SBATCH\s+)?--?([A-Za-z][\w-]*)(?:[=\s]\s*(.+))?$")
 
@@ -87,7 +88,7 @@ class ClusterProfile:
     exclusive: bool | None = None
     """Whole nodes; None keeps the recipe's launch.exclusive."""
     sbatch: tuple[str, ...] = ()
-    """Extra #SBATCH lines, e.g. "--mail-type=END" or "--gres=gpu:8"."""
+    """Extra #SBATCH lines, e.g. "--mail-type=END" or "--comment=sweep-3"."""
     setup: tuple[str, ...] = ()
     """Shell lines run in each sbatch script before srun (module load, source venv/bin/activate)."""
     env: dict[str, str] = field(default_factory=dict)

@@ -1,9 +1,9 @@
-"""The callable submitit runs once per node: the node script of one phase.
+"""The callable submitit's local executor runs for `submit --cluster local`: the node script of one phase.
 
-It is picklable and imports neither torch nor the trainer; the node script starts torchrun,
-which starts `python -m megatron_hpc train` in each worker. A compiler wrapper (neuron_parallel_compile
-on Trainium) is not put around the node script here but around torchrun inside it
-(PhaseSpec.torchrun_wrapper), so that the script publishes the compiled graphs after the wrapper returned.
+On SLURM the sbatch file runs the node script itself (`srun bash node.sh PHASE`, launch/scripts.py);
+here the local executor stands in for sbatch and srun on this one machine. It is picklable and imports
+neither torch nor the trainer; the node script starts torchrun, which starts `python -m megatron_hpc
+train` in each worker.
 """
 
 from __future__ import annotations
@@ -22,19 +22,17 @@ class PhaseFailedError(RuntimeError):
 class NodeTask:
     node_script: str
     phase: str
-    wrapper: tuple[str, ...] = ()
-    """Command around `bash node.sh PHASE` (PhaseSpec.wrapper); empty for every platform."""
 
     def command(self) -> list[str]:
-        return [*self.wrapper, "bash", self.node_script, self.phase]
+        return ["bash", self.node_script, self.phase]
 
     def __call__(self) -> int:
         # submitit's own USR2 handler would requeue the job at once and exit, killing the workers in
-        # the middle of their save. The node script handles the signal and requeues after the save;
-        # here it only must not be fatal. (A Python handler, not SIG_IGN: an ignored signal would be
-        # inherited by the node script, and bash cannot trap a signal ignored at its start.)
+        # the middle of their save. The node script handles the signal; here it only must not be fatal.
+        # (A Python handler, not SIG_IGN: an ignored signal would be inherited by the node script, and
+        # bash cannot trap a signal ignored at its start.)
         signal.signal(signal.SIGUSR2, _note_signal)
-        # Output goes straight to this task's stdout, which submitit and srun capture per node.
+        # Output goes straight to this task's stdout, which submitit captures.
         sys.stdout.flush()
         code = subprocess.call(self.command())
         if code != 0:

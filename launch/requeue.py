@@ -34,6 +34,8 @@ from megatron_hpc.compile_cache import fingerprint
 from megatron_hpc.run_markers import FATAL_FILE, STOPPED_FILE, job_attempt, read_marker
 
 DEFAULT_MAX_REQUEUES = 3
+MAX_REQUEUES_ENV = "MEGATRON_HPC_MAX_REQUEUES"
+"""The requeue cap on the nodes: node.sh exports the cluster profile's max_requeues under this name."""
 ATTEMPTS_FILE = "attempts.jsonl"
 Action = Literal["done", "requeue", "fail"]
 
@@ -60,7 +62,8 @@ class Decision:
 def decide(o: Outcome) -> Decision:
     """What to do with the job after this node's phase ended. Pure."""
     room = o.attempt < o.max_requeues
-    limit = f"requeue limit of {o.max_requeues} reached (launch.max_requeues / the profile's max_requeues)"
+    limit = (f"requeue limit of {o.max_requeues} reached (raise max_requeues in the cluster profile, or set "
+             f"{MAX_REQUEUES_ENV} where you submit; default {DEFAULT_MAX_REQUEUES})")
     if o.stopped is not None:
         where = f"at iteration {o.stopped.get('iteration')} on {o.stopped.get('reason')}"
         saved = o.stopped.get("checkpoint") or "no checkpoint"
@@ -78,8 +81,11 @@ def decide(o: Outcome) -> Decision:
         return Decision(action="done", message=f"{o.phase} phase finished")
     failed = f"{o.phase} phase failed (exit {o.exit_code})"
     if o.fatal is not None:
-        return Decision(action="fail", message=f"{failed}: {o.fatal.get('kind', 'error')}; not requeued, "
-                                               "a retry would fail the same way")
+        # The trainer printed the error itself (`megatron-hpc: error: ...`); its first line is repeated here
+        # so that the node's last word names the cause, not only its type.
+        error = str(o.fatal.get("error") or "").strip().splitlines()
+        cause = f"{o.fatal.get('kind', 'error')}: {error[0]}" if error else str(o.fatal.get("kind", "error"))
+        return Decision(action="fail", message=f"{failed}: {cause}; not requeued, a retry would fail the same way")
     if o.phase != "run" or not o.on_slurm:
         return Decision(action="fail", message=failed)
     if not room:
@@ -90,7 +96,7 @@ def decide(o: Outcome) -> Decision:
 
 def read_outcome(run_dir: Path, *, phase: str, exit_code: int, environ: dict[str, str] | None = None) -> Outcome:
     env = dict(os.environ if environ is None else environ)
-    limit = env.get("MEGATRON_HPC_MAX_REQUEUES", "")
+    limit = env.get(MAX_REQUEUES_ENV, "")
     return Outcome(phase=phase, exit_code=exit_code, node_rank=int(env.get("SLURM_NODEID", "0") or 0),
                    attempt=job_attempt(env)["attempt"],
                    max_requeues=int(limit) if limit.isdigit() else DEFAULT_MAX_REQUEUES,

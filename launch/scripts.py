@@ -1,11 +1,12 @@
 """Text of the node script, the phase sbatch files and submit.sh. Pure: specs in, strings out.
 
-The templates ship in `megatron_hpc.slurm/templates` and use `{{name}}` placeholders, which
-cannot clash with the bash `$VAR`s around them. The sbatch directives follow the reference
-Trainium scripts (shared/reference/neuron-xla.md 3.1-3.2: --nodes, --exclusive, --requeue,
---open-mode=append, one srun task per node) plus --kill-on-bad-exit so one failed node ends the
-step, and --cpu-bind=none because Slurm >= 22.05 srun otherwise binds every task to the cores
-of the first one.
+The sbatch files are the very text SLURM gets: `submit` runs `sbatch_command` on them, and submit.sh
+holds the same command lines for a submission by hand. The templates ship in
+`megatron_hpc.slurm/templates` and use `{{name}}` placeholders, which cannot clash with the bash
+`$VAR`s around them. The sbatch directives follow the reference Trainium scripts
+(shared/reference/neuron-xla.md 3.1-3.2: --nodes, --exclusive, --requeue, --open-mode=append, one
+srun task per node) plus --kill-on-bad-exit so one failed node ends the step, and --cpu-bind=none
+because Slurm >= 22.05 srun otherwise binds every task to the cores of the first one.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ class SlurmOptions:
     time_limit_min: int | None = None
     """--time: overrides every other time limit, for both phases."""
     phase_time_min: dict[str, int] = field(default_factory=dict)
-    """The profile's time limit per phase name; over launch.time_limit_min."""
+    """The profile's time limit per phase name; over the recipe's (launch.compile_time_limit_min and
+    launch.time_limit_min)."""
     exclusive: bool | None = None
     """None keeps the recipe's launch.exclusive."""
     extra_sbatch: tuple[tuple[str, str | None], ...] = ()
@@ -97,7 +99,8 @@ def torchrun_wrapper_lines(spec: PhaseSpec) -> str:
             f"  TORCHRUN_WRAPPER=({shlex.join(spec.torchrun_wrapper)})\nfi")
 
 
-def sbatch_directives(spec: PhaseSpec, *, log_dir: str, options: SlurmOptions) -> list[tuple[str, str | None]]:
+def sbatch_directives(spec: PhaseSpec, *, log_dir: str, workdir: str,
+                      options: SlurmOptions) -> list[tuple[str, str | None]]:
     """(flag, value) pairs of the #SBATCH header; value None is a bare flag."""
     flags: list[tuple[str, str | None]] = [
         ("job-name", spec.job_name),
@@ -105,13 +108,17 @@ def sbatch_directives(spec: PhaseSpec, *, log_dir: str, options: SlurmOptions) -
         ("ntasks-per-node", "1"),
         ("output", f"{log_dir}/%x-%j.out"),
         ("open-mode", "append"),
+        # The folder submit ran in, whoever queues the file: relative recipe paths (data.path) resolve there.
+        ("chdir", workdir),
         ("time", str(options.time_for(spec))),
     ]
+    if spec.gpus_per_node:
+        flags.append(("gpus-per-node", str(spec.gpus_per_node)))
     if options.exclusive_for(spec):
         flags.append(("exclusive", None))
     if spec.requeue:
         flags.append(("requeue", None))
-    # The same warning signal submitit asks for, so a hand-submitted run also saves before its limit.
+    # submitit's default warning (USR2 90 s before the limit): the run saves, then requeues.
     flags.append(("signal", f"USR2@{spec.signal_lead_s}"))
     for key, value in (("partition", options.partition), ("account", options.account),
                        ("qos", options.qos), ("constraint", options.constraint), ("exclude", options.exclude)):
@@ -121,17 +128,17 @@ def sbatch_directives(spec: PhaseSpec, *, log_dir: str, options: SlurmOptions) -
     return flags
 
 
-def render_sbatch(spec: PhaseSpec, plan: Plan, *, node_script: str, log_dir: str, out_dir: str,
+def render_sbatch(spec: PhaseSpec, plan: Plan, *, node_script: str, log_dir: str, out_dir: str, workdir: str,
                   options: SlurmOptions, depends_on: str | None = None) -> str:
     lines = [f"#SBATCH --{k}" if v is None else f"#SBATCH --{k}={shlex.quote(v)}"
-             for k, v in sbatch_directives(spec, log_dir=log_dir, options=options)]
+             for k, v in sbatch_directives(spec, log_dir=log_dir, workdir=workdir, options=options)]
     if depends_on:
-        note = (f"# Dependency: start only after the {depends_on} phase succeeded. submit.sh passes\n"
-                f"#   sbatch --dependency=afterok:$COMPILE_JOB_ID {spec.phase}.sbatch\n"
-                f"# COMPILE_JOB_ID is the job id of {depends_on}.sbatch.")
+        # The id is known only once the first job is queued, so it goes on sbatch's command line.
+        note = (f"# Queued after the {depends_on} phase, to start only once it succeeded:\n"
+                f"#   {_shell_line(sbatch_command(f'{spec.phase}.sbatch', after=f'${depends_on.upper()}_JOB_ID'))}")
     else:
         note = ""
-    command = shlex.join([*spec.wrapper, "bash", node_script, spec.phase])
+    command = shlex.join(["bash", node_script, spec.phase])
     return render(load_template("phase.sbatch"), {
         "phase": spec.phase,
         "recipe": plan.recipe,
@@ -150,16 +157,38 @@ def render_sbatch(spec: PhaseSpec, plan: Plan, *, node_script: str, log_dir: str
     })
 
 
+def sbatch_command(script: str, *, after: str | None = None) -> list[str]:
+    """How a phase's sbatch file is queued, by `submit` and by submit.sh alike; `after` is the job id of the
+    phase before, which must succeed first. Without --kill-on-invalid-dep a failed compile would leave the
+    run job pending forever (DependencyNeverSatisfied) on clusters that do not set kill_invalid_depend."""
+    deps = [f"--dependency=afterok:{after}", "--kill-on-invalid-dep=yes"] if after else []
+    return ["sbatch", "--parsable", *deps, script]
+
+
+def parse_job_id(parsable: str) -> str:
+    """The job id from `sbatch --parsable` output ("ID" or, on a federation, "ID;CLUSTER")."""
+    return parsable.strip().splitlines()[-1].split(";")[0].strip() if parsable.strip() else ""
+
+
+_JOB_ID_ARG = re.compile(r"[\w=:-]*\$[A-Z]+_JOB_ID")
+
+
+def _shell_line(argv: list[str]) -> str:
+    # An argument naming one of submit.sh's job id variables goes in double quotes, so that bash expands it.
+    return " ".join(f'"{a}"' if _JOB_ID_ARG.fullmatch(a) else shlex.quote(a) for a in argv)
+
+
 def render_submit_script(phases: tuple[PhaseSpec, ...], *, out_dir: str) -> str:
-    """A script that submits the phases in order, each afterok on the one before."""
-    q = shlex.quote
-    lines = ["#!/usr/bin/env bash", "# Submit the phases written by `megatron-hpc submit --dry-run`.",
-             "set -euo pipefail", f"cd {q(out_dir)}"]
+    """A script that queues the phases in order with the command lines `submit` runs, each afterok on the one
+    before."""
+    lines = ["#!/usr/bin/env bash", "# Queue the phases written by `megatron-hpc submit --dry-run`, as submit does.",
+             "set -euo pipefail"]
     previous = None
     for spec in phases:
         var = f"{spec.phase.upper()}_JOB_ID"
-        dep = f"--dependency=afterok:${previous} " if previous else ""
-        lines.append(f"{var}=$(sbatch --parsable {dep}{spec.phase}.sbatch)")
+        argv = sbatch_command(f"{out_dir}/{spec.phase}.sbatch", after=f"${previous}" if previous else None)
+        lines.append(f"{var}=$({_shell_line(argv)})")
+        lines.append(f"{var}=${{{var}%%;*}}  # --parsable prints ID;CLUSTER on a federation")
         lines.append(f'echo "{spec.phase} phase: job ${var}"')
         previous = var
     return "\n".join(lines) + "\n"

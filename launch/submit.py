@@ -1,14 +1,16 @@
 """Submit the compile and run phases: locally with submitit's local executor, or to SLURM.
 
 Everything that can be checked is checked before the first job is queued: the plan (by the
-caller), the cluster tools, and that the run folder is writable. Never imports torch.
+caller), the cluster tools, and that the run folder is writable. On SLURM the sbatch files
+written to the run folder are what is queued (`sbatch --parsable FILE`), the same files and
+command lines as a dry run's submit.sh. Never imports torch.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,26 +20,32 @@ from typing import Literal
 from megatron_hpc.compile_cache import fingerprint
 from megatron_hpc.compile_cache.paths import default_cache_root, warm_start_env
 from megatron_hpc.launch.cluster_profile import CLUSTER_FILE, MAX_REQUEUES_ENV
+from megatron_hpc.launch.env_checks import leaked_slurm_vars
+from megatron_hpc.launch.failure_reason import explain_failure
 from megatron_hpc.launch.node_task import NodeTask
+from megatron_hpc.launch.requeue import job_fields
 from megatron_hpc.launch.resume import previous_submissions
 from megatron_hpc.launch.run_dir import NODE_SCRIPT, python_bin_dir, write_json, write_script
 from megatron_hpc.launch.run_status import ENDED_STATES, slurm_job_state
 from megatron_hpc.launch.scripts import (
     SlurmOptions,
+    parse_job_id,
     render_node_script,
     render_sbatch,
     render_submit_script,
+    sbatch_command,
 )
 
 from megatron_hpc.config.loader import config_to_dict
 from megatron_hpc.config.platforms import Platform
-from megatron_hpc.config.schema import RunConfig
-from megatron_hpc.errors import ConfigError, LaunchError
-from megatron_hpc.plan.jobs import PhaseSpec, make_phases
+from megatron_hpc.config.schema import LaunchConfig, RunConfig
+from megatron_hpc.errors import LaunchError
+from megatron_hpc.plan.jobs import PhaseSpec, compile_left_out, make_phases
 from megatron_hpc.plan.planner import Plan
 
 Cluster = Literal["local", "slurm"]
 _FINISHED_OK = "COMPLETED"
+SBATCH_TIMEOUT_S = 120
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -56,6 +64,8 @@ class SubmitRequest:
     """The cluster profile's environment for every node (launch/cluster_profile.py profile_env)."""
     profile: dict | None = None
     """The cluster profile as JSON ({"path", "profile"}), kept in the run folder as cluster.json."""
+    workdir: Path = field(default_factory=Path.cwd)
+    """Where the jobs run (sbatch --chdir): the folder submit ran in, where relative recipe paths resolve."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -65,12 +75,23 @@ class RunFiles:
     phases: tuple[PhaseSpec, ...]
     fingerprint: str
     compile_skipped_by: dict | None = None
-    """The cache marker that made the compile phase unnecessary (None when it runs or is disabled)."""
+    """The cache marker that made the compile phase unnecessary (None when it runs or has none to run)."""
+    compile_left_out: str | None = None
+    """Why the run has no compile phase at all (plan/jobs.py compile_left_out), else None."""
 
     def skip_message(self, cache_root: Path) -> str:
         marker = self.compile_skipped_by or {}
         return (f"compile phase skipped: the shared cache at {cache_root} already holds fingerprint "
                 f"{self.fingerprint[:12]} (compiled by run {marker.get('run_dir', '?')}); --recompile forces it")
+
+    def compile_message(self, cache_root: Path) -> str | None:
+        """The one line that says why no compile phase is queued, or None when one is."""
+        if self.compile_left_out is not None:
+            hint = "; --set train.compile=true adds one" if self.compile_left_out.startswith("nothing") else ""
+            return f"compile phase left out ({self.compile_left_out}): only the run phase is queued{hint}"
+        if self.compile_skipped_by is not None:
+            return self.skip_message(cache_root)
+        return None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -79,6 +100,8 @@ class PhaseJob:
     job_id: str
     state: str = "SUBMITTED"
     depends_on: str | None = None
+    command: tuple[str, ...] = ()
+    """The sbatch command line that queued it (SLURM only)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -125,31 +148,30 @@ RDZV_CONF_ENV = "PET_RDZV_CONF"
 """torchrun reads each option from PET_<NAME> too; this one is --rdzv-conf."""
 
 
-def launcher_env(cfg: RunConfig) -> dict[str, str]:
-    """Node environment from the recipe's launch section: torchrun's rendezvous timeout."""
-    for name in ("init_timeout_s", "collective_timeout_s"):
-        if getattr(cfg.launch, name) <= 0:
-            raise ConfigError(f"launch.{name} must be a positive number of seconds, got {getattr(cfg.launch, name)}")
-    return {RDZV_CONF_ENV: f"timeout={cfg.launch.init_timeout_s}"}
+def launcher_env(launch: LaunchConfig) -> dict[str, str]:
+    """Node environment from the recipe's launch section: torchrun's rendezvous timeout (the planner checked it)."""
+    return {RDZV_CONF_ENV: f"timeout={launch.init_timeout_s}"}
 
 
 def write_run_files(req: SubmitRequest) -> RunFiles:
     """Config, plan, compile fingerprint, node script, sbatch files and submit.sh in the run folder.
 
-    The compile phase is left out when the shared cache holds this run's fingerprint (unless
-    req.recompile): the run phase then has no dependency.
+    The compile phase is left out when the run compiles nothing (plan/jobs.py compile_left_out), and
+    skipped when the shared cache holds this run's fingerprint (unless req.recompile): the run phase
+    then has no dependency.
     """
     # Where the caches are is decided on each node (node.sh: a node-local cache, synced and published);
     # only the switches that make torch.compile reuse them are fixed here.
     phases = make_phases(req.cfg, req.plan, req.platform,
                          extra_env={**warm_start_env(backend=req.platform.backend, torch_compile=req.cfg.train.compile),
-                                    **launcher_env(req.cfg), **req.extra_env})
+                                    **launcher_env(req.cfg.launch), **req.extra_env})
     config, plan = config_to_dict(req.cfg), req.plan.to_json()
     # The requeue cap and the timeouts change what happens around the graphs, not the graphs.
     graph_env = {k: v for k, v in phases[0].env.items() if k not in (MAX_REQUEUES_ENV, RDZV_CONF_ENV)}
     fp = fingerprint.compute(config, plan, env=graph_env,
                              compiler=fingerprint.compiler_identity(req.platform.backend))
-    marker = fingerprint.find(req.cache_root, fp.sha256) if req.cfg.compile.enabled and not req.recompile else None
+    left_out = compile_left_out(req.cfg, req.platform)
+    marker = fingerprint.find(req.cache_root, fp.sha256) if left_out is None and not req.recompile else None
     if marker is not None:
         phases = tuple(p for p in phases if p.phase != "compile")
     write_json(req.run_dir / "config.json", config)
@@ -165,19 +187,21 @@ def write_run_files(req: SubmitRequest) -> RunFiles:
     previous = None
     for spec in phases:
         text = render_sbatch(spec, req.plan, node_script=str(node_script), log_dir=str(req.run_dir / "logs"),
-                             out_dir=str(req.run_dir), options=req.options, depends_on=previous)
+                             out_dir=str(req.run_dir), workdir=str(req.workdir), options=req.options,
+                             depends_on=previous)
         write_script(req.run_dir / f"{spec.phase}.sbatch", text)
         previous = spec.phase
     write_script(req.run_dir / "submit.sh", render_submit_script(phases, out_dir=str(req.run_dir)))
-    return RunFiles(phases=phases, fingerprint=fp.sha256, compile_skipped_by=marker)
+    return RunFiles(phases=phases, fingerprint=fp.sha256, compile_skipped_by=marker, compile_left_out=left_out)
 
 
 def submit(req: SubmitRequest, *, wait: bool, echo: Callable[[str], None] | None = None) -> SubmitResult:
     """Write the run files and queue the phases; with `wait`, follow them to the end."""
     check_cluster(req.cluster, num_nodes=req.plan.num_nodes, platform=req.platform)
     files = write_run_files(req)
-    if files.compile_skipped_by is not None and echo:
-        echo(files.skip_message(req.cache_root))
+    note = files.compile_message(req.cache_root)
+    if note and echo:
+        echo(note)
     if req.cluster == "local":
         result = _run_local(req, files.phases, echo=echo)
     else:
@@ -190,45 +214,15 @@ def submit(req: SubmitRequest, *, wait: bool, echo: Callable[[str], None] | None
         **({"history": history} if history else {}),
         "cluster": req.cluster,
         "compile_skipped": files.compile_skipped_by is not None,
+        "compile_left_out": files.compile_left_out,
         "fingerprint": files.fingerprint,
-        "jobs": [{"phase": j.phase, "job_id": j.job_id, "state": j.state, "depends_on": j.depends_on}
+        "jobs": [{"phase": j.phase, "job_id": j.job_id, "state": j.state, "depends_on": j.depends_on,
+                  **({"command": list(j.command)} if j.command else {})}
                  for j in result.jobs],
         "ok": result.ok,
         "reason": result.reason,
     })
     return result
-
-
-def _task(req: SubmitRequest, spec: PhaseSpec) -> NodeTask:
-    return NodeTask(node_script=str(req.run_dir / NODE_SCRIPT), phase=spec.phase, wrapper=spec.wrapper)
-
-
-def explain_failure(run_dir: Path, phase: str, *, lines: int = 15) -> str:
-    """Why a phase failed, from its node logs.
-
-    The trainer's own one-line errors (`megatron-hpc: error: ...`) come first; failing that, the
-    last exception line of a traceback; failing that, the tail of the first node's log.
-    """
-    logs = sorted((run_dir / "logs").glob(f"{phase}-node*.log"))
-    texts = [p.read_text(errors="replace") for p in logs]
-    ours: list[str] = []
-    for text in texts:
-        for line in text.splitlines():
-            if "megatron-hpc: error:" in line and line.strip() not in ours:
-                ours.append(line.strip())
-    if ours:
-        return "\n".join(ours[:3])
-    for text in texts:
-        exceptions = [ln for ln in text.splitlines() if _looks_like_exception(ln)]
-        if exceptions:
-            return exceptions[-1].strip()
-    tail = texts[0].splitlines()[-lines:] if texts else ["(no log was written)"]
-    return "last lines of its log:\n" + "\n".join(tail)
-
-
-def _looks_like_exception(line: str) -> bool:
-    head = line.strip().split(":", 1)[0]
-    return head.endswith(("Error", "Exception")) and " " not in head
 
 
 def _run_local(req: SubmitRequest, phases: tuple[PhaseSpec, ...],
@@ -239,7 +233,7 @@ def _run_local(req: SubmitRequest, phases: tuple[PhaseSpec, ...],
     result = SubmitResult(run_dir=req.run_dir, jobs=[])
     for spec in phases:
         executor.update_parameters(timeout_min=req.options.time_for(spec), nodes=1, tasks_per_node=1)
-        job = executor.submit(_task(req, spec))
+        job = executor.submit(NodeTask(node_script=str(req.run_dir / NODE_SCRIPT), phase=spec.phase))
         # Locally the run phase starts only after the compile job returned successfully: afterok by hand.
         previous = result.jobs[-1].job_id if result.jobs else None
         entry = PhaseJob(phase=spec.phase, job_id=str(job.job_id), state="RUNNING", depends_on=previous)
@@ -248,11 +242,11 @@ def _run_local(req: SubmitRequest, phases: tuple[PhaseSpec, ...],
         try:
             job.result()
             entry.state = _FINISHED_OK
-        except Exception as exc:  # submitit re-raises whatever the task raised, as FailedJobError
+        except Exception:  # submitit re-raises whatever the task raised, as FailedJobError
             entry.state = "FAILED"
             result.ok = False
-            result.reason = (f"{spec.phase} phase failed ({type(exc).__name__}): "
-                             f"{explain_failure(req.run_dir, spec.phase)}")
+            # The error only carries the node script's exit code; the node logs say why.
+            result.reason = f"{spec.phase} phase failed: {explain_failure(req.run_dir, spec.phase)}"
             return result
     return result
 
@@ -275,44 +269,51 @@ def _follow_log(job: object, log: Path, echo: Callable[[str], None] | None) -> N
 
 
 def _submit_slurm(req: SubmitRequest, phases: tuple[PhaseSpec, ...]) -> SubmitResult:
-    import submitit
+    """Queue each phase's sbatch file with the command line submit.sh holds.
 
-    executor = submitit.SlurmExecutor(folder=str(req.run_dir / "submitit"), python=sys.executable)
+    Not submitit's SlurmExecutor: it writes its own sbatch text (other log paths, a pickled callable
+    started by `python -m submitit.core._submit`), so the files a dry run shows and the golden tests
+    check would not be what runs. A submitit.SlurmJob(folder, job_id) would add only its sacct watcher
+    (.state, .done()) and result-pickle paths, which a job running plain bash has no use for: these jobs
+    are followed with scontrol, then sacct (run_status.py), as `status`, `cancel` and --wait do.
+    """
+    # sbatch reads SLURM_*/SBATCH_* variables as options: one left over from an enclosing allocation
+    # would change the job (launch/env_checks.py). SLURM_CONF, which names the cluster, stays.
+    leaked = set(leaked_slurm_vars(os.environ))
+    env = {k: v for k, v in os.environ.items() if k not in leaked}
     result = SubmitResult(run_dir=req.run_dir, jobs=[])
-    previous: PhaseJob | None = None
     for spec in phases:
-        extra: dict[str, object] = {"open_mode": "append"}
-        if spec.requeue:
-            extra["requeue"] = True
-        if previous is not None:
-            extra["dependency"] = f"afterok:{previous.job_id}"
-            # Without this a failed compile leaves the run pending forever (DependencyNeverSatisfied).
-            extra["kill_on_invalid_dep"] = "yes"
-        for name, value in req.options.extra_sbatch:  # the profile's own #SBATCH lines
-            extra[name] = True if value is None else value
-        params: dict[str, object] = dict(
-            job_name=spec.job_name, nodes=spec.num_nodes, ntasks_per_node=1,
-            time=req.options.time_for(spec), srun_args=list(req.options.srun_args()),
-            signal_delay_s=spec.signal_lead_s, setup=list(req.options.setup),
-            additional_parameters=extra,
-        )
-        if req.options.exclusive_for(spec):
-            params["exclusive"] = True
-        for key in ("partition", "account", "qos", "constraint", "exclude"):
-            value = getattr(req.options, key)
-            if value:
-                params[key] = value
-        executor.update_parameters(**params)
+        script = req.run_dir / f"{spec.phase}.sbatch"
+        previous = result.jobs[-1].job_id if result.jobs else None
+        argv = sbatch_command(str(script), after=previous)
         try:
-            job = executor.submit(_task(req, spec))
-        except Exception as exc:  # submitit raises a bare error carrying sbatch's stderr
-            raise LaunchError(f"sbatch refused the {spec.phase} phase: {exc}",
-                              script=str(req.run_dir / f"{spec.phase}.sbatch")) from None
-        entry = PhaseJob(phase=spec.phase, job_id=str(job.job_id),
-                         depends_on=previous.job_id if previous else None)
-        result.jobs.append(entry)
-        previous = entry
+            proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=SBATCH_TIMEOUT_S,
+                                  check=False)
+            said, job_id = (proc.stderr or proc.stdout).strip(), parse_job_id(proc.stdout)
+        except subprocess.TimeoutExpired:
+            said, job_id = f"no answer within {SBATCH_TIMEOUT_S} s", ""
+        if not job_id.isdigit():
+            raise LaunchError(f"sbatch refused the {spec.phase} phase: {_last_line(said) or 'no job id printed'}"
+                              f"{_cancel_queued(result)}; check the partition, account, qos, constraint and "
+                              "sbatch lines of the cluster profile (--cluster-config) and the flags",
+                              script=str(script))
+        result.jobs.append(PhaseJob(phase=spec.phase, job_id=job_id, depends_on=previous, command=tuple(argv)))
     return result
+
+
+def _last_line(text: str) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return lines[-1].removeprefix("sbatch: error: ") if lines else ""
+
+
+def _cancel_queued(result: SubmitResult) -> str:
+    """Cancel the phases queued before one was refused, so that no half of a run is left; says what it did."""
+    if not result.jobs:
+        return ""
+    ids = [j.job_id for j in result.jobs]
+    proc = subprocess.run(["scancel", *ids], capture_output=True, text=True, timeout=60, check=False)
+    done = "cancelled" if proc.returncode == 0 else "could not cancel (scancel failed)"
+    return f" ({done} the {', '.join(f'{j.phase} job {j.job_id}' for j in result.jobs)} queued before it)"
 
 
 def _wait_slurm(result: SubmitResult, req: SubmitRequest, *, poll_s: float = 2.0) -> None:
@@ -325,7 +326,9 @@ def _wait_slurm(result: SubmitResult, req: SubmitRequest, *, poll_s: float = 2.0
                 pending.remove(entry)
                 if entry.state != _FINISHED_OK and result.ok:
                     result.ok = False
-                    result.reason = (f"{entry.phase} phase (job {entry.job_id}) ended {entry.state}: "
+                    restarts = job_fields(entry.job_id).get("Restarts", "0")
+                    requeued = f", requeued {restarts}x" if restarts.isdigit() and int(restarts) else ""
+                    result.reason = (f"{entry.phase} phase (job {entry.job_id}{requeued}) ended {entry.state}: "
                                      f"{explain_failure(req.run_dir, entry.phase)}")
         if pending:
             time.sleep(poll_s)

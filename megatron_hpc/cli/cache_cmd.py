@@ -111,6 +111,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--to", dest="dst", type=Path, required=True, metavar=dst, help="cache to copy into")
         p.add_argument("--group-writable", action="store_true",
                        help="make new entries group writable (g+w, setgid directories) for a team cache")
+        p.add_argument("--quiet", action="store_true",
+                       help="say only what was copied or refused (what the node script runs before and after "
+                            "each phase)")
         _add_layout(p, default="neuron")
 
 
@@ -308,13 +311,15 @@ def _transfer(args: argparse.Namespace) -> int:
     reports = layouts.transfer(args.src, args.dst, layout=args.layout, group_writable=args.group_writable)
     lines = []
     for folder, r in reports.items():
+        if args.quiet and not (r.copied or r.refused):
+            continue
         if args.layout == "neuron":  # entries are few and large: name each one
             lines += [f"copied {k}" for k in r.copied]
         lines += [f"refused {folder + '/' if folder else ''}{k}: {why}" for k, why in r.refused.items()]
         lines.append(f"{folder + ': ' if folder else ''}{len(r.copied)} copied ({human(r.bytes_copied)}), "
                      f"{len(r.already_there)} already there, {len(r.lost_race)} published by another process "
                      f"meanwhile, {len(r.not_complete)} not complete (not shared), {len(r.refused)} refused")
-    if not reports:
+    if not reports and not args.quiet:
         lines.append(f"{args.src} holds no compile cache yet: nothing to copy")
     payload = {k: asdict(r) for k, r in reports.items()} if args.layout == "launcher" else asdict(reports[""])
     _out(args, payload, lines)

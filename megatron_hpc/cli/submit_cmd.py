@@ -110,8 +110,6 @@ def run(args: argparse.Namespace) -> int:
     warnings += [space] if space else []
     for warning in warnings:
         print(f"megatron-hpc: warning: {warning}", file=sys.stderr)
-    if args.cluster == "slurm" and not args.dry_run:
-        env_checks.remove_slurm_vars(os.environ)  # submitit hands os.environ to sbatch
     options = cluster_profile.slurm_options(profile.profile, partition=args.partition, account=args.account,
                                             qos=args.qos, exclude=args.exclude, constraint=args.constraint,
                                             time_limit_min=args.time)
@@ -126,15 +124,17 @@ def run(args: argparse.Namespace) -> int:
         skipped = files.compile_skipped_by is not None
         if args.json:
             print(json.dumps({"run_dir": str(run_dir), "dry_run": True, "plan": resolved.plan.to_json(),
-                              "data": data.to_json(), "compile_skipped": skipped, "fingerprint": files.fingerprint,
+                              "data": data.to_json(), "compile_skipped": skipped,
+                              "compile_left_out": files.compile_left_out, "fingerprint": files.fingerprint,
                               "cluster_config": req.profile["path"] if req.profile else None,
                               "resume": resume_notes, "warnings": warnings}, indent=2))
         else:
             print(format_plan(resolved, data=data))
             print(cluster_profile.describe(profile))
             _print_resume(resume_notes)
-            if skipped:
-                print(files.skip_message(req.cache_root))
+            note = files.compile_message(req.cache_root)
+            if note:
+                print(note)
             written = ", ".join(f"{p.phase}.sbatch" for p in files.phases)
             print(f"\nwrote {run_dir}: node.sh, {written}, submit.sh (nothing submitted)")
             print(f"submit by hand with: bash {run_dir}/submit.sh")
@@ -184,6 +184,7 @@ def _report(result: SubmitResult, *, as_json: bool, warnings: list[str], resumed
             "resume": resume_notes, "warnings": warnings, "cluster_config": cluster_config,
             "data": data.to_json(),
             "compile_skipped": bool(result.files and result.files.compile_skipped_by is not None),
+            "compile_left_out": result.files.compile_left_out if result.files else None,
             "fingerprint": result.files.fingerprint if result.files else None,
             "jobs": [{"phase": j.phase, "job_id": j.job_id, "state": j.state, "depends_on": j.depends_on}
                      for j in result.jobs],

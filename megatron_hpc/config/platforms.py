@@ -43,7 +43,10 @@ class Platform:
     tp_choices: tuple[int, ...] | None = None
     """Tensor-parallel degrees the runtime supports; None means any divisor of workers_per_node."""
     compile_wrapper: tuple[str, ...] = ()
-    """Command the compile phase runs the node script under."""
+    """Command the node script runs torchrun under in the compile phase; empty where torch.compile is the
+    only compiler."""
+    gpus_per_node: int = 0
+    """GPUs each node of a job asks SLURM for (sbatch --gpus-per-node); 0 where the devices are not GPUs."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment exported on every node before torchrun."""
     bf16_env: dict[str, str] = field(default_factory=dict)
@@ -82,6 +85,8 @@ PLATFORMS: dict[str, Platform] = {
         memory_per_worker_gib=80.0,
         backend="nccl",
         peak_tflops_bf16=989.0,  # H100 SXM dense bf16
+        # One worker per GPU; without asking, a GRES-managed cluster gives a job no GPU at all.
+        gpus_per_node=8,
         env={"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1",
              "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"},
     ),

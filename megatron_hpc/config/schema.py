@@ -194,7 +194,10 @@ class LaunchConfig:
     nofile_limit: int = 65535
     """ulimit -n raised on every node before torchrun."""
     time_limit_min: int = 60
-    """SLURM time limit of each phase, minutes."""
+    """SLURM time limit of the run phase, minutes (a cluster profile's time_limit_min.run and --time win)."""
+    compile_time_limit_min: int = 120
+    """SLURM time limit of the compile phase, minutes: the short trial plus compiling its graphs (a cluster
+    profile's time_limit_min.compile and --time win)."""
     exclusive: bool = True
     """Ask SLURM for whole nodes."""
     init_timeout_s: int = 900

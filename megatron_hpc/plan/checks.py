@@ -60,6 +60,7 @@ def _rules() -> list[_Rule]:
         ("compile.num_steps", *_AT_LEAST_1),
         ("launch.nofile_limit", *_AT_LEAST_1),
         ("launch.time_limit_min", *_AT_LEAST_1),
+        ("launch.compile_time_limit_min", *_AT_LEAST_1),
         ("launch.init_timeout_s", *_POSITIVE),
         ("launch.collective_timeout_s", *_POSITIVE),
     ]

@@ -1,9 +1,11 @@
-"""What each SLURM phase runs: nodes, processes, wrapper and environment. Pure.
+"""What each SLURM phase runs: nodes, processes, GPUs, time limit and environment. Pure.
 
 The compile phase is a short trial run (on Trainium under `neuron_parallel_compile`, which
-extracts and compiles the graphs into the cache); the run phase starts after it succeeded
-(afterok). Both phases export the same environment so the compiler flags, and with them the
-cache keys, match (shared/reference/neuron-xla.md 2.1).
+extracts and compiles the graphs into the cache; elsewhere with torch.compile on); the run
+phase starts after it succeeded (afterok). Both phases export the same environment so the
+compiler flags, and with them the cache keys, match (shared/reference/neuron-xla.md 2.1).
+A run that compiles nothing (no compiler wrapper and no torch.compile) gets no compile phase:
+its trial would only spend an allocation.
 
 The node script, not srun, puts `neuron_parallel_compile` around torchrun: the tool compiles the
 graphs after its trial returns (2.5), so only a script around the whole tool can publish them from
@@ -39,23 +41,18 @@ class PhaseSpec:
     job_name: str
     num_nodes: int
     nproc_per_node: int
-    wrapper: tuple[str, ...] = ()
-    """Command around the node script itself (`srun ... WRAPPER bash node.sh PHASE`); none on any platform."""
     torchrun_wrapper: tuple[str, ...] = ()
     """Command the node script runs torchrun under in this phase (neuron_parallel_compile for Trainium
     compiles), inside the node-local compile cache, so its compiles are published when it has returned."""
     env: dict[str, str] = field(default_factory=dict)
+    gpus_per_node: int = 0
+    """GPUs each node asks SLURM for (sbatch --gpus-per-node); 0 asks for none."""
     nofile_limit: int = 65535
     time_limit_min: int = 60
     exclusive: bool = True
     requeue: bool = True
     signal_lead_s: int = 90
     """SLURM sends USR2 this long before the time limit (submitit's default): the run saves and requeues."""
-
-
-def master_port(job_id: int) -> int:
-    """The rendezvous port of a job; the node script computes the same in bash."""
-    return MASTER_PORT_BASE + job_id % MASTER_PORT_SPAN
 
 
 def phase_env(cfg: RunConfig, platform: Platform, *, extra: dict[str, str]) -> dict[str, str]:
@@ -68,17 +65,28 @@ def phase_env(cfg: RunConfig, platform: Platform, *, extra: dict[str, str]) -> d
     return env
 
 
+def compile_left_out(cfg: RunConfig, platform: Platform) -> str | None:
+    """Why this run gets no compile phase at all, or None when it gets one."""
+    if not cfg.compile.enabled:
+        return "compile.enabled is false"
+    if not platform.compile_wrapper and not cfg.train.compile:
+        return f"nothing to compile: platform {platform.name} has no graph compiler and train.compile is false"
+    return None
+
+
 def make_phases(cfg: RunConfig, plan: Plan, platform: Platform, *,
                 extra_env: dict[str, str]) -> tuple[PhaseSpec, ...]:
-    """The phases to submit, in order: compile (unless disabled) then run."""
+    """The phases to submit, in order: compile (unless compile_left_out says why not) then run."""
     env = phase_env(cfg, platform, extra=extra_env)
     common = dict(num_nodes=plan.num_nodes, nproc_per_node=plan.workers_per_node, env=env,
-                  nofile_limit=cfg.launch.nofile_limit, time_limit_min=cfg.launch.time_limit_min,
+                  gpus_per_node=platform.gpus_per_node, nofile_limit=cfg.launch.nofile_limit,
                   exclusive=cfg.launch.exclusive)
-    run = PhaseSpec(phase="run", job_name=f"{cfg.name}-run", requeue=True, **common)
-    if not cfg.compile.enabled:
+    run = PhaseSpec(phase="run", job_name=f"{cfg.name}-run", requeue=True,
+                    time_limit_min=cfg.launch.time_limit_min, **common)
+    if compile_left_out(cfg, platform) is not None:
         return (run,)
     # Both phases requeue, as the reference scripts do: a preempted compile comes back too.
     compile_ = PhaseSpec(phase="compile", job_name=f"{cfg.name}-compile",
-                         torchrun_wrapper=platform.compile_wrapper, requeue=True, **common)
+                         torchrun_wrapper=platform.compile_wrapper, requeue=True,
+                         time_limit_min=cfg.launch.compile_time_limit_min, **common)
     return (compile_, run)

@@ -28,6 +28,8 @@ export MASTER_ADDR MASTER_PORT
 
 mkdir -p "$RUN_DIR/logs"
 LOG="$RUN_DIR/logs/$PHASE-node$NODE_RANK.log"
+# The first line of each attempt (a requeued job appends to the same log; launch/failure_reason.py reads the last).
+echo "megatron-hpc: $PHASE phase, node $NODE_RANK of $NNODES, master $MASTER_ADDR:$MASTER_PORT, job $JOB_ID" | tee -a "$LOG"
 
 # Collective libraries open one descriptor per peer; 1024 is not enough at scale.
 if ! ulimit -n {{nofile_limit}} 2>/dev/null; then
@@ -36,7 +38,6 @@ if ! ulimit -n {{nofile_limit}} 2>/dev/null; then
     | tee -a "$LOG" >&2
   ulimit -n "$hard"
 fi
-echo "megatron-hpc: $PHASE phase, node $NODE_RANK of $NNODES, master $MASTER_ADDR:$MASTER_PORT, job $JOB_ID" | tee -a "$LOG"
 
 # Compile caches. The compilers use a cache on this node's own disk, never one shared over NFS, whose file
 # locks are unreliable (shared/reference/neuron-xla.md 2.3). Before the phase the node copies in what the
@@ -53,8 +54,8 @@ if [ -z "$LOCAL_CACHE" ]; then  # a fresh one for this phase on this node, remov
   REMOVE_LOCAL_CACHE=1
 fi
 {{cache_exports}}
-cache_transfer() {  # sync|publish FROM TO
-  megatron-hpc cache "$1" --layout launcher --from "$2" --to "$3" 2>&1 | tee -a "$LOG"
+cache_transfer() {  # sync|publish FROM TO; says only what it copied or refused
+  megatron-hpc cache "$1" --quiet --layout launcher --from "$2" --to "$3" 2>&1 | tee -a "$LOG"
   return "${PIPESTATUS[0]}"
 }
 echo "megatron-hpc: compile cache $LOCAL_CACHE (shared: $SHARED_CACHE)" | tee -a "$LOG"
@@ -68,7 +69,7 @@ fi
 # returned (neuron-xla.md 2.5), so the publish below must wait for the whole tool.
 {{torchrun_wrapper}}
 
-# SLURM asks a run to stop with USR2 (submitit's --signal, before the time limit) or TERM (preemption,
+# SLURM asks a run to stop with USR2 (the sbatch file's --signal, before the time limit) or TERM (preemption,
 # scontrol requeue). The workers get the signal too and save at the next step boundary; this script
 # survives it, leaves a stop request for rank 0 (in case the workers were not signalled), and waits.
 request_stop() {

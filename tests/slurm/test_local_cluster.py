@@ -78,3 +78,19 @@ def test_afterok_on_failed_parent_is_cancelled(slurm_cluster, sacct_job, tmp_pat
     child_rec = sacct_job(child, timeout=30, final=True)
     assert child_rec["State"].startswith("CANCELLED"), child_rec
     assert not out.exists() or out.read_text() == ""
+
+
+def test_accounts_qos_and_features_are_enforced(slurm_cluster, sacct_job):
+    """What the start script sets up for cluster-profile tests: the test account and QOS exist, nodes carry
+    features, and sbatch refuses what a real site would refuse."""
+    job = sbatch("--account=mhpc-test", "--qos=mhpc-high", "--constraint=rack2", "--exclude=node3",
+                 "-o", "/dev/null", "--wrap", "true")
+    record = sacct_job(job, timeout=30, final=True, until=lambda r: r["NodeList"] not in ("", "None assigned"))
+    assert (record["State"], record["NodeList"]) == ("COMPLETED", "node4"), record
+    for args, error in ((["--account=no-such-account"], "Invalid account"),
+                        (["--qos=no-such-qos"], "Invalid qos specification"),
+                        (["--qos=mhpc-high"], "Invalid qos specification"),  # root's default account may not
+                        (["--constraint=no-such-feature"], "Invalid feature specification")):
+        proc = subprocess.run(["sbatch", "--parsable", *args, "-o", "/dev/null", "--wrap", "true"],
+                              capture_output=True, text=True, timeout=30)
+        assert proc.returncode != 0 and error in proc.stderr, (args, proc.stderr)

@@ -61,8 +61,9 @@ def test_status_debug_while_running_then_cancel(slurm_cluster, sacct_job, tmp_pa
     assert "RUNNING" in human and "ETA" in human
     shown = subprocess.run(["scontrol", "show", "job", jobs["run"]], capture_output=True, text=True).stdout
     assert "Comment=mhpc-profile-test" in shown and "Partition=debug" in shown
-    batch_logs = "".join(p.read_text() for p in (run_dir / "submitit").glob(f"{jobs['run']}_*log.out"))
-    assert "profile-setup-ran-on-" in batch_logs
+    assert list(jobs) == ["run"]  # tiny on CPU compiles nothing: no compile phase
+    batch_log = run_dir / "logs" / f"tiny-run-{jobs['run']}.out"  # the run.sbatch's --output
+    assert "profile-setup-ran-on-" in batch_log.read_text()
 
     # Hang debugging through `srun --overlap` into the running job: every rank of both nodes answers.
     debug = cli("debug", str(run_dir), "--json", "--method", "signal", timeout=240)
@@ -75,7 +76,7 @@ def test_status_debug_while_running_then_cancel(slurm_cluster, sacct_job, tmp_pa
 
     proc = cli("cancel", str(run_dir), "--json")
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout)["cancelled"] == [jobs["run"]]  # the compile job had already ended
+    assert json.loads(proc.stdout)["cancelled"] == [jobs["run"]]
     record = sacct_job(jobs["run"], final=True, timeout=60)
     assert record["State"].startswith("CANCELLED")
     assert wait_for(lambda: all(j["state"].startswith(("CANCELLED", "COMPLETED"))
@@ -88,7 +89,8 @@ def test_dry_run_scripts_submitted_by_hand(slurm_cluster, sacct_job, tmp_path, d
     run_dir = tmp_path / "byhand"
     proc = cli("submit", "--recipe", "tiny", "--nodes", "2", "--platform", "cpu", "--partition", "debug",
                "--dry-run", "--out", str(run_dir), "--set", "train.num_steps=6", "--set", "train.log_interval=2",
-               "--set", "launch.time_limit_min=10", *demo_data)
+               "--set", "launch.time_limit_min=10", "--set", "train.compile=true", "--set", "compile.num_steps=1",
+               *demo_data)
     assert proc.returncode == 0, proc.stderr
     submitted = subprocess.run(["bash", str(run_dir / "submit.sh")], capture_output=True, text=True, timeout=60)
     assert submitted.returncode == 0, submitted.stderr

@@ -97,6 +97,22 @@ def test_launcher_sync_from_a_cache_nobody_published_to_copies_nothing(tmp_path,
     assert "nothing to copy" in capsys.readouterr().out
 
 
+def test_quiet_transfers_say_only_what_they_copied(tmp_path, capsys):
+    """What the node script runs before and after each phase: silent when there was nothing to do."""
+    src, dst = tmp_path / "local", tmp_path / "shared"
+    _write(src / "inductor", {"ab/cab.py": b"code"})
+    args = ["cache", "publish", "--quiet", "--layout", "launcher", "--from", str(src), "--to", str(dst)]
+    capsys.readouterr()
+    assert main(args) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("inductor: 1 copied (") and line.endswith(" 0 refused")
+    assert main(args) == 0  # everything already there
+    assert capsys.readouterr().out == ""
+    assert main(["cache", "sync", "--quiet", "--layout", "launcher", "--from", str(tmp_path / "never-written"),
+                 "--to", str(tmp_path / "x")]) == 0
+    assert capsys.readouterr().out == ""
+
+
 @pytest.mark.parametrize("action", ["verify", "ls", "stats"])
 def test_a_tree_needs_a_root_and_a_launcher_root_defaults_to_the_shared_cache(action, capsys, own_compile_cache):
     assert main(["cache", action, "--layout", "tree"]) == 1

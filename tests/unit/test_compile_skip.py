@@ -10,7 +10,8 @@ from megatron_hpc.compile_cache import fingerprint
 
 from megatron_hpc.cli.main import main
 
-SETS = ["--set", "data.source=synthetic"]
+# On CPU a compile phase exists only with torch.compile (without it there is nothing to compile).
+SETS = ["--set", "data.source=synthetic", "--set", "train.compile=true"]
 
 
 def dry_run(capsys, out: Path, *extra: str, as_json: bool = True) -> dict | str:
@@ -71,7 +72,7 @@ def test_a_graph_change_recompiles_and_recompile_forces_it(tmp_path, capsys, own
     record(own_compile_cache, tmp_path / "first")
     same_graphs = dry_run(capsys, tmp_path / "lr", "--set", "optim.lr=3e-4", "--set", "train.num_steps=7")
     assert same_graphs["compile_skipped"] is True and same_graphs["fingerprint"] == first["fingerprint"]
-    for i, change in enumerate(["train.micro_batch_size=2", "train.compile=true", "train.precision=bf16"]):
+    for i, change in enumerate(["train.micro_batch_size=2", "model.num_layers=2", "train.precision=bf16"]):
         changed = dry_run(capsys, tmp_path / f"c{i}", "--set", change)
         assert changed["compile_skipped"] is False and changed["fingerprint"] != first["fingerprint"], change
     forced = dry_run(capsys, tmp_path / "forced", "--recompile")
@@ -79,9 +80,9 @@ def test_a_graph_change_recompiles_and_recompile_forces_it(tmp_path, capsys, own
 
 
 def test_a_skipped_submit_still_syncs_the_shared_cache_before_the_run(tmp_path, capsys, own_compile_cache):
-    dry_run(capsys, tmp_path / "first", "--set", "train.compile=true")
+    dry_run(capsys, tmp_path / "first")
     record(own_compile_cache, tmp_path / "first")
-    second = dry_run(capsys, tmp_path / "second", "--set", "train.compile=true")
+    second = dry_run(capsys, tmp_path / "second")
     assert second["compile_skipped"] is True
     node = (tmp_path / "second" / "node.sh").read_text()
     assert f"SHARED_CACHE={own_compile_cache}\n" in node
@@ -93,6 +94,15 @@ def test_a_disabled_compile_phase_is_not_reported_as_skipped(tmp_path, capsys, o
     first = dry_run(capsys, tmp_path / "first")
     record(own_compile_cache, tmp_path / "first")
     off = dry_run(capsys, tmp_path / "off", "--set", "compile.enabled=false")
-    assert off["compile_skipped"] is False
+    assert off["compile_skipped"] is False and off["compile_left_out"] == "compile.enabled is false"
     assert not (tmp_path / "off" / "compile.sbatch").exists()
     assert off["fingerprint"] == first["fingerprint"]  # whether a compile phase runs does not change the graphs
+
+
+def test_a_run_that_compiles_nothing_is_left_out_not_skipped(tmp_path, capsys, own_compile_cache):
+    first = dry_run(capsys, tmp_path / "first", "--set", "train.compile=false")
+    record(own_compile_cache, tmp_path / "first")  # even a marker for these very graphs
+    again = dry_run(capsys, tmp_path / "again", "--set", "train.compile=false")
+    assert again["fingerprint"] == first["fingerprint"]
+    assert again["compile_skipped"] is False and again["compile_left_out"].startswith("nothing to compile")
+    assert not (tmp_path / "again" / "compile.sbatch").exists()

@@ -1,4 +1,4 @@
-"""Cluster profiles: site settings from YAML reach the sbatch files, the node script and submitit's job;
+"""Cluster profiles: site settings from YAML reach the sbatch files and the node script;
 flags win over them; bad profiles are refused before any run folder is written."""
 
 from __future__ import annotations
@@ -115,6 +115,8 @@ def test_profile_changes_nothing_in_the_compile_fingerprint_but_env(tmp_path: Pa
     ("container: {imag: x.sqsh}\n", "did you mean 'container.image'"),
     ("time_limit_min: {run: -5}\n", "time_limit_min.run must be positive"),
     ("sbatch: ['--nodes=4']\n", "--nodes is set by megatron-hpc"),
+    ("sbatch: ['--gpus-per-node=4']\n", "--gpus-per-node is set by megatron-hpc (the platform asks for its GPUs"),
+    ("sbatch: ['--chdir=/elsewhere']\n", "--chdir is set by megatron-hpc (jobs run in the folder submit ran in)"),
     ("sbatch: ['mail-type END']\n", "is not an sbatch option"),
     ("env: {'BAD-NAME': 1}\n", "not a valid variable name"),
     ("env: {MASTER_PORT: 29500}\n", "env MASTER_PORT is set for each job by the node script"),

@@ -1,5 +1,7 @@
-"""The 16-node gpt3_6.7b trn1 dry run against the hand-written golden of the reference scripts."""
+"""Dry runs against the hand-written goldens: the 16-node gpt3_6.7b trn1 run of the reference scripts, and a
+2-node gpt2_small run on p5 (GPUs)."""
 
+import os
 import re
 import shlex
 from pathlib import Path
@@ -9,6 +11,9 @@ import yaml
 from megatron_hpc.cli.main import main
 
 GOLDEN = yaml.safe_load((Path(__file__).parent / "golden" / "gpt3_6.7b_trn1_16nodes.yaml").read_text())
+GPU_GOLDEN = yaml.safe_load((Path(__file__).parent / "golden" / "gpt2_small_p5_2nodes.yaml").read_text())
+NAMED_BY_US = ("--output=", "--job-name=", "--chdir=")
+"""Directives that name our run folder, phase and working folder; checked apart from the goldens."""
 
 
 def render(tmp_path: Path) -> Path:
@@ -16,6 +21,12 @@ def render(tmp_path: Path) -> Path:
     assert main(["submit", "--recipe", "gpt3_6.7b", "--nodes", "16", "--platform", "trn1", "--dry-run",
                  "--set", "data.source=synthetic", "--out", str(out)]) == 0
     return out
+
+
+def submit_lines(out: Path) -> list[str]:
+    """The sbatch command lines of submit.sh, with the job id variables as written."""
+    return [ln.split("=$(", 1)[1].removesuffix(")").replace('"', "")
+            for ln in (out / "submit.sh").read_text().splitlines() if "=$(sbatch " in ln]
 
 
 def directives(text: str) -> set[str]:
@@ -41,9 +52,16 @@ def test_sbatch_directives_match_the_reference(tmp_path):
     expected = set(GOLDEN["reference"]["sbatch"]) | set(GOLDEN["ours"]["sbatch_extra"])
     for phase in ("compile", "run"):
         found = directives((out / f"{phase}.sbatch").read_text())
-        # --output and --job-name name our run folder and phase; every other directive is in the golden
-        found = {d for d in found if not d.startswith(("--output=", "--job-name="))}
-        assert found == expected, phase
+        assert f"--output={out}/logs/%x-%j.out" in found and f"--job-name=gpt3_6.7b-{phase}" in found
+        assert f"--chdir={os.getcwd()}" in found  # where submit ran: relative recipe paths resolve there
+        found = {d for d in found if not d.startswith(NAMED_BY_US)}
+        assert found == expected | {GOLDEN["ours"]["time"][phase]}, phase
+
+
+def test_phases_are_queued_with_the_golden_command_lines(tmp_path):
+    out = render(tmp_path)
+    queue = GOLDEN["ours"]["queue"]
+    assert submit_lines(out) == [queue["compile"].format(out=out), queue["run"].format(out=out)]
 
 
 def test_srun_lines_match_the_reference(tmp_path):
@@ -91,3 +109,33 @@ def test_torchrun_arguments_match_the_reference(tmp_path):
     for key, value in GOLDEN["reference"]["torchrun"].items():
         assert args[key] == value, key
     assert "scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1" in node
+
+
+def render_gpu(tmp_path: Path) -> Path:
+    out = tmp_path / "gpu"
+    assert main(["submit", "--recipe", "gpt2_small", "--nodes", "2", "--platform", "p5", "--dry-run",
+                 "--set", "data.path=/fsx/data/codeparrot_text_document", "--out", str(out)]) == 0
+    return out
+
+
+def test_gpu_run_asks_for_its_gpus_and_queues_only_the_run_phase(tmp_path):
+    out = render_gpu(tmp_path)
+    assert sorted(p.stem for p in out.glob("*.sbatch")) == GPU_GOLDEN["phases"]
+    text = (out / "run.sbatch").read_text()
+    found = {d for d in directives(text) if not d.startswith(NAMED_BY_US)}
+    assert found == set(GPU_GOLDEN["run"]["sbatch"])
+    srun = srun_line(text)
+    assert srun[1:] == [*GPU_GOLDEN["run"]["srun_args"].split(), "bash", str(out / "node.sh"), "run"]
+    assert submit_lines(out) == [GPU_GOLDEN["run"]["queue"].format(out=out)]
+
+
+def test_gpu_node_script_matches_the_golden(tmp_path):
+    node = (render_gpu(tmp_path) / "node.sh").read_text()
+    env = exports(node)
+    assert set(env) == set(GPU_GOLDEN["env"])  # exports() skips PATH, which names this venv
+    for key, value in GPU_GOLDEN["env"].items():
+        assert env[key] == value, key
+    for name in GPU_GOLDEN["must_not_set"]:
+        assert name not in node
+    joined = re.sub(r"\\\n\s*", " ", node)
+    assert f"--nproc_per_node={GPU_GOLDEN['torchrun']['nproc_per_node']} " in joined

@@ -45,9 +45,18 @@ def test_an_early_stop_outside_slurm_says_how_to_continue():
 
 def test_a_crash_of_the_run_phase_is_requeued_but_not_our_own_errors():
     assert decide(outcome(exit_code=1)).action == "requeue"
-    fatal = decide(outcome(exit_code=1, fatal={"kind": "DataError", "error": "missing file"}))
-    assert fatal.action == "fail" and "DataError" in fatal.message
+    fatal = decide(outcome(exit_code=1, fatal={"kind": "DataError", "error": "missing file\nsecond line"}))
+    assert fatal.action == "fail"
+    assert fatal.message == ("run phase failed (exit 1): DataError: missing file; not requeued, a retry would fail "
+                             "the same way")
     assert decide(outcome(exit_code=137, attempt=3)).action == "fail"
+
+
+def test_the_requeue_limit_names_the_settings_that_exist():
+    last = decide(outcome(exit_code=1, attempt=3))
+    assert last.action == "fail"
+    assert last.message == ("run phase failed (exit 1); not requeued: requeue limit of 3 reached (raise max_requeues "
+                            "in the cluster profile, or set MEGATRON_HPC_MAX_REQUEUES where you submit; default 3)")
 
 
 def test_a_failed_compile_is_never_requeued():

@@ -37,7 +37,8 @@ def test_dry_run_writes_the_reference_shape(tmp_path):
     assert "  TORCHRUN_WRAPPER=(neuron_parallel_compile)" in node.splitlines()
     assert "--requeue" in sbatch_flags(run)
     assert "afterok" in run  # the dependency is carried as a comment
-    assert "--dependency=afterok:$COMPILE_JOB_ID run.sbatch" in submit
+    assert (f'RUN_JOB_ID=$(sbatch --parsable "--dependency=afterok:$COMPILE_JOB_ID" --kill-on-invalid-dep=yes '
+            f"{out}/run.sbatch)") in submit.splitlines()
     assert submit.index("compile.sbatch") < submit.index("run.sbatch")
     assert "ulimit -n 65535" in node
     assert "--nproc_per_node=32" in node and "torchrun" in node
@@ -68,11 +69,76 @@ def test_site_options_reach_both_phases(tmp_path):
 
 def test_node_script_exports_cpu_environment_without_neuron(tmp_path):
     out = tmp_path / "cpu"
-    assert main(["submit", "--recipe", "tiny", "--cluster", "local", "--dry-run", "--out", str(out)]) == 0
+    assert main(["submit", "--recipe", "tiny", "--cluster", "local", "--dry-run", "--out", str(out),
+                 "--set", "train.compile=true"]) == 0
     node = (out / "node.sh").read_text()
     assert "NEURON" not in node and "XLA_USE_BF16" not in node
-    assert "--nproc_per_node=1" in node
+    assert "--nproc_per_node=1" in node and "TORCHRUN_WRAPPER=()" in node.splitlines()
     assert "neuron_parallel_compile" not in (out / "compile.sbatch").read_text()
+    assert not any(f.startswith("--gpus") for f in sbatch_flags((out / "run.sbatch").read_text()))
+
+
+@pytest.mark.parametrize("recipe, platform, phases", [
+    ("tiny", "cpu", ["run"]),             # nothing to compile: no compiler wrapper, train.compile false
+    ("gpt2_small", "p5", ["run"]),
+    ("gpt3_6.7b", "trn1", ["compile", "run"]),  # neuron_parallel_compile in the compile phase
+])
+def test_a_run_that_compiles_nothing_queues_only_the_run_phase(tmp_path, capsys, recipe, platform, phases):
+    out = tmp_path / "d"
+    assert main(["submit", "--recipe", recipe, "--platform", platform, "--dry-run", "--json", "--out", str(out),
+                 "--set", "data.source=synthetic"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert sorted(p.stem for p in out.glob("*.sbatch")) == sorted(phases)
+    assert [ln.split()[-1].rsplit("/", 1)[1] for ln in (out / "submit.sh").read_text().splitlines()
+            if "sbatch --parsable" in ln] == [f"{p}.sbatch)" for p in phases]
+    if phases == ["run"]:
+        assert report["compile_left_out"] == (f"nothing to compile: platform {platform} has no graph compiler "
+                                              "and train.compile is false")
+        assert "afterok" not in (out / "run.sbatch").read_text()
+    else:
+        assert report["compile_left_out"] is None
+    assert report["compile_skipped"] is False  # that field is only for a compile the shared cache made needless
+
+
+def test_the_left_out_compile_phase_is_said_in_one_line(tmp_path, capsys):
+    assert main(["submit", "--recipe", "tiny", "--dry-run", "--out", str(tmp_path / "d")]) == 0
+    (line,) = [ln for ln in capsys.readouterr().out.splitlines() if "compile phase" in ln]
+    assert line == ("compile phase left out (nothing to compile: platform cpu has no graph compiler and "
+                    "train.compile is false): only the run phase is queued; --set train.compile=true adds one")
+    assert main(["submit", "--recipe", "tiny", "--dry-run", "--out", str(tmp_path / "e"),
+                 "--set", "train.compile=true"]) == 0
+    assert "compile phase" not in capsys.readouterr().out
+    assert (tmp_path / "e" / "compile.sbatch").is_file()
+
+
+def test_each_phase_gets_its_own_time_limit_and_the_profile_and_time_win(tmp_path):
+    sets = ["--set", "train.compile=true", "--set", "launch.compile_time_limit_min=7",
+            "--set", "launch.time_limit_min=300"]
+    out = tmp_path / "recipe"
+    assert main(["submit", "--recipe", "tiny", "--dry-run", "--out", str(out), *sets]) == 0
+    assert "--time=7" in sbatch_flags((out / "compile.sbatch").read_text())
+    assert "--time=300" in sbatch_flags((out / "run.sbatch").read_text())
+    profile = tmp_path / "cluster.yaml"
+    profile.write_text("time_limit_min: {compile: 11}\n")
+    out = tmp_path / "profile"
+    assert main(["submit", "--recipe", "tiny", "--dry-run", "--out", str(out), "--cluster-config", str(profile),
+                 *sets]) == 0
+    assert "--time=11" in sbatch_flags((out / "compile.sbatch").read_text())
+    assert "--time=300" in sbatch_flags((out / "run.sbatch").read_text())  # the profile names no run limit
+    out = tmp_path / "flag"
+    assert main(["submit", "--recipe", "tiny", "--dry-run", "--out", str(out), "--cluster-config", str(profile),
+                 "--time", "45", *sets]) == 0
+    for phase in ("compile", "run"):
+        assert "--time=45" in sbatch_flags((out / f"{phase}.sbatch").read_text())
+
+
+@pytest.mark.parametrize("key", ["launch.compile_time_limit_min", "launch.time_limit_min"])
+def test_a_time_limit_that_is_not_positive_is_refused(tmp_path, capsys, key):
+    assert main(["submit", "--recipe", "tiny", "--dry-run", "--out", str(tmp_path / "d"), "--set", f"{key}=0",
+                 "--set", "train.compile=true"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"megatron-hpc: error: {key}=0 must be at least 1; fix the recipe or use --set {key}=..."
+    assert not (tmp_path / "d").exists()  # refused by the planner, before the run folder exists
 
 
 def test_compile_phase_can_be_disabled(tmp_path):
@@ -172,9 +238,12 @@ def test_dry_run_scales_to_512_nodes(tmp_path, platform, nodes):
                  "--set", "data.source=synthetic"]) == 0
     plan = json.loads((out / "plan.json").read_text())
     assert plan["num_nodes"] == nodes and plan["data_parallel"] * plan["tensor_parallel"] == plan["world_size"]
-    for phase in ("compile", "run"):
+    phases = ["run"] if platform == "p5" else ["compile", "run"]  # p5 compiles nothing without train.compile
+    assert sorted(p.stem for p in out.glob("*.sbatch")) == phases
+    for phase in phases:
         flags = sbatch_flags((out / f"{phase}.sbatch").read_text())
         assert f"--nodes={nodes}" in flags and "--ntasks-per-node=1" in flags
+        assert ("--gpus-per-node=8" in flags) == (platform == "p5")
     node = (out / "node.sh").read_text()
     assert f"--nproc_per_node={plan['workers_per_node']}" in node
     proc = subprocess.run(["bash", "-n", str(out / "node.sh")], capture_output=True, text=True)
