@@ -23,9 +23,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from megatron_hpc.atomic_write import write_json_atomic
+
 MARKER_DIR = "megatron-hpc/fingerprints"
-FINGERPRINT_FILE = "compile-fingerprint.json"
-"""In the run folder: what `submit` computed, for the node script to record after the compile phase."""
 
 # Where the caches live, and logging switches, do not change a graph.
 _ENV_IGNORED = {"NEURON_COMPILE_CACHE_URL", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "PYTHONUNBUFFERED",
@@ -68,7 +68,8 @@ def compute(config: dict[str, Any], plan: dict[str, Any], *, env: dict[str, str]
     train = config.get("train", {})
     inputs = {
         "model": config.get("model", {}),
-        "mesh": {k: plan.get(k) for k in ("num_nodes", "workers_per_node", "tensor_parallel", "data_parallel")},
+        "mesh": {k: plan.get(k) for k in ("num_nodes", "workers_per_node", "tensor_parallel", "pipeline_parallel",
+                                          "data_parallel")},
         "train": {k: train.get(k) for k in _TRAIN_KEYS},
         "platform": plan.get("platform"),
         "compiler": compiler,
@@ -96,10 +97,7 @@ def record(cache_root: Path, fp: dict[str, Any], *, run_dir: str, job_id: str | 
     path = marker_path(cache_root, fp["sha256"])
     path.parent.mkdir(parents=True, exist_ok=True)
     body = {**fp, "run_dir": run_dir, "job_id": job_id, "host": socket.gethostname(), "time": time.time()}
-    tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_json_atomic(path, body, indent=1, sort_keys=True)
 
 
 def remove_all(cache_root: Path, *, dry_run: bool = False) -> list[str]:

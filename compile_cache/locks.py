@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from megatron_hpc.atomic_write import write_json_atomic
 from megatron_hpc.errors import CompileCacheError
 
 OWNER_SUFFIX = ".owner"
@@ -221,7 +222,5 @@ def hold(lock: Path, *, wait_s: float = 0.0, poll_s: float = 0.1,
 
 
 def _write_owner(lock: Path, owner: Owner) -> None:
-    # temp + rename, so a reader sees no record or a whole one, never half
-    tmp = Path(f"{lock}{OWNER_SUFFIX}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(asdict(owner)))
-    os.replace(tmp, f"{lock}{OWNER_SUFFIX}")
+    # a reader sees no record or a whole one, never half
+    write_json_atomic(Path(f"{lock}{OWNER_SUFFIX}"), asdict(owner), indent=None)

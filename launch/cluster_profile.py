@@ -27,10 +27,9 @@ from megatron_hpc.launch.scripts import SlurmOptions
 from megatron_hpc.config.loader import from_dict
 from megatron_hpc.errors import ConfigError
 from megatron_hpc.plan.jobs import MASTER_PORT_BASE, MASTER_PORT_SPAN
+from megatron_hpc.run_folder import CLUSTER_FILE
 
 PROFILE_ENV = "MEGATRON_HPC_CLUSTER_CONFIG"
-CLUSTER_FILE = "cluster.json"
-"""The profile a run was submitted with, in its run folder; `submit --resume` uses it again."""
 
 # Directives the launcher writes itself: a profile that set them would break the job's shape,
 # its logs, the compile -> run dependency or the warning signal the trainer saves on.

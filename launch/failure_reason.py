@@ -19,6 +19,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_hpc.run_folder import node_logs
+
 _OURS = "megatron-hpc: error:"
 # node.sh's first line of each attempt of a phase: logs are appended across requeues.
 _ATTEMPT_START = re.compile(r"^megatron-hpc: (compile|run) phase, node \d+ of \d+")
@@ -37,7 +39,7 @@ class _RootCause:
 
 
 def explain_failure(run_dir: Path, phase: str, *, lines: int = 15) -> str:
-    logs = sorted((run_dir / "logs").glob(f"{phase}-node*.log"))
+    logs = node_logs(run_dir, phase)
     texts = [last_attempt(p.read_text(errors="replace")) for p in logs]
     ours: list[str] = []
     for text in texts:

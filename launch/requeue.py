@@ -20,7 +20,7 @@ No torch import: this runs on every node after the workers are gone.
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 import os
 import subprocess
 import sys
@@ -31,12 +31,19 @@ from typing import Any, Literal
 
 from megatron_hpc.compile_cache import fingerprint
 
+from megatron_hpc.run_folder import (
+    PLAN_FILE,
+    PUBLISHED_DIR,
+    AttemptRecord,
+    FingerprintRecord,
+    append_attempt,
+    read_json,
+)
 from megatron_hpc.run_markers import FATAL_FILE, STOPPED_FILE, job_attempt, read_marker
 
 DEFAULT_MAX_REQUEUES = 3
 MAX_REQUEUES_ENV = "MEGATRON_HPC_MAX_REQUEUES"
 """The requeue cap on the nodes: node.sh exports the cluster profile's max_requeues under this name."""
-ATTEMPTS_FILE = "attempts.jsonl"
 Action = Literal["done", "requeue", "fail"]
 
 
@@ -135,15 +142,13 @@ def requeue(job_id: str, *, attempt: int) -> tuple[bool, str]:
 
 def record_attempt(run_dir: Path, outcome: Outcome, decision: Decision, *, requeued: bool) -> None:
     """One line per node-0 phase end, for `status` and for people reading the run folder."""
-    line = {"time": time.time(), "phase": outcome.phase, **job_attempt(), "exit_code": outcome.exit_code,
-            "action": decision.action, "requeued": requeued, "message": decision.message,
-            "iteration": (outcome.stopped or {}).get("iteration")}
-    with (run_dir / ATTEMPTS_FILE).open("a") as fh:  # one short append: atomic enough on local and NFS
-        fh.write(json.dumps(line) + "\n")
+    attempt = job_attempt()
+    append_attempt(run_dir, AttemptRecord(
+        time=time.time(), phase=outcome.phase, job_id=attempt["job_id"], attempt=attempt["attempt"],
+        exit_code=outcome.exit_code, action=decision.action, requeued=requeued, message=decision.message,
+        iteration=(outcome.stopped or {}).get("iteration")))
 
 
-PUBLISHED_DIR = "compile-published"
-"""In the run folder: one file per node whose compile phase published its node-local cache, per job attempt."""
 PUBLISH_WAIT_S = 120.0
 """How long a node that published looks for the others' files: covers NFS attribute caching (<= 60 s)."""
 
@@ -159,9 +164,9 @@ def record_fingerprint(run_dir: Path, *, node_rank: int, environ: dict[str, str]
     a node that failed writes none, and then nothing is recorded. Returns the marker, or None.
     """
     try:
-        fp = json.loads((run_dir / fingerprint.FINGERPRINT_FILE).read_text())
-        num_nodes = int(json.loads((run_dir / "plan.json").read_text()).get("num_nodes", 1))
-    except (OSError, ValueError, TypeError):
+        fp = FingerprintRecord.read(run_dir)
+        num_nodes = int(read_json(run_dir / PLAN_FILE).get("num_nodes", 1))
+    except (OSError, ValueError, TypeError, KeyError):
         return None  # a run folder written by hand or by an older version: nothing to record
     attempt = job_attempt(environ)
     folder = run_dir / PUBLISHED_DIR / f"{attempt['job_id'] or 'local'}.{attempt['attempt']}"
@@ -174,8 +179,9 @@ def record_fingerprint(run_dir: Path, *, node_rank: int, environ: dict[str, str]
                   f"{_ranges(missing)}; the last node to publish records the compile fingerprint", flush=True)
             return None
         time.sleep(2.0)
-    path = fingerprint.record(Path(fp["cache_root"]), fp, run_dir=str(run_dir), job_id=attempt["job_id"])
-    print(f"megatron-hpc: recorded compile fingerprint {fp['sha256'][:12]} in {path.parent}", flush=True)
+    path = fingerprint.record(Path(fp.cache_root), dataclasses.asdict(fp), run_dir=str(run_dir),
+                              job_id=attempt["job_id"])
+    print(f"megatron-hpc: recorded compile fingerprint {fp.sha256[:12]} in {path.parent}", flush=True)
     return path
 
 

@@ -8,13 +8,13 @@ still queued or running is refused: two attempts would write the same checkpoint
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from megatron_hpc.launch.run_status import RunStatus
 
 from megatron_hpc.errors import ConfigError, LaunchError
+from megatron_hpc.run_folder import PLAN_FILE, SUBMISSION_FILE, SubmissionRecord, read_json
 
 RESUMABLE_KEYS = frozenset({
     "optim.lr_decay_iters", "optim.lr_decay_samples",
@@ -79,17 +79,17 @@ def check_not_active(status: RunStatus) -> None:
 
 def stored_plan(run_dir: Path) -> dict[str, Any]:
     try:
-        return json.loads((run_dir / "plan.json").read_text())
+        return read_json(run_dir / PLAN_FILE)
     except (OSError, ValueError) as exc:
-        raise LaunchError(f"{run_dir}/plan.json cannot be read ({exc}); is it a run folder written by "
+        raise LaunchError(f"{run_dir / PLAN_FILE} cannot be read ({exc}); is it a run folder written by "
                           "submit?") from None
 
 
 def previous_submissions(run_dir: Path) -> list[dict[str, Any]]:
     """Earlier submission records of the folder, oldest first (kept when it is submitted again)."""
     try:
-        record = json.loads((run_dir / "submission.json").read_text())
-    except (OSError, ValueError):
+        record = SubmissionRecord.from_json(read_json(run_dir / SUBMISSION_FILE))
+    except (OSError, ValueError, AttributeError):
         return []
-    history = record.pop("history", [])
-    return [*history, record]
+    history, record.history = record.history, []
+    return [*history, record.to_json()]

@@ -21,7 +21,19 @@ from typing import Any
 
 from megatron_hpc.checkpoint.paths import parse_tracker, tracker_file
 from megatron_hpc.errors import ACCESS_FIX, LaunchError, access_problem
-from megatron_hpc.run_folder import METRICS_FILE, IterationRecord, read_metrics
+from megatron_hpc.run_folder import (
+    ATTEMPTS_FILE,
+    CHECKPOINT_DIR,
+    CONFIG_FILE,
+    METRICS_FILE,
+    PLAN_FILE,
+    SUBMISSION_FILE,
+    AttemptRecord,
+    IterationRecord,
+    SubmissionRecord,
+    parse_attempts,
+    read_metrics,
+)
 
 ENDED_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL",
                           "BOOT_FAIL", "DEADLINE", "PREEMPTED"})
@@ -123,14 +135,14 @@ def scan_runs(runs_root: Path) -> list[RunFolder]:
                 continue
             folder = Path(run.path)
             try:
-                stamp = (folder / "plan.json").stat().st_mtime
+                stamp = (folder / PLAN_FILE).stat().st_mtime
             except (FileNotFoundError, NotADirectoryError):
                 continue  # not a run folder
             except OSError as exc:
-                found.append(_unreadable(folder, exc, mtime=_mtime(run), file=folder / "plan.json"))
+                found.append(_unreadable(folder, exc, mtime=_mtime(run), file=folder / PLAN_FILE))
                 continue
             try:
-                stamp, submitted = (folder / "submission.json").stat().st_mtime, True
+                stamp, submitted = (folder / SUBMISSION_FILE).stat().st_mtime, True
             except OSError:
                 submitted = False
             found.append(RunFolder(path=folder, mtime=stamp, submitted=submitted))
@@ -142,11 +154,11 @@ def find_run_dir(spec: str | None, *, runs_root: Path = Path("runs")) -> Path:
     if spec and os.path.isdir(spec):
         path = Path(spec)
         try:
-            (path / "plan.json").stat()
+            (path / PLAN_FILE).stat()
         except (FileNotFoundError, NotADirectoryError):
-            raise LaunchError(f"{path} is not a run folder (no plan.json); pass the folder submit printed") from None
+            raise LaunchError(f"{path} is not a run folder (no {PLAN_FILE}); pass the folder submit printed") from None
         except OSError as exc:
-            raise RunAccessError(path / "plan.json", exc) from None
+            raise RunAccessError(path / PLAN_FILE, exc) from None
         return path.resolve()
     candidates = [r for r in scan_runs(runs_root) if r.submitted or r.problem]
     if spec is None:
@@ -155,22 +167,22 @@ def find_run_dir(spec: str | None, *, runs_root: Path = Path("runs")) -> Path:
         newest = candidates[0]
         if newest.problem:  # the most recent run is this one; showing an older one instead would mislead
             try:
-                (newest.path / "plan.json").stat()
+                (newest.path / PLAN_FILE).stat()
             except OSError as exc:
-                raise RunAccessError(newest.path / "plan.json", exc) from None
+                raise RunAccessError(newest.path / PLAN_FILE, exc) from None
         return newest.path.resolve()
     unreadable = [r.path for r in candidates if r.problem]
     for run in candidates:
         if run.problem:
             continue
         try:
-            jobs = json.loads(_read_text(run.path / "submission.json") or "{}").get("jobs", [])
+            jobs = SubmissionRecord.from_json(json.loads(_read_text(run.path / SUBMISSION_FILE) or "{}")).jobs
         except RunAccessError as exc:
             unreadable.append(exc.path)
             continue
         except json.JSONDecodeError:
             continue
-        if any(str(j.get("job_id")) == spec for j in jobs):
+        if any(j.job_id == spec for j in jobs):
             return run.path.resolve()
     skipped = f"; {len(unreadable)} could not be read ({unreadable[0]}, ...)" if unreadable else ""
     raise LaunchError(f"{spec!r} is neither a run folder nor a job id of a run under {runs_root.resolve()}"
@@ -178,14 +190,14 @@ def find_run_dir(spec: str | None, *, runs_root: Path = Path("runs")) -> Path:
 
 
 def read_status(run_dir: Path) -> RunStatus:
-    submission = _read_json(run_dir / "submission.json") or {"cluster": "unknown", "jobs": []}
-    plan = _read_json(run_dir / "plan.json") or {}
-    config = _read_json(run_dir / "config.json") or {}
+    submission = SubmissionRecord.from_json(_read_json(run_dir / SUBMISSION_FILE) or {})
+    plan = _read_json(run_dir / PLAN_FILE) or {}
+    config = _read_json(run_dir / CONFIG_FILE) or {}
     status = RunStatus(run_dir=str(run_dir), recipe=plan.get("recipe", config.get("name", "?")),
-                       cluster=submission.get("cluster", "unknown"), plan=plan)
-    attempts = _read_attempts(run_dir)
-    for job in submission["jobs"]:
-        entry = JobStatus(phase=job["phase"], job_id=str(job["job_id"]), state=job.get("state", "UNKNOWN"))
+                       cluster=submission.cluster, plan=plan)
+    attempts = parse_attempts(_read_text(run_dir / ATTEMPTS_FILE) or "")
+    for job in submission.jobs:
+        entry = JobStatus(phase=job.phase, job_id=job.job_id, state=job.state)
         if status.cluster == "slurm":
             _refresh_from_slurm(entry)
             if entry.source.startswith("submit"):
@@ -193,7 +205,7 @@ def read_status(run_dir: Path) -> RunStatus:
         status.jobs.append(entry)
     status.progress = read_progress(run_dir, train_iters=config.get("train", {}).get("num_steps"))
     save = (config.get("checkpoint") or {}).get("save")
-    status.last_checkpoint = last_checkpoint(Path(save).expanduser() if save else run_dir / "checkpoints")
+    status.last_checkpoint = last_checkpoint(Path(save).expanduser() if save else run_dir / CHECKPOINT_DIR)
     return status
 
 
@@ -209,29 +221,16 @@ def last_checkpoint(root: Path) -> str | None:
     return str(folder) if folder.is_dir() else None
 
 
-def _read_attempts(run_dir: Path) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
-    text = _read_text(run_dir / "attempts.jsonl")
-    if text is None:
-        return rows
-    for line in text.splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return rows
-
-
 _ACTION_STATE = {"done": "COMPLETED", "fail": "FAILED", "requeue": "REQUEUED"}
 
 
-def _refresh_from_attempts(entry: JobStatus, attempts: list[dict[str, Any]]) -> None:
+def _refresh_from_attempts(entry: JobStatus, attempts: list[AttemptRecord]) -> None:
     """The last phase end node 0 recorded for this job, when SLURM has nothing to say."""
-    mine = [a for a in attempts if str(a.get("job_id")) == entry.job_id and a.get("phase") == entry.phase]
+    mine = [a for a in attempts if str(a.job_id) == entry.job_id and a.phase == entry.phase]
     if mine:
-        entry.state = _ACTION_STATE.get(mine[-1].get("action"), entry.state)
-        entry.restarts = max(int(a.get("attempt") or 0) for a in mine)
-        entry.source = "logs (attempts.jsonl)"
+        entry.state = _ACTION_STATE.get(mine[-1].action, entry.state)
+        entry.restarts = max(int(a.attempt or 0) for a in mine)
+        entry.source = f"logs ({ATTEMPTS_FILE})"
 
 
 def read_progress(run_dir: Path, *, train_iters: int | None) -> Progress | None:

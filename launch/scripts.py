@@ -21,6 +21,7 @@ from megatron_hpc.compile_cache.paths import cache_env
 from megatron_hpc import __version__
 from megatron_hpc.plan.jobs import MASTER_PORT_BASE, MASTER_PORT_SPAN, PhaseSpec
 from megatron_hpc.plan.planner import Plan
+from megatron_hpc.run_folder import LOG_DIR, STOP_REQUEST_FILE
 
 SRUN_ARGS = ("--kill-on-bad-exit=1", "--cpu-bind=none")
 _PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
@@ -88,6 +89,9 @@ def render_node_script(spec: PhaseSpec, *, recipe: str, run_dir: str, bin_dir: s
         "port_base": MASTER_PORT_BASE,
         "port_span": MASTER_PORT_SPAN,
         "nproc_per_node": spec.nproc_per_node,
+        # The run-folder names the node script shares with the trainer and the launcher (run_folder.py).
+        "log_dir": LOG_DIR,
+        "stop_request": STOP_REQUEST_FILE,
     })
 
 

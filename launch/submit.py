@@ -19,13 +19,12 @@ from typing import Literal
 
 from megatron_hpc.compile_cache import fingerprint
 from megatron_hpc.compile_cache.paths import default_cache_root, warm_start_env
-from megatron_hpc.launch.cluster_profile import CLUSTER_FILE, MAX_REQUEUES_ENV
 from megatron_hpc.launch.env_checks import leaked_slurm_vars
 from megatron_hpc.launch.failure_reason import explain_failure
 from megatron_hpc.launch.node_task import NodeTask
-from megatron_hpc.launch.requeue import job_fields
+from megatron_hpc.launch.requeue import MAX_REQUEUES_ENV, job_fields
 from megatron_hpc.launch.resume import previous_submissions
-from megatron_hpc.launch.run_dir import NODE_SCRIPT, python_bin_dir, write_json, write_script
+from megatron_hpc.launch.run_dir import python_bin_dir
 from megatron_hpc.launch.run_status import ENDED_STATES, slurm_job_state
 from megatron_hpc.launch.scripts import (
     SlurmOptions,
@@ -42,6 +41,23 @@ from megatron_hpc.config.schema import LaunchConfig, RunConfig
 from megatron_hpc.errors import LaunchError
 from megatron_hpc.plan.jobs import PhaseSpec, compile_left_out, make_phases
 from megatron_hpc.plan.planner import Plan
+from megatron_hpc.plan.spec import RunSpec
+from megatron_hpc.run_folder import (
+    CLUSTER_FILE,
+    LOG_DIR,
+    NODE_SCRIPT,
+    SUBMISSION_FILE,
+    SUBMIT_SCRIPT,
+    SUBMITIT_DIR,
+    FingerprintRecord,
+    JobRecord,
+    SubmissionRecord,
+    node_log,
+    sbatch_file,
+    write_json,
+    write_script,
+    write_spec,
+)
 
 Cluster = Literal["local", "slurm"]
 _FINISHED_OK = "COMPLETED"
@@ -94,14 +110,8 @@ class RunFiles:
         return None
 
 
-@dataclass(kw_only=True, slots=True)
-class PhaseJob:
-    phase: str
-    job_id: str
-    state: str = "SUBMITTED"
-    depends_on: str | None = None
-    command: tuple[str, ...] = ()
-    """The sbatch command line that queued it (SLURM only)."""
+PhaseJob = JobRecord
+"""A queued phase, as submission.json records it (run_folder.JobRecord)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -174,24 +184,22 @@ def write_run_files(req: SubmitRequest) -> RunFiles:
     marker = fingerprint.find(req.cache_root, fp.sha256) if left_out is None and not req.recompile else None
     if marker is not None:
         phases = tuple(p for p in phases if p.phase != "compile")
-    write_json(req.run_dir / "config.json", config)
-    write_json(req.run_dir / "plan.json", plan)
+    write_spec(req.run_dir, RunSpec(config=req.cfg, plan=req.plan))
     if req.profile is not None:
         write_json(req.run_dir / CLUSTER_FILE, req.profile)
-    write_json(req.run_dir / fingerprint.FINGERPRINT_FILE,
-               {"sha256": fp.sha256, "inputs": fp.inputs, "cache_root": str(req.cache_root)})
+    FingerprintRecord(sha256=fp.sha256, inputs=fp.inputs, cache_root=str(req.cache_root)).write(req.run_dir)
     node_script = req.run_dir / NODE_SCRIPT
     write_script(node_script, render_node_script(phases[0], recipe=req.cfg.name, run_dir=str(req.run_dir),
                                                  bin_dir=python_bin_dir(), backend=req.platform.backend,
                                                  shared_cache=str(req.cache_root)))
     previous = None
     for spec in phases:
-        text = render_sbatch(spec, req.plan, node_script=str(node_script), log_dir=str(req.run_dir / "logs"),
+        text = render_sbatch(spec, req.plan, node_script=str(node_script), log_dir=str(req.run_dir / LOG_DIR),
                              out_dir=str(req.run_dir), workdir=str(req.workdir), options=req.options,
                              depends_on=previous)
-        write_script(req.run_dir / f"{spec.phase}.sbatch", text)
+        write_script(req.run_dir / sbatch_file(spec.phase), text)
         previous = spec.phase
-    write_script(req.run_dir / "submit.sh", render_submit_script(phases, out_dir=str(req.run_dir)))
+    write_script(req.run_dir / SUBMIT_SCRIPT, render_submit_script(phases, out_dir=str(req.run_dir)))
     return RunFiles(phases=phases, fingerprint=fp.sha256, compile_skipped_by=marker, compile_left_out=left_out)
 
 
@@ -210,18 +218,10 @@ def submit(req: SubmitRequest, *, wait: bool, echo: Callable[[str], None] | None
             _wait_slurm(result, req)
     result.files = files
     history = previous_submissions(req.run_dir)  # a resumed run keeps its earlier job ids
-    write_json(req.run_dir / "submission.json", {
-        **({"history": history} if history else {}),
-        "cluster": req.cluster,
-        "compile_skipped": files.compile_skipped_by is not None,
-        "compile_left_out": files.compile_left_out,
-        "fingerprint": files.fingerprint,
-        "jobs": [{"phase": j.phase, "job_id": j.job_id, "state": j.state, "depends_on": j.depends_on,
-                  **({"command": list(j.command)} if j.command else {})}
-                 for j in result.jobs],
-        "ok": result.ok,
-        "reason": result.reason,
-    })
+    write_json(req.run_dir / SUBMISSION_FILE, SubmissionRecord(
+        cluster=req.cluster, jobs=result.jobs, ok=result.ok, reason=result.reason,
+        compile_skipped=files.compile_skipped_by is not None, compile_left_out=files.compile_left_out,
+        fingerprint=files.fingerprint, history=history).to_json())
     return result
 
 
@@ -229,7 +229,7 @@ def _run_local(req: SubmitRequest, phases: tuple[PhaseSpec, ...],
                echo: Callable[[str], None] | None) -> SubmitResult:
     import submitit
 
-    executor = submitit.LocalExecutor(folder=str(req.run_dir / "submitit"))
+    executor = submitit.LocalExecutor(folder=str(req.run_dir / SUBMITIT_DIR))
     result = SubmitResult(run_dir=req.run_dir, jobs=[])
     for spec in phases:
         executor.update_parameters(timeout_min=req.options.time_for(spec), nodes=1, tasks_per_node=1)
@@ -238,7 +238,7 @@ def _run_local(req: SubmitRequest, phases: tuple[PhaseSpec, ...],
         previous = result.jobs[-1].job_id if result.jobs else None
         entry = PhaseJob(phase=spec.phase, job_id=str(job.job_id), state="RUNNING", depends_on=previous)
         result.jobs.append(entry)
-        _follow_log(job, req.run_dir / "logs" / f"{spec.phase}-node0.log", echo)
+        _follow_log(job, node_log(req.run_dir, spec.phase, 0), echo)
         try:
             job.result()
             entry.state = _FINISHED_OK

@@ -15,8 +15,9 @@ import signal
 from pathlib import Path
 from typing import IO
 
+from megatron_hpc.run_folder import DEBUG_DIR
+
 STACK_SIGNAL = signal.SIGUSR1
-DEBUG_DIR = "debug"
 
 _open_files: list[IO[str]] = []
 """Kept open for the process's lifetime: faulthandler holds only the file descriptor."""

@@ -23,11 +23,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_hpc.atomic_write import write_json_atomic, write_text_atomic
 from megatron_hpc.errors import ConfigError
 from megatron_hpc.plan.spec import RunSpec
 
@@ -67,18 +67,9 @@ def node_logs(run_dir: Path, phase: str) -> list[Path]:
 
 
 def write_json(path: Path, data: Any, *, indent: int | None = 2) -> Path:
-    """Write JSON atomically: a temporary sibling unique to this process, then os.replace.
-
-    A reader (another node, `status`) sees the old file or the new one, never half of one; two writers do
-    not share a temporary file.
-    """
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps(data, indent=indent) + "\n")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    """Write a run-folder record atomically (atomic_write.py): a reader (another node, `status`) sees the old
+    file or the new one, never half of one."""
+    return write_json_atomic(path, data, indent=indent)
 
 
 def read_json(path: Path) -> Any:
@@ -204,3 +195,135 @@ def read_metrics(path: Path) -> list[IterationRecord | ValidationRecord]:
         if row is not None:
             rows.append(row)
     return rows
+
+
+# ------------------------------------------------------------------------- submission.json, attempts.jsonl
+
+
+@dataclass(kw_only=True, slots=True)
+class JobRecord:
+    """One queued phase (mutable: submit --wait follows its state)."""
+
+    phase: str
+    job_id: str
+    state: str = "SUBMITTED"
+    depends_on: str | None = None
+    command: tuple[str, ...] = ()
+    """The sbatch command line that queued it (SLURM only)."""
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"phase": self.phase, "job_id": self.job_id, "state": self.state,
+                                "depends_on": self.depends_on}
+        if self.command:
+            data["command"] = list(self.command)
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> JobRecord:
+        return cls(phase=str(data.get("phase", "?")), job_id=str(data.get("job_id", "?")),
+                   state=str(data.get("state", "UNKNOWN")), depends_on=data.get("depends_on"),
+                   command=tuple(data.get("command") or ()))
+
+
+@dataclass(kw_only=True, slots=True)
+class SubmissionRecord:
+    """submission.json: what the last `submit` queued, with the earlier submissions of the folder (--resume)."""
+
+    cluster: str
+    jobs: list[JobRecord]
+    ok: bool = True
+    reason: str = ""
+    compile_skipped: bool = False
+    """The shared cache held this run's compile fingerprint, so no compile phase was queued."""
+    compile_left_out: str | None = None
+    """Why the run has no compile phase at all (nothing to compile), or None."""
+    fingerprint: str | None = None
+    history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """Earlier submissions of this folder, oldest first, as they were written."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {**({"history": self.history} if self.history else {}), "cluster": self.cluster,
+                "compile_skipped": self.compile_skipped, "compile_left_out": self.compile_left_out,
+                "fingerprint": self.fingerprint, "jobs": [j.to_json() for j in self.jobs], "ok": self.ok,
+                "reason": self.reason}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SubmissionRecord:
+        return cls(cluster=str(data.get("cluster", "unknown")),
+                   jobs=[JobRecord.from_json(j) for j in data.get("jobs", []) if isinstance(j, dict)],
+                   ok=bool(data.get("ok", True)), reason=str(data.get("reason", "")),
+                   compile_skipped=bool(data.get("compile_skipped", False)),
+                   compile_left_out=data.get("compile_left_out"), fingerprint=data.get("fingerprint"),
+                   history=list(data.get("history", [])))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AttemptRecord:
+    """One line of attempts.jsonl: a phase that ended on node 0, and what the node task did about it."""
+
+    time: float
+    phase: str
+    job_id: str | None
+    attempt: int
+    """SLURM_RESTART_COUNT of the attempt that ended."""
+    exit_code: int
+    action: str
+    """done, requeue or fail (launch/requeue.py)."""
+    requeued: bool
+    message: str
+    iteration: int | None = None
+    """Where a stopped run saved, when it stopped early."""
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> AttemptRecord | None:
+        names = {f.name for f in dataclasses.fields(cls)}
+        try:
+            return cls(**{k: v for k, v in data.items() if k in names})
+        except TypeError:
+            return None
+
+
+def append_attempt(run_dir: Path, record: AttemptRecord) -> None:
+    append_jsonl(run_dir / ATTEMPTS_FILE, asdict(record))
+
+
+def parse_attempts(text: str) -> list[AttemptRecord]:
+    """The records of an attempts.jsonl's text; a line being written, or not a record, is left out."""
+    rows = []
+    for line in text.splitlines():
+        try:
+            data = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        record = AttemptRecord.from_json(data) if isinstance(data, dict) else None
+        if record is not None:
+            rows.append(record)
+    return rows
+
+
+# -------------------------------------------------------------------------------- compile-fingerprint.json
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FingerprintRecord:
+    """compile-fingerprint.json: what shapes this run's compiled graphs, and where its compile phase records it."""
+
+    sha256: str
+    inputs: dict[str, Any]
+    cache_root: str
+
+    @classmethod
+    def read(cls, run_dir: Path) -> FingerprintRecord:
+        """OSError, ValueError or TypeError when the folder has none (written by hand or an older version)."""
+        data = read_json(run_dir / FINGERPRINT_FILE)
+        return cls(sha256=data["sha256"], inputs=data["inputs"], cache_root=data["cache_root"])
+
+    def write(self, run_dir: Path) -> Path:
+        return write_json(run_dir / FINGERPRINT_FILE, asdict(self))
+
+
+def write_script(path: Path, text: str) -> Path:
+    """A script of the run folder (node.sh, *.sbatch, submit.sh), executable, written atomically."""
+    write_text_atomic(path, text)
+    path.chmod(0o755)
+    return path

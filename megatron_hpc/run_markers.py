@@ -12,15 +12,15 @@ left by an earlier attempt is never taken for the current one.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
 from typing import Any
 
-STOP_REQUEST_FILE = "stop-request"
-STOPPED_FILE = "stopped.json"
-FATAL_FILE = "fatal.json"
+from megatron_hpc.run_folder import FATAL_FILE, STOP_REQUEST_FILE, STOPPED_FILE, read_json, write_json
+
+__all__ = ["FATAL_FILE", "STOPPED_FILE", "STOP_REQUEST_FILE", "clear_marker", "job_attempt", "read_marker",
+           "write_marker"]
 
 
 def job_attempt(environ: dict[str, str] | os._Environ[str] | None = None) -> dict[str, Any]:
@@ -31,17 +31,13 @@ def job_attempt(environ: dict[str, str] | os._Environ[str] | None = None) -> dic
 
 def write_marker(run_dir: Path, name: str, record: dict[str, Any]) -> Path:
     """Write `name` atomically with this attempt's identity added."""
-    path = run_dir / name
-    tmp = path.with_name(f".{name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({**record, **job_attempt(), "time": time.time()}, indent=1) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_json(run_dir / name, {**record, **job_attempt(), "time": time.time()}, indent=1)
 
 
 def read_marker(run_dir: Path, name: str, environ: dict[str, str] | None = None) -> dict[str, Any] | None:
     """The marker written by this attempt, or None (absent, unreadable, or from another attempt)."""
     try:
-        record = json.loads((run_dir / name).read_text())
+        record = read_json(run_dir / name)
     except (OSError, ValueError):
         return None
     if not isinstance(record, dict):

@@ -11,10 +11,10 @@ three times slower to compute. Both versions load.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from megatron_hpc.atomic_write import write_json_atomic
 from megatron_hpc.checkpoint.paths import MANIFEST
 from megatron_hpc.errors import CheckpointAccessError, CheckpointError
 
@@ -65,13 +65,8 @@ class Manifest:
 
 
 def write_json_durably(path: Path, data: object) -> None:
-    """Write JSON to a temporary sibling, fsync it, and os.replace it into place."""
-    tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="ascii") as fh:
-        json.dump(data, fh, indent=1, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    """Write JSON atomically and fsync it before the rename (atomic_write.py)."""
+    write_json_atomic(path, data, durable=True, indent=1, sort_keys=True)
 
 
 def write_manifest(ckpt_dir: Path, manifest: Manifest) -> None:

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from megatron_hpc.atomic_write import write_text_atomic
 from megatron_hpc.checkpoint import paths
 from megatron_hpc.checkpoint.file_io import Written, write_bytes_file
 from megatron_hpc.checkpoint.manifest import FileRecord, Manifest, write_manifest
@@ -39,16 +40,7 @@ def _fsync_dir(path: Path) -> None:
 
 def write_tracker(root: Path, iteration: int) -> None:
     """latest_checkpointed_iteration.txt = str(iteration), no newline, replaced atomically."""
-    final = paths.tracker_file(root)
-    tmp = final.with_name(final.name + f".tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w", encoding="ascii") as fh:
-            fh.write(str(iteration))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, final)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_text_atomic(paths.tracker_file(root), str(iteration), durable=True)
     _fsync_dir(root)
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from megatron_hpc.errors import LaunchError
 from megatron_hpc.launch.run_status import ENDED_STATES, RunAccessError, find_run_dir, read_status
+from megatron_hpc.run_folder import LOG_DIR, node_log
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,19 +24,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def pick_log(run_dir: Path, *, phase: str | None, node: int | None) -> Path:
     phases = [phase] if phase else ["run", "compile"]
     try:
-        names = os.listdir(run_dir / "logs")  # a glob would take an unreadable folder for an empty one
+        names = os.listdir(run_dir / LOG_DIR)  # a glob would take an unreadable folder for an empty one
     except (FileNotFoundError, NotADirectoryError):
         names = []
     except OSError as exc:
-        raise RunAccessError(run_dir / "logs", exc) from None
+        raise RunAccessError(run_dir / LOG_DIR, exc) from None
     for name in phases:
-        logs = sorted((run_dir / "logs" / n for n in names if fnmatch.fnmatchcase(n, f"{name}-node*.log")),
+        logs = sorted((run_dir / LOG_DIR / n for n in names if fnmatch.fnmatchcase(n, f"{name}-node*.log")),
                       key=lambda p: int(p.stem.rsplit("node", 1)[1]))
         if not logs:
             continue
         if node is None:
             return logs[-1]
-        wanted = run_dir / "logs" / f"{name}-node{node}.log"
+        wanted = node_log(run_dir, name, int(node))
         if wanted.exists():
             return wanted
         raise LaunchError(f"no log for node {node} of the {name} phase; nodes with logs: "

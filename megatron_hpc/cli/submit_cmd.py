@@ -17,6 +17,7 @@ from megatron_hpc.launch import cluster_profile, env_checks
 from megatron_hpc.launch.run_dir import default_run_dir, prepare_run_dir
 from megatron_hpc.launch.submit import SubmitRequest, SubmitResult, check_cluster, submit, write_run_files
 from megatron_hpc.plan.planner import check_data_source
+from megatron_hpc.run_folder import CHECKPOINT_DIR
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -160,7 +161,7 @@ def checkpoint_space_warning(resolved: Resolved, *, run_dir: Path) -> str | None
     """A warning when the save folder's filesystem cannot hold checkpoint.keep_last + 1 checkpoints (the newest
     is written in full before the oldest is removed)."""
     ckpt = resolved.cfg.checkpoint
-    folder = Path(ckpt.save).expanduser() if ckpt.save else run_dir / "checkpoints"
+    folder = Path(ckpt.save).expanduser() if ckpt.save else run_dir / CHECKPOINT_DIR
     probe = folder
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent

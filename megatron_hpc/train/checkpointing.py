@@ -26,6 +26,7 @@ from megatron_hpc.errors import CheckpointError
 from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.parallel.device import DeviceInfo
 from megatron_hpc.plan.spec import RunSpec
+from megatron_hpc.run_folder import CHECKPOINT_DIR
 from megatron_hpc.train.state import RngState, TrainState
 
 
@@ -36,7 +37,7 @@ def checkpoint_roots(ckpt: CheckpointConfig, *, run_dir: Path | None, active: bo
     """
     if not active:
         return None, None
-    save = ckpt.save or (str(run_dir / "checkpoints") if run_dir is not None else None)
+    save = ckpt.save or (str(run_dir / CHECKPOINT_DIR) if run_dir is not None else None)
     load = ckpt.load or save
     return (Path(save).expanduser() if save else None), (Path(load).expanduser() if load else None)
 

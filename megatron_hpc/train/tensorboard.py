@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from megatron_hpc.config.platforms import get_platform
+from megatron_hpc.run_folder import TENSORBOARD_DIR
 
 if TYPE_CHECKING:
     from megatron_hpc.run_folder import IterationRecord
@@ -88,4 +89,4 @@ def open_tensorboard(run_dir: Path | None, *, enabled: bool, platform: str,
     if not enabled or run_dir is None:
         return None
     peak = get_platform(platform).peak_tflops_bf16
-    return TensorBoardWriter(run_dir / "tensorboard", peak_tflops=peak, device=device)
+    return TensorBoardWriter(run_dir / TENSORBOARD_DIR, peak_tflops=peak, device=device)

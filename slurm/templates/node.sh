@@ -26,8 +26,8 @@ fi
 MASTER_PORT=$(( {{port_base}} + JOB_ID % {{port_span}} ))
 export MASTER_ADDR MASTER_PORT
 
-mkdir -p "$RUN_DIR/logs"
-LOG="$RUN_DIR/logs/$PHASE-node$NODE_RANK.log"
+mkdir -p "$RUN_DIR/{{log_dir}}"
+LOG="$RUN_DIR/{{log_dir}}/$PHASE-node$NODE_RANK.log"
 # The first line of each attempt (a requeued job appends to the same log; launch/failure_reason.py reads the last).
 echo "megatron-hpc: $PHASE phase, node $NODE_RANK of $NNODES, master $MASTER_ADDR:$MASTER_PORT, job $JOB_ID" | tee -a "$LOG"
 
@@ -76,10 +76,10 @@ request_stop() {
   local job=null
   [ -n "${SLURM_JOB_ID:-}" ] && job="\"$SLURM_JOB_ID\""
   printf '{"job_id": %s, "attempt": %s, "signal": "%s"}\n' "$job" "${SLURM_RESTART_COUNT:-0}" "$1" \
-    > "$RUN_DIR/.stop-request.$$" && mv -f "$RUN_DIR/.stop-request.$$" "$RUN_DIR/stop-request"
+    > "$RUN_DIR/.{{stop_request}}.$$" && mv -f "$RUN_DIR/.{{stop_request}}.$$" "$RUN_DIR/{{stop_request}}"
   echo "megatron-hpc: node $NODE_RANK got SIG$1; the workers save at the next step" | tee -a "$LOG"
 }
-rm -f "$RUN_DIR/stop-request"  # an earlier attempt's request is not for this one
+rm -f "$RUN_DIR/{{stop_request}}"  # an earlier attempt's request is not for this one
 trap 'request_stop USR2' USR2
 trap 'request_stop TERM' TERM
 

@@ -20,7 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from megatron_hpc.compile_cache import fingerprint
-from megatron_hpc.launch.requeue import PUBLISHED_DIR, record_fingerprint
+from megatron_hpc.launch.requeue import record_fingerprint
 from megatron_hpc.launch.run_dir import python_bin_dir
 from megatron_hpc.launch.scripts import render_node_script
 
@@ -29,6 +29,7 @@ from megatron_hpc.config.loader import load_recipe
 from megatron_hpc.config.platforms import get_platform
 from megatron_hpc.plan.jobs import make_phases
 from megatron_hpc.plan.planner import make_plan
+from megatron_hpc.run_folder import FINGERPRINT_FILE, PUBLISHED_DIR
 
 KEY = "neuronxcc-2.15.141.0+d3cfc8ca/MODULE_98ba4c9111d5882d2331+39f12043"  # names as in neuron-xla.md 2.2/2.4
 NEFF = b"made-up neff " * 64
@@ -72,7 +73,7 @@ def trainium_like_run(tmp_path: Path) -> Path:
     platform = replace(get_platform("cpu"), compile_wrapper=get_platform("trn1").compile_wrapper)
     compile_spec = make_phases(cfg, make_plan(cfg, num_nodes=1, platform=platform), platform, extra_env={})[0]
     assert compile_spec.phase == "compile" and compile_spec.torchrun_wrapper == ("neuron_parallel_compile",)
-    cache_root = json.loads((run_dir / fingerprint.FINGERPRINT_FILE).read_text())["cache_root"]
+    cache_root = json.loads((run_dir / FINGERPRINT_FILE).read_text())["cache_root"]
     (run_dir / "node.sh").write_text(render_node_script(compile_spec, recipe=cfg.name, run_dir=str(run_dir),
                                                         bin_dir=python_bin_dir(), backend="xla",
                                                         shared_cache=cache_root))
@@ -115,7 +116,7 @@ def test_compiled_entries_reach_the_shared_cache_after_the_tool_and_then_the_fin
     assert sorted(p.name for p in entry.iterdir()) == ["compile_flags.json", "model.done", "model.hlo_module.pb",
                                                        "model.neff"]
     assert (entry / "model.neff").read_bytes() == NEFF
-    sha = json.loads((run_dir / fingerprint.FINGERPRINT_FILE).read_text())["sha256"]
+    sha = json.loads((run_dir / FINGERPRINT_FILE).read_text())["sha256"]
     assert [m.stem for m in markers(shared)] == [sha]
     log = (run_dir / "logs" / "compile-node0.log").read_text()
     assert (log.index("stand-in neuron_parallel_compile: compiled into") < log.index("neuron: 1 copied")

@@ -9,6 +9,7 @@ from importlib import metadata
 from megatron_hpc.compile_cache import fingerprint
 
 from megatron_hpc.cli.main import main
+from megatron_hpc.run_folder import FINGERPRINT_FILE
 
 BASE = ["submit", "--recipe", "gpt3_6.7b", "--nodes", "16", "--platform", "trn1", "--dry-run", "--json",
         "--set", "data.source=synthetic"]
@@ -59,7 +60,7 @@ def test_submit_skips_the_compile_phase_only_for_a_recorded_fingerprint(tmp_path
     first = dry_run(capsys, tmp_path / "first")
     assert first["compile_skipped"] is False and (tmp_path / "first" / "compile.sbatch").exists()
     # what the node script does after a successful compile phase on node 0
-    fp = json.loads((tmp_path / "first" / fingerprint.FINGERPRINT_FILE).read_text())
+    fp = json.loads((tmp_path / "first" / FINGERPRINT_FILE).read_text())
     fingerprint.record(own_compile_cache, fp, run_dir=str(tmp_path / "first"), job_id="11")
 
     second = dry_run(capsys, tmp_path / "second")
@@ -88,7 +89,7 @@ def test_cpu_mesh_and_torch_compile_switches_change_it(tmp_path, capsys):
     assert fp("mbs", "train.micro_batch_size=2", "train.global_batch_size=8") != dp2
     compiled = fp("compiled", "train.compile=true")
     assert compiled != dp2
-    record = json.loads((tmp_path / "compiled" / fingerprint.FINGERPRINT_FILE).read_text())
+    record = json.loads((tmp_path / "compiled" / FINGERPRINT_FILE).read_text())
     assert record["inputs"]["env"]["TORCHINDUCTOR_FX_GRAPH_CACHE"] == "1"
     assert record["inputs"]["compiler"].startswith("torch ")
 

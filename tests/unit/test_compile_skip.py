@@ -9,6 +9,7 @@ from pathlib import Path
 from megatron_hpc.compile_cache import fingerprint
 
 from megatron_hpc.cli.main import main
+from megatron_hpc.run_folder import FINGERPRINT_FILE
 
 # On CPU a compile phase exists only with torch.compile (without it there is nothing to compile).
 SETS = ["--set", "data.source=synthetic", "--set", "train.compile=true"]
@@ -24,7 +25,7 @@ def dry_run(capsys, out: Path, *extra: str, as_json: bool = True) -> dict | str:
 
 def record(cache_root: Path, run_dir: Path, job_id: str = "4242") -> None:
     """What the node script does on node 0 after a compile phase that succeeded and published."""
-    fp = json.loads((run_dir / fingerprint.FINGERPRINT_FILE).read_text())
+    fp = json.loads((run_dir / FINGERPRINT_FILE).read_text())
     fingerprint.record(cache_root, fp, run_dir=str(run_dir), job_id=job_id)
 
 
