@@ -261,7 +261,6 @@ class SubmissionRecord:
 class AttemptRecord:
     """One line of attempts.jsonl: a phase that ended on node 0, and what the node task did about it."""
 
-    time: float
     phase: str
     job_id: str | None
     attempt: int
@@ -269,8 +268,9 @@ class AttemptRecord:
     exit_code: int
     action: str
     """done, requeue or fail (launch/requeue.py)."""
-    requeued: bool
-    message: str
+    requeued: bool = False
+    message: str = ""
+    time: float = 0.0
     iteration: int | None = None
     """Where a stopped run saved, when it stopped early."""
 

@@ -87,7 +87,10 @@ if kind == "xla":
     from torch_xla import EVENTS
     events = EVENTS
 print(json.dumps({"losses": [r.lm_loss for r in records], "norms": [r.grad_norm for r in records],
-                  "iterations": [r.iteration for r in records], "error": error, "events": events}))
+                  "iterations": [r.iteration for r in records], "error": error, "events": events}), flush=True)
+dist.destroy_process_group()
+import os
+os._exit(0)  # as a finished trainer worker ends (cli/train_cmd.py): torch's C++ teardown may abort under load
 """
 
 
