@@ -27,7 +27,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from megatron_hpc.compile_cache import fingerprint
 
@@ -39,7 +39,7 @@ from megatron_hpc.run_folder import (
     append_attempt,
     read_json,
 )
-from megatron_hpc.run_markers import FATAL_FILE, STOPPED_FILE, job_attempt, read_marker
+from megatron_hpc.run_markers import FatalMarker, StoppedMarker, job_attempt, read_fatal, read_stopped
 
 DEFAULT_MAX_REQUEUES = 3
 MAX_REQUEUES_ENV = "MEGATRON_HPC_MAX_REQUEUES"
@@ -56,8 +56,8 @@ class Outcome:
     """SLURM_RESTART_COUNT: how many times this job was requeued already."""
     max_requeues: int
     on_slurm: bool
-    stopped: dict[str, Any] | None = None
-    fatal: dict[str, Any] | None = None
+    stopped: StoppedMarker | None = None
+    fatal: FatalMarker | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -72,8 +72,8 @@ def decide(o: Outcome) -> Decision:
     limit = (f"requeue limit of {o.max_requeues} reached (raise max_requeues in the cluster profile, or set "
              f"{MAX_REQUEUES_ENV} where you submit; default {DEFAULT_MAX_REQUEUES})")
     if o.stopped is not None:
-        where = f"at iteration {o.stopped.get('iteration')} on {o.stopped.get('reason')}"
-        saved = o.stopped.get("checkpoint") or "no checkpoint"
+        where = f"at iteration {o.stopped.iteration} on {o.stopped.reason}"
+        saved = o.stopped.checkpoint or "no checkpoint"
         if not o.on_slurm:
             return Decision(action="fail", message=f"stopped {where} ({saved}); continue with "
                                                    "`megatron-hpc submit --resume RUN`")
@@ -90,8 +90,8 @@ def decide(o: Outcome) -> Decision:
     if o.fatal is not None:
         # The trainer printed the error itself (`megatron-hpc: error: ...`); its first line is repeated here
         # so that the node's last word names the cause, not only its type.
-        error = str(o.fatal.get("error") or "").strip().splitlines()
-        cause = f"{o.fatal.get('kind', 'error')}: {error[0]}" if error else str(o.fatal.get("kind", "error"))
+        error = o.fatal.error.strip().splitlines()
+        cause = f"{o.fatal.kind}: {error[0]}" if error else o.fatal.kind
         return Decision(action="fail", message=f"{failed}: {cause}; not requeued, a retry would fail the same way")
     if o.phase != "run" or not o.on_slurm:
         return Decision(action="fail", message=failed)
@@ -108,8 +108,8 @@ def read_outcome(run_dir: Path, *, phase: str, exit_code: int, environ: dict[str
                    attempt=job_attempt(env)["attempt"],
                    max_requeues=int(limit) if limit.isdigit() else DEFAULT_MAX_REQUEUES,
                    on_slurm=bool(env.get("SLURM_JOB_ID")),
-                   stopped=read_marker(run_dir, STOPPED_FILE, env) if phase == "run" else None,
-                   fatal=read_marker(run_dir, FATAL_FILE, env))
+                   stopped=read_stopped(run_dir, env) if phase == "run" else None,
+                   fatal=read_fatal(run_dir, env))
 
 
 def job_fields(job_id: str) -> dict[str, str]:
@@ -146,7 +146,7 @@ def record_attempt(run_dir: Path, outcome: Outcome, decision: Decision, *, reque
     append_attempt(run_dir, AttemptRecord(
         time=time.time(), phase=outcome.phase, job_id=attempt["job_id"], attempt=attempt["attempt"],
         exit_code=outcome.exit_code, action=decision.action, requeued=requeued, message=decision.message,
-        iteration=(outcome.stopped or {}).get("iteration")))
+        iteration=outcome.stopped.iteration if outcome.stopped else None))
 
 
 PUBLISH_WAIT_S = 120.0

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from megatron_hpc.run_folder import FATAL_FILE, STOP_REQUEST_FILE, STOPPED_FILE, read_json, write_json
 
-__all__ = ["FATAL_FILE", "STOPPED_FILE", "STOP_REQUEST_FILE", "clear_marker", "job_attempt", "read_marker",
-           "write_marker"]
+__all__ = ["FATAL_FILE", "STOPPED_FILE", "STOP_REQUEST_FILE", "FatalMarker", "StoppedMarker", "clear_marker",
+           "job_attempt", "read_fatal", "read_marker", "read_stopped", "write_marker", "write_record"]
 
 
 def job_attempt(environ: dict[str, str] | os._Environ[str] | None = None) -> dict[str, Any]:
@@ -49,3 +50,53 @@ def read_marker(run_dir: Path, name: str, environ: dict[str, str] | None = None)
 def clear_marker(run_dir: Path, name: str) -> None:
     """Remove a marker of an earlier attempt (outside SLURM every attempt looks the same)."""
     (run_dir / name).unlink(missing_ok=True)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StoppedMarker:
+    """stopped.json: the trainer stopped early, after saving (the node task requeues the job)."""
+
+    iteration: int | None
+    reason: str
+    """What stopped it: SLURM's warning signal, SIGTERM, a stop request, the time budget."""
+    checkpoint: str | None = None
+    """The checkpoint folder it saved, or None when there was nowhere to save."""
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> StoppedMarker:
+        return cls(iteration=data.get("iteration"), reason=str(data.get("reason", "?")),
+                   checkpoint=data.get("checkpoint"))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FatalMarker:
+    """fatal.json: the phase failed on an error a retry cannot fix (the node task does not requeue)."""
+
+    phase: str
+    kind: str
+    """The exception's type (ConfigError, PlanError, ValueError, ...)."""
+    error: str
+    """Its message (our one line, or the exception's text), at most 2000 characters."""
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> FatalMarker:
+        return cls(phase=str(data.get("phase", "?")), kind=str(data.get("kind", "error")),
+                   error=str(data.get("error", "")))
+
+
+def write_record(run_dir: Path, record: StoppedMarker | FatalMarker) -> Path:
+    """Write a typed marker (stopped.json or fatal.json) with this attempt's identity."""
+    name = STOPPED_FILE if isinstance(record, StoppedMarker) else FATAL_FILE
+    return write_marker(run_dir, name, asdict(record))
+
+
+def read_stopped(run_dir: Path, environ: dict[str, str] | None = None) -> StoppedMarker | None:
+    """This attempt's stopped.json, or None."""
+    data = read_marker(run_dir, STOPPED_FILE, environ)
+    return None if data is None else StoppedMarker.from_json(data)
+
+
+def read_fatal(run_dir: Path, environ: dict[str, str] | None = None) -> FatalMarker | None:
+    """This attempt's fatal.json, or None."""
+    data = read_marker(run_dir, FATAL_FILE, environ)
+    return None if data is None else FatalMarker.from_json(data)

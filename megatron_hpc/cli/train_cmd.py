@@ -18,7 +18,7 @@ from megatron_hpc.debug_stacks import register_stack_dump
 from megatron_hpc.errors import ConfigError, MegatronHpcError
 from megatron_hpc.plan.spec import RunSpec
 from megatron_hpc.run_folder import read_spec
-from megatron_hpc.run_markers import FATAL_FILE, write_marker
+from megatron_hpc.run_markers import FatalMarker, write_record
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,8 +59,8 @@ def run(args: argparse.Namespace) -> int:
         # bad value provokes, such as a ValueError from torch) tell the node task not to requeue. Crashes, lost
         # peers and I/O errors leave no marker and are requeued.
         if args.run_dir is not None and args.run_dir.is_dir() and is_deterministic(exc):
-            write_marker(args.run_dir, FATAL_FILE, {"phase": args.phase, "error": describe(exc)[:2000],
-                                                    "kind": type(exc).__name__})
+            write_record(args.run_dir, FatalMarker(phase=args.phase, kind=type(exc).__name__,
+                                                   error=describe(exc)[:2000]))
         raise
     if os.environ.get("TORCHELASTIC_RUN_ID"):
         _exit_worker(code)

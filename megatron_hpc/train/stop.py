@@ -23,7 +23,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_hpc.run_markers import STOP_REQUEST_FILE, STOPPED_FILE, clear_marker, read_marker, write_marker
+from megatron_hpc.run_markers import (
+    STOP_REQUEST_FILE,
+    STOPPED_FILE,
+    StoppedMarker,
+    clear_marker,
+    read_marker,
+    write_record,
+)
 
 HANDLED_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
 
@@ -95,5 +102,5 @@ class StopWatch:
 
 def record_stop(run_dir: Path, decision: StopDecision, *, checkpoint: str | None) -> Path:
     """stopped.json, for the node task (requeue) and for people."""
-    return write_marker(run_dir, STOPPED_FILE, {"iteration": decision.iteration, "reason": decision.reason,
-                                                "checkpoint": checkpoint})
+    return write_record(run_dir, StoppedMarker(iteration=decision.iteration, reason=decision.reason,
+                                               checkpoint=checkpoint))

@@ -8,9 +8,16 @@ import sys
 import pytest
 from megatron_hpc.launch.requeue import Outcome, decide, read_outcome
 
-from megatron_hpc.run_markers import FATAL_FILE, STOPPED_FILE, read_marker, write_marker
+from megatron_hpc.run_markers import (
+    FATAL_FILE,
+    STOPPED_FILE,
+    FatalMarker,
+    StoppedMarker,
+    read_marker,
+    write_marker,
+)
 
-STOPPED = {"iteration": 40, "reason": "signal SIGUSR2", "checkpoint": "/runs/x/checkpoints/iter_0000040"}
+STOPPED = StoppedMarker(iteration=40, reason="signal SIGUSR2", checkpoint="/runs/x/checkpoints/iter_0000040")
 
 
 def outcome(**kw) -> Outcome:
@@ -45,7 +52,8 @@ def test_an_early_stop_outside_slurm_says_how_to_continue():
 
 def test_a_crash_of_the_run_phase_is_requeued_but_not_our_own_errors():
     assert decide(outcome(exit_code=1)).action == "requeue"
-    fatal = decide(outcome(exit_code=1, fatal={"kind": "DataError", "error": "missing file\nsecond line"}))
+    marker = FatalMarker(phase="run", kind="DataError", error="missing file\nsecond line")
+    fatal = decide(outcome(exit_code=1, fatal=marker))
     assert fatal.action == "fail"
     assert fatal.message == ("run phase failed (exit 1): DataError: missing file; not requeued, a retry would fail "
                              "the same way")
@@ -81,7 +89,7 @@ def test_read_outcome_takes_the_limit_and_node_from_the_environment(tmp_path):
     (tmp_path / FATAL_FILE).write_text(json.dumps({"job_id": "5", "attempt": 2, "kind": "ConfigError"}))
     o = read_outcome(tmp_path, phase="run", exit_code=1, environ=env)
     assert (o.attempt, o.node_rank, o.max_requeues, o.on_slurm) == (2, 3, 7, True)
-    assert o.fatal is not None and o.fatal["kind"] == "ConfigError"
+    assert o.fatal == FatalMarker(phase="?", kind="ConfigError", error="")
     assert o.stopped is None
 
 
