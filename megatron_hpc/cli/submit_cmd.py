@@ -187,8 +187,7 @@ def _report(result: SubmitResult, *, as_json: bool, warnings: list[str], resumed
             "compile_skipped": bool(result.files and result.files.compile_skipped_by is not None),
             "compile_left_out": result.files.compile_left_out if result.files else None,
             "fingerprint": result.files.fingerprint if result.files else None,
-            "jobs": [{"phase": j.phase, "job_id": j.job_id, "state": j.state, "depends_on": j.depends_on}
-                     for j in result.jobs],
+            "jobs": [j.to_json() for j in result.jobs],
         }, indent=2))
         return
     for job in result.jobs:
