@@ -110,14 +110,10 @@ class RunFiles:
         return None
 
 
-PhaseJob = JobRecord
-"""A queued phase, as submission.json records it (run_folder.JobRecord)."""
-
-
 @dataclass(kw_only=True, slots=True)
 class SubmitResult:
     run_dir: Path
-    jobs: list[PhaseJob]
+    jobs: list[JobRecord]
     ok: bool = True
     reason: str = ""
     files: RunFiles | None = None
@@ -236,7 +232,7 @@ def _run_local(req: SubmitRequest, phases: tuple[PhaseSpec, ...],
         job = executor.submit(NodeTask(node_script=str(req.run_dir / NODE_SCRIPT), phase=spec.phase))
         # Locally the run phase starts only after the compile job returned successfully: afterok by hand.
         previous = result.jobs[-1].job_id if result.jobs else None
-        entry = PhaseJob(phase=spec.phase, job_id=str(job.job_id), state="RUNNING", depends_on=previous)
+        entry = JobRecord(phase=spec.phase, job_id=str(job.job_id), state="RUNNING", depends_on=previous)
         result.jobs.append(entry)
         _follow_log(job, node_log(req.run_dir, spec.phase, 0), echo)
         try:
@@ -297,7 +293,7 @@ def _submit_slurm(req: SubmitRequest, phases: tuple[PhaseSpec, ...]) -> SubmitRe
                               f"{_cancel_queued(result)}; check the partition, account, qos, constraint and "
                               "sbatch lines of the cluster profile (--cluster-config) and the flags",
                               script=str(script))
-        result.jobs.append(PhaseJob(phase=spec.phase, job_id=job_id, depends_on=previous, command=tuple(argv)))
+        result.jobs.append(JobRecord(phase=spec.phase, job_id=job_id, depends_on=previous, command=tuple(argv)))
     return result
 
 
