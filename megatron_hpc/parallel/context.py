@@ -23,6 +23,8 @@ class ParallelContext:
     rank: int
     groups: dict[str, dist.ProcessGroup]
     """This rank's process group along each mesh dimension (tp, dp, pp)."""
+    coords: dict[str, int]
+    """This rank's coordinate along each dimension, computed once (the step reads tp_rank per parameter)."""
 
     @classmethod
     def build(cls, mesh: Mesh, *, rank: int, kind: DeviceKind = "cpu",
@@ -44,7 +46,7 @@ class ParallelContext:
                 if rank in ranks:
                     mine[dim] = group
         assert set(mine) == set(DIMS), "every rank is in one group of each dimension"
-        return cls(mesh=mesh, rank=rank, groups=mine)
+        return cls(mesh=mesh, rank=rank, groups=mine, coords=mesh.coords(rank))
 
     @property
     def tp_group(self) -> dist.ProcessGroup:
@@ -60,7 +62,7 @@ class ParallelContext:
 
     @property
     def tp_rank(self) -> int:
-        return self.mesh.tp_rank(self.rank)
+        return self.coords["tp"]
 
     @property
     def tp_size(self) -> int:
@@ -68,7 +70,7 @@ class ParallelContext:
 
     @property
     def dp_rank(self) -> int:
-        return self.mesh.dp_rank(self.rank)
+        return self.coords["dp"]
 
     @property
     def dp_size(self) -> int:
@@ -76,7 +78,7 @@ class ParallelContext:
 
     @property
     def pp_rank(self) -> int:
-        return self.mesh.pp_rank(self.rank)
+        return self.coords["pp"]
 
     @property
     def pp_size(self) -> int:
