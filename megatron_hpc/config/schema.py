@@ -64,8 +64,20 @@ class ParallelConfig:
     tensor: int = 1
     """Tensor-parallel size; must divide workers per node, heads and FFN size."""
     pipeline: int = 1
-    """Pipeline-parallel size (Megatron --pipeline-model-parallel-size). The mesh has the dimension (tp fastest,
-    then dp, then pp); pipeline stages are not built yet, so the planner refuses values above 1."""
+    """Pipeline-parallel size (Megatron --pipeline-model-parallel-size): stages across nodes, rank layout tp
+    fastest, then dp, then pp. 0 lets the planner choose it from the node count and the memory estimate."""
+    virtual_pipeline: int = 1
+    """Model chunks per pipeline rank (Megatron --num-virtual-stages-per-pipeline-rank); above 1 runs the
+    interleaved 1F1B schedule, whose bubble is 1/virtual_pipeline of plain 1F1B's."""
+    pipeline_schedule: str = "1f1b"
+    """1f1b (PipeDream-flush; interleaved when virtual_pipeline > 1) or afab (all forward, then all backward:
+    GPipe, for debugging; more activation memory)."""
+    pipeline_first_stage_layers: int = 0
+    """Transformer layers on the first stage (Megatron --decoder-first-pipeline-num-layers); 0 splits evenly.
+    The embedding lives there too, so a smaller first stage balances it."""
+    pipeline_last_stage_layers: int = 0
+    """Transformer layers on the last stage (Megatron --decoder-last-pipeline-num-layers); 0 splits evenly.
+    The output layer and loss live there."""
     overlap_grad_reduce: bool = True
     """Start each gradient bucket's data-parallel all-reduce during the last micro-batch's backward
     (Megatron --overlap-grad-reduce); ignored on XLA and when data-parallel size is 1."""
