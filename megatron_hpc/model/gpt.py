@@ -11,6 +11,7 @@ by its name and then sharded (see parallel/layers.py), so the model is the same 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,7 @@ from megatron_hpc.parallel.layers import (
 )
 from megatron_hpc.parallel.mappings import copy_to_tp_region
 from megatron_hpc.plan.checks import check_model_shape
+from megatron_hpc.plan.stages import StageLayout
 
 
 class Attention(nn.Module):
@@ -88,21 +90,41 @@ def _out_std(cfg: ModelConfig) -> float:
 
 
 class GPT(nn.Module):
-    """Decoder-only transformer. forward(ids) returns vocab-sharded logits (B, S, V/tp)."""
+    """Decoder-only transformer, whole or the pipeline stages of one rank.
 
-    def __init__(self, cfg: ModelConfig, *, ctx: ParallelContext, padded_vocab: int, seed: int):
+    Whole (stages None): forward(ids) returns vocab-sharded logits (B, S, V/tp). With `stages` (this pipeline
+    rank's virtual stages, plan/stages.py) it holds only their layers, keyed by global layer index, plus the
+    embedding when it runs the first stage and the final norm and output layer when it runs the last. With tied
+    embeddings the last stage keeps its own copy of the word embeddings under the same name (Megatron's
+    word_embeddings_for_head): initialised identically, kept equal by all-reducing its gradient with the first
+    stage's (parallel/pipeline.py). `stage_forward` runs one stage; `chunks()` gives one module per stage for
+    torch.distributed.pipelining.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, ctx: ParallelContext, padded_vocab: int, seed: int,
+                 stages: Sequence[StageLayout] | None = None):
         super().__init__()
         check_model_shape(cfg, tensor_parallel=ctx.tp_size)  # the planner ran it too; tools build models directly
         self.group = ctx.tp_group
         self.recompute = cfg.recompute
+        self.stages = list(stages) if stages is not None else [
+            StageLayout(index=0, pp_rank=0, chunk=0, layers=range(cfg.num_layers), first=True, last=True)]
+        self.has_first = any(s.first for s in self.stages)
+        self.has_last = any(s.last for s in self.stages)
+        self.tied = cfg.tie_embeddings
         h, std = cfg.hidden_size, cfg.init_method_std
-        self.wte = VocabParallelEmbedding(padded_vocab, h, ctx=ctx, vocab_size=cfg.vocab_size,
-                                          init_std=std, seed=seed, key="wte")
+        self.wte: VocabParallelEmbedding | None = None
+        if self.has_first or (self.has_last and cfg.tie_embeddings):
+            self.wte = VocabParallelEmbedding(padded_vocab, h, ctx=ctx, vocab_size=cfg.vocab_size,
+                                              init_std=std, seed=seed, key="wte")
         self.wpe: nn.Embedding | None = None
         if cfg.position_embedding == "learned":
-            self.wpe = nn.Embedding(cfg.max_position_embeddings, h)
-            with torch.no_grad():
-                self.wpe.weight.copy_(seeded_normal(tuple(self.wpe.weight.shape), std=std, seed=seed, key="wpe"))
+            if self.has_first:
+                self.wpe = nn.Embedding(cfg.max_position_embeddings, h)
+                with torch.no_grad():
+                    self.wpe.weight.copy_(seeded_normal(tuple(self.wpe.weight.shape), std=std, seed=seed,
+                                                        key="wpe"))
+            self.rope_cos = self.rope_sin = None
         else:
             rot = rotary_dims(h // cfg.num_attention_heads, rotary_percent=cfg.rotary_percent)
             cos, sin = rotary_tables(rot, max_positions=cfg.max_position_embeddings)
@@ -110,36 +132,88 @@ class GPT(nn.Module):
             self.register_buffer("rope_cos", cos, persistent=False)  # (P, rot)
             self.register_buffer("rope_sin", sin, persistent=False)
         self.drop = nn.Dropout(cfg.hidden_dropout)
-        self.h = nn.ModuleList(Block(cfg, ctx=ctx, seed=seed, index=i) for i in range(cfg.num_layers))
-        self.ln_f = nn.LayerNorm(h, eps=cfg.layernorm_epsilon)
+        # Keyed by the global layer index, so every stage's state dict names a layer as the whole model does.
+        self.h = nn.ModuleDict({str(i): Block(cfg, ctx=ctx, seed=seed, index=i)
+                                for stage in self.stages for i in stage.layers})
+        if self.wte is not None and not self.has_first:
+            # The last stage's copy of the tied table: the gradient norm counts it once, on the first stage.
+            self.wte.weight.pipeline_duplicate = True
+        self.ln_f: nn.LayerNorm | None = None
         self.lm_head: ColumnParallelLinear | None = None
-        if not cfg.tie_embeddings:
-            self.lm_head = ColumnParallelLinear(h, padded_vocab, ctx=ctx, bias=False, init_std=std,
-                                                seed=seed, key="lm_head")
+        if self.has_last:
+            self.ln_f = nn.LayerNorm(h, eps=cfg.layernorm_epsilon)
+            if not cfg.tie_embeddings:
+                self.lm_head = ColumnParallelLinear(h, padded_vocab, ctx=ctx, bias=False, init_std=std,
+                                                    seed=seed, key="lm_head")
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        _, s = ids.shape
-        x = self.wte(ids)  # (B, S, H)
-        rope = None
-        if self.wpe is not None:
-            x = x + self.wpe(torch.arange(s, device=ids.device))
-        else:
-            rope = (self.rope_cos[:s], self.rope_sin[:s])  # (S, rot) each
-        x = self.drop(x)
-        for block in self.h:
+        if len(self.stages) != 1 or not (self.has_first and self.has_last):
+            raise RuntimeError("this GPT holds pipeline stages: run it through its chunks() and a schedule")
+        return self.stage_forward(ids, self.stages[0])
+
+    def stage_forward(self, x: torch.Tensor, stage: StageLayout) -> torch.Tensor:
+        """Token ids (B, S) on the first stage, else hidden states (B, S, H); logits (B, S, V/tp) on the last
+        stage, else hidden states."""
+        s = x.shape[1]
+        rope = None if self.rope_cos is None else (self.rope_cos[:s], self.rope_sin[:s])  # (S, rot) each
+        if stage.first:
+            ids = x
+            x = self.wte(ids)  # (B, S, H)
+            if self.wpe is not None:
+                x = x + self.wpe(torch.arange(s, device=ids.device))
+            x = self.drop(x)
+        for i in stage.layers:
+            block = self.h[str(i)]
             if self.recompute and self.training:
                 x = checkpoint(block, x, rope, use_reentrant=False)
             else:
                 x = block(x, rope)
+        if not stage.last:
+            return x
         x = self.ln_f(x)
         if self.lm_head is not None:
             return self.lm_head(x)
         # Tied output layer: the vocab-sharded embedding table is the column-parallel weight.
         return F.linear(copy_to_tp_region(x, self.group), self.wte.weight)  # (B, S, V/tp)
 
+    def chunks(self) -> list[nn.Module]:
+        """One module per stage this rank runs (chunk order), sharing this model's parameters."""
+        return [StageChunk(self, stage) for stage in self.stages]
+
+    def shared_embedding(self) -> nn.Parameter | None:
+        """The word-embedding table when this rank holds it on the first or the last stage of a tied pipeline
+        (the parameter the embedding group keeps equal), else None."""
+        if self.wte is None or not self.tied or (self.has_first and self.has_last):
+            return None
+        return self.wte.weight
+
     def num_params(self, *, ctx: ParallelContext) -> int:
-        """Parameters of the full model (sharded ones counted over the whole TP group)."""
+        """Parameters this rank's stages hold, sharded ones counted over the whole TP group."""
         total = 0
         for p in self.parameters():
             total += p.numel() * (ctx.tp_size if getattr(p, "tensor_parallel", False) else 1)
         return total
+
+
+class StageChunk(nn.Module):
+    """One pipeline stage of a GPT, as the module a torch.distributed.pipelining stage runs.
+
+    It registers the very submodules its stage uses, so its parameters() are that stage's (the same Parameter
+    objects as the GPT's, which the rank's optimizer and checkpoint keep using); the GPT itself is held as a
+    plain attribute so that its other stages' parameters are not counted twice.
+    """
+
+    def __init__(self, model: GPT, stage: StageLayout):
+        super().__init__()
+        self.__dict__["model"] = model  # not registered: see the class docstring
+        self.stage = stage
+        self.blocks = nn.ModuleList(model.h[str(i)] for i in stage.layers)
+        if stage.first:
+            self.wte, self.wpe = model.wte, model.wpe
+        if stage.last:
+            self.ln_f, self.lm_head = model.ln_f, model.lm_head
+            if model.lm_head is None:
+                self.wte = model.wte
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.stage_forward(x, self.stage)

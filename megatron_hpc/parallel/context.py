@@ -25,6 +25,9 @@ class ParallelContext:
     """This rank's process group along each mesh dimension (tp, dp, pp)."""
     coords: dict[str, int]
     """This rank's coordinate along each dimension, computed once (the step reads tp_rank per parameter)."""
+    embedding_group: dist.ProcessGroup | None = None
+    """The first and last pipeline stage of this rank's (tp, dp) pair when this rank is one of them and the
+    pipeline has two or more stages (they hold the tied embeddings); None elsewhere."""
 
     @classmethod
     def build(cls, mesh: Mesh, *, rank: int, kind: DeviceKind = "cpu",
@@ -46,7 +49,13 @@ class ParallelContext:
                 if rank in ranks:
                     mine[dim] = group
         assert set(mine) == set(DIMS), "every rank is in one group of each dimension"
-        return cls(mesh=mesh, rank=rank, groups=mine, coords=mesh.coords(rank))
+        embedding = None
+        all_embedding = mesh.embedding_groups()
+        for ranks in all_embedding:
+            group = dist.new_group(ranks, **extra, **group_options(kind, all_groups=all_embedding))
+            if rank in ranks:
+                embedding = group
+        return cls(mesh=mesh, rank=rank, groups=mine, coords=mesh.coords(rank), embedding_group=embedding)
 
     @property
     def tp_group(self) -> dist.ProcessGroup:

@@ -3,7 +3,8 @@
 After backward, every TP rank of a DP replica holds identical gradients for replicated
 parameters (LayerNorms, row biases, positions): the copy_to_tp_region backward already summed
 their upstream gradients. So the norm counts a replicated parameter on TP rank 0 only and sums
-the sharded ones over the TP group. DP replicas hold identical gradients after the average.
+the sharded ones over the TP group, then the stages over the pipeline group. DP replicas hold
+identical gradients after the average.
 
 Buckets hold parameters in reverse order, the order in which backward finishes their gradients.
 Both DP paths use the same buckets and the same arithmetic (flatten, pre-divide, all-reduce,
@@ -168,7 +169,8 @@ class OverlappedGradReducer:
 def global_grad_norm(params: Iterable[nn.Parameter], *, ctx: ParallelContext) -> torch.Tensor:
     """L2 norm of the full model's gradient; a 0-dim fp32 tensor on the grads' device (no host sync)."""
     grads = [p.grad.detach() for p in params
-             if p.grad is not None and (getattr(p, "tensor_parallel", False) or ctx.tp_rank == 0)]
+             if p.grad is not None and (getattr(p, "tensor_parallel", False) or ctx.tp_rank == 0)
+             and not getattr(p, "pipeline_duplicate", False)]
     if not grads:
         raise ValueError("no parameter has a gradient; call backward before the norm")
     # One fused pass per tensor, each norm in fp32 (bf16 grads included), then the sum of squares.
@@ -176,6 +178,8 @@ def global_grad_norm(params: Iterable[nn.Parameter], *, ctx: ParallelContext) ->
     total = torch.stack(norms).pow(2).sum()
     if ctx.tp_size > 1:
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.tp_group)
+    if ctx.pp_size > 1:  # each stage holds other parameters (the tied table's last-stage copy left out above)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.pp_group)
     return total.sqrt()
 
 

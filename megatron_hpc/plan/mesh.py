@@ -89,6 +89,13 @@ class Mesh:
         for dim in DIMS:
             yield dim, self.groups(dim)
 
+    def embedding_groups(self) -> list[list[int]]:
+        """Megatron's embedding groups: the first and the last pipeline stage of each (tp, dp) pair, which both
+        hold the tied word embeddings and all-reduce their gradients. Empty without pipelining."""
+        if self.pipeline_parallel == 1:
+            return []
+        return [[group[0], group[-1]] for group in self.groups("pp")]
+
     def tp_rank(self, rank: int) -> int:
         return self.coords(rank)["tp"]
 

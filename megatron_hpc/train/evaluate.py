@@ -36,6 +36,7 @@ from megatron_hpc.errors import DataError
 from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_hpc.parallel.device import DeviceInfo, step_barrier
+from megatron_hpc.parallel.pipeline import PipelineRunner, to_all_stages
 from megatron_hpc.plan.batch import BatchLayout
 from megatron_hpc.plan.planner import Plan
 from megatron_hpc.train.metrics import MetricsLogger
@@ -83,6 +84,8 @@ class Evaluator:
     device: DeviceInfo
     autocast_dtype: torch.dtype | None
     metrics: MetricsLogger
+    pipeline: PipelineRunner | None = None
+    """This rank's pipeline stages and schedule (forward only here); None runs the whole model."""
 
     def should_evaluate(self, iteration: int) -> bool:
         if self.data is None:
@@ -111,13 +114,17 @@ class Evaluator:
                 else contextlib.nullcontext())
         with torch.no_grad():
             for j in range(self.eval_iters):
-                for ids in self.layout.rank_indices(index * self.eval_iters + j, dp_rank=ctx.dp_rank):
-                    tokens = self.data.batch(ids).to(dev)
+                micro = [self.data.batch(ids).to(dev)
+                         for ids in self.layout.rank_indices(index * self.eval_iters + j, dp_rank=ctx.dp_rank)]
+                if self.pipeline is not None:  # the last stage's losses; the others add 0
+                    total += self.pipeline.eval_losses(micro, autocast=cast)
+                for tokens in micro if self.pipeline is None else ():
                     with cast:
                         logits = model(tokens[:, :-1])  # (mbs, S, V/tp)
                     total += vocab_parallel_cross_entropy(logits, tokens[:, 1:], group=ctx.tp_group).mean().float()
                 step_barrier(self.device)  # XLA: one graph per eval batch
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.dp_group)
+        to_all_stages(total, ctx)
         model.train(was_training)
         # Host sync, once per evaluation: the loss is printed.
         return total.item() / (ctx.dp_size * num_micro * self.eval_iters)
@@ -145,9 +152,10 @@ def _valid_data(tcfg: TrainConfig, data: DataConfig, *, vocab_size: int, plan: P
 
 def build_evaluator(tcfg: TrainConfig, data: DataConfig, *, vocab_size: int, plan: Plan, ctx: ParallelContext,
                     device: DeviceInfo, autocast_dtype: torch.dtype | None, train_iters: int,
-                    metrics: MetricsLogger) -> Evaluator:
+                    metrics: MetricsLogger, pipeline: PipelineRunner | None = None) -> Evaluator:
     """The evaluator of this phase; it does nothing when train.eval_interval or eval_iters is 0."""
     enabled = tcfg.eval_interval > 0 and tcfg.eval_iters > 0
     return Evaluator(data=_valid_data(tcfg, data, vocab_size=vocab_size, plan=plan) if enabled else None,
                      interval=max(1, tcfg.eval_interval), eval_iters=tcfg.eval_iters, train_iters=train_iters,
-                     layout=plan.batch, ctx=ctx, device=device, autocast_dtype=autocast_dtype, metrics=metrics)
+                     layout=plan.batch, ctx=ctx, device=device, autocast_dtype=autocast_dtype, metrics=metrics,
+                     pipeline=pipeline)

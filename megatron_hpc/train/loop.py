@@ -18,8 +18,11 @@ from megatron_hpc.model.gpt import GPT
 from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.parallel.device import DeviceFeed, DeviceInfo, seed_everything, step_barrier, when_step_done
 from megatron_hpc.parallel.grads import build_grad_reducer
+from megatron_hpc.parallel.pipeline import PipelineRunner, to_all_stages
+from megatron_hpc.plan.model_math import num_parameters
 from megatron_hpc.plan.planner import Plan
 from megatron_hpc.plan.spec import RunSpec
+from megatron_hpc.plan.stages import StageLayout, rank_stages, stage_layouts
 from megatron_hpc.train.checkpointing import Checkpointer, checkpoint_roots
 from megatron_hpc.train.evaluate import build_evaluator
 from megatron_hpc.train.init_skip import skip_random_init
@@ -48,15 +51,29 @@ class TrainSummary:
 
 
 def build_model(model_cfg: ModelConfig, ctx: ParallelContext, *, padded_vocab: int, seed: int,
-                device: torch.device, from_checkpoint: bool = False) -> GPT:
-    """The GPT for this rank, on `device`, with the plan's padded vocabulary.
+                device: torch.device, from_checkpoint: bool = False,
+                stages: list[StageLayout] | None = None) -> GPT:
+    """The GPT for this rank, on `device`, with the plan's padded vocabulary: the whole model, or this pipeline
+    rank's `stages`.
 
     With from_checkpoint, the weights are left uninitialised: the caller loads them next.
     """
-    # Built on the CPU (TP-invariant init) and then moved, like Megatron's --use-cpu-initialization.
+    # Built on the CPU (TP- and PP-invariant init: every weight is drawn by its name) and then moved, like
+    # Megatron's --use-cpu-initialization.
     with skip_random_init(from_checkpoint):
-        model = GPT(model_cfg, ctx=ctx, padded_vocab=padded_vocab, seed=seed)
+        model = GPT(model_cfg, ctx=ctx, padded_vocab=padded_vocab, seed=seed, stages=stages)
     return model.to(device)
+
+
+def pipeline_stages(spec: RunSpec, ctx: ParallelContext) -> list[StageLayout] | None:
+    """This pipeline rank's virtual stages (None without pipelining: the whole model)."""
+    if ctx.pp_size == 1:
+        return None
+    par = spec.config.parallel
+    layouts = stage_layouts(spec.config.model.num_layers, pipeline=ctx.pp_size, virtual=par.virtual_pipeline,
+                            first_stage_layers=par.pipeline_first_stage_layers,
+                            last_stage_layers=par.pipeline_last_stage_layers)
+    return rank_stages(layouts, ctx.pp_rank)
 
 
 def _build_data(spec: RunSpec, ctx: ParallelContext) -> SyntheticTokens | IndexedBatches:
@@ -90,11 +107,15 @@ def train(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, phase: Pha
     ckpt = Checkpointer(spec, ctx, device=device, save_root=save_root, load_root=load_root, out=out)
     resuming = ckpt.has_checkpoint()  # then the random init would be thrown away: skip it
     model = build_model(cfg.model, ctx, padded_vocab=plan.padded_vocab_size, seed=tcfg.seed, device=device.device,
-                        from_checkpoint=resuming)
+                        from_checkpoint=resuming, stages=pipeline_stages(spec, ctx))
     if ctx.is_first_rank:
         print(_banner(spec, ctx, model=model, device=device, phase=phase, num_steps=num_steps,
                       autocast_dtype=autocast_dtype), file=out, flush=True)
-    step_model = torch.compile(model) if tcfg.compile and device.kind != "xla" else model
+    pipeline = None
+    if ctx.pp_size > 1:
+        pipeline = PipelineRunner(model, ctx, num_micro_batches=plan.num_micro_batches,
+                                  schedule=cfg.parallel.pipeline_schedule, device=device.device)
+    step_model = torch.compile(model) if tcfg.compile and device.kind != "xla" and pipeline is None else model
     optimizer = build_optimizer(model, optim=cfg.optim)
     state = ckpt.restore(model, optimizer, TrainState(scaler=build_loss_scaler(tcfg.precision)))
     start = state.step
@@ -104,7 +125,8 @@ def train(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, phase: Pha
     metrics.tensorboard = open_tensorboard(run_dir, enabled=ctx.is_last_rank and tcfg.tensorboard,
                                            platform=plan.platform, device=device.device)
     evaluator = build_evaluator(tcfg, cfg.data, vocab_size=cfg.model.vocab_size, plan=plan, ctx=ctx, device=device,
-                                autocast_dtype=autocast_dtype, train_iters=num_steps, metrics=metrics)
+                                autocast_dtype=autocast_dtype, train_iters=num_steps, metrics=metrics,
+                                pipeline=pipeline)
     records: list[IterationRecord] = []
     interval = _IntervalSums(device=device.device)
     # Counts the applied steps into state.lr_steps (the LR advances only on those, as Megatron's scheduler does)
@@ -112,8 +134,10 @@ def train(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, phase: Pha
     skips = SkipTracker(device, optimizer, state=state, limit=tcfg.max_skipped_steps, phase=phase)
     stopped: StopDecision | None = None
     # DP all-reduce started inside the last micro-batch's backward (None: after it; see parallel/grads.py).
+    # Not under pipelining: the schedule runs the last micro-batch's backward, where the reducer would arm.
     grad_reducer = build_grad_reducer(model.parameters(), group=ctx.dp_group, device_kind=device.kind,
-                                      overlap=cfg.parallel.overlap_grad_reduce, bucket_mb=cfg.parallel.grad_bucket_mb)
+                                      overlap=cfg.parallel.overlap_grad_reduce and pipeline is None,
+                                      bucket_mb=cfg.parallel.grad_bucket_mb)
     feed = DeviceFeed((_host_batches(data, step, plan=plan, ctx=ctx) for step in range(start, num_steps)), device)
     model.train()
     metrics.reset_clock(start)
@@ -129,13 +153,14 @@ def train(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, phase: Pha
             set_lr(optimizer, lr)
             result = train_step(step_model, optimizer, batches, ctx=ctx, clip_grad=cfg.optim.clip_grad,
                                 autocast_dtype=autocast_dtype, device_type=device.kind, scaler=state.scaler,
-                                grad_reducer=grad_reducer, grad_bucket_mb=cfg.parallel.grad_bucket_mb)
+                                grad_reducer=grad_reducer, grad_bucket_mb=cfg.parallel.grad_bucket_mb,
+                                pipeline=pipeline)
             state.advance(global_batch_size=plan.global_batch_size)
             iteration = state.step
             skips.add(result, iteration=iteration, lr=lr)
             interval.add(result)
             if metrics.should_log(iteration):
-                stats = interval.reduced(group=ctx.dp_group)
+                stats = interval.reduced(ctx)
                 # The values reach the host after this step's graph ran (a step closure on XLA).
                 when_step_done(device, _log_step, metrics, records, iteration, lr, stats, result.grad_norm,
                                iteration - metrics.last_iteration, ctx.dp_size, result.loss_scale)
@@ -175,9 +200,16 @@ def _banner(spec: RunSpec, ctx: ParallelContext, *, model: GPT, device: DeviceIn
         data = "synthetic tokens" if plan.platform == "cpu" else "SYNTHETIC TOKENS, NOT REAL DATA (data.source)"
     return (f"> megatron-hpc {phase}: world {ctx.world_size} = {ctx.mesh.num_nodes} node(s) x "
             f"{ctx.mesh.workers_per_node} worker(s) | tp {ctx.tp_size} pp {ctx.pp_size} dp {ctx.dp_size} | "
-            f"parameters {model.num_params(ctx=ctx):,} | padded vocab {plan.padded_vocab_size} "
+            f"parameters {_param_count(spec, ctx, model)} | padded vocab {plan.padded_vocab_size} "
             f"({plan.padded_vocab_size - vocab} dummy) | {plan.num_micro_batches} micro-batch(es) of "
             f"{plan.micro_batch_size} | {device.kind} {label} | {num_steps} steps | {data}")
+
+
+def _param_count(spec: RunSpec, ctx: ParallelContext, model: GPT) -> str:
+    if ctx.pp_size == 1:
+        return f"{model.num_params(ctx=ctx):,}"
+    whole = num_parameters(spec.config.model, padded_vocab=spec.plan.padded_vocab_size)
+    return f"{whole:,} ({model.num_params(ctx=ctx):,} on pipeline rank {ctx.pp_rank})"
 
 
 class _IntervalSums:
@@ -195,10 +227,14 @@ class _IntervalSums:
         self.nan_count += (~torch.isfinite(result.loss)).float()
         self.skipped += (~result.finite).float()
 
-    def reduced(self, *, group: dist.ProcessGroup) -> torch.Tensor:
-        """[loss sum, NaN count, skipped count] summed over the DP group, on the device."""
+    def reduced(self, ctx: ParallelContext) -> torch.Tensor:
+        """[loss sum, NaN count, skipped count] summed over the DP group, on the device; every pipeline stage gets
+        the last stage's loss sums (the others hold zeros there) and the skip count, the same on all stages."""
         stats = torch.stack([self.loss_sum, self.nan_count, self.skipped])
-        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=ctx.dp_group)
+        if ctx.pp_size > 1:
+            losses = to_all_stages(stats[:2].clone(), ctx)
+            stats = torch.cat([losses, stats[2:]])
         return stats
 
     def reset(self) -> None:

@@ -15,6 +15,7 @@ from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_hpc.parallel.device import DeviceInfo, mark_step, when_step_done
 from megatron_hpc.parallel.grads import BUCKET_MB, OverlappedGradReducer, all_reduce_gradients, clip_gradients_
+from megatron_hpc.parallel.pipeline import PipelineRunner
 from megatron_hpc.train.precision import DynamicGradScaler
 from megatron_hpc.train.state import TrainState
 
@@ -39,7 +40,8 @@ class StepOutput:
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Sequence[torch.Tensor], *,
                ctx: ParallelContext, clip_grad: float, autocast_dtype: torch.dtype | None,
                device_type: str, scaler: DynamicGradScaler | None = None,
-               grad_reducer: OverlappedGradReducer | None = None, grad_bucket_mb: float = BUCKET_MB) -> StepOutput:
+               grad_reducer: OverlappedGradReducer | None = None, grad_bucket_mb: float = BUCKET_MB,
+               pipeline: PipelineRunner | None = None) -> StepOutput:
     """One step over this rank's micro-batches, each (mbs, S + 1) token ids.
 
     With `grad_reducer` the DP all-reduce overlaps the last micro-batch's backward; without it the
@@ -50,6 +52,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
     graph and stall the device, so the flag stays on the device: the update always runs and a
     select keeps the old weights and Adam state when it is not finite (`_step_where`), and
     SkipTracker reads the flag one step later.
+    With `pipeline` the micro-batches go through this rank's pipeline stages by its schedule (forward and
+    backward interleaved across stages); the loss is then the last stage's, 0 on the others.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     # Off XLA the first backward assigns the gradients (no zero fill, no add); on XLA zero in
@@ -59,7 +63,9 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
     scale = scaler.scale if scaler is not None else 1.0
     cast = (torch.autocast(device_type, dtype=autocast_dtype) if autocast_dtype is not None
             else contextlib.nullcontext())
-    for m, tokens in enumerate(micro_batches):
+    if pipeline is not None:
+        total = pipeline.train_losses(micro_batches, scale=scale, autocast=cast)
+    for m, tokens in enumerate(micro_batches if pipeline is None else ()):
         ids, labels = tokens[:, :-1], tokens[:, 1:]
         with cast:
             logits = model(ids)  # (mbs, S, V/tp)

@@ -96,7 +96,7 @@ def overlap_event_order(ctx: ParallelContext, cfg: Any) -> dict[str, list[str]]:
         for overlap in (True, False):
             model = _model(cfg, ctx)
             optimizer = build_optimizer(model, optim=cfg.optim)
-            model.h[0].register_full_backward_pre_hook(lambda *_: events.append("backward reached h.0"))
+            model.h["0"].register_full_backward_pre_hook(lambda *_: events.append("backward reached h.0"))
             reducer = OverlappedGradReducer(model.parameters(), group=ctx.dp_group, bucket_mb=BUCKET_MB) \
                 if overlap else None
             events.clear()

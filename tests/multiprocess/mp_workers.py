@@ -185,3 +185,51 @@ def mappings(rank: int, world: int, ports: list[int]) -> dict[str, Any]:
                      "bwd": (x.grad, _expected(spec["bwd"], grads, rank)), "spec": spec}
     dist.destroy_process_group()
     return out
+
+
+def pipeline_config(*, tp: int = 1, pp: int = 1, virtual: int = 1, schedule: str = "1f1b", first: int = 0,
+                    last: int = 0, tied: bool = True, rope: bool = False) -> RunConfig:
+    """tiny_config with 4 layers (2 stages x 2 virtual, or 4 stages) and the pipeline keys."""
+    import dataclasses
+
+    cfg = tiny_config(tp=tp)
+    model = dataclasses.replace(cfg.model, num_layers=4, tie_embeddings=tied,
+                                position_embedding="rope" if rope else "learned")
+    parallel = dataclasses.replace(cfg.parallel, pipeline=pp, virtual_pipeline=virtual, pipeline_schedule=schedule,
+                                   pipeline_first_stage_layers=first, pipeline_last_stage_layers=last)
+    return dataclasses.replace(cfg, model=model, parallel=parallel)
+
+
+def _break_pipeline(fault: str) -> None:
+    """Deliberate bugs the pipeline proof must catch (applied in this worker process only)."""
+    from megatron_hpc.parallel import pipeline
+
+    if fault == "no_embedding_allreduce":
+        pipeline.PipelineRunner.sync_embedding_grads = lambda self: None
+    elif fault == "misordered_micro_batch":
+        # The last stage takes its labels in another order than the first stage feeds the ids: micro-batch 0's
+        # activations are scored against micro-batch 1's labels and the other way round.
+        original = pipeline.PipelineRunner._run
+
+        def misordered(self: Any, micro_batches: Any, *, train: bool) -> torch.Tensor:
+            if self.last and not self.first:
+                micro_batches = [micro_batches[1], micro_batches[0], *micro_batches[2:]]
+            return original(self, micro_batches, train=train)
+
+        pipeline.PipelineRunner._run = misordered
+    elif fault:
+        raise ValueError(f"unknown fault {fault!r}")
+
+
+def pipeline_runs(rank: int, world: int, ports: list[int], configs: list[RunConfig], faults: list[str],
+                  run_root: str) -> None:
+    """run_training once per config, with `faults[i]` broken in run i ('' for none)."""
+    from megatron_hpc.parallel import pipeline
+    from megatron_hpc.train.entry import plan_for_torchrun, run_training
+
+    intact = (pipeline.PipelineRunner.sync_embedding_grads, pipeline.PipelineRunner._run)
+    for i, (cfg, fault) in enumerate(zip(configs, faults)):
+        pipeline.PipelineRunner.sync_embedding_grads, pipeline.PipelineRunner._run = intact
+        _break_pipeline(fault)
+        os.environ["MASTER_PORT"] = str(ports[i])
+        assert run_training(plan_for_torchrun(cfg), run_dir=Path(run_root) / f"run{i}") == 0

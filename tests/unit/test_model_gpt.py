@@ -40,13 +40,13 @@ def test_megatron_init(ctx: ParallelContext) -> None:
     big = ModelConfig(num_layers=8, hidden_size=256, num_attention_heads=4, seq_length=8, max_position_embeddings=8,
                       vocab_size=1000, init_method_std=0.02)
     model = GPT(big, ctx=ctx, padded_vocab=1024, seed=3)
-    assert model.h[0].attn.qkv.weight.std().item() == pytest.approx(0.02, rel=0.02)
-    assert model.h[0].mlp.proj.weight.std().item() == pytest.approx(0.02 / math.sqrt(16), rel=0.02)
-    assert torch.count_nonzero(model.h[0].attn.qkv.bias) == 0
-    assert torch.equal(model.h[0].ln_1.weight, torch.ones(256))
+    assert model.h["0"].attn.qkv.weight.std().item() == pytest.approx(0.02, rel=0.02)
+    assert model.h["0"].mlp.proj.weight.std().item() == pytest.approx(0.02 / math.sqrt(16), rel=0.02)
+    assert torch.count_nonzero(model.h["0"].attn.qkv.bias) == 0
+    assert torch.equal(model.h["0"].ln_1.weight, torch.ones(256))
     again = GPT(big, ctx=ctx, padded_vocab=1024, seed=3)
-    assert torch.equal(model.h[3].mlp.fc.weight, again.h[3].mlp.fc.weight)  # seeded, reproducible
-    assert not torch.equal(model.h[3].mlp.fc.weight, model.h[2].mlp.fc.weight)  # each layer its own draw
+    assert torch.equal(model.h["3"].mlp.fc.weight, again.h["3"].mlp.fc.weight)  # seeded, reproducible
+    assert not torch.equal(model.h["3"].mlp.fc.weight, model.h["2"].mlp.fc.weight)  # each layer its own draw
 
 
 def _loss_and_grads(model: GPT, ids: torch.Tensor, ctx: ParallelContext) -> tuple[float, list[torch.Tensor]]:
