@@ -46,15 +46,18 @@ class PipelineRunner:
     """Runs one step's micro-batches through this rank's stages with the configured schedule."""
 
     def __init__(self, model: GPT, ctx: ParallelContext, *, num_micro_batches: int, schedule: str,
-                 device: torch.device):
+                 device: torch.device, compile_chunks: bool = False):
         if schedule not in SCHEDULES:
             raise ValueError(f"parallel.pipeline_schedule={schedule!r}: use one of {SCHEDULES}")
         self.model, self.ctx, self.num_micro = model, ctx, num_micro_batches
         self.first, self.last = model.has_first, model.has_last
         self.loss = _Loss(ctx, num_micro_batches)
         num_stages = ctx.pp_size * len(model.stages)
+        chunks = model.chunks()
+        if compile_chunks:  # train.compile: each stage's forward is one torch.compile graph (its own backward)
+            chunks = [torch.compile(chunk) for chunk in chunks]
         stages = [PipelineStage(chunk, layout.index, num_stages, device, group=ctx.pp_group)
-                  for chunk, layout in zip(model.chunks(), model.stages)]
+                  for chunk, layout in zip(chunks, model.stages)]
         common: dict[str, Any] = {"n_microbatches": num_micro_batches, "loss_fn": self.loss, "scale_grads": False}
         if len(stages) > 1:
             self.schedule = ScheduleInterleaved1F1B(stages, **common)

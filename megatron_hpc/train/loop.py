@@ -36,6 +36,7 @@ from megatron_hpc.train.stop import StopDecision, StopWatch, record_stop
 from megatron_hpc.train.tensorboard import open_tensorboard
 
 Phase = Literal["compile", "run"]
+PP_SEED_STRIDE = 1_000_003
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +102,9 @@ def train(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, phase: Pha
     num_steps = tcfg.num_steps if phase == "run" else cfg.compile.num_steps
     data = _build_data(spec, ctx)  # before the model: data errors surface first
     autocast_dtype = autocast_dtype_for(tcfg.precision, device_kind=device.kind, float_dtype=device.float_dtype)
-    seed_everything(device, tcfg.seed + ctx.dp_rank)  # dropout masks: same across TP, different across DP
+    # Dropout masks: the same across TP, different across DP and across pipeline stages (Megatron offsets the seed
+    # by 100 per pipeline rank; a larger stride here keeps the offsets clear of DP's).
+    seed_everything(device, tcfg.seed + ctx.dp_rank + PP_SEED_STRIDE * ctx.pp_rank)
 
     save_root, load_root = checkpoint_roots(cfg.checkpoint, run_dir=run_dir, active=checkpoints)
     ckpt = Checkpointer(spec, ctx, device=device, save_root=save_root, load_root=load_root, out=out)
@@ -114,7 +117,8 @@ def train(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, phase: Pha
     pipeline = None
     if ctx.pp_size > 1:
         pipeline = PipelineRunner(model, ctx, num_micro_batches=plan.num_micro_batches,
-                                  schedule=cfg.parallel.pipeline_schedule, device=device.device)
+                                  schedule=cfg.parallel.pipeline_schedule, device=device.device,
+                                  compile_chunks=tcfg.compile and device.kind != "xla")
     step_model = torch.compile(model) if tcfg.compile and device.kind != "xla" and pipeline is None else model
     optimizer = build_optimizer(model, optim=cfg.optim)
     state = ckpt.restore(model, optimizer, TrainState(scaler=build_loss_scaler(tcfg.precision)))
