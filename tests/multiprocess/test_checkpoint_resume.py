@@ -1,6 +1,7 @@
 """Stopping after 10 steps and resuming in new processes gives the losses of one 20-step run.
 
-Each resume runs in a fresh spawn (new interpreter, new process group), world 1 and TP=2.
+Each resume runs in a fresh spawn (new interpreter, new process group), world 1, TP=2 and PP=2 (with dropout, so
+each stage's RNG must come back too).
 The LR schedule spans 20 steps in both (optim.lr_decay_iters), as when train_iters is raised on
 a resumed Megatron run.
 """
@@ -21,9 +22,20 @@ from megatron_hpc.config.schema import CheckpointConfig, RunConfig
 pytestmark = pytest.mark.multiprocess
 
 
-def _config(*, tp: int, num_steps: int, load: str | None = None) -> RunConfig:
-    cfg = mp_workers.tiny_config(tp=tp, num_steps=num_steps, micro_batch_size=8)  # one micro-batch: fewer collectives
-    return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, lr_decay_iters=20),
+MESHES = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
+"""name -> (tensor parallel, pipeline parallel)"""
+
+
+def _config(mesh: str, *, num_steps: int, load: str | None = None) -> RunConfig:
+    tp, pp = MESHES[mesh]
+    # One micro-batch (fewer collectives); a pipeline needs at least as many micro-batches as stages.
+    cfg = mp_workers.tiny_config(tp=tp, num_steps=num_steps, micro_batch_size=8 // pp)
+    model, parallel = cfg.model, cfg.parallel
+    if pp > 1:
+        model = dataclasses.replace(model, hidden_dropout=0.1, attention_dropout=0.1)
+        parallel = dataclasses.replace(parallel, pipeline=pp)
+    return dataclasses.replace(cfg, model=model, parallel=parallel,
+                               optim=dataclasses.replace(cfg.optim, lr_decay_iters=20),
                                checkpoint=CheckpointConfig(load=load, save_interval=5, keep_last=2))
 
 
@@ -53,17 +65,18 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Path]]
     """Two spawns of two processes: first 20 steps and 10 steps, then (new processes) the resume."""
     root = tmp_path_factory.mktemp("resume")
     first, second = root / "first", root / "second"
-    plan1 = [(tp, _config(tp=tp, num_steps=n), f"{part}_tp{tp}") for tp in (2, 1)
+    sizes = {name: tp * pp for name, (tp, pp) in MESHES.items()}
+    plan1 = [(sizes[mesh], _config(mesh, num_steps=n), f"{part}_{mesh}") for mesh in MESHES
              for part, n in (("straight", 20), ("part1", 10))]
     mp_workers.spawn(resume_runs, world=2, out_dir=first, num_ports=len(plan1), args=(plan1, str(first)))
-    plan2 = [(tp, _config(tp=tp, num_steps=20, load=str(first / f"part1_tp{tp}" / "checkpoints")), f"part2_tp{tp}")
-             for tp in (2, 1)]
+    plan2 = [(sizes[mesh], _config(mesh, num_steps=20, load=str(first / f"part1_{mesh}" / "checkpoints")),
+              f"part2_{mesh}") for mesh in MESHES]
     mp_workers.spawn(resume_runs, world=2, out_dir=second, num_ports=len(plan2), args=(plan2, str(second)))
-    return {f"tp{tp}": {"straight": first / f"straight_tp{tp}", "part1": first / f"part1_tp{tp}",
-                        "part2": second / f"part2_tp{tp}"} for tp in (1, 2)}
+    return {mesh: {"straight": first / f"straight_{mesh}", "part1": first / f"part1_{mesh}",
+                   "part2": second / f"part2_{mesh}"} for mesh in MESHES}
 
 
-@pytest.mark.parametrize("mesh", ["tp1", "tp2"])
+@pytest.mark.parametrize("mesh", list(MESHES))
 def test_resumed_losses_identical(runs: dict[str, dict[str, Path]], mesh: str) -> None:
     runs = runs[mesh]
     straight, part1, part2 = (_metrics(runs[k]) for k in ("straight", "part1", "part2"))
@@ -74,7 +87,7 @@ def test_resumed_losses_identical(runs: dict[str, dict[str, Path]], mesh: str) -
         assert [r[key] for r in part1 + part2] == [r[key] for r in straight], key
 
 
-@pytest.mark.parametrize("mesh", ["tp1", "tp2"])
+@pytest.mark.parametrize("mesh", list(MESHES))
 def test_saves_follow_interval_and_keep_last(runs: dict[str, dict[str, Path]], mesh: str) -> None:
     runs = runs[mesh]
     # part1 saved 5 and 10 (its end); the resumed run saved 15 and 20 into its own folder.
