@@ -143,7 +143,7 @@ def test_bad_pipelines_are_refused_in_one_line_with_the_fix(sets, expected):
     (["parallel.virtual_pipeline=0"], "parallel.virtual_pipeline=0 must be at least 1"),
 ])
 def test_bad_pipeline_keys_are_config_errors(sets, expected):
-    with pytest.raises(ConfigError, match=None) as info:
+    with pytest.raises(ConfigError) as info:
         plan("tiny", 1, "cpu", sets)
     assert expected in str(info.value) and "\n" not in str(info.value)
 
