@@ -8,6 +8,7 @@ import sys
 
 from megatron_hpc.cli.common import Resolved, add_recipe_arguments, resolve
 from megatron_hpc.data.preflight import DataSummary, summarize_data
+from megatron_hpc.plan.planner import Plan, pipeline_runtime_warning
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +44,36 @@ def _lr_line(resolved: Resolved) -> str:
             f"{plan.lr_decay:,} {unit}")
 
 
+_SCHEDULE_NAMES = {"1f1b": "1F1B", "afab": "all-forward-all-backward"}
+
+
+def _pipeline_line(plan: Plan) -> str:
+    p, v = plan.pipeline_parallel, plan.virtual_pipeline
+    if p == 1:
+        return "none (PP 1)"
+    schedule = ("interleaved " if v > 1 else "") + _SCHEDULE_NAMES.get(plan.pipeline_schedule, plan.pipeline_schedule)
+    counts = [stop - start for start, stop in plan.stage_layers]
+    each = f"{counts[0]} layer{'s' if counts[0] > 1 else ''} each"
+    layers = each if len(set(counts)) == 1 else f"layers {', '.join(map(str, counts))}"
+    stages = f"{p} stages x {v} virtual" if v > 1 else f"{p} stages"
+    return (f"{stages} ({layers}), {schedule} over {plan.num_micro_batches} micro-batches; bubble "
+            f"{plan.bubble_fraction:.1%} of the step")
+
+
+def plan_warnings(resolved: Resolved) -> list[str]:
+    """What `plan` says on stderr about a plan it prints: the recipe's caveat, a runtime that cannot run it."""
+    warnings = [resolved.cfg.warning] if resolved.cfg.warning else []
+    runtime = pipeline_runtime_warning(resolved.plan)
+    warnings += [runtime] if runtime else []
+    if resolved.plan.pipeline_parallel == 1 and resolved.plan.pipeline_schedule != "1f1b":
+        warnings.append(f"parallel.pipeline_schedule={resolved.plan.pipeline_schedule} is ignored: this plan has no "
+                        "pipeline (PP 1)")
+    if resolved.plan.data_source == "missing":
+        warnings.append("no training data: `submit` refuses this plan; set --set data.path=PREFIX, or --set "
+                        "data.source=synthetic to train on synthetic tokens on purpose")
+    return warnings
+
+
 def format_plan(resolved: Resolved, *, data: DataSummary | None = None) -> str:
     plan = resolved.plan
     vocab_size = resolved.cfg.model.vocab_size
@@ -52,6 +83,7 @@ def format_plan(resolved: Resolved, *, data: DataSummary | None = None) -> str:
                    f"({plan.workers_per_node} {workers} per node, backend {plan.backend})"),
         ("mesh", f"world {plan.world_size} = TP {plan.tensor_parallel} x PP {plan.pipeline_parallel} x "
                  f"DP {plan.data_parallel}"),
+        ("pipeline", _pipeline_line(plan)),
         ("batch", f"global {plan.global_batch_size} = micro {plan.micro_batch_size} x DP {plan.data_parallel} "
                   f"x {plan.num_micro_batches} micro-batches; {plan.tokens_per_step:,} tokens per step"),
         ("model", f"{_count(plan.num_parameters)} parameters; padded vocab {plan.padded_vocab_size} "
@@ -79,7 +111,6 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(plan_json(resolved, data=data), indent=2))
     else:
         print(format_plan(resolved, data=data))
-    if resolved.plan.data_source == "missing":
-        print("megatron-hpc: warning: no training data: `submit` refuses this plan; set --set data.path=PREFIX, or "
-              "--set data.source=synthetic to train on synthetic tokens on purpose", file=sys.stderr)
+    for warning in plan_warnings(resolved):
+        print(f"megatron-hpc: warning: {warning}", file=sys.stderr)
     return 0

@@ -16,7 +16,7 @@ from megatron_hpc.errors import ConfigError, DataError
 from megatron_hpc.launch import cluster_profile, env_checks
 from megatron_hpc.launch.run_dir import default_run_dir, prepare_run_dir
 from megatron_hpc.launch.submit import SubmitRequest, SubmitResult, check_cluster, submit, write_run_files
-from megatron_hpc.plan.planner import check_data_source
+from megatron_hpc.plan.planner import check_data_source, check_pipeline_runtime
 from megatron_hpc.run_folder import CHECKPOINT_DIR
 
 
@@ -87,11 +87,12 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("submit needs --recipe NAME (a new run) or --resume RUN (continue a run folder)")
     resolved, resumed_dir, resume_notes = _resume(args) if args.resume else (resolve(args), None, [])
     check_data_source(resolved.plan)  # before anything is written: the plan has no data to train on
+    check_pipeline_runtime(resolved.plan)  # ... or pipelines on a runtime that cannot run a pipeline
     profile = _profile(args, resumed_dir)
     from megatron_hpc.data.preflight import check_data  # numpy, no torch
 
     source = resolved.plan.data_source
-    warnings: list[str] = []
+    warnings: list[str] = [resolved.cfg.warning] if resolved.cfg.warning else []
     if source == "synthetic" and resolved.plan.platform != "cpu":
         warnings.append(f"this run trains on SYNTHETIC tokens (data.source=synthetic), not real data, on "
                         f"{resolved.plan.num_nodes} x {resolved.plan.platform}; meant for benchmarks and smoke tests")

@@ -62,7 +62,8 @@ class ModelConfig:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ParallelConfig:
     tensor: int = 1
-    """Tensor-parallel size; must divide workers per node, heads and FFN size."""
+    """Tensor-parallel size; must divide workers per node, heads and FFN size. 0 lets the planner choose it (TP
+    inside a node: the smallest that fits, up to 8 before pipelining; plan/sizing.py)."""
     pipeline: int = 1
     """Pipeline-parallel size (Megatron --pipeline-model-parallel-size): stages across nodes, rank layout tp
     fastest, then dp, then pp. 0 lets the planner choose it from the node count and the memory estimate."""
@@ -223,6 +224,8 @@ class LaunchConfig:
 class RunConfig:
     name: str
     """Recipe name; names the run folder."""
+    warning: str | None = None
+    """A caveat about the recipe that `plan` and `submit` print as a warning (a stand-in architecture, say)."""
     model: ModelConfig
     train: TrainConfig
     optim: OptimConfig

@@ -20,6 +20,10 @@ _AT_LEAST_1 = (lambda v: v >= 1, "at least 1")
 _POSITIVE = (lambda v: v > 0, "above 0")
 _NOT_NEGATIVE = (lambda v: v >= 0, "0 or more")
 _PROBABILITY = (lambda v: 0.0 <= v < 1.0, "in [0, 1)")
+_AUTO_OR_SIZE = (lambda v: v >= 0, "0 (the planner chooses) or more")
+
+PIPELINE_SCHEDULES = ("1f1b", "afab")
+"""parallel.pipeline_schedule values: 1F1B (interleaved with virtual stages) and all-forward-all-backward."""
 
 
 def _rules() -> list[_Rule]:
@@ -34,8 +38,11 @@ def _rules() -> list[_Rule]:
         ("model.layernorm_epsilon", *_POSITIVE),
         ("model.attention_dropout", *_PROBABILITY),
         ("model.hidden_dropout", *_PROBABILITY),
-        ("parallel.tensor", *_AT_LEAST_1),
-        ("parallel.pipeline", *_AT_LEAST_1),
+        ("parallel.tensor", *_AUTO_OR_SIZE),
+        ("parallel.pipeline", *_AUTO_OR_SIZE),
+        ("parallel.virtual_pipeline", *_AT_LEAST_1),
+        ("parallel.pipeline_first_stage_layers", lambda v: v >= 0, "0 (an even split) or more"),
+        ("parallel.pipeline_last_stage_layers", lambda v: v >= 0, "0 (an even split) or more"),
         ("parallel.grad_bucket_mb", *_POSITIVE),
         *[(f"train.{k}", *_AT_LEAST_1) for k in ("num_steps", "micro_batch_size", "global_batch_size",
                                                   "log_interval", "max_skipped_steps")],
@@ -77,6 +84,14 @@ def check_values(cfg: RunConfig) -> None:
         value = _value(cfg, key)
         if not ok(value):
             raise ConfigError(f"{key}={value!r} must be {requirement}; fix the recipe or use --set {key}=...")
+    schedule = cfg.parallel.pipeline_schedule
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ConfigError(f"parallel.pipeline_schedule={schedule!r} is not a schedule; use --set "
+                          f"parallel.pipeline_schedule=N with N in {{{', '.join(PIPELINE_SCHEDULES)}}}")
+    if schedule == "afab" and cfg.parallel.virtual_pipeline > 1:
+        raise ConfigError(f"parallel.pipeline_schedule=afab with parallel.virtual_pipeline="
+                          f"{cfg.parallel.virtual_pipeline}: all-forward-all-backward has no interleaved form; use "
+                          "--set parallel.pipeline_schedule=1f1b, or parallel.virtual_pipeline=1")
     if cfg.optim.min_lr > cfg.optim.lr:
         raise ConfigError(f"optim.min_lr={cfg.optim.min_lr:g} is above optim.lr={cfg.optim.lr:g}; the LR decays "
                           f"from lr down to min_lr, so use --set optim.min_lr=N with N <= {cfg.optim.lr:g}")
@@ -101,3 +116,4 @@ def check_model_shape(model: ModelConfig, *, tensor_parallel: int) -> None:
         raise PlanError(f"parallel.tensor={tensor_parallel} must divide model.num_attention_heads ({heads}) and the "
                         f"FFN size ({model.ffn_size}); use --set parallel.tensor=N with N in "
                         f"{{{', '.join(map(str, choices))}}}")
+

@@ -1,11 +1,32 @@
-"""Per-worker memory estimate: weights + grads + optimizer states + activations. Pure.
+"""Per-worker memory estimate of the heaviest pipeline rank: weights + grads + optimizer states + activations. Pure.
 
-Bytes per parameter: fp32 and autocast keep fp32 weights, grads and two Adam moments (16);
-pure bf16 on XLA (XLA_USE_BF16, the Neuron reference) keeps all four in bf16 (8); fp16 with
-dynamic loss scaling keeps fp16 weights and grads plus fp32 master and moments (16).
-Activations per layer follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in
-Large Transformer Models") without sequence parallelism: s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes
-in 16-bit (doubled for fp32); full recomputation keeps only each layer's input, 2*s*b*h.
+Bytes per parameter (weights, grads and Adam's two moments together):
+- fp32: fp32 weights, grads and moments (16);
+- bf16 on XLA: pure bf16 (XLA_USE_BF16, the Neuron reference) keeps all four in bf16 (8);
+- bf16 or fp16 elsewhere: autocast (train/precision.py) keeps fp32 weights, grads and moments (16) plus the
+  16-bit copies of the weights that autocast caches during the forward and matmuls save for the backward (2),
+  18 in all (the same count as Megatron's mixed precision with fp32 main grads).
+With those, the estimate gives table 1 of Narayanan et al. 2021 (80 GB A100s, 16-bit training) on p5: 1.7B at
+TP 1, 3.6B at TP 2, 7.5B at TP 4, 18.4B at TP 8, then 39.1B..310.1B at TP 8 and PP 2, 4, 8, 16.
+
+Activations per layer and micro-batch follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+Transformer Models") without sequence parallelism: s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes in 16-bit (doubled for
+fp32); full recomputation keeps only each layer's input, 2*s*b*h, plus one layer's worth while it is recomputed.
+
+Pipeline parallelism (Megatron's layout, plan/stages.py): a rank holds its stages' layers; the first stage adds the
+embedding, the last the final norm and the output layer (with tied embeddings a copy of the word embedding, which
+Megatron keeps on the last stage and all-reduces with the first stage's; at PP 1 the two are one tensor). What a
+rank keeps in flight depends on the schedule: with 1F1B (PipeDream-flush) rank r runs p - r - 1 warmup forwards
+before its first backward, so it holds min(p - r, m) micro-batches (the first stage holds p: with L/p layers each,
+as many layer-activations as the whole model without pipelining). Interleaved 1F1B warms up 2 * (p - r - 1) +
+(v - 1) * p model-chunk micro-batches (Megatron's schedules.py), which gives the first stage Korthikanti et al.'s
+L * (1 + (p - 1) / (p * v)) layer-activations. All-forward-all-backward holds all m. The last stage keeps one
+micro-batch's fp32 logits and their gradient (m of them under all-forward-all-backward). Point-to-point buffers
+(s*b*h per message) are left out: a few MiB.
+
+Simplifications, all small: norms, biases and the position table are counted as TP-sharded like the rest; the
+embedding's output and the attention mask are not counted; allocator fragmentation and the runtime's own memory
+are left to the platform's headroom.
 """
 
 from __future__ import annotations
@@ -13,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_hpc.config.schema import ModelConfig
+from megatron_hpc.plan.model_math import embedding_parameters, layer_parameters
 
 GIB = 1024**3
 
@@ -22,42 +44,110 @@ class MemoryEstimate:
     weights_and_optimizer_gib: float
     activations_gib: float
     logits_gib: float
+    pp_rank: int = 0
+    """The pipeline rank these numbers are for (the heaviest one)."""
 
     @property
     def total_gib(self) -> float:
         return self.weights_and_optimizer_gib + self.activations_gib + self.logits_gib
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PipelineShape:
+    """What the estimate needs of a pipeline: its stages' layer counts and the schedule."""
+
+    stage_layers: tuple[int, ...]
+    """Transformer layers of each virtual stage, in stage order (plan/stages.split_layers); p * v entries."""
+    pipeline: int = 1
+    virtual: int = 1
+    schedule: str = "1f1b"
+    num_micro_batches: int = 1
+
+
+def no_pipeline(model: ModelConfig) -> PipelineShape:
+    """One stage with every layer: the estimate without pipeline parallelism."""
+    return PipelineShape(stage_layers=(model.num_layers,))
+
+
 def bytes_per_parameter(*, precision: str, backend: str) -> int:
     if precision == "bf16" and backend == "xla":
         return 8
+    if precision in ("bf16", "fp16"):
+        return 18
     return 16
+
+
+def in_flight(pp_rank: int, *, pipe: PipelineShape) -> int:
+    """Model-chunk micro-batches whose activations pipeline rank `pp_rank` holds at its peak."""
+    p, v, m = pipe.pipeline, pipe.virtual, pipe.num_micro_batches
+    if p == 1:
+        return 1  # each micro-batch's backward runs before the next forward
+    if pipe.schedule == "afab":
+        return m * v
+    if v == 1:
+        return min(p - pp_rank, m)
+    return min(2 * (p - pp_rank - 1) + (v - 1) * p + 1, m * v)
 
 
 def estimate_memory(
     model: ModelConfig,
     *,
-    num_parameters: int,
     padded_vocab: int,
     tensor_parallel: int,
     micro_batch: int,
     precision: str,
     backend: str,
+    pipeline: PipelineShape | None = None,
 ) -> MemoryEstimate:
-    t, s, b, h, a = (tensor_parallel, model.seq_length, micro_batch, model.hidden_size,
-                     model.num_attention_heads)
-    state = num_parameters / t * bytes_per_parameter(precision=precision, backend=backend)
+    """The estimate of the pipeline rank that needs the most memory (rank 0 without pipelining)."""
+    ranks = estimate_ranks(model, padded_vocab=padded_vocab, tensor_parallel=tensor_parallel,
+                           micro_batch=micro_batch, precision=precision, backend=backend, pipeline=pipeline)
+    return max(ranks, key=lambda e: e.total_gib)
+
+
+def estimate_ranks(
+    model: ModelConfig,
+    *,
+    padded_vocab: int,
+    tensor_parallel: int,
+    micro_batch: int,
+    precision: str,
+    backend: str,
+    pipeline: PipelineShape | None = None,
+) -> list[MemoryEstimate]:
+    """The estimate of every pipeline rank, rank 0 first."""
+    pipe = pipeline or no_pipeline(model)
+    return [_rank_memory(model, r, pipe=pipe, padded_vocab=padded_vocab, tensor_parallel=tensor_parallel,
+                         micro_batch=micro_batch, precision=precision, backend=backend)
+            for r in range(pipe.pipeline)]
+
+
+def _rank_memory(model: ModelConfig, pp_rank: int, *, pipe: PipelineShape, padded_vocab: int, tensor_parallel: int,
+                 micro_batch: int, precision: str, backend: str) -> MemoryEstimate:
+    t, s, b, h, a = (tensor_parallel, model.seq_length, micro_batch, model.hidden_size, model.num_attention_heads)
+    stages = range(pp_rank, len(pipe.stage_layers), pipe.pipeline)  # virtual stage k runs on rank k % p
+    first, last = 0 in stages, len(pipe.stage_layers) - 1 in stages
+    layers = sum(pipe.stage_layers[k] for k in stages)
+    params = layers * layer_parameters(model)
+    if first:
+        params += embedding_parameters(model, padded_vocab=padded_vocab)
+    if last:
+        params += 2 * h  # final LayerNorm
+        if not model.tie_embeddings or pipe.pipeline > 1:
+            params += padded_vocab * h  # the output layer (tied: the last stage's copy of the word embedding)
+    state = params / t * bytes_per_parameter(precision=precision, backend=backend)
+
     scale = 2.0 if precision == "fp32" else 1.0
+    full_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * scale
+    chunk_layers = layers / len(stages)  # layers per model chunk (equal with interleaving; one chunk otherwise)
+    held = in_flight(pp_rank, pipe=pipe) * chunk_layers
     if model.recompute:
-        per_layer = 2.0 * s * b * h * scale
-        # one layer is live at a time during its recomputation
-        peak_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * scale
-        activations = per_layer * model.num_layers + peak_layer
+        activations = held * 2.0 * s * b * h * scale + full_layer  # inputs kept, one layer recomputed at a time
     else:
-        activations = s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * scale * model.num_layers
-    logits = 4.0 * s * b * padded_vocab / t * 2  # fp32 logits and their gradient
-    return MemoryEstimate(
-        weights_and_optimizer_gib=state / GIB,
-        activations_gib=activations / GIB,
-        logits_gib=logits / GIB,
-    )
+        activations = held * full_layer
+    logits = 0.0
+    if last:
+        logits_in_flight = pipe.num_micro_batches if pipe.pipeline > 1 and pipe.schedule == "afab" else 1
+        logits = logits_in_flight * 4.0 * s * b * padded_vocab / t * 2  # fp32 logits and their gradient
+    return MemoryEstimate(weights_and_optimizer_gib=state / GIB, activations_gib=activations / GIB,
+                          logits_gib=logits / GIB, pp_rank=pp_rank)

@@ -23,21 +23,30 @@ def rotary_dims(head_dim: int, *, rotary_percent: float) -> int:
     return rot
 
 
-def num_parameters(model: ModelConfig, *, padded_vocab: int) -> int:
-    """Parameters of the full (unsharded) model."""
-    h, f, layers = model.hidden_size, model.ffn_size, model.num_layers
-    per_layer = (
+def layer_parameters(model: ModelConfig) -> int:
+    """Parameters of one transformer layer: fused QKV, attention output, MLP up and down, two LayerNorms."""
+    h, f = model.hidden_size, model.ffn_size
+    return (
         3 * h * h + 3 * h  # fused QKV
         + h * h + h  # attention output projection
         + h * f + f  # MLP up
         + f * h + h  # MLP down
         + 4 * h  # two LayerNorms
     )
-    embeddings = padded_vocab * h
-    if model.position_embedding == "learned":
-        embeddings += model.max_position_embeddings * h
+
+
+def embedding_parameters(model: ModelConfig, *, padded_vocab: int) -> int:
+    """Word embedding plus the learned position table (rope has none): what the first pipeline stage adds."""
+    positions = model.max_position_embeddings * model.hidden_size if model.position_embedding == "learned" else 0
+    return padded_vocab * model.hidden_size + positions
+
+
+def num_parameters(model: ModelConfig, *, padded_vocab: int) -> int:
+    """Parameters of the full (unsharded) model."""
+    h = model.hidden_size
     output = 0 if model.tie_embeddings else padded_vocab * h
-    return layers * per_layer + embeddings + output + 2 * h
+    return (model.num_layers * layer_parameters(model) + embedding_parameters(model, padded_vocab=padded_vocab)
+            + output + 2 * h)
 
 
 def flops_per_token(model: ModelConfig, *, padded_vocab: int) -> float:

@@ -1,7 +1,10 @@
-"""The run plan: mesh, batch math, padded vocabulary, LR schedule, memory and throughput figures. Pure.
+"""The run plan: mesh, pipeline stages, batch math, padded vocabulary, LR schedule, memory and throughput figures.
+Pure.
 
 `make_plan` takes a RunConfig, a node count and a Platform and returns a frozen Plan, or raises
-ConfigError/PlanError with a one-line fix. Nothing here reads the environment, the clock or files.
+ConfigError/PlanError with a one-line fix. Nothing here reads the environment, the clock or files. TP x PP x DP
+come from plan/sizing.py (the recipe's sizes, or the planner's choice where they are 0): the trainer reads them
+from the plan, never from config.parallel.
 
 The plan is the trainer's only source of derived numbers: the run folder keeps it (plan.json) beside the
 config it was made from (config.json, whose digest the plan records), and the trainer reads both as one
@@ -19,10 +22,10 @@ from typing import Any, Literal
 from megatron_hpc.config.platforms import Platform
 from megatron_hpc.config.schema import DataConfig, RunConfig
 from megatron_hpc.errors import ConfigError, PlanError
-from megatron_hpc.plan.batch import BatchLayout, num_micro_batches
-from megatron_hpc.plan.checks import check_model_shape, check_values
+from megatron_hpc.plan.batch import BatchLayout
+from megatron_hpc.plan.checks import PIPELINE_SCHEDULES, check_model_shape, check_values
 from megatron_hpc.plan.lr_schedule import LrSchedule, resolve_schedule
-from megatron_hpc.plan.memory import GIB, estimate_memory
+from megatron_hpc.plan.memory import GIB
 from megatron_hpc.plan.mesh import Mesh
 from megatron_hpc.plan.model_math import (
     FLOPS_FORMULA,
@@ -30,8 +33,8 @@ from megatron_hpc.plan.model_math import (
     flops_per_token_6n,
     num_parameters,
 )
-from megatron_hpc.plan.stages import split_layers
-from megatron_hpc.plan.vocab import padded_vocab_size
+from megatron_hpc.plan.sizing import choose_sizes, tensor_candidates
+from megatron_hpc.plan.stages import bubble_fraction
 
 DataSource = Literal["indexed", "synthetic", "missing"]
 CHECKPOINT_BYTES_PER_PARAMETER = 12
@@ -52,11 +55,20 @@ class Plan:
     micro_batch_size: int
     global_batch_size: int
     num_micro_batches: int
+    virtual_pipeline: int
+    """Model chunks per pipeline rank; above 1 the 1F1B schedule is interleaved."""
+    pipeline_schedule: Literal["1f1b", "afab"]
+    stage_layers: list[list[int]]
+    """[start, stop) of the transformer layers of each virtual stage, in stage order (pipeline_parallel x
+    virtual_pipeline entries); virtual stage k runs on pipeline rank k % pipeline_parallel (plan/stages.py)."""
+    bubble_fraction: float
+    """Idle share of a step in the pipeline flush: (p - 1) / (m + p - 1), divided by virtual_pipeline."""
     seq_length: int
     tokens_per_step: int
     padded_vocab_size: int
     num_parameters: int
     memory_per_worker_gib: float
+    """Estimate for the pipeline rank that needs the most (plan/memory.py)."""
     memory_limit_gib: float
     flops_per_token: float
     flops_formula: str
@@ -77,6 +89,11 @@ class Plan:
     def mesh(self) -> Mesh:
         return Mesh(num_nodes=self.num_nodes, workers_per_node=self.workers_per_node,
                     tensor_parallel=self.tensor_parallel, pipeline_parallel=self.pipeline_parallel)
+
+    @property
+    def stage_ranges(self) -> list[range]:
+        """stage_layers as ranges: the layers of each virtual stage, in stage order."""
+        return [range(start, stop) for start, stop in self.stage_layers]
 
     @property
     def batch(self) -> BatchLayout:
@@ -119,12 +136,36 @@ def check_plan(plan: Plan, *, source: str = "the plan") -> None:
     if plan.micro_batch_size * plan.data_parallel * plan.num_micro_batches != plan.global_batch_size:
         problems.append(f"micro_batch_size {plan.micro_batch_size} x data_parallel {plan.data_parallel} x "
                         f"num_micro_batches {plan.num_micro_batches} != global_batch_size {plan.global_batch_size}")
+    problems += _pipeline_problems(plan)
     if plan.padded_vocab_size % plan.tensor_parallel:
         problems.append(f"padded_vocab_size {plan.padded_vocab_size} is not divisible by tensor_parallel "
                         f"{plan.tensor_parallel}")
     if problems:
         raise PlanError(f"{source} is inconsistent: {'; '.join(problems)}; re-plan the run with "
                         "`megatron-hpc submit --resume RUN` (or submit the recipe again)")
+
+
+def _pipeline_problems(plan: Plan) -> list[str]:
+    p, v, m = plan.pipeline_parallel, plan.virtual_pipeline, plan.num_micro_batches
+    problems = []
+    bounds = [b for stage in plan.stage_layers for b in stage]
+    contiguous = all(len(s) == 2 and s[0] < s[1] for s in plan.stage_layers) and \
+        bounds[1:-1:2] == bounds[2::2] and bounds[:1] == [0]
+    if len(plan.stage_layers) != p * v or not contiguous:
+        problems.append(f"stage_layers {plan.stage_layers} are not {p} x {v} contiguous, non-empty layer ranges "
+                        "from 0")
+    if plan.pipeline_schedule not in PIPELINE_SCHEDULES:
+        problems.append(f"pipeline_schedule {plan.pipeline_schedule!r} is not one of {', '.join(PIPELINE_SCHEDULES)}")
+    if p > 1 and (m < p or (v > 1 and m % p)):
+        problems.append(f"num_micro_batches {m} does not suit pipeline_parallel {p} x virtual_pipeline {v}")
+    if v > 1 and p == 1:
+        problems.append(f"virtual_pipeline {v} needs pipeline_parallel > 1")
+    if v < 1:
+        problems.append(f"virtual_pipeline {v} must be at least 1")
+    elif abs(plan.bubble_fraction - bubble_fraction(pipeline=p, micro_batches=m, virtual=v)) > 1e-9:
+        problems.append(f"bubble_fraction {plan.bubble_fraction} is not that of PP {p}, {m} micro-batches, "
+                        f"virtual {v}")
+    return problems
 
 
 def config_digest(config: dict[str, Any]) -> str:
@@ -148,6 +189,43 @@ def check_data_source(plan: Plan) -> None:
                           "Megatron .bin/.idx prefix, or a blend \"0.3 prefixA 0.7 prefixB\"; `megatron-hpc data "
                           "preprocess` makes one), or train on synthetic tokens on purpose with --set "
                           "data.source=synthetic")
+
+
+PIPELINE_ON_XLA = (
+    "torch_xla 2.9's ProcessGroupXla has no coalesced batch_isend_irecv (each send or recv is its own "
+    "collective_permute graph, run at once), so the send and receive that torch.distributed.pipelining's 1F1B posts "
+    "together between neighbouring stages would run as collective_permutes in opposite orders on the two ranks and "
+    "not pair up"
+)
+"""Why pipeline parallelism does not run on XLA in this release. Evidence, read 2026: torch_xla v2.9.0
+torch_xla/distributed/xla_backend.py: ProcessGroupXla.send/recv run `xm.collective_permute(t, pairs=[[src, dst]])`
+and `torch_xla.sync()` per tensor; there is no isend/irecv and no coalescing, so torch's batch_isend_irecv
+(distributed_c10d.py) issues the ops one by one in list order. torch/distributed/pipelining/schedules.py fuses a
+stage's forward send with its backward receive ("fwd_send_bwd_recv") and the next stage's backward send with its
+forward receive, and leaves mixed batches to batch_isend_irecv "for deadlock avoidance": stage i would issue the
+permute i -> i+1 first while stage i+1 issues i+1 -> i first."""
+
+
+def check_pipeline_runtime(plan: Plan) -> None:
+    """PlanError when the plan pipelines on a platform whose runtime cannot run a pipeline (XLA, for now).
+
+    The planner sizes such a plan anyway (sizing needs no device, and `plan` says so in a warning); `submit` and
+    the trainer call this before anything is queued or built.
+    """
+    if plan.pipeline_parallel > 1 and plan.backend == "xla":
+        raise PlanError(f"{plan.recipe} on {plan.platform} plans PP {plan.pipeline_parallel} (TP "
+                        f"{plan.tensor_parallel} x PP {plan.pipeline_parallel}), but pipeline parallelism does not "
+                        f"run on XLA in this release: {PIPELINE_ON_XLA}; use --set parallel.pipeline=1 (the planner "
+                        "then fits the model with TP alone, if it can) or a CUDA platform (--platform p5)")
+
+
+def pipeline_runtime_warning(plan: Plan) -> str | None:
+    """The one-line warning `plan` prints for a plan that check_pipeline_runtime would refuse; None otherwise."""
+    try:
+        check_pipeline_runtime(plan)
+    except PlanError as exc:
+        return f"{exc} (`plan` sizes it anyway; `submit` refuses it)"
+    return None
 
 
 def check_torchrun_world(plan: Plan, *, world_size: int, local_world_size: int) -> None:
@@ -175,21 +253,10 @@ def workers_per_node(cfg: RunConfig, platform: Platform) -> int:
     return requested
 
 
-def valid_tensor_parallel(cfg: RunConfig, platform: Platform, *, per_node: int) -> list[int]:
-    """TP sizes that divide workers per node, heads and FFN size (and the runtime allows)."""
-    candidates = platform.tp_choices or tuple(range(1, per_node + 1))
-    return [
-        t for t in candidates
-        if per_node % t == 0
-        and cfg.model.num_attention_heads % t == 0
-        and cfg.model.ffn_size % t == 0
-    ]
-
-
 def _check_tensor_parallel(cfg: RunConfig, platform: Platform, *, per_node: int) -> None:
     tp = cfg.parallel.tensor
-    valid = valid_tensor_parallel(cfg, platform, per_node=per_node)
-    if tp in valid:
+    valid = tensor_candidates(cfg, platform, per_node=per_node)
+    if tp == 0 or tp in valid:  # 0: the planner chooses among `valid`
         return
     reasons = []
     if per_node % tp:
@@ -202,15 +269,7 @@ def _check_tensor_parallel(cfg: RunConfig, platform: Platform, *, per_node: int)
         reasons.append(f"the {platform.name} runtime supports TP {', '.join(map(str, platform.tp_choices))}")
     valid_text = ", ".join(map(str, valid)) or "none"
     raise PlanError(f"parallel.tensor={tp} is invalid for {cfg.name} on {platform.name} ({'; '.join(reasons)}); "
-                    f"use --set parallel.tensor=N with N in {{{valid_text}}}")
-
-
-def _check_pipeline(cfg: RunConfig) -> None:
-    # Interim (the planner's pipeline checks land separately): the stages must split the layers.
-    if cfg.parallel.pipeline > 1:
-        split_layers(cfg.model.num_layers, pipeline=cfg.parallel.pipeline, virtual=cfg.parallel.virtual_pipeline,
-                     first_stage_layers=cfg.parallel.pipeline_first_stage_layers,
-                     last_stage_layers=cfg.parallel.pipeline_last_stage_layers)
+                    f"use --set parallel.tensor=N with N in {{{valid_text}}} (0 lets the planner choose)")
 
 
 def make_plan(cfg: RunConfig, *, num_nodes: int, platform: Platform) -> Plan:
@@ -218,20 +277,12 @@ def make_plan(cfg: RunConfig, *, num_nodes: int, platform: Platform) -> Plan:
     if num_nodes < 1:
         raise PlanError(f"--nodes {num_nodes}: a run needs at least 1 node; use --nodes 1 or more")
     check_values(cfg)
-    _check_pipeline(cfg)
     per_node = workers_per_node(cfg, platform)
     _check_tensor_parallel(cfg, platform, per_node=per_node)
-    check_model_shape(cfg.model, tensor_parallel=cfg.parallel.tensor)
-    mesh = Mesh(num_nodes=num_nodes, workers_per_node=per_node, tensor_parallel=cfg.parallel.tensor,
-                pipeline_parallel=cfg.parallel.pipeline)
-    micro = num_micro_batches(global_batch=cfg.train.global_batch_size,
-                              micro_batch=cfg.train.micro_batch_size, data_parallel=mesh.data_parallel)
-    vocab = padded_vocab_size(cfg.model.vocab_size, divisible_by=cfg.model.make_vocab_size_divisible_by,
-                              tensor_parallel=mesh.tensor_parallel)
+    check_model_shape(cfg.model, tensor_parallel=cfg.parallel.tensor or 1)
+    sizes = choose_sizes(cfg, platform, num_nodes=num_nodes, per_node=per_node)
+    mesh, micro, vocab = sizes.mesh, sizes.num_micro_batches, sizes.padded_vocab
     params = num_parameters(cfg.model, padded_vocab=vocab)
-    memory = _memory_gib(cfg, platform, params=params, vocab=vocab, tp=mesh.tensor_parallel)
-    if memory > platform.memory_per_worker_gib:
-        raise PlanError(_memory_advice(cfg, platform, per_node=per_node, params=params, need=memory))
     sched = resolve_schedule(cfg.optim, num_steps=cfg.train.num_steps, global_batch_size=cfg.train.global_batch_size)
     return Plan(
         recipe=cfg.name,
@@ -246,11 +297,16 @@ def make_plan(cfg: RunConfig, *, num_nodes: int, platform: Platform) -> Plan:
         micro_batch_size=cfg.train.micro_batch_size,
         global_batch_size=cfg.train.global_batch_size,
         num_micro_batches=micro,
+        virtual_pipeline=cfg.parallel.virtual_pipeline,
+        pipeline_schedule=cfg.parallel.pipeline_schedule,
+        stage_layers=[[r.start, r.stop] for r in sizes.stage_layers],
+        bubble_fraction=bubble_fraction(pipeline=mesh.pipeline_parallel, micro_batches=micro,
+                                        virtual=cfg.parallel.virtual_pipeline),
         seq_length=cfg.model.seq_length,
         tokens_per_step=cfg.train.global_batch_size * cfg.model.seq_length,
         padded_vocab_size=vocab,
         num_parameters=params,
-        memory_per_worker_gib=round(memory, 3),
+        memory_per_worker_gib=round(sizes.memory.total_gib, 3),
         memory_limit_gib=platform.memory_per_worker_gib,
         flops_per_token=flops_per_token(cfg.model, padded_vocab=vocab),
         flops_formula=FLOPS_FORMULA,
@@ -262,43 +318,3 @@ def make_plan(cfg: RunConfig, *, num_nodes: int, platform: Platform) -> Plan:
         checkpoint_gib=round(params * CHECKPOINT_BYTES_PER_PARAMETER / GIB, 3),
         config_sha256=config_digest(dataclasses.asdict(cfg)),
     )
-
-
-def _memory_gib(cfg: RunConfig, platform: Platform, *, params: int, vocab: int, tp: int,
-                recompute: bool | None = None) -> float:
-    model = cfg.model if recompute is None else dataclasses.replace(cfg.model, recompute=recompute)
-    return estimate_memory(model, num_parameters=params, padded_vocab=vocab, tensor_parallel=tp,
-                           micro_batch=cfg.train.micro_batch_size, precision=cfg.train.precision,
-                           backend=platform.backend).total_gib
-
-
-def _memory_advice(cfg: RunConfig, platform: Platform, *, per_node: int, params: int, need: float) -> str:
-    have = platform.memory_per_worker_gib
-    head = (f"{cfg.name} needs about {need:.1f} GiB per worker at parallel.tensor={cfg.parallel.tensor} "
-            f"(weights, grads, Adam states and activations of {params / 1e9:.2f}B parameters), "
-            f"but a {platform.name} worker has {have:g} GiB; ")
-    options = []
-    for tp in valid_tensor_parallel(cfg, platform, per_node=per_node):
-        if tp <= cfg.parallel.tensor:
-            continue
-        tp_vocab = padded_vocab_size(cfg.model.vocab_size, divisible_by=cfg.model.make_vocab_size_divisible_by,
-                                     tensor_parallel=tp)
-        tp_params = num_parameters(cfg.model, padded_vocab=tp_vocab)
-        for recompute in (False, True) if not cfg.model.recompute else (True,):
-            if _memory_gib(cfg, platform, params=tp_params, vocab=tp_vocab, tp=tp, recompute=recompute) <= have:
-                extra = " --set model.recompute=true" if recompute and not cfg.model.recompute else ""
-                options.append(f"--set parallel.tensor={tp}{extra}")
-                break
-        if options:
-            break
-    if not cfg.model.recompute and _memory_gib(cfg, platform, params=params,
-                                                vocab=padded_vocab_size(
-                                                    cfg.model.vocab_size,
-                                                    divisible_by=cfg.model.make_vocab_size_divisible_by,
-                                                    tensor_parallel=cfg.parallel.tensor),
-                                                tp=cfg.parallel.tensor, recompute=True) <= have:
-        options.insert(0, "--set model.recompute=true")
-    if options:
-        return head + "use " + " or ".join(options)
-    return head + ("it does not fit at any tensor-parallel size this platform allows; use a platform with "
-                   "more memory per worker or a smaller model (pipeline parallelism is not available yet)")

@@ -85,6 +85,11 @@ def stage_layouts(num_layers: int, *, pipeline: int, virtual: int = 1, first_sta
     """Every virtual stage of the pipeline, in stage order."""
     ranges = split_layers(num_layers, pipeline=pipeline, virtual=virtual, first_stage_layers=first_stage_layers,
                           last_stage_layers=last_stage_layers)
+    return stage_layouts_of(ranges, pipeline=pipeline)
+
+
+def stage_layouts_of(ranges: list[range], *, pipeline: int) -> list[StageLayout]:
+    """The virtual stages of a layer split already made (a plan's stage_layers), in stage order."""
     last = len(ranges) - 1
     return [StageLayout(index=s, pp_rank=s % pipeline, chunk=s // pipeline, layers=layers, first=s == 0,
                         last=s == last) for s, layers in enumerate(ranges)]

@@ -24,7 +24,7 @@ from megatron_hpc.config.schema import RunConfig
 from megatron_hpc.errors import PlanError
 from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.parallel.device import init_method, keep_freed_memory, resolve_device, set_cpu_threads
-from megatron_hpc.plan.planner import check_data_source, check_torchrun_world
+from megatron_hpc.plan.planner import check_data_source, check_pipeline_runtime, check_torchrun_world
 from megatron_hpc.plan.spec import RunSpec, plan_run
 from megatron_hpc.train.loop import train
 from megatron_hpc.train.precision import set_xla_precision_env
@@ -80,6 +80,7 @@ def run_training(spec: RunSpec, *, phase: Literal["compile", "run"] = "run", run
     env = read_dist_env()
     check_torchrun_world(plan, world_size=env.world_size, local_world_size=env.local_world_size)
     check_data_source(plan)
+    check_pipeline_runtime(plan)
     # The configured precision decides, not XLA_USE_BF16 left in the environment: set before torch_xla reads it.
     warning = set_xla_precision_env(spec.config.train.precision) if plan.backend == "xla" else None
     if warning and env.rank == 0:

@@ -22,7 +22,7 @@ from megatron_hpc.parallel.pipeline import PipelineRunner, to_all_stages
 from megatron_hpc.plan.model_math import num_parameters
 from megatron_hpc.plan.planner import Plan
 from megatron_hpc.plan.spec import RunSpec
-from megatron_hpc.plan.stages import StageLayout, rank_stages, stage_layouts
+from megatron_hpc.plan.stages import StageLayout, rank_stages, stage_layouts_of
 from megatron_hpc.train.checkpointing import Checkpointer, checkpoint_roots
 from megatron_hpc.train.evaluate import build_evaluator
 from megatron_hpc.train.init_skip import skip_random_init
@@ -66,15 +66,12 @@ def build_model(model_cfg: ModelConfig, ctx: ParallelContext, *, padded_vocab: i
     return model.to(device)
 
 
-def pipeline_stages(spec: RunSpec, ctx: ParallelContext) -> list[StageLayout] | None:
-    """This pipeline rank's virtual stages (None without pipelining: the whole model)."""
+def pipeline_stages(plan: Plan, ctx: ParallelContext) -> list[StageLayout] | None:
+    """This pipeline rank's virtual stages, from the plan's layer split (None without pipelining: the whole
+    model)."""
     if ctx.pp_size == 1:
         return None
-    par = spec.config.parallel
-    layouts = stage_layouts(spec.config.model.num_layers, pipeline=ctx.pp_size, virtual=par.virtual_pipeline,
-                            first_stage_layers=par.pipeline_first_stage_layers,
-                            last_stage_layers=par.pipeline_last_stage_layers)
-    return rank_stages(layouts, ctx.pp_rank)
+    return rank_stages(stage_layouts_of(plan.stage_ranges, pipeline=ctx.pp_size), ctx.pp_rank)
 
 
 def _build_data(spec: RunSpec, ctx: ParallelContext) -> SyntheticTokens | IndexedBatches:
@@ -110,14 +107,14 @@ def train(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, phase: Pha
     ckpt = Checkpointer(spec, ctx, device=device, save_root=save_root, load_root=load_root, out=out)
     resuming = ckpt.has_checkpoint()  # then the random init would be thrown away: skip it
     model = build_model(cfg.model, ctx, padded_vocab=plan.padded_vocab_size, seed=tcfg.seed, device=device.device,
-                        from_checkpoint=resuming, stages=pipeline_stages(spec, ctx))
+                        from_checkpoint=resuming, stages=pipeline_stages(plan, ctx))
     if ctx.is_first_rank:
         print(_banner(spec, ctx, model=model, device=device, phase=phase, num_steps=num_steps,
                       autocast_dtype=autocast_dtype), file=out, flush=True)
     pipeline = None
     if ctx.pp_size > 1:
         pipeline = PipelineRunner(model, ctx, num_micro_batches=plan.num_micro_batches,
-                                  schedule=cfg.parallel.pipeline_schedule, device=device.device,
+                                  schedule=plan.pipeline_schedule, device=device.device,
                                   compile_chunks=tcfg.compile and device.kind != "xla")
     step_model = torch.compile(model) if tcfg.compile and device.kind != "xla" and pipeline is None else model
     optimizer = build_optimizer(model, optim=cfg.optim)

@@ -65,7 +65,7 @@ def test_synthetic_data_on_a_real_cluster_is_said_loudly(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("bad", ["optim.lr=-1", "train.num_steps=0", "model.num_attention_heads=0",
-                                 "parallel.tensor=0", "model.vocab_size=0"])
+                                 "parallel.tensor=-1", "model.vocab_size=0"])
 def test_bad_values_are_one_line_before_anything_is_written(tmp_path, capsys, bad):
     out = tmp_path / "d"
     assert main(["submit", "--recipe", "tiny", "--dry-run", "--out", str(out), "--set", bad]) == 1

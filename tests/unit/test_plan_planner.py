@@ -96,9 +96,12 @@ def test_model_too_big_suggests_tp_or_recompute():
     assert "--set parallel.tensor=" in str(info.value)
 
 
-def test_model_that_fits_nowhere_says_so():
-    with pytest.raises(PlanError, match="does not fit at any tensor-parallel size"):
-        plan("gpt3_310.1b", 64, "trn2")
+def test_model_that_fits_nowhere_at_pp_1_points_at_pipelining():
+    # 310.1B at TP 64 alone does not fit a trn2 worker; the planner's own choice pipelines it.
+    with pytest.raises(PlanError) as info:
+        plan("gpt3_310.1b", 64, "trn2", ["parallel.pipeline=1"])
+    assert "no TP x PP works for gpt3_310.1b on 64 x trn2 (parallel.tensor=any, parallel.pipeline=1)" in str(info.value)
+    assert "--set parallel.tensor=0 --set parallel.pipeline=0 (the planner then picks TP 8 x PP 32)" in str(info.value)
 
 
 def test_workers_per_node_any_on_cpu_and_at_most_the_devices_elsewhere():
@@ -132,7 +135,7 @@ def test_plan_scales(platform, nodes):
     ("optim.lr", "0", "optim.lr=0.0 must be above 0"),
     ("train.num_steps", "0", "train.num_steps=0 must be at least 1"),
     ("model.vocab_size", "0", "model.vocab_size=0 must be at least 1"),
-    ("parallel.tensor", "0", "parallel.tensor=0 must be at least 1"),
+    ("parallel.tensor", "-1", "parallel.tensor=-1 must be 0 (the planner chooses) or more"),
     ("model.num_attention_heads", "0", "model.num_attention_heads=0 must be at least 1"),
     ("train.micro_batch_size", "-2", "train.micro_batch_size=-2 must be at least 1"),
     ("model.hidden_dropout", "1.5", "model.hidden_dropout=1.5 must be in [0, 1)"),
@@ -145,11 +148,13 @@ def test_values_that_only_fail_later_are_refused_in_one_line(key, value, expecte
     assert expected in str(info.value) and "\n" not in str(info.value)
 
 
-def test_pipeline_is_a_mesh_dimension_refused_above_one_for_now():
+def test_pipeline_is_a_mesh_dimension_planned_above_one():
     p = plan("tiny", 1, "cpu")
     assert p.pipeline_parallel == 1 and p.mesh.sizes == {"tp": 1, "dp": 1, "pp": 1}
-    with pytest.raises(PlanError, match=r"parallel\.pipeline=2: pipeline parallelism is not available yet"):
-        plan("tiny", 1, "cpu", ["parallel.pipeline=2"])
+    assert (p.stage_layers, p.bubble_fraction, p.virtual_pipeline, p.pipeline_schedule) == ([[0, 4]], 0.0, 1, "1f1b")
+    p = plan("tiny", 1, "cpu", ["launch.workers_per_node=2", "parallel.pipeline=2"])
+    assert p.mesh.sizes == {"tp": 1, "dp": 1, "pp": 2} and p.stage_layers == [[0, 2], [2, 4]]
+    assert p.num_micro_batches == 2 and p.bubble_fraction == pytest.approx(1 / 3)  # (p - 1) / (m + p - 1)
 
 
 def test_data_source_resolution():

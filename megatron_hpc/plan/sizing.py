@@ -1,0 +1,280 @@
+"""TP x PP x DP for a recipe on a cluster: the recipe's sizes, checked, or the planner's choice. Pure.
+
+A size of 0 in the recipe (parallel.tensor, parallel.pipeline) lets the planner choose it the way table 1 of
+Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training on GPU Clusters") is laid out: tensor
+parallelism inside a node, pipeline parallelism across nodes, data parallelism with what is left. Their takeaways
+give the order: TP up to the 8 GPUs of a server before pipelining (1), and a model-parallel size no larger than
+the parameters and activations need (2). So the search takes the smallest PP at which some TP fits, and there the
+smallest TP that fits, first among TP <= 8 and only then among the wider TP sizes a node allows (Trainium nodes
+have 32 or 64 workers; Neuron's own NeMo run of GPT-NeoX 20B also stays at TP 8 and pipelines, TP 8 x PP 4). On
+p5 (8 x 80 GB) this reproduces the table: 1.7B TP 1, 3.6B TP 2, 7.5B TP 4, 18.4B TP 8, 39.1B..310.1B TP 8 x PP
+2, 4, 8, 16. A mesh must also leave room for the global batch: one micro-batch per stage for every data-parallel
+replica (at hundreds of Trainium nodes this, not memory, is what widens TP).
+
+A candidate mesh must divide the world, split the layers evenly into its stages (plan/stages.py), split the global
+batch into micro-batches (at least one per stage, a multiple of the stages when interleaved) and fit in memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from megatron_hpc.config.platforms import Platform
+from megatron_hpc.config.schema import RunConfig
+from megatron_hpc.errors import PlanError
+from megatron_hpc.plan.batch import num_micro_batches
+from megatron_hpc.plan.memory import MemoryEstimate, PipelineShape, estimate_memory
+from megatron_hpc.plan.mesh import Mesh
+from megatron_hpc.plan.stages import split_layers
+from megatron_hpc.plan.vocab import padded_vocab_size
+
+USABLE_MEMORY_FRACTION = 0.9
+"""Share of a worker's device memory a plan may fill. The rest is for what the estimate leaves out: the runtime
+(CUDA context and NCCL buffers, the Neuron runtime's scratchpad), the caching allocator's fragmentation and the
+small tensors of plan/memory.py's simplifications. A planning margin, not a measured figure."""
+
+TP_BEFORE_PIPELINING = 8
+"""The widest TP the planner tries before pipelining (Narayanan et al. 2021, takeaway 1: TP up to the 8 GPUs of
+a server, then PP across servers); wider TP inside a node is the fallback when nothing fits below it."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Sizes:
+    """One mesh that works for the recipe, with what the plan reports about it."""
+
+    mesh: Mesh
+    num_micro_batches: int
+    stage_layers: tuple[range, ...]
+    """Global layer indices of each virtual stage, in stage order."""
+    padded_vocab: int
+    memory: MemoryEstimate
+
+
+def usable_gib(platform: Platform) -> float:
+    return platform.memory_per_worker_gib * USABLE_MEMORY_FRACTION
+
+
+def memory_for(cfg: RunConfig, platform: Platform, *, tp: int, pp: int, micro_batches: int,
+               recompute: bool | None = None) -> MemoryEstimate:
+    """The heaviest pipeline rank's estimate at TP tp x PP pp (the layers must split: see stage_ranges)."""
+    model = cfg.model if recompute is None else dataclasses.replace(cfg.model, recompute=recompute)
+    shape = PipelineShape(stage_layers=tuple(len(s) for s in stage_ranges(cfg, pp=pp)), pipeline=pp,
+                          virtual=cfg.parallel.virtual_pipeline, schedule=cfg.parallel.pipeline_schedule,
+                          num_micro_batches=micro_batches)
+    return estimate_memory(model, padded_vocab=_vocab(cfg, tp), tensor_parallel=tp,
+                           micro_batch=cfg.train.micro_batch_size, precision=cfg.train.precision,
+                           backend=platform.backend, pipeline=shape)
+
+
+def stage_ranges(cfg: RunConfig, *, pp: int) -> tuple[range, ...]:
+    """Layers of each virtual stage at PP pp (plan/stages.py); PlanError with the fix when they do not split."""
+    par = cfg.parallel
+    return tuple(split_layers(cfg.model.num_layers, pipeline=pp, virtual=par.virtual_pipeline,
+                              first_stage_layers=par.pipeline_first_stage_layers,
+                              last_stage_layers=par.pipeline_last_stage_layers))
+
+
+def _vocab(cfg: RunConfig, tp: int) -> int:
+    return padded_vocab_size(cfg.model.vocab_size, divisible_by=cfg.model.make_vocab_size_divisible_by,
+                             tensor_parallel=tp)
+
+
+def _fit(cfg: RunConfig, platform: Platform, *, num_nodes: int, per_node: int, tp: int,
+         pp: int) -> Sizes | MemoryEstimate:
+    """The mesh if it works, its memory estimate if only memory is short; PlanError for anything else."""
+    world = num_nodes * per_node
+    if world % (tp * pp):
+        nodes_step = tp * pp // math.gcd(tp * pp, per_node)
+        fits = pipeline_candidates(cfg, world=world, tp=tp)
+        raise PlanError(f"TP {tp} x PP {pp} = {tp * pp} does not divide the {world} workers of {num_nodes} x "
+                        f"{platform.name} ({per_node} per node), so DP would not be an integer; use --nodes a "
+                        f"multiple of {nodes_step}, or --set parallel.pipeline=N with N in "
+                        f"{{{', '.join(map(str, fits))}}} (0 lets the planner choose)")
+    stages = stage_ranges(cfg, pp=pp)
+    mesh = Mesh(num_nodes=num_nodes, workers_per_node=per_node, tensor_parallel=tp, pipeline_parallel=pp)
+    micro = num_micro_batches(global_batch=cfg.train.global_batch_size, micro_batch=cfg.train.micro_batch_size,
+                              data_parallel=mesh.data_parallel)
+    check_micro_batches(cfg, pp=pp, micro_batches=micro, data_parallel=mesh.data_parallel)
+    estimate = memory_for(cfg, platform, tp=tp, pp=pp, micro_batches=micro)
+    if estimate.total_gib > usable_gib(platform):
+        return estimate
+    return Sizes(mesh=mesh, num_micro_batches=micro, stage_layers=stages, padded_vocab=_vocab(cfg, tp),
+                 memory=estimate)
+
+
+def check_micro_batches(cfg: RunConfig, *, pp: int, micro_batches: int, data_parallel: int) -> None:
+    """PlanError unless the pipeline has a micro-batch per stage (and interleaving a multiple of the stages)."""
+    if pp == 1:
+        return
+    per_micro = cfg.train.micro_batch_size * data_parallel
+    if micro_batches < pp:
+        raise PlanError(f"train.global_batch_size={cfg.train.global_batch_size} gives {micro_batches} micro-batch(es) "
+                        f"per step (micro {cfg.train.micro_batch_size} x DP {data_parallel}), fewer than the {pp} "
+                        f"pipeline stages, and the pipeline needs at least one per stage; use --set "
+                        f"train.global_batch_size={per_micro * pp} (or a larger multiple of {per_micro}), or a "
+                        "smaller parallel.pipeline")
+    if cfg.parallel.virtual_pipeline > 1 and micro_batches % pp:
+        up = -(-micro_batches // pp) * pp
+        raise PlanError(f"parallel.virtual_pipeline={cfg.parallel.virtual_pipeline}: the interleaved schedule needs "
+                        f"the micro-batches per step ({micro_batches}) to be a multiple of parallel.pipeline={pp} "
+                        f"(Megatron's rule, and torch's ScheduleInterleaved1F1B's); use --set "
+                        f"train.global_batch_size={per_micro * up}, or parallel.virtual_pipeline=1")
+
+
+def tensor_candidates(cfg: RunConfig, platform: Platform, *, per_node: int) -> list[int]:
+    """TP sizes that divide workers per node, heads and FFN size and that the runtime supports, ascending."""
+    choices = platform.tp_choices or tuple(range(1, per_node + 1))
+    return [t for t in choices if per_node % t == 0 and cfg.model.num_attention_heads % t == 0
+            and cfg.model.ffn_size % t == 0]
+
+
+def pipeline_candidates(cfg: RunConfig, *, world: int, tp: int) -> list[int]:
+    """PP sizes that leave an integer DP at TP tp and split the layers evenly, ascending."""
+    slots = world // tp
+    return [p for p in range(1, min(slots, cfg.model.num_layers) + 1) if slots % p == 0 and _splits(cfg, p)]
+
+
+def _splits(cfg: RunConfig, pp: int) -> bool:
+    try:
+        stage_ranges(cfg, pp=pp)
+    except PlanError:
+        return False
+    return True
+
+
+def check_mesh(cfg: RunConfig, platform: Platform, *, num_nodes: int, per_node: int, tp: int, pp: int) -> Sizes:
+    """The recipe's own TP x PP, checked in the order a user fixes it: PlanError with the fix at the first problem."""
+    result = _fit(cfg, platform, num_nodes=num_nodes, per_node=per_node, tp=tp, pp=pp)
+    if isinstance(result, MemoryEstimate):
+        raise PlanError(memory_advice(cfg, platform, num_nodes=num_nodes, per_node=per_node, tp=tp, pp=pp,
+                                      need=result))
+    return result
+
+
+def choose_sizes(cfg: RunConfig, platform: Platform, *, num_nodes: int, per_node: int) -> Sizes:
+    """The recipe's TP x PP checked, or with 0 for either, the first that works in the module's search order."""
+    tp_fixed, pp_fixed = cfg.parallel.tensor, cfg.parallel.pipeline
+    if tp_fixed and pp_fixed:
+        return check_mesh(cfg, platform, num_nodes=num_nodes, per_node=per_node, tp=tp_fixed, pp=pp_fixed)
+    world = num_nodes * per_node
+    tps = [tp_fixed] if tp_fixed else tensor_candidates(cfg, platform, per_node=per_node)
+    if pp_fixed:  # the recipe's PP must split the layers and the world before TP is searched
+        stage_ranges(cfg, pp=pp_fixed)
+        if all(world % (t * pp_fixed) for t in tps):
+            _fit(cfg, platform, num_nodes=num_nodes, per_node=per_node, tp=tps[0], pp=pp_fixed)  # raises
+    leanest: tuple[int, int, MemoryEstimate] | None = None
+    too_many_replicas = False
+    for tier in ([t for t in tps if t <= TP_BEFORE_PIPELINING], [t for t in tps if t > TP_BEFORE_PIPELINING]):
+        pps = sorted({p for t in tier for p in ([pp_fixed] if pp_fixed else pipeline_candidates(cfg, world=world,
+                                                                                                  tp=t))})
+        for pp in pps:
+            for tp in tier:
+                if world % (tp * pp):
+                    continue
+                per_micro = cfg.train.micro_batch_size * world // (tp * pp)
+                if per_micro * pp > cfg.train.global_batch_size:
+                    too_many_replicas = True  # not even one micro-batch per stage: more model parallelism
+                    continue
+                estimate = memory_for(cfg, platform, tp=tp, pp=pp,
+                                      micro_batches=cfg.train.global_batch_size // per_micro)
+                if estimate.total_gib <= usable_gib(platform):
+                    # The first mesh with room for the batch and the model; a batch that does not divide into its
+                    # micro-batches is the recipe's to fix (check_mesh says how), not a reason to pipeline more.
+                    return check_mesh(cfg, platform, num_nodes=num_nodes, per_node=per_node, tp=tp, pp=pp)
+                if leanest is None or estimate.total_gib < leanest[2].total_gib:
+                    leanest = (tp, pp, estimate)
+    raise PlanError(_nothing_fits(cfg, platform, num_nodes=num_nodes, per_node=per_node, leanest=leanest,
+                                  too_many_replicas=too_many_replicas))
+
+
+def _nothing_fits(cfg: RunConfig, platform: Platform, *, num_nodes: int, per_node: int,
+                  leanest: tuple[int, int, MemoryEstimate] | None, too_many_replicas: bool) -> str:
+    sizes = (f"parallel.tensor={cfg.parallel.tensor or 'any'}, parallel.pipeline={cfg.parallel.pipeline or 'any'}")
+    what = f"no TP x PP works for {cfg.name} on {num_nodes} x {platform.name} ({sizes})"
+    if too_many_replicas:
+        batch = smallest_global_batch(cfg, platform, num_nodes=num_nodes, per_node=per_node)
+        if batch is not None:
+            return (f"{what}: train.global_batch_size={cfg.train.global_batch_size} is too small for "
+                    f"{num_nodes * per_node} workers: every data-parallel replica needs a micro-batch of "
+                    f"{cfg.train.micro_batch_size} per pipeline stage, and no mesh that fits in memory has so few "
+                    f"replicas; use --set train.global_batch_size={batch}, or fewer nodes")
+    if leanest is None:
+        return f"{what}: the global batch is too small for every mesh; use fewer nodes or a larger global batch"
+    tp, pp, need = leanest
+    free = _free_choice(cfg, platform, num_nodes=num_nodes, per_node=per_node)
+    fixes = [free] if free else []
+    if not cfg.model.recompute:
+        try:
+            choose_sizes(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, recompute=True)), platform,
+                         num_nodes=num_nodes, per_node=per_node)
+            fixes.append("--set model.recompute=true")
+        except PlanError:
+            pass
+    fixes += ["a platform with more memory per worker, or a smaller model"]
+    return (f"{what}: the leanest, TP {tp} x PP {pp}, needs about {need.total_gib:.1f} GiB per worker but a "
+            f"{platform.name} worker has {platform.memory_per_worker_gib:g} GiB ({usable_gib(platform):.1f} for the "
+            f"plan); use {' or '.join(fixes)}")
+
+
+def _free_choice(cfg: RunConfig, platform: Platform, *, num_nodes: int, per_node: int) -> str | None:
+    """The --set that lets the planner choose both sizes, when the recipe pins one and the free choice works."""
+    if not (cfg.parallel.tensor or cfg.parallel.pipeline):
+        return None
+    free = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tensor=0, pipeline=0))
+    try:
+        chosen = choose_sizes(free, platform, num_nodes=num_nodes, per_node=per_node)
+    except PlanError:
+        return None
+    return (f"--set parallel.tensor=0 --set parallel.pipeline=0 (the planner then picks TP "
+            f"{chosen.mesh.tensor_parallel} x PP {chosen.mesh.pipeline_parallel})")
+
+
+def smallest_global_batch(cfg: RunConfig, platform: Platform, *, num_nodes: int, per_node: int) -> int | None:
+    """The smallest global batch >= the recipe's at which some mesh fits; None when memory rules out every mesh."""
+    world, micro = num_nodes * per_node, cfg.train.micro_batch_size
+    best = None
+    tps = [cfg.parallel.tensor] if cfg.parallel.tensor else tensor_candidates(cfg, platform, per_node=per_node)
+    for tp in tps:
+        pps = [cfg.parallel.pipeline] if cfg.parallel.pipeline else pipeline_candidates(cfg, world=world, tp=tp)
+        for pp in pps:
+            if world % (tp * pp) or not _splits(cfg, pp):
+                continue
+            per_step = micro * world // (tp * pp)  # samples of one micro-batch over all DP replicas
+            steps = max(pp, -(-cfg.train.global_batch_size // per_step))
+            if cfg.parallel.virtual_pipeline > 1:
+                steps = -(-steps // pp) * pp
+            if best is not None and steps * per_step >= best:
+                continue
+            if memory_for(cfg, platform, tp=tp, pp=pp, micro_batches=steps).total_gib <= usable_gib(platform):
+                best = steps * per_step
+    return best
+
+
+def memory_advice(cfg: RunConfig, platform: Platform, *, num_nodes: int, per_node: int, tp: int, pp: int,
+                  need: MemoryEstimate) -> str:
+    """Why the recipe's TP tp x PP pp does not fit in memory, and the changes that make it fit."""
+    head = (f"{cfg.name} needs about {need.total_gib:.1f} GiB per worker at parallel.tensor={tp} x "
+            f"parallel.pipeline={pp} (weights, grads, Adam states and activations of pipeline rank {need.pp_rank}), "
+            f"but a {platform.name} worker has {platform.memory_per_worker_gib:g} GiB "
+            f"({usable_gib(platform):.1f} for the plan); ")
+    options = []
+    micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * num_nodes * per_node // (tp * pp))
+    if not cfg.model.recompute and memory_for(cfg, platform, tp=tp, pp=pp, micro_batches=micro,
+                                              recompute=True).total_gib <= usable_gib(platform):
+        options.append("--set model.recompute=true")
+    world = num_nodes * per_node
+    for wider in tensor_candidates(cfg, platform, per_node=per_node):
+        if wider > tp and world % (wider * pp) == 0:
+            wider_micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * world // (wider * pp))
+            if memory_for(cfg, platform, tp=wider, pp=pp, micro_batches=max(1, wider_micro)).total_gib <= \
+                    usable_gib(platform):
+                options.append(f"--set parallel.tensor={wider}")
+                break
+    free = _free_choice(cfg, platform, num_nodes=num_nodes, per_node=per_node)
+    options += [free] if free else []
+    if options:
+        return head + "use " + " or ".join(options)
+    return head + (f"it does not fit at any TP x PP that {num_nodes} x {platform.name} allows; use a platform with "
+                   "more memory per worker, or a smaller model")
