@@ -1,10 +1,11 @@
 """Pipeline parallelism: this rank's stages run by torch.distributed.pipelining's schedules.
 
 torch maintains the stages' send/recv and the schedules: Schedule1F1B (PipeDream-flush), ScheduleInterleaved1F1B
-(Megatron's interleaved 1F1B over virtual stages, virtual stage s on pipeline rank s % p) and ScheduleGPipe (all
-forward, then all backward; for debugging). They compose with our tensor-parallel layers because every TP rank of a
-stage runs the same schedule, so the TP collectives inside a stage's forward and backward are issued in the same
-order on all of them; the stages talk over this rank's pipeline group, a gloo or NCCL group like any other.
+(Megatron's interleaved 1F1B over virtual stages, virtual stage s on pipeline rank s % p), ScheduleGPipe (all
+forward, then all backward; for debugging) and ScheduleLoopedBFS, its form for several stages per rank. They compose
+with our tensor-parallel layers because every TP rank of a stage runs the same schedule, so the TP collectives inside
+a stage's forward and backward are issued in the same order on all of them; the stages talk over this rank's
+pipeline group, a gloo or NCCL group like any other.
 
 What we add around the schedule: the loss (vocab-parallel cross entropy, pre-divided by the micro-batch count so
 that the gradients sum exactly as the one-process step's do: scale_grads is off), the all-reduce of the tied
@@ -20,7 +21,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
+)
 
 from megatron_hpc.model.gpt import GPT
 from megatron_hpc.parallel.context import ParallelContext
@@ -60,7 +67,8 @@ class PipelineRunner:
                   for chunk, layout in zip(chunks, model.stages)]
         common: dict[str, Any] = {"n_microbatches": num_micro_batches, "loss_fn": self.loss, "scale_grads": False}
         if len(stages) > 1:
-            self.schedule = ScheduleInterleaved1F1B(stages, **common)
+            multi = ScheduleLoopedBFS if schedule == "afab" else ScheduleInterleaved1F1B
+            self.schedule = multi(stages, **common)
         elif schedule == "afab":
             self.schedule = ScheduleGPipe(stages[0], **common)
         else:

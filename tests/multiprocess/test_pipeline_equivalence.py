@@ -23,6 +23,7 @@ RUNS: dict[str, tuple[int, dict, str]] = {
     "pp2": (2, {"pp": 2}, ""),
     "pp2_v2": (2, {"pp": 2, "virtual": 2}, ""),
     "pp2_afab": (2, {"pp": 2, "schedule": "afab"}, ""),
+    "pp2_v2_afab": (2, {"pp": 2, "virtual": 2, "schedule": "afab"}, ""),
     "pp2_uneven": (2, {"pp": 2, "first": 1, "last": 3}, ""),
     "pp2_untied_rope": (2, {"pp": 2, "tied": False, "rope": True}, ""),
     "pp2_no_embedding_allreduce": (2, {"pp": 2}, "no_embedding_allreduce"),
@@ -69,7 +70,8 @@ def test_reference_run_learns(runs: dict[str, list[dict]]) -> None:
 
 
 SAME = [("pp2", "dense"), ("pp4", "dense"), ("pp2_tp2", "dense"), ("pp2_dp2", "dense"), ("pp2_v2", "dense"),
-        ("pp2_afab", "dense"), ("pp2_uneven", "dense"), ("pp2_untied_rope", "dense_untied_rope")]
+        ("pp2_afab", "dense"), ("pp2_v2_afab", "dense"), ("pp2_uneven", "dense"),
+        ("pp2_untied_rope", "dense_untied_rope")]
 
 
 @pytest.mark.parametrize(("name", "reference"), SAME)
