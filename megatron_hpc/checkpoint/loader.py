@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_hpc.checkpoint import paths
+from megatron_hpc.checkpoint.compat import PipelineLayout, check_fits
 from megatron_hpc.checkpoint.manifest import Manifest, read_manifest
 from megatron_hpc.checkpoint.ranks import RankInfo
 from megatron_hpc.checkpoint.saver import complete_iterations
@@ -80,25 +81,26 @@ def find_checkpoint(root: Path, *, quiet: bool = False) -> FoundCheckpoint | Non
                           "complete checkpoint before it; delete the tracker to start from scratch")
 
 
-def check_mesh(found: FoundCheckpoint, *, tensor_parallel: int) -> None:
-    saved = found.manifest.tensor_parallel
-    if saved != tensor_parallel:
-        raise CheckpointError(f"{found.folder} was saved with tensor_parallel={saved} but this run has "
-                              f"tensor_parallel={tensor_parallel}; set parallel.tensor={saved}, or convert it "
-                              f"with `megatron-hpc ckpt reshard {found.folder} --tensor-parallel "
-                              f"{tensor_parallel}`")
+def check_mesh(found: FoundCheckpoint, *, tensor_parallel: int, layout: PipelineLayout | None = None) -> None:
+    """CheckpointError with the `ckpt reshard` command when `found` was saved at another TP size or pipeline
+    layout (default layout: no pipeline)."""
+    check_fits(found.folder, found.manifest, tensor_parallel=tensor_parallel, layout=layout or PipelineLayout())
 
 
-def read_shard(found: FoundCheckpoint, *, tp_rank: int, verify: bool = True) -> Any:
-    """This TP rank's state (CPU tensors), every file checked against the manifest."""
+def read_shard(found: FoundCheckpoint, *, tp_rank: int, pp_rank: int = 0, verify: bool = True) -> Any:
+    """The state of one TP x PP rank (CPU tensors), every file checked against the manifest."""
     files = {found.folder / rel: rec for rel, rec in found.manifest.files.items()} if verify else None
-    return read_xser(paths.main_file(found.folder, tp_rank), files=files)
+    main = paths.main_file(found.folder, tp_rank, pp_rank, pp_size=found.manifest.pipeline_parallel)
+    return read_xser(main, files=files)
 
 
-def load_checkpoint(root: Path, *, ranks: RankInfo, io_workers_per_node: int = 4) -> tuple[FoundCheckpoint, Any] | None:
+def load_checkpoint(root: Path, *, ranks: RankInfo, io_workers_per_node: int = 4,
+                    layout: PipelineLayout | None = None) -> tuple[FoundCheckpoint, Any] | None:
     """Every rank calls it: None when there is no checkpoint, else the checkpoint and this rank's state.
 
-    Ranks read in phases of io_workers_per_node per node, with a barrier between phases and no
+    Each rank reads its (TP, PP) file. `layout`: the run's pipeline layout (default: ranks.pp_size stages, split
+    evenly); a checkpoint saved at another TP size or layout is refused with the reshard command. Every rank of a
+    node reads, in phases of io_workers_per_node ranks by local rank, with a barrier between phases and no
     other collective inside them (the reference's load deadlocked on one: neuron-xla.md 1.3 (b)).
     """
     found = find_checkpoint(root, quiet=ranks.rank != 0)
@@ -108,7 +110,7 @@ def load_checkpoint(root: Path, *, ranks: RankInfo, io_workers_per_node: int = 4
                               "is another job writing there? Point checkpoint.load at a stable folder")
     if found is None:
         return None
-    check_mesh(found, tensor_parallel=ranks.tp_size)
+    check_mesh(found, tensor_parallel=ranks.tp_size, layout=layout or PipelineLayout(pipeline=ranks.pp_size))
     phases = paths.num_io_phases(ranks_per_node=ranks.ranks_per_node, io_workers_per_node=io_workers_per_node)
     my_phase = paths.io_phase(local_index=ranks.local_rank, io_workers_per_node=io_workers_per_node)
     state: Any = None
@@ -116,7 +118,7 @@ def load_checkpoint(root: Path, *, ranks: RankInfo, io_workers_per_node: int = 4
     for phase in range(phases):
         if phase == my_phase:
             try:
-                state = read_shard(found, tp_rank=ranks.tp_rank)
+                state = read_shard(found, tp_rank=ranks.tp_rank, pp_rank=ranks.pp_rank)
             except CheckpointError as exc:
                 error = exc
         ranks.all_ok(True)  # barrier only: ends the phase

@@ -56,6 +56,15 @@ class Manifest:
     """xser or torch."""
     tensor_parallel: int
     """TP size of the run that wrote it; loading needs the same."""
+    pipeline_parallel: int = 1
+    """PP size of the run that wrote it (one mp_rank_XX_YYY folder per TP x PP rank); loading needs the same.
+    Manifests written before pipeline parallelism have none: 1."""
+    virtual_pipeline: int = 1
+    """Model chunks per pipeline rank; with the two below it decides which layers each pipeline rank's file holds."""
+    pipeline_first_stage_layers: int = 0
+    """Layers on the first stage when uneven (0: even split)."""
+    pipeline_last_stage_layers: int = 0
+    """Layers on the last stage when uneven (0: even split)."""
     data_parallel: int
     """DP size of the run that wrote it (informational: any DP size can load it)."""
     world_size: int
@@ -86,7 +95,11 @@ def read_manifest(ckpt_dir: Path) -> Manifest:
         files = {str(k): FileRecord.from_json(v) for k, v in data.pop("files").items()}
         return Manifest(iteration=int(data["iteration"]), format=str(data["format"]),
                         tensor_parallel=int(data["tensor_parallel"]), data_parallel=int(data["data_parallel"]),
-                        world_size=int(data["world_size"]), files=files)
+                        world_size=int(data["world_size"]), files=files,
+                        pipeline_parallel=int(data.get("pipeline_parallel", 1)),
+                        virtual_pipeline=int(data.get("virtual_pipeline", 1)),
+                        pipeline_first_stage_layers=int(data.get("pipeline_first_stage_layers", 0)),
+                        pipeline_last_stage_layers=int(data.get("pipeline_last_stage_layers", 0)))
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing, so {ckpt_dir} is incomplete (a save did not finish); "
                               "load an earlier checkpoint or delete the folder") from None

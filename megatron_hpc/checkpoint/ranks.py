@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_hpc.checkpoint import paths
 from megatron_hpc.parallel.context import ParallelContext
 
 _CPU = torch.device("cpu")
@@ -26,6 +27,8 @@ class RankInfo:
     tp_size: int = 1
     dp_rank: int = 0
     dp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
     local_rank: int = 0
     """Index of this rank on its node."""
     ranks_per_node: int = 1
@@ -36,13 +39,27 @@ class RankInfo:
     @classmethod
     def of(cls, ctx: ParallelContext, *, device: torch.device) -> RankInfo:
         return cls(rank=ctx.rank, world_size=ctx.world_size, tp_rank=ctx.tp_rank, tp_size=ctx.tp_size,
-                   dp_rank=ctx.dp_rank, dp_size=ctx.dp_size, local_rank=ctx.rank % ctx.mesh.workers_per_node,
-                   ranks_per_node=ctx.mesh.workers_per_node, device=device)
+                   dp_rank=ctx.dp_rank, dp_size=ctx.dp_size, pp_rank=ctx.pp_rank, pp_size=ctx.pp_size,
+                   local_rank=ctx.rank % ctx.mesh.workers_per_node, ranks_per_node=ctx.mesh.workers_per_node,
+                   device=device)
 
     @property
     def is_writer(self) -> bool:
-        """DP-rank 0 of each TP rank writes its mp_rank_XX folder (the reference's rule)."""
+        """DP-rank 0 of each (TP, PP) rank pair writes its mp_rank_XX[_YYY] folder (the reference's rule)."""
         return self.dp_rank == 0
+
+    def write_phase(self, io_workers_per_node: int) -> int:
+        """The save phase in which this writer writes: its index among its node's writers, io_workers_per_node
+        to a phase."""
+        index = paths.writer_local_index(rank=self.rank, ranks_per_node=self.ranks_per_node, tp_size=self.tp_size,
+                                         dp_size=self.dp_size)
+        return paths.io_phase(local_index=index, io_workers_per_node=io_workers_per_node)
+
+    def num_write_phases(self, io_workers_per_node: int) -> int:
+        """Phases of a save, the same on every rank (each ends in a barrier)."""
+        return paths.num_write_phases(world_size=self.world_size, ranks_per_node=self.ranks_per_node,
+                                      tp_size=self.tp_size, dp_size=self.dp_size,
+                                      io_workers_per_node=io_workers_per_node)
 
     def _all_reduce(self, value: float, op: dist.ReduceOp) -> float:
         if self.world_size == 1:

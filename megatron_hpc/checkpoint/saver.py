@@ -2,8 +2,9 @@
 
 Order (neuron-xla.md 1.3 lists the reference's race between the tensor writes and the tracker):
 1. rank 0 creates iter_XXXXXXX.tmp-<token> (and removes temp folders of saves that died);
-2. the DP-rank-0 rank of each TP rank writes mp_rank_XX there, at most io_workers_per_node ranks
-   of a node at a time (phases separated by barriers), fsyncing every file;
+2. the DP-rank-0 rank of each (TP, PP) rank pair writes mp_rank_XX (mp_rank_XX_YYY with pipeline
+   parallelism) there, at most io_workers_per_node writers of a node at a time (phases separated by
+   barriers), fsyncing every file;
 3. barrier; rank 0 writes manifest.json (size and crc32 of every file), renames the folder to
    iter_XXXXXXX, then writes the tracker atomically (temp file, fsync, os.replace);
 4. rank 0 deletes all but the newest checkpoint.keep_last complete checkpoints.
@@ -21,6 +22,7 @@ from typing import Any
 
 from megatron_hpc.atomic_write import write_text_atomic
 from megatron_hpc.checkpoint import paths
+from megatron_hpc.checkpoint.compat import PipelineLayout
 from megatron_hpc.checkpoint.file_io import Written, write_bytes_file
 from megatron_hpc.checkpoint.manifest import FileRecord, Manifest, write_manifest
 from megatron_hpc.checkpoint.ranks import RankInfo
@@ -44,29 +46,33 @@ def write_tracker(root: Path, iteration: int) -> None:
     _fsync_dir(root)
 
 
-def _write_rank(state: dict[str, Any], tmp: Path, *, tp_rank: int, fmt: str) -> None:
-    """This writer's mp_rank_XX folder plus mp_rank_XX.files.json (its files' records)."""
+def _write_rank(state: dict[str, Any], tmp: Path, *, tp_rank: int, pp_rank: int, pp_size: int, fmt: str) -> None:
+    """This writer's mp_rank_XX[_YYY] folder plus mp_rank_XX[_YYY].files.json (its files' records)."""
     records: dict[str, dict[str, Any]] = {}
 
     def on_written(path: Path, written: Written) -> None:  # called from the I/O threads; one key each
         records[path.relative_to(tmp).as_posix()] = FileRecord(size=written.size, crc32=written.crc32).to_json()
 
-    main = paths.main_file(tmp, tp_rank)
+    main = paths.main_file(tmp, tp_rank, pp_rank, pp_size=pp_size)
     main.parent.mkdir()
     (write_xser if fmt == "xser" else write_torch)(state, main, on_written=on_written)
-    partial = tmp / (paths.rank_dirname(tp_rank) + _PARTIAL)
+    partial = tmp / (paths.rank_dirname(tp_rank, pp_rank, pp_size=pp_size) + _PARTIAL)
     write_bytes_file(partial, json.dumps(records).encode("ascii"))
 
 
-def _finish(tmp: Path, root: Path, iteration: int, *, ranks: RankInfo, fmt: str) -> Path:
+def _finish(tmp: Path, root: Path, iteration: int, *, ranks: RankInfo, fmt: str, layout: PipelineLayout) -> Path:
     """Rank 0, after every writer finished: manifest, rename, tracker."""
     files: dict[str, FileRecord] = {}
-    for tp_rank in range(ranks.tp_size):
-        partial = tmp / (paths.rank_dirname(tp_rank) + _PARTIAL)
-        for rel, rec in json.loads(partial.read_text(encoding="ascii")).items():
-            files[rel] = FileRecord.from_json(rec)
-        partial.unlink()
+    for pp_rank in range(ranks.pp_size):
+        for tp_rank in range(ranks.tp_size):
+            partial = tmp / (paths.rank_dirname(tp_rank, pp_rank, pp_size=ranks.pp_size) + _PARTIAL)
+            for rel, rec in json.loads(partial.read_text(encoding="ascii")).items():
+                files[rel] = FileRecord.from_json(rec)
+            partial.unlink()
     write_manifest(tmp, Manifest(iteration=iteration, format=fmt, tensor_parallel=ranks.tp_size,
+                                 pipeline_parallel=ranks.pp_size, virtual_pipeline=layout.virtual,
+                                 pipeline_first_stage_layers=layout.first_stage_layers,
+                                 pipeline_last_stage_layers=layout.last_stage_layers,
                                  data_parallel=ranks.dp_size, world_size=ranks.world_size, files=files))
     _fsync_dir(tmp)
     final = paths.iteration_dir(root, iteration)
@@ -126,14 +132,18 @@ def _describe(exc: BaseException) -> str:
 
 
 def save_checkpoint(root: Path, iteration: int, state: dict[str, Any], *, ranks: RankInfo, fmt: str = "xser",
-                    io_workers_per_node: int = 4, keep_last: int = 0) -> Path:
-    """Write `state` (this rank's TP shard) as checkpoint `iteration` under `root`; every rank calls it.
+                    io_workers_per_node: int = 4, keep_last: int = 0, layout: PipelineLayout | None = None) -> Path:
+    """Write `state` (this rank's TP x PP shard) as checkpoint `iteration` under `root`; every rank calls it.
 
+    `layout`: the run's pipeline layout, recorded in the manifest (default: ranks.pp_size stages, split evenly).
     Returns the final folder. Raises CheckpointError on every rank when any rank failed; the
     previous checkpoint and the tracker are then untouched.
     """
     if fmt not in ("xser", "torch"):
         raise CheckpointError(f"checkpoint.format {fmt!r} is not supported; use xser or torch")
+    layout = layout or PipelineLayout(pipeline=ranks.pp_size)
+    if layout.pipeline != ranks.pp_size:
+        raise ValueError(f"layout has {layout.pipeline} pipeline stages, the mesh {ranks.pp_size}")
     token = ranks.shared_token()
     tmp = paths.temp_dir(root, iteration, token)
     error: BaseException | None = None
@@ -145,21 +155,20 @@ def save_checkpoint(root: Path, iteration: int, state: dict[str, Any], *, ranks:
         except OSError as exc:
             error = exc
     ok = ranks.all_ok(error is None)
-    # Writers are the first tp_size ranks (TP is contiguous, DP strided), so their index on the
-    # node is their local rank.
-    phases = paths.num_io_phases(ranks_per_node=max(ranks.tp_size, 1), io_workers_per_node=io_workers_per_node)
-    my_phase = paths.io_phase(local_index=ranks.local_rank, io_workers_per_node=io_workers_per_node)
+    # A writer's phase comes from its index among its node's writers (with PP they are not the node's first ranks).
+    phases = ranks.num_write_phases(io_workers_per_node)
+    my_phase = ranks.write_phase(io_workers_per_node) if ranks.is_writer else -1
     for phase in range(phases):
-        if ok and ranks.is_writer and phase == my_phase:
+        if ok and phase == my_phase:
             try:
-                _write_rank(state, tmp, tp_rank=ranks.tp_rank, fmt=fmt)
+                _write_rank(state, tmp, tp_rank=ranks.tp_rank, pp_rank=ranks.pp_rank, pp_size=ranks.pp_size, fmt=fmt)
             except (OSError, CheckpointError) as exc:
                 error = exc
         ok = ranks.all_ok(error is None) and ok
     final = paths.iteration_dir(root, iteration)
     if ok and ranks.rank == 0:
         try:
-            final = _finish(tmp, root, iteration, ranks=ranks, fmt=fmt)
+            final = _finish(tmp, root, iteration, ranks=ranks, fmt=fmt, layout=layout)
         except (OSError, ValueError, KeyError) as exc:
             error = exc
     ok = ranks.all_ok(error is None) and ok

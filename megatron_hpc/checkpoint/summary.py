@@ -16,12 +16,14 @@ from megatron_hpc.checkpoint.xser import iter_tensors, read_xser
 from megatron_hpc.errors import CheckpointAccessError, CheckpointError
 
 
-def _tensor_rows(state: Any, *, tp_rank: int | None) -> list[dict[str, Any]]:
+def _tensor_rows(state: Any, *, tp_rank: int | None, pp_rank: int | None = None) -> list[dict[str, Any]]:
     rows = []
     for name, t in iter_tensors(state):
         row: dict[str, Any] = {"name": name, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
         if tp_rank is not None:
             row["tp_rank"] = tp_rank
+        if pp_rank is not None:
+            row["pp_rank"] = pp_rank
         rows.append(row)
     return rows
 
@@ -31,9 +33,11 @@ def _single_file(main: Path) -> dict[str, Any]:
     top = state if isinstance(state, dict) else {}
     config = top.get("resolved_config") if isinstance(top.get("resolved_config"), dict) else {}
     tp = top.get("tensor_model_parallel_size", (config.get("parallel") or {}).get("tensor"))
+    pp = top.get("pipeline_model_parallel_size", (config.get("parallel") or {}).get("pipeline"))
     return {"path": str(main), "iteration": top.get("iteration"), "format":
             "xser" if paths.tensors_dir(main).is_dir() else "torch", "tensor_parallel": tp,
-            "data_parallel": None, "world_size": None, "files": None, "bytes": None,
+            "pipeline_parallel": pp, "virtual_pipeline": None, "data_parallel": None, "world_size": None,
+            "files": None, "bytes": None,
             "precision": _precision(top), "tensors": _tensor_rows(state, tp_rank=None)}
 
 
@@ -47,13 +51,16 @@ def _folder(found: FoundCheckpoint, *, verify: bool) -> dict[str, Any]:
     m = found.manifest
     rows: list[dict[str, Any]] = []
     precision = None
-    for tp_rank in range(m.tensor_parallel):
-        state = (read_shard(found, tp_rank=tp_rank) if verify
-                 else read_xser(paths.main_file(found.folder, tp_rank), mmap=True))
-        rows += _tensor_rows(state, tp_rank=tp_rank)
-        precision = precision or _precision(state)
+    pp = m.pipeline_parallel
+    for pp_rank in range(pp):
+        for tp_rank in range(m.tensor_parallel):
+            state = (read_shard(found, tp_rank=tp_rank, pp_rank=pp_rank) if verify
+                     else read_xser(paths.main_file(found.folder, tp_rank, pp_rank, pp_size=pp), mmap=True))
+            rows += _tensor_rows(state, tp_rank=tp_rank, pp_rank=pp_rank)
+            precision = precision or _precision(state)
     return {"path": str(found.folder), "iteration": m.iteration, "format": m.format,
-            "tensor_parallel": m.tensor_parallel, "data_parallel": m.data_parallel, "world_size": m.world_size,
+            "tensor_parallel": m.tensor_parallel, "pipeline_parallel": pp, "virtual_pipeline": m.virtual_pipeline,
+            "data_parallel": m.data_parallel, "world_size": m.world_size,
             "files": len(m.files), "bytes": sum(r.size for r in m.files.values()), "verified": verify,
             "precision": precision, "tensors": rows}
 
@@ -62,7 +69,7 @@ def summarize(path: Path, *, verify: bool = False) -> dict[str, Any]:
     """Iteration, mesh and every tensor (name, shape, dtype) of a checkpoint.
 
     `path`: a checkpoint root (the tracker picks the folder), an iter_XXXXXXX folder, an
-    mp_rank_XX folder, or one main file. `verify`: check every file against the manifest.
+    mp_rank_XX (mp_rank_XX_YYY) folder, or one main file. `verify`: check every file against the manifest.
     """
     try:
         return _summarize(path, verify=verify)

@@ -1,5 +1,5 @@
 """`ckpt convert` and `ckpt reshard`: a checkpoint to a Hugging Face GPT-2 folder, to another format, or
-to another TP size. Offline, one process, CPU.
+to another TP x PP size. Offline, one process, CPU.
 
 HF mapping (megatron-and-launchers.md 3.5): word embeddings without the padding rows become
 `transformer.wte` (tied to `lm_head`), learned positions `transformer.wpe`; each block's LayerNorms map
@@ -19,15 +19,16 @@ from typing import Any
 
 import torch
 
-from megatron_hpc.checkpoint import tp_layout
+from megatron_hpc.checkpoint import optim_layout, pp_layout, tp_layout
+from megatron_hpc.checkpoint.compat import PipelineLayout
 from megatron_hpc.checkpoint.whole import WholeCheckpoint, write_whole
-from megatron_hpc.errors import CheckpointError
+from megatron_hpc.errors import CheckpointError, PlanError
 from megatron_hpc.plan.vocab import padded_vocab_size
 
 
 def _model_config(whole: WholeCheckpoint) -> dict[str, Any]:
     try:
-        return whole.states[0]["resolved_config"]["model"]
+        return whole.first["resolved_config"]["model"]
     except (KeyError, TypeError):
         raise CheckpointError(f"{whole.found.folder} has no resolved_config (not written by megatron-hpc); "
                               "it cannot be converted") from None
@@ -94,7 +95,7 @@ def export_hf(whole: WholeCheckpoint, out: Path, *, eos_token_id: int | None = N
     if blockers:
         raise CheckpointError(f"{whole.found.folder} cannot become a GPT2LMHeadModel: it uses "
                               f"{' and '.join(blockers)}; keep it in Megatron's format")
-    full = tp_layout.merge_model([s["model"] for s in whole.states])
+    full = pp_layout.merge_grid([[s["model"] for s in row] for row in whole.grid], num_layers=model["num_layers"])
     sd = hf_state_dict(full, model)
     out.mkdir(parents=True, exist_ok=True)
     config = out / "config.json"
@@ -117,7 +118,7 @@ def tokenizer_files(whole: WholeCheckpoint) -> tuple[Path, Path] | str:
     """The run's GPT-2 vocab.json and merges.txt (its resolved data.vocab_file, data.merge_file), or why there
     are none to export."""
     try:
-        data = whole.states[0]["resolved_config"]["data"]
+        data = whole.first["resolved_config"]["data"]
     except (KeyError, TypeError):
         return "the checkpoint has no resolved data config"
     if data.get("source") == "synthetic":
@@ -141,6 +142,8 @@ class ReshardResult:
     folder: Path
     from_tp: int
     to_tp: int
+    from_pp: int
+    to_pp: int
     optimizer: str
     """resharded, or dropped (with the reason in `note`)."""
     note: str = ""
@@ -155,22 +158,34 @@ def check_tp(model: dict[str, Any], tp: int) -> None:
                               f"size {ffn}; use --tp in {choices}")
 
 
-def _param_order(model_sd: dict[str, torch.Tensor]) -> list[str]:
-    # The trainer's optimizer groups (train/optim.py param_groups): matrices first, then 1-D tensors,
-    # each in the model's order; torch numbers the state by that order.
-    names = list(model_sd)
-    return [n for n in names if model_sd[n].ndim >= 2] + [n for n in names if model_sd[n].ndim < 2]
+def check_pp(model: dict[str, Any], layout: PipelineLayout) -> None:
+    layers = model["num_layers"]
+    if layout.pipeline < 1 or layout.virtual < 1:
+        raise CheckpointError(f"--pp {layout.pipeline} and --virtual-pipeline {layout.virtual} must be at least 1")
+    try:
+        layout.rank_layers(layers, 0)
+    except PlanError as exc:
+        even = [d for d in range(1, layers + 1) if layers % (d * layout.virtual) == 0]
+        why = str(exc).split("; ")[0]  # the planner's fix names --set keys; here the fix is other flags
+        raise CheckpointError(f"the checkpoint's {layers} layers do not split as {layout.describe()} ({why}); "
+                              f"use --pp in {even} (with --virtual-pipeline {layout.virtual})") from None
 
 
-def _reshard_optimizer(states: list[dict[str, Any]], *, tp: int, vocab: int, padded: int) -> list[dict[str, Any]]:
-    order = _param_order(states[0]["model"])
-    opts = [s["optimizer"] for s in states]
-    counted = sum(len(g["params"]) for g in opts[0]["param_groups"])
-    if counted != len(order):
-        raise ValueError(f"{counted} optimizer parameters for {len(order)} model tensors")
-    new_state: list[dict[int, dict[str, Any]]] = [{} for _ in range(tp)]
-    for index, name in enumerate(order):
-        per_rank = [o["state"].get(index) for o in opts]
+def _reshard_optimizer(whole: WholeCheckpoint, models: list[list[dict[str, torch.Tensor]]], *, vocab: int,
+                       padded: int) -> list[list[dict[str, Any]]]:
+    """Each new rank's optimizer state: the old ranks' moments by name, merged over TP and PP like the weights and
+    split again (ValueError or KeyError when the old state is not the trainer's AdamW of this model)."""
+    tp = len(models[0])
+    per_tp: list[dict[str, optim_layout.Moments]] = []
+    for t in range(whole.tensor_parallel):
+        merged: dict[str, optim_layout.Moments] = {}
+        for row in whole.grid:  # pp order: rank 0's copy of tied embeddings wins, as for the weights
+            for name, moments in optim_layout.by_name(row[t]["model"], row[t]["optimizer"]).items():
+                merged.setdefault(name, moments)
+        per_tp.append(merged)
+    new: list[dict[str, optim_layout.Moments]] = [{} for _ in range(tp)]
+    for name in per_tp[0]:
+        per_rank = [m.get(name) for m in per_tp]
         if any(p is None for p in per_rank):
             continue  # never stepped: no moments to move
         for key in per_rank[0]:
@@ -183,43 +198,65 @@ def _reshard_optimizer(states: list[dict[str, Any]], *, tp: int, vocab: int, pad
                     full = tp_layout.repad_vocab(full, vocab_size=vocab, padded=padded)
                 pieces = tp_layout.split(name, full, tp)
             for rank in range(tp):
-                new_state[rank].setdefault(index, {})[key] = pieces[rank]
-    return [{"state": new_state[r], "param_groups": copy.deepcopy(opts[0]["param_groups"])} for r in range(tp)]
+                new[rank].setdefault(name, {})[key] = pieces[rank]
+    groups = optim_layout.group_template(whole.first["optimizer"], whole.first["model"])
+    return [[optim_layout.indexed(new[t], model=row[t], groups=groups) for t in range(tp)] for row in models]
 
 
-def reshard(whole: WholeCheckpoint, *, tp: int, out: Path, fmt: str | None = None) -> ReshardResult:
-    """Write `whole` at TP size `tp` into `out` (same iteration; the vocabulary re-padded for `tp`)."""
+def _resized(state: dict[str, Any], *, tp: int, layout: PipelineLayout, padded: int) -> dict[str, Any]:
+    """A copy of a state's non-tensor keys with every record of the parallel sizes set to the new ones, so that a run
+    at those sizes accepts it (its resolved_config and resolved_plan included)."""
+    out = {k: copy.deepcopy(v) for k, v in state.items() if k not in ("model", "optimizer")}
+    out.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=layout.pipeline, padded_vocab_size=padded)
+    parallel = out.setdefault("resolved_config", {}).setdefault("parallel", {})
+    parallel.update(tensor=tp, pipeline=layout.pipeline, virtual_pipeline=layout.virtual,
+                    pipeline_first_stage_layers=layout.first_stage_layers,
+                    pipeline_last_stage_layers=layout.last_stage_layers)
+    plan = out.get("resolved_plan")
+    if isinstance(plan, dict):
+        plan.update(tensor_parallel=tp, pipeline_parallel=layout.pipeline, padded_vocab_size=padded)
+        if "virtual_pipeline" in plan or layout.virtual > 1:
+            plan["virtual_pipeline"] = layout.virtual
+    return out
+
+
+def reshard(whole: WholeCheckpoint, *, tp: int, pp: int = 1, virtual: int = 1, first_stage_layers: int = 0,
+            last_stage_layers: int = 0, out: Path, fmt: str | None = None) -> ReshardResult:
+    """Write `whole` at TP size `tp` and pipeline size `pp` (with `virtual` chunks per pipeline rank and optional
+    uneven first/last stages, as parallel.* names them) into `out`: same iteration, the vocabulary re-padded for
+    `tp`, Adam's moments moved by name (dropped, with the reason in the result's note, when they cannot be)."""
     model = _model_config(whole)
+    layout = PipelineLayout(pipeline=pp, virtual=virtual, first_stage_layers=first_stage_layers,
+                            last_stage_layers=last_stage_layers)
     check_tp(model, tp)
-    cfg = whole.states[0]["resolved_config"]
-    vocab = model["vocab_size"]
+    check_pp(model, layout)
+    vocab, layers = model["vocab_size"], model["num_layers"]
     padded = padded_vocab_size(vocab, divisible_by=model.get("make_vocab_size_divisible_by", 128), tensor_parallel=tp)
-    full = tp_layout.merge_model([s["model"] for s in whole.states])
+    full = pp_layout.merge_grid([[s["model"] for s in row] for row in whole.grid], num_layers=layers)
     for name in ("wte.weight", "lm_head.weight"):
         if name in full:
             full[name] = tp_layout.repad_vocab(full[name], vocab_size=vocab, padded=padded)
-    models = tp_layout.split_model(full, tp)
+    models = pp_layout.split_grid(full, tp=tp, layout=layout, num_layers=layers)
     note, optimizers = "", None
     try:
-        optimizers = _reshard_optimizer(whole.states, tp=tp, vocab=vocab, padded=padded)
+        optimizers = _reshard_optimizer(whole, models, vocab=vocab, padded=padded)
     except (KeyError, ValueError, TypeError, IndexError, CheckpointError) as exc:
         note = f"the optimizer state could not be resharded ({exc}); a resumed run starts Adam's moments at zero"
-    new_states = []
-    for rank in range(tp):
-        state = {k: v for k, v in whole.states[0].items() if k not in ("model", "optimizer")}
-        state["model"] = models[rank]
-        if optimizers is not None:
-            state["optimizer"] = optimizers[rank]
-        state["tensor_model_parallel_size"] = tp
-        state["padded_vocab_size"] = padded
-        state["resolved_config"] = copy.deepcopy(cfg)
-        state["resolved_config"].setdefault("parallel", {})["tensor"] = tp
-        new_states.append(state)
-    folder = write_whole(out, whole.iteration, new_states, fmt=fmt or whole.found.manifest.format)
-    return ReshardResult(folder=folder, from_tp=whole.tensor_parallel, to_tp=tp,
-                         optimizer="dropped" if optimizers is None else "resharded", note=note)
+    grid = []
+    for p, row in enumerate(models):
+        states = []
+        for t, weights in enumerate(row):
+            state = _resized(whole.first, tp=tp, layout=layout, padded=padded)
+            state["model"] = weights
+            if optimizers is not None:
+                state["optimizer"] = optimizers[p][t]
+            states.append(state)
+        grid.append(states)
+    folder = write_whole(out, whole.iteration, grid, fmt=fmt or whole.found.manifest.format, layout=layout)
+    return ReshardResult(folder=folder, from_tp=whole.tensor_parallel, to_tp=tp, from_pp=whole.pipeline_parallel,
+                         to_pp=pp, optimizer="dropped" if optimizers is None else "resharded", note=note)
 
 
 def convert_format(whole: WholeCheckpoint, *, to: str, out: Path) -> Path:
     """The same checkpoint (every rank, every key) in the other file format."""
-    return write_whole(out, whole.iteration, whole.states, fmt=to)
+    return write_whole(out, whole.iteration, whole.grid, fmt=to, layout=whole.layout)

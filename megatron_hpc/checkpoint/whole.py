@@ -1,4 +1,4 @@
-"""Whole checkpoints in one process: read every TP rank's state, and write a new checkpoint from them.
+"""Whole checkpoints in one process: read every TP x PP rank's state, and write a new checkpoint from them.
 
 For the offline tools (`ckpt convert`, `ckpt reshard`), which run on one machine without a process
 group. Writing goes through the saver's own per-rank writer and finisher, so the result has the same
@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_hpc.checkpoint import paths
+from megatron_hpc.checkpoint.compat import PipelineLayout
 from megatron_hpc.checkpoint.loader import FoundCheckpoint, find_checkpoint, read_shard
 from megatron_hpc.checkpoint.manifest import read_manifest
 from megatron_hpc.checkpoint.ranks import RankInfo
@@ -24,8 +25,8 @@ from megatron_hpc.errors import CheckpointAccessError, CheckpointError
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WholeCheckpoint:
     found: FoundCheckpoint
-    states: list[dict[str, Any]]
-    """One state dict per TP rank, in rank order."""
+    grid: list[list[dict[str, Any]]]
+    """One state dict per rank, indexed [pp_rank][tp_rank]."""
 
     @property
     def iteration(self) -> int:
@@ -33,7 +34,20 @@ class WholeCheckpoint:
 
     @property
     def tensor_parallel(self) -> int:
-        return len(self.states)
+        return len(self.grid[0])
+
+    @property
+    def pipeline_parallel(self) -> int:
+        return len(self.grid)
+
+    @property
+    def layout(self) -> PipelineLayout:
+        return PipelineLayout.of_manifest(self.found.manifest)
+
+    @property
+    def first(self) -> dict[str, Any]:
+        """The state of TP rank 0 on pipeline rank 0 (its config, plan and progress stand for all)."""
+        return self.grid[0][0]
 
 
 def locate(path: Path, *, iteration: int | None = None) -> FoundCheckpoint:
@@ -61,22 +75,33 @@ def _locate(path: Path, *, iteration: int | None) -> FoundCheckpoint:
 
 def read_whole(path: Path, *, iteration: int | None = None) -> WholeCheckpoint:
     found = locate(path, iteration=iteration)
-    states = [read_shard(found, tp_rank=r) for r in range(found.manifest.tensor_parallel)]
-    return WholeCheckpoint(found=found, states=states)
+    m = found.manifest
+    grid = [[read_shard(found, tp_rank=t, pp_rank=p) for t in range(m.tensor_parallel)]
+            for p in range(m.pipeline_parallel)]
+    return WholeCheckpoint(found=found, grid=grid)
 
 
-def write_whole(root: Path, iteration: int, states: list[dict[str, Any]], *, fmt: str) -> Path:
-    """A complete checkpoint `iteration` under `root` from one state per TP rank; the tracker last."""
+def write_whole(root: Path, iteration: int, grid: list[list[dict[str, Any]]], *, fmt: str,
+                layout: PipelineLayout | None = None) -> Path:
+    """A complete checkpoint `iteration` under `root` from a [pp_rank][tp_rank] grid of states; the tracker last.
+
+    `layout`: the pipeline layout the grid was split by, recorded in the manifest (default: len(grid) stages, even).
+    """
     if fmt not in ("xser", "torch"):
         raise CheckpointError(f"format {fmt!r} is not supported; use xser or torch")
+    pp, tp = len(grid), len(grid[0])
+    layout = layout or PipelineLayout(pipeline=pp)
+    if layout.pipeline != pp or any(len(row) != tp for row in grid):
+        raise ValueError(f"a grid of {[len(row) for row in grid]} states for {layout.describe()}")
     root.mkdir(parents=True, exist_ok=True)
     tmp = paths.temp_dir(root, iteration, secrets.token_hex(4))
     tmp.mkdir()
-    tp = len(states)
     try:
-        for rank, state in enumerate(states):
-            _write_rank(state, tmp, tp_rank=rank, fmt=fmt)
-        return _finish(tmp, root, iteration, ranks=RankInfo(world_size=tp, tp_size=tp), fmt=fmt)
+        for p, row in enumerate(grid):
+            for t, state in enumerate(row):
+                _write_rank(state, tmp, tp_rank=t, pp_rank=p, pp_size=pp, fmt=fmt)
+        ranks = RankInfo(world_size=tp * pp, tp_size=tp, pp_size=pp)
+        return _finish(tmp, root, iteration, ranks=ranks, fmt=fmt, layout=layout)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"writing {root} failed ({exc}); nothing was left behind") from None

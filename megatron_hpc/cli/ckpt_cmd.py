@@ -1,5 +1,5 @@
 """`megatron-hpc ckpt inspect | convert | reshard`: look into a checkpoint, export it to Hugging Face or the other
-file format, or change its TP size."""
+file format, or change its TP and PP sizes."""
 
 from __future__ import annotations
 
@@ -25,10 +25,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--iteration", type=int, help="convert this iteration instead of the tracker's")
     c.add_argument("--json", action="store_true", help="print JSON")
 
-    r = sub.add_parser("reshard", help="the checkpoint at another tensor-parallel size (same iteration)")
+    r = sub.add_parser("reshard", help="the checkpoint at other tensor- and pipeline-parallel sizes (same iteration)")
     r.add_argument("path", type=Path, help="checkpoint folder or iter_XXXXXXX folder")
-    r.add_argument("--tp", "--tensor-parallel", dest="tp", type=int, required=True, help="the new TP size")
-    r.add_argument("--out", type=Path, help="output checkpoint folder (default: <checkpoint folder>-tp<N>)")
+    r.add_argument("--tp", "--tensor-parallel", dest="tp", type=int, help="the new TP size (default: the checkpoint's)")
+    r.add_argument("--pp", "--pipeline-parallel", dest="pp", type=int,
+                   help="the new PP size (default: the checkpoint's)")
+    r.add_argument("--virtual-pipeline", type=int, help="model chunks per pipeline rank, as parallel.virtual_pipeline "
+                                                        "(default: the checkpoint's without --pp, else 1)")
+    r.add_argument("--pipeline-first-stage-layers", type=int, help="layers on the first stage, as "
+                   "parallel.pipeline_first_stage_layers (default: the checkpoint's without --pp, else 0: even)")
+    r.add_argument("--pipeline-last-stage-layers", type=int, help="layers on the last stage, as "
+                   "parallel.pipeline_last_stage_layers (default: the checkpoint's without --pp, else 0: even)")
+    r.add_argument("--out", type=Path, help="output checkpoint folder (default: <checkpoint folder>-tp<N>[-pp<M>])")
     r.add_argument("--iteration", type=int, help="reshard this iteration instead of the tracker's")
     r.add_argument("--json", action="store_true", help="print JSON")
 
@@ -39,8 +47,8 @@ def format_summary(s: dict[str, Any]) -> str:
 
     lines = [f"checkpoint  {s['path']}",
              f"iteration   {show(s['iteration'])} ({s['format']})",
-             f"mesh        tp {show(s['tensor_parallel'])} dp {show(s['data_parallel'])} "
-             f"world {show(s['world_size'])}"]
+             f"mesh        tp {show(s['tensor_parallel'])} pp {show(s.get('pipeline_parallel'))}"
+             f"{_virtual(s)} dp {show(s['data_parallel'])} world {show(s['world_size'])}"]
     if s.get("files") is not None:
         verified = ", verified" if s.get("verified") else ""
         lines.append(f"files       {s['files']} ({s['bytes']:,} bytes{verified})")
@@ -53,10 +61,18 @@ def format_summary(s: dict[str, Any]) -> str:
     rows = s["tensors"]
     width = max((len(r["name"]) for r in rows), default=4)
     lines.append(f"tensors     {len(rows)}")
+    staged = (s.get("pipeline_parallel") or 1) > 1
     for r in rows:
-        rank = f"[tp {r['tp_rank']}] " if "tp_rank" in r else ""
+        rank = ""
+        if "tp_rank" in r:
+            rank = f"[tp {r['tp_rank']} pp {r['pp_rank']}] " if staged else f"[tp {r['tp_rank']}] "
         lines.append(f"  {rank}{r['name']:<{width}}  {r['dtype']:<9} {tuple(r['shape'])}")
     return "\n".join(lines)
+
+
+def _virtual(s: dict[str, Any]) -> str:
+    v = s.get("virtual_pipeline")
+    return f" (virtual {v})" if v and v > 1 else ""
 
 
 def run(args: argparse.Namespace) -> int:
@@ -101,7 +117,7 @@ def _export_hf(whole: Any, out: Path) -> tuple[Path, list[str] | None]:
     from megatron_hpc.errors import DataError
 
     files = tokenizer_files(whole)
-    model = whole.states[0]["resolved_config"]["model"]
+    model = whole.first["resolved_config"]["model"]
     tok = None
     if not isinstance(files, str):
         try:
@@ -120,20 +136,42 @@ def _export_hf(whole: Any, out: Path) -> tuple[Path, list[str] | None]:
 
 
 def _reshard(args: argparse.Namespace) -> int:
+    from megatron_hpc.checkpoint.compat import PipelineLayout, reshard_out
     from megatron_hpc.checkpoint.tools import reshard
     from megatron_hpc.checkpoint.whole import read_whole
+    from megatron_hpc.errors import CheckpointError
 
+    if args.tp is None and args.pp is None:
+        raise CheckpointError("say what to reshard to: --tp N and/or --pp M (an omitted one keeps the checkpoint's)")
     whole = read_whole(args.path, iteration=args.iteration)
-    root = whole.found.folder.parent
-    out = args.out or root.with_name(f"{root.name}-tp{args.tp}")
-    result = reshard(whole, tp=args.tp, out=out)
+    # Without --pp the checkpoint's pipeline layout is kept; with it, the stages split evenly unless told otherwise.
+    keep = whole.layout if args.pp is None else PipelineLayout(pipeline=args.pp)
+    given = (args.virtual_pipeline, args.pipeline_first_stage_layers, args.pipeline_last_stage_layers)
+    virtual, first, last = (keep_value if value is None else value for value, keep_value in
+                            zip(given, (keep.virtual, keep.first_stage_layers, keep.last_stage_layers)))
+    layout = PipelineLayout(pipeline=keep.pipeline, virtual=virtual, first_stage_layers=first, last_stage_layers=last)
+    tp = whole.tensor_parallel if args.tp is None else args.tp
+    out = args.out or reshard_out(whole.found.folder, tensor_parallel=tp, layout=layout)
+    result = reshard(whole, tp=tp, pp=layout.pipeline, virtual=layout.virtual,
+                     first_stage_layers=layout.first_stage_layers, last_stage_layers=layout.last_stage_layers, out=out)
     report = {"source": str(whole.found.folder), "iteration": whole.iteration, "from_tp": result.from_tp,
-              "to_tp": result.to_tp, "out": str(out), "optimizer": result.optimizer}
+              "to_tp": result.to_tp, "from_pp": result.from_pp, "to_pp": result.to_pp,
+              "virtual_pipeline": layout.virtual, "out": str(out), "optimizer": result.optimizer}
     if args.json:
         print(json.dumps(report, indent=1))
     else:
-        print(f"resharded {whole.found.folder} from tp {result.from_tp} to tp {result.to_tp}: {result.folder} "
-              f"(optimizer {result.optimizer}); resume with checkpoint.load={out} and parallel.tensor={args.tp}")
-        if result.note:
-            print(f"megatron-hpc: warning: {result.note}")
+        sets = f"parallel.tensor={tp} parallel.pipeline={layout.pipeline}"
+        if layout.virtual > 1:
+            sets += f" parallel.virtual_pipeline={layout.virtual}"
+        if layout.first_stage_layers:
+            sets += f" parallel.pipeline_first_stage_layers={layout.first_stage_layers}"
+        if layout.last_stage_layers:
+            sets += f" parallel.pipeline_last_stage_layers={layout.last_stage_layers}"
+        print(f"resharded {whole.found.folder} from tp {result.from_tp} x pp {result.from_pp} to tp {result.to_tp} x "
+              f"{layout.describe()}: {result.folder} (optimizer {result.optimizer}); resume with "
+              f"checkpoint.load={out} and {sets}")
+    if result.note:
+        import sys
+
+        print(f"megatron-hpc: warning: {result.note}", file=sys.stderr)
     return 0

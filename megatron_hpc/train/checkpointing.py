@@ -16,8 +16,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron_hpc.checkpoint.compat import PipelineLayout
 from megatron_hpc.checkpoint.contents import Progress, build_state_dict, read_progress, read_rng, saved_global_batch
 from megatron_hpc.checkpoint.loader import find_checkpoint, load_checkpoint
+from megatron_hpc.checkpoint.optim_layout import for_model
 from megatron_hpc.checkpoint.paths import iteration_dir
 from megatron_hpc.checkpoint.ranks import RankInfo
 from megatron_hpc.checkpoint.saver import save_checkpoint
@@ -55,6 +57,8 @@ class Checkpointer:
         self.precision = spec.config.train.precision
         self.out = sys.stdout if out is None else out
         self.ranks = RankInfo.of(ctx, device=device.device)
+        # Which layers this pipeline rank's file holds: recorded at save, checked at load (checkpoint/compat.py).
+        self.layout = PipelineLayout.of_run(plan=self.plan_json, config=self.config_json)
         self.save_root, self.load_root = save_root, load_root
         self.last_saved = -1
         self.promised = False
@@ -77,7 +81,8 @@ class Checkpointer:
         """
         if self.load_root is None:
             return state
-        loaded = load_checkpoint(self.load_root, ranks=self.ranks, io_workers_per_node=self.ckpt.io_workers_per_node)
+        loaded = load_checkpoint(self.load_root, ranks=self.ranks, io_workers_per_node=self.ckpt.io_workers_per_node,
+                                 layout=self.layout)
         if loaded is None:
             if self.promised:  # the weights were never initialised: training on them would be garbage
                 raise CheckpointError(f"the checkpoint found in {self.load_root} at start-up disappeared before it "
@@ -95,7 +100,9 @@ class Checkpointer:
         try:
             model.load_state_dict(saved["model"])
             if "optimizer" in saved:
-                optimizer.load_state_dict(saved["optimizer"])
+                # by parameter name: a resharded checkpoint lists a stage's weights in the PP=1 model's order
+                optimizer.load_state_dict(for_model(saved["optimizer"], saved_model=saved["model"],
+                                                    live_model=model.state_dict()))
             else:  # `ckpt reshard` could not move it
                 self._print(f"megatron-hpc: warning: {where} has no optimizer state; Adam's moments start at zero")
             if state.scaler is not None and "grad_scaler" in saved:
@@ -149,7 +156,8 @@ class Checkpointer:
                 "torch.")})
         try:
             folder = save_checkpoint(self.save_root, state.step, content, ranks=self.ranks, fmt=self.ckpt.format,
-                                     io_workers_per_node=self.ckpt.io_workers_per_node, keep_last=self.ckpt.keep_last)
+                                     io_workers_per_node=self.ckpt.io_workers_per_node, keep_last=self.ckpt.keep_last,
+                                     layout=self.layout)
         except CheckpointError as exc:
             if self.ckpt.on_save_failure != "continue":
                 raise

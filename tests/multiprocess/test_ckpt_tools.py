@@ -170,9 +170,9 @@ def test_convert_xser_to_torch_and_back_is_identical(tp2_checkpoint, tmp_path):
     original, as_torch, again = (read_whole(p) for p in (tp2_checkpoint, tmp_path / "torch", tmp_path / "xser"))
     assert (as_torch.found.manifest.format, again.found.manifest.format) == ("torch", "xser")
     for rank in range(2):
-        want = dict(iter_tensors(original.states[rank]))
+        want = dict(iter_tensors(original.grid[0][rank]))
         for other in (as_torch, again):
-            got = dict(iter_tensors(other.states[rank]))
+            got = dict(iter_tensors(other.grid[0][rank]))
             assert want.keys() == got.keys()
             for name, tensor in want.items():
                 assert torch.equal(tensor, got[name]), name

@@ -112,8 +112,8 @@ def test_tracker_with_nothing_to_fall_back_on(tmp_path: Path) -> None:
 
 def test_different_tensor_parallel_names_reshard(tmp_path: Path) -> None:
     _save(tmp_path, 4)
-    with pytest.raises(CheckpointError, match=r"tensor_parallel=1 but this run has tensor_parallel=2.*"
-                                              r"`megatron-hpc ckpt reshard"):
+    with pytest.raises(CheckpointError, match=r"saved at tp 1 x pp 1 but this run has tp 2 x pp 1.*"
+                                              r"`megatron-hpc ckpt reshard .*iter_0000004 --tp 2 --pp 1 --out "):
         load_checkpoint(tmp_path, ranks=RankInfo(tp_size=2))
 
 
