@@ -88,10 +88,6 @@ def check_values(cfg: RunConfig) -> None:
     if schedule not in PIPELINE_SCHEDULES:
         raise ConfigError(f"parallel.pipeline_schedule={schedule!r} is not a schedule; use --set "
                           f"parallel.pipeline_schedule=N with N in {{{', '.join(PIPELINE_SCHEDULES)}}}")
-    if schedule == "afab" and cfg.parallel.virtual_pipeline > 1:
-        raise ConfigError(f"parallel.pipeline_schedule=afab with parallel.virtual_pipeline="
-                          f"{cfg.parallel.virtual_pipeline}: all-forward-all-backward has no interleaved form; use "
-                          "--set parallel.pipeline_schedule=1f1b, or parallel.virtual_pipeline=1")
     if cfg.optim.min_lr > cfg.optim.lr:
         raise ConfigError(f"optim.min_lr={cfg.optim.min_lr:g} is above optim.lr={cfg.optim.lr:g}; the LR decays "
                           f"from lr down to min_lr, so use --set optim.min_lr=N with N <= {cfg.optim.lr:g}")

@@ -137,8 +137,6 @@ def test_bad_pipelines_are_refused_in_one_line_with_the_fix(sets, expected):
 
 @pytest.mark.parametrize(("sets", "expected"), [
     (["parallel.pipeline_schedule=gpipe"], "parallel.pipeline_schedule='gpipe' is not a schedule"),
-    (["parallel.pipeline_schedule=afab", "parallel.virtual_pipeline=2"], "all-forward-all-backward has no "
-                                                                         "interleaved form"),
     (["parallel.pipeline=-1"], "parallel.pipeline=-1 must be 0 (the planner chooses) or more"),
     (["parallel.virtual_pipeline=0"], "parallel.virtual_pipeline=0 must be at least 1"),
 ])
