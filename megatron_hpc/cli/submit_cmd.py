@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -88,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
     resolved, resumed_dir, resume_notes = _resume(args) if args.resume else (resolve(args), None, [])
     check_data_source(resolved.plan)  # before anything is written: the plan has no data to train on
     check_pipeline_runtime(resolved.plan)  # ... or pipelines on a runtime that cannot run a pipeline
+    check_checkpoint_to_load(resolved, resumed_dir=resumed_dir)  # ... or would load a checkpoint of another mesh
     profile = _profile(args, resumed_dir)
     from megatron_hpc.data.preflight import check_data  # numpy, no torch
 
@@ -151,6 +153,20 @@ def run(args: argparse.Namespace) -> int:
     _report(result, as_json=args.json, warnings=warnings, resumed=resumed_dir is not None,
             cluster_config=str(profile.path) if profile.path else None, data=data, resume_notes=resume_notes)
     return 0 if result.ok else 1
+
+
+def check_checkpoint_to_load(resolved: Resolved, *, resumed_dir: Path | None) -> None:
+    """CheckpointError (with the `ckpt reshard` command) when the checkpoint the run would load was saved at another
+    TP x PP split than the plan's: refused here, before queueing, as the trainer would refuse it after the wait."""
+    from megatron_hpc.checkpoint.compat import PipelineLayout, check_before_queue
+
+    ckpt = resolved.cfg.checkpoint
+    root = ckpt.load or ckpt.save or (str(resumed_dir / CHECKPOINT_DIR) if resumed_dir is not None else None)
+    if root is None:  # a new run folder: nothing to load yet
+        return
+    plan = resolved.plan.to_json()
+    layout = PipelineLayout.of_run(plan=plan, config=dataclasses.asdict(resolved.cfg))
+    check_before_queue(Path(root).expanduser(), tensor_parallel=resolved.plan.tensor_parallel, layout=layout)
 
 
 def _print_resume(notes: list[str]) -> None:

@@ -233,3 +233,21 @@ def pipeline_runs(rank: int, world: int, ports: list[int], configs: list[RunConf
         _break_pipeline(fault)
         os.environ["MASTER_PORT"] = str(ports[i])
         assert run_training(plan_for_torchrun(cfg), run_dir=Path(run_root) / f"run{i}") == 0
+
+
+def sized_runs(rank: int, world: int, ports: list[int], plan: list[tuple[int, RunConfig, str]],
+               run_root: str) -> None:
+    """run_training for each (world size, config, name): entries of world 1 run on rank 0 alone (its own world),
+    the others on every rank."""
+    from megatron_hpc.train.entry import plan_for_torchrun, run_training
+
+    for i, (size, cfg, name) in enumerate(plan):
+        if size == 1:
+            if rank == 0:
+                env = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+                assert run_training(plan_for_torchrun(cfg), run_dir=Path(run_root) / name) == 0
+                os.environ.update(env)
+            continue
+        assert size == world, f"{name}: a world of {size} in a spawn of {world}"
+        os.environ["MASTER_PORT"] = str(ports[i])
+        assert run_training(plan_for_torchrun(cfg), run_dir=Path(run_root) / name) == 0
