@@ -8,7 +8,7 @@ import sys
 
 from megatron_hpc.cli.common import Resolved, add_recipe_arguments, resolve
 from megatron_hpc.data.preflight import DataSummary, summarize_data
-from megatron_hpc.plan.planner import Plan, pipeline_runtime_warning
+from megatron_hpc.plan.planner import Plan, idle_workers_warning, pipeline_runtime_warning
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,8 +61,11 @@ def _pipeline_line(plan: Plan) -> str:
 
 
 def plan_warnings(resolved: Resolved) -> list[str]:
-    """What `plan` says on stderr about a plan it prints: the recipe's caveat, a runtime that cannot run it."""
-    warnings = [resolved.cfg.warning] if resolved.cfg.warning else []
+    """What `plan` says on stderr (and `plan --json` under "warnings") about a plan it prints: idle workers, the
+    recipe's caveat, a runtime that cannot run it."""
+    idle = idle_workers_warning(resolved.plan)
+    warnings = [idle] if idle else []
+    warnings += [resolved.cfg.warning] if resolved.cfg.warning else []
     runtime = pipeline_runtime_warning(resolved.plan)
     warnings += [runtime] if runtime else []
     if resolved.plan.pipeline_parallel == 1 and resolved.plan.pipeline_schedule != "1f1b":
@@ -78,6 +81,8 @@ def format_plan(resolved: Resolved, *, data: DataSummary | None = None) -> str:
     plan = resolved.plan
     vocab_size = resolved.cfg.model.vocab_size
     workers = "worker" if plan.workers_per_node == 1 else "workers"
+    if plan.idle_workers_per_node:
+        workers = f"of {plan.workers_per_node + plan.idle_workers_per_node} workers"
     rows = [
         ("recipe", f"{plan.recipe} on {plan.num_nodes} x {plan.platform} "
                    f"({plan.workers_per_node} {workers} per node, backend {plan.backend})"),
@@ -100,8 +105,8 @@ def format_plan(resolved: Resolved, *, data: DataSummary | None = None) -> str:
 
 
 def plan_json(resolved: Resolved, *, data: DataSummary) -> dict[str, object]:
-    """The plan's fields, with the data summary beside them."""
-    return {**resolved.plan.to_json(), "data": data.to_json()}
+    """The plan's fields, with the data summary and the warnings (as `submit --json` has them) beside them."""
+    return {**resolved.plan.to_json(), "data": data.to_json(), "warnings": plan_warnings(resolved)}
 
 
 def run(args: argparse.Namespace) -> int:

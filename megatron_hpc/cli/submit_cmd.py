@@ -17,7 +17,7 @@ from megatron_hpc.errors import ConfigError, DataError
 from megatron_hpc.launch import cluster_profile, env_checks
 from megatron_hpc.launch.run_dir import default_run_dir, prepare_run_dir
 from megatron_hpc.launch.submit import SubmitRequest, SubmitResult, check_cluster, submit, write_run_files
-from megatron_hpc.plan.planner import check_data_source, check_pipeline_runtime
+from megatron_hpc.plan.planner import check_data_source, check_pipeline_runtime, idle_workers_warning
 from megatron_hpc.run_folder import CHECKPOINT_DIR
 
 
@@ -94,7 +94,9 @@ def run(args: argparse.Namespace) -> int:
     from megatron_hpc.data.preflight import check_data  # numpy, no torch
 
     source = resolved.plan.data_source
-    warnings: list[str] = [resolved.cfg.warning] if resolved.cfg.warning else []
+    idle = idle_workers_warning(resolved.plan)
+    warnings: list[str] = [idle] if idle else []
+    warnings += [resolved.cfg.warning] if resolved.cfg.warning else []
     if source == "synthetic" and resolved.plan.platform != "cpu":
         warnings.append(f"this run trains on SYNTHETIC tokens (data.source=synthetic), not real data, on "
                         f"{resolved.plan.num_nodes} x {resolved.plan.platform}; meant for benchmarks and smoke tests")

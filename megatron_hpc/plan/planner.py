@@ -33,7 +33,7 @@ from megatron_hpc.plan.model_math import (
     flops_per_token_6n,
     num_parameters,
 )
-from megatron_hpc.plan.sizing import choose_sizes, tensor_candidates
+from megatron_hpc.plan.sizing import choose_sizes_for_batch, tensor_candidates
 from megatron_hpc.plan.stages import bubble_fraction
 
 DataSource = Literal["indexed", "synthetic", "missing"]
@@ -48,6 +48,12 @@ class Plan:
     backend: str
     num_nodes: int
     workers_per_node: int
+    """Workers (torchrun processes) on each node: the platform's, the user's launch.workers_per_node, or fewer when
+    the global batch cannot occupy every worker (idle_workers_per_node)."""
+    idle_workers_per_node: int
+    """Workers of each node the planner left idle because the global batch cannot occupy them all (0 when none)."""
+    global_batch_for_all_workers: int | None
+    """With idle workers: the smallest global batch at which a mesh uses every worker of the nodes; else None."""
     world_size: int
     tensor_parallel: int
     pipeline_parallel: int
@@ -137,6 +143,7 @@ def check_plan(plan: Plan, *, source: str = "the plan") -> None:
         problems.append(f"micro_batch_size {plan.micro_batch_size} x data_parallel {plan.data_parallel} x "
                         f"num_micro_batches {plan.num_micro_batches} != global_batch_size {plan.global_batch_size}")
     problems += _pipeline_problems(plan)
+    problems += _idle_problems(plan)
     if plan.padded_vocab_size % plan.tensor_parallel:
         problems.append(f"padded_vocab_size {plan.padded_vocab_size} is not divisible by tensor_parallel "
                         f"{plan.tensor_parallel}")
@@ -166,6 +173,31 @@ def _pipeline_problems(plan: Plan) -> list[str]:
         problems.append(f"bubble_fraction {plan.bubble_fraction} is not that of PP {p}, {m} micro-batches, "
                         f"virtual {v}")
     return problems
+
+
+def _idle_problems(plan: Plan) -> list[str]:
+    idle, full_batch = plan.idle_workers_per_node, plan.global_batch_for_all_workers
+    if idle < 0:
+        return [f"idle_workers_per_node {idle} is negative"]
+    if (idle > 0) != (full_batch is not None):
+        return [f"idle_workers_per_node {idle} and global_batch_for_all_workers {full_batch} disagree (both or "
+                "neither are set)"]
+    if full_batch is not None and full_batch <= plan.global_batch_size:
+        return [f"global_batch_for_all_workers {full_batch} is not above global_batch_size {plan.global_batch_size}"]
+    return []
+
+
+def idle_workers_warning(plan: Plan) -> str | None:
+    """The loud line `plan` and `submit` print when the planner left workers idle for the global batch; else None."""
+    if not plan.idle_workers_per_node:
+        return None
+    full = plan.workers_per_node + plan.idle_workers_per_node
+    return (f"the global batch {plan.global_batch_size} cannot occupy the {plan.num_nodes * full} workers of "
+            f"{plan.num_nodes} x {plan.platform} (every data-parallel replica needs a micro-batch of "
+            f"{plan.micro_batch_size} per pipeline stage, and no TP the model and a node allow is wide enough); "
+            f"planned {plan.workers_per_node} of {full} workers per node: "
+            f"{plan.num_nodes * plan.idle_workers_per_node} workers idle; use --set "
+            f"train.global_batch_size={plan.global_batch_for_all_workers} to use them all")
 
 
 def config_digest(config: dict[str, Any]) -> str:
@@ -280,7 +312,9 @@ def make_plan(cfg: RunConfig, *, num_nodes: int, platform: Platform) -> Plan:
     per_node = workers_per_node(cfg, platform)
     _check_tensor_parallel(cfg, platform, per_node=per_node)
     check_model_shape(cfg.model, tensor_parallel=cfg.parallel.tensor or 1)
-    sizes = choose_sizes(cfg, platform, num_nodes=num_nodes, per_node=per_node)
+    # A user's launch.workers_per_node is kept: a batch too small for it is refused with the fix.
+    sizes = choose_sizes_for_batch(cfg, platform, num_nodes=num_nodes, per_node=per_node,
+                                   may_idle=cfg.launch.workers_per_node is None)
     mesh, micro, vocab = sizes.mesh, sizes.num_micro_batches, sizes.padded_vocab
     params = num_parameters(cfg.model, padded_vocab=vocab)
     sched = resolve_schedule(cfg.optim, num_steps=cfg.train.num_steps, global_batch_size=cfg.train.global_batch_size)
@@ -289,7 +323,9 @@ def make_plan(cfg: RunConfig, *, num_nodes: int, platform: Platform) -> Plan:
         platform=platform.name,
         backend=platform.backend,
         num_nodes=num_nodes,
-        workers_per_node=per_node,
+        workers_per_node=mesh.workers_per_node,
+        idle_workers_per_node=per_node - mesh.workers_per_node,
+        global_batch_for_all_workers=sizes.global_batch_for_all_workers,
         world_size=mesh.world_size,
         tensor_parallel=mesh.tensor_parallel,
         pipeline_parallel=mesh.pipeline_parallel,

@@ -11,6 +11,11 @@ p5 (8 x 80 GB) this reproduces the table: 1.7B TP 1, 3.6B TP 2, 7.5B TP 4, 18.4B
 2, 4, 8, 16. A mesh must also leave room for the global batch: one micro-batch per stage for every data-parallel
 replica (at hundreds of Trainium nodes this, not memory, is what widens TP).
 
+When even the widest TP leaves too many replicas for the global batch (TP is capped by the heads and the node) and
+only the batch, not memory, rules every mesh out, choose_sizes_for_batch plans with fewer workers per node instead of
+refusing, unless the user set the count: the recipe's batch is part of its training recipe, so the plan keeps it and
+reports the idle workers and the batch that would occupy them.
+
 A candidate mesh must divide the world, split the layers evenly into its stages (plan/stages.py), split the global
 batch into micro-batches (at least one per stage, a multiple of the stages when interleaved) and fit in memory.
 """
@@ -50,6 +55,9 @@ class Sizes:
     """Global layer indices of each virtual stage, in stage order."""
     padded_vocab: int
     memory: MemoryEstimate
+    global_batch_for_all_workers: int | None = None
+    """Set when the mesh takes fewer workers per node than asked because the global batch cannot occupy them all:
+    the smallest global batch at which a mesh uses every worker."""
 
 
 def usable_gib(platform: Platform) -> float:
@@ -187,6 +195,41 @@ def choose_sizes(cfg: RunConfig, platform: Platform, *, num_nodes: int, per_node
                     leanest = (tp, pp, estimate)
     raise PlanError(_nothing_fits(cfg, platform, num_nodes=num_nodes, per_node=per_node, leanest=leanest,
                                   too_many_replicas=too_many_replicas))
+
+
+def choose_sizes_for_batch(cfg: RunConfig, platform: Platform, *, num_nodes: int, per_node: int,
+                           may_idle: bool) -> Sizes:
+    """choose_sizes; where only the global batch rules out every mesh and may_idle, the largest divisor of per_node
+    at which a mesh fits (same search order, so the table's TP and PP stay preferred), leaving the rest idle."""
+    try:
+        return choose_sizes(cfg, platform, num_nodes=num_nodes, per_node=per_node)
+    except PlanError as exc:
+        refusal = exc
+    full_batch = batch_too_small(cfg, platform, num_nodes=num_nodes, per_node=per_node) if may_idle else None
+    if full_batch is None:
+        raise refusal
+    for fewer in sorted((d for d in range(1, per_node) if per_node % d == 0), reverse=True):
+        if cfg.parallel.tensor and fewer % cfg.parallel.tensor:
+            continue  # a pinned TP must stay inside a node
+        if not tensor_candidates(cfg, platform, per_node=fewer):
+            continue
+        try:
+            sizes = choose_sizes(cfg, platform, num_nodes=num_nodes, per_node=fewer)
+        except PlanError:
+            continue
+        return dataclasses.replace(sizes, global_batch_for_all_workers=full_batch)
+    raise refusal
+
+
+def batch_too_small(cfg: RunConfig, platform: Platform, *, num_nodes: int, per_node: int) -> int | None:
+    """The smallest global batch that lets a mesh use every worker, when the recipe's batch leaves no mesh room for
+    a micro-batch per stage in every replica; None when some mesh has that room, or memory rules out every mesh."""
+    world, micro = num_nodes * per_node, cfg.train.micro_batch_size
+    tps = [cfg.parallel.tensor] if cfg.parallel.tensor else tensor_candidates(cfg, platform, per_node=per_node)
+    # DP x PP = world / TP at any PP, and each (replica, stage) pair needs a micro-batch: only TP makes room.
+    if any(micro * world <= cfg.train.global_batch_size * tp for tp in tps):
+        return None
+    return smallest_global_batch(cfg, platform, num_nodes=num_nodes, per_node=per_node)
 
 
 def _nothing_fits(cfg: RunConfig, platform: Platform, *, num_nodes: int, per_node: int,

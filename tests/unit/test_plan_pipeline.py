@@ -14,7 +14,7 @@ from megatron_hpc.config.platforms import PLATFORMS, get_platform
 from megatron_hpc.errors import ConfigError, PlanError
 from megatron_hpc.plan.memory import GIB, PipelineShape, estimate_memory, estimate_ranks, in_flight
 from megatron_hpc.plan.model_math import num_parameters
-from megatron_hpc.plan.planner import Plan, check_pipeline_runtime, make_plan
+from megatron_hpc.plan.planner import Plan, check_pipeline_runtime, idle_workers_warning, make_plan
 from megatron_hpc.plan.sizing import USABLE_MEMORY_FRACTION
 
 
@@ -32,17 +32,21 @@ HEADS = {"gpt3_1.7b": 24, "gpt3_3.6b": 32, "gpt3_7.5b": 32, "gpt3_6.7b": 32, "gp
 
 # With one micro-batch of 1 per pipeline stage, DP x PP <= global batch (1024) and TP x PP x DP = workers, so
 # TP >= workers / 1024: 16 on 512 trn1 nodes (16384 workers), 32 on 512 trn2 nodes (32768). Where the heads allow no
-# TP that wide inside a node (24 heads: at most 8; 48 and 80 heads: at most 16 on trn2), no mesh exists and the
-# planner must say which global batch works: workers / the widest TP.
-TOO_MANY_WORKERS = {("gpt3_1.7b", "trn1", 512): 16384 // 8, ("gpt3_1.7b", "trn2", 512): 32768 // 8,
-                    ("gpt3_18.4b", "trn2", 512): 32768 // 16, ("gpt3_76.1b", "trn2", 512): 32768 // 16}
+# TP that wide inside a node (24 heads: at most 8; 48 and 80 heads: at most 16 on trn2), no mesh uses every worker.
+# The planner keeps the recipe's batch and takes fewer workers per node: 1024 x the widest TP / 512 nodes; the batch
+# that would occupy them all is workers / the widest TP.
+IDLE = {("gpt3_1.7b", "trn1", 512): (8 * 1024 // 512, 16384 // 8),
+        ("gpt3_1.7b", "trn2", 512): (8 * 1024 // 512, 32768 // 8),
+        ("gpt3_18.4b", "trn2", 512): (16 * 1024 // 512, 32768 // 16),
+        ("gpt3_76.1b", "trn2", 512): (16 * 1024 // 512, 32768 // 16)}
 
 
-def _check_sizes(p: Plan, recipe: str, platform: str, nodes: int) -> None:
+def _check_sizes(p: Plan, recipe: str, platform: str, nodes: int, *, per_node: int | None = None) -> None:
     tp_floor, pp_floor = FLOORS[recipe]
     limit = PLATFORMS[platform]
-    assert p.tensor_parallel * p.pipeline_parallel * p.data_parallel == p.world_size == nodes * limit.workers_per_node
-    assert limit.workers_per_node % p.tensor_parallel == 0  # TP inside a node
+    per_node = per_node or limit.workers_per_node
+    assert p.tensor_parallel * p.pipeline_parallel * p.data_parallel == p.world_size == nodes * per_node
+    assert p.workers_per_node == per_node and per_node % p.tensor_parallel == 0  # TP inside a node
     assert p.memory_per_worker_gib <= limit.memory_per_worker_gib * USABLE_MEMORY_FRACTION
     assert p.tensor_parallel >= tp_floor
     assert p.tensor_parallel * p.pipeline_parallel >= tp_floor * pp_floor
@@ -54,24 +58,46 @@ def _check_sizes(p: Plan, recipe: str, platform: str, nodes: int) -> None:
     if platform == "p5" and nodes < 512:
         # 8 x 80 GB per node like the table's A100 servers: the memory estimate gives the table itself.
         assert (p.tensor_parallel, p.pipeline_parallel) == TABLE.get(recipe, (2, 1))
+    Plan.from_json(json.loads(json.dumps(p.to_json())))  # consistent, and it round-trips
 
 
 @pytest.mark.parametrize("nodes", [16, 64, 512])
 @pytest.mark.parametrize("platform", ["trn1", "trn2", "p5"])
 @pytest.mark.parametrize("recipe", sorted(FLOORS))
 def test_size_table_recipes_plan_at_least_the_tables_sizes(recipe, platform, nodes):
-    expected_batch = TOO_MANY_WORKERS.get((recipe, platform, nodes))
-    if expected_batch is None:
-        _check_sizes(plan(recipe, nodes, platform), recipe, platform, nodes)
+    p = plan(recipe, nodes, platform)
+    full = PLATFORMS[platform].workers_per_node
+    if (recipe, platform, nodes) not in IDLE:
+        assert (p.idle_workers_per_node, p.global_batch_for_all_workers, idle_workers_warning(p)) == (0, None, None)
+        _check_sizes(p, recipe, platform, nodes)
         return
-    with pytest.raises(PlanError) as info:
-        plan(recipe, nodes, platform)
-    message = str(info.value)
-    assert "\n" not in message and f"--set train.global_batch_size={expected_batch}" in message
-    fixed = plan(recipe, nodes, platform, [f"train.global_batch_size={expected_batch}"])
-    assert fixed.tensor_parallel == max(t for t in PLATFORMS[platform].tp_choices if HEADS[recipe] % t == 0
-                                        and t <= PLATFORMS[platform].workers_per_node)
+    per_node, batch = IDLE[recipe, platform, nodes]
+    _check_sizes(p, recipe, platform, nodes, per_node=per_node)
+    widest = max(t for t in PLATFORMS[platform].tp_choices if HEADS[recipe] % t == 0 and t <= per_node)
+    assert p.tensor_parallel == widest and p.global_batch_size == 1024  # the recipe's batch is kept
+    assert (p.idle_workers_per_node, p.global_batch_for_all_workers) == (full - per_node, batch)
+    warning = idle_workers_warning(p)
+    assert "\n" not in warning and warning.startswith(f"the global batch 1024 cannot occupy the {nodes * full} workers")
+    assert (f"planned {per_node} of {full} workers per node: {nodes * (full - per_node)} workers idle; use --set "
+            f"train.global_batch_size={batch} to use them all") in warning
+    # The fix it names occupies every worker.
+    fixed = plan(recipe, nodes, platform, [f"train.global_batch_size={batch}"])
+    assert (fixed.idle_workers_per_node, fixed.global_batch_for_all_workers) == (0, None)
+    assert fixed.tensor_parallel == widest
     _check_sizes(fixed, recipe, platform, nodes)
+
+
+def test_a_batch_too_small_for_the_users_workers_per_node_is_refused_with_the_fix():
+    # The user's own launch.workers_per_node is kept (no idle workers behind their back): today's refusal.
+    with pytest.raises(PlanError) as info:
+        plan("gpt3_1.7b", 512, "trn1", ["launch.workers_per_node=32"])
+    assert "train.global_batch_size=1024 is too small for 16384 workers" in str(info.value)
+    assert "use --set train.global_batch_size=2048" in str(info.value) and "\n" not in str(info.value)
+    # The recipe's pinned TP x PP are kept too, on fewer workers per node (TP 8 must divide them: 16, not 8 or 24).
+    pinned = plan("gpt3_1.7b", 512, "trn1", ["parallel.tensor=8", "parallel.pipeline=1"])
+    assert (pinned.tensor_parallel, pinned.pipeline_parallel, pinned.workers_per_node, pinned.data_parallel) == \
+        (8, 1, 16, 1024)
+    assert pinned.global_batch_for_all_workers == 2048
 
 
 def test_p5_reproduces_the_table_and_trainium_pipelines_deeper():
@@ -244,6 +270,34 @@ def test_plan_json_through_the_cli_has_the_pipeline_keys(capsys):
     assert (out["pipeline_parallel"], out["virtual_pipeline"], out["tensor_parallel"]) == (2, 2, 8)
     assert out["bubble_fraction"] == pytest.approx(1 / (128 + 1) / 2)
     assert out["stage_layers"][0] == [0, 12] and len(out["stage_layers"]) == 4
+
+
+def test_idle_workers_are_said_by_plan_and_submit_and_launched_as_planned(tmp_path, capsys):
+    sets = ["--recipe", "gpt3_1.7b", "--nodes", "512", "--set", "data.source=synthetic"]
+    warning = ("the global batch 1024 cannot occupy the 16384 workers of 512 x trn1 (every data-parallel replica "
+               "needs a micro-batch of 1 per pipeline stage, and no TP the model and a node allow is wide enough); "
+               "planned 16 of 32 workers per node: 8192 workers idle; use --set train.global_batch_size=2048 to use "
+               "them all")
+    assert main(["plan", *sets]) == 0
+    captured = capsys.readouterr()
+    assert "gpt3_1.7b on 512 x trn1 (16 of 32 workers per node, backend xla)" in captured.out
+    assert "mesh        world 8192 = TP 8 x PP 1 x DP 1024" in captured.out
+    assert f"megatron-hpc: warning: {warning}" in captured.err.splitlines()
+    assert main(["plan", *sets, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["warnings"][0] == warning
+    assert (out["workers_per_node"], out["idle_workers_per_node"], out["global_batch_for_all_workers"]) == \
+        (16, 16, 2048)
+    run = tmp_path / "run"
+    assert main(["submit", *sets, "--dry-run", "--out", str(run)]) == 0
+    assert f"megatron-hpc: warning: {warning}" in capsys.readouterr().err.splitlines()
+    assert "--nproc_per_node=16 " in (run / "node.sh").read_text()  # torchrun starts the planned 16, not 32
+    stored = Plan.from_json(json.loads((run / "plan.json").read_text()))
+    assert (stored.workers_per_node, stored.world_size, stored.idle_workers_per_node) == (16, 8192, 16)
+    for key, value in (("idle_workers_per_node", 0), ("global_batch_for_all_workers", 1024),
+                       ("idle_workers_per_node", -16)):
+        with pytest.raises(PlanError, match="is inconsistent"):
+            Plan.from_json({**stored.to_json(), key: value})
 
 
 def test_plan_text_shows_the_pipeline(capsys):
