@@ -67,15 +67,12 @@ def test_resharded_checkpoint_trains_on_at_new_sizes(runs: dict[str, Path], mesh
     straight = _metrics(runs["straight"])[10:]
     resumed = _metrics(runs[mesh])
     assert [r["iteration"] for r in resumed] == list(range(11, 21))
-    # Iteration 11 is the loss of the checkpoint's weights on the same batch (and the gradient they give).
-    for key in ("lm_loss", "grad_norm"):
-        assert resumed[0][key] == pytest.approx(straight[0][key], rel=RTOL), key
-    # The steps after it: each mesh rounds its own way (TP 2 x PP 2 against TP 1 x PP 4 or one process), and both
-    # drift from one process by up to 1e-5 over 20 steps (test_pipeline_equivalence), so apart by twice that.
+    # Iteration 11 is the loss of the checkpoint's weights on the same batch (and the gradient they give); the
+    # steps after it show Adam's moments came over too.
     for key in ("lm_loss", "grad_norm"):
         torch.testing.assert_close(torch.tensor([r[key] for r in resumed], dtype=torch.float64),
                                    torch.tensor([r[key] for r in straight], dtype=torch.float64),
-                                   rtol=2 * RTOL, atol=0.0, msg=lambda m, key=key: f"{key}: {m}")
+                                   rtol=RTOL, atol=0.0, msg=lambda m, key=key: f"{key}: {m}")
     assert [r["lr"] for r in resumed] == [r["lr"] for r in straight]
 
 
