@@ -189,3 +189,21 @@ def test_a_failed_run_phase_names_the_workers_error(slurm_cluster, tmp_path):
     attempts = [json.loads(line) for line in (run_dir / "attempts.jsonl").read_text().splitlines()]
     assert [(a["phase"], a["action"], a["requeued"]) for a in attempts] == [("run", "fail", False)], attempts
     assert "a retry would fail the same way" in attempts[-1]["message"] or "not requeued" in attempts[-1]["message"]
+
+
+def test_pipeline_across_two_nodes_trains_as_data_parallel_does(slurm_cluster, sacct_job, tmp_path, demo_data):
+    # One worker per node: PP 2 puts one stage on each node (the planner's layout: PP across nodes), DP 2 one replica
+    # on each. Same seed, same global batch: the same losses, step by step.
+    losses = {}
+    for name, pipeline in (("dp2", "1"), ("pp2", "2")):
+        run_dir = tmp_path / name
+        code, report, stderr = submit(run_dir, demo_data, "--set", f"parallel.pipeline={pipeline}",
+                                      "--set", "launch.workers_per_node=1", "--set", "train.log_interval=1")
+        assert code == 0, f"{report}\n{stderr}"
+        assert sacct_job(jobs_by_phase(report)["run"]["job_id"], final=True)["State"] == "COMPLETED"
+        plan = json.loads((run_dir / "plan.json").read_text())
+        assert (plan["pipeline_parallel"], plan["data_parallel"]) == ((2, 1) if name == "pp2" else (1, 2))
+        steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        losses[name] = [s["lm_loss"] for s in steps if s["phase"] == "run"]
+    assert len(losses["pp2"]) == 30
+    assert losses["pp2"] == pytest.approx(losses["dp2"], rel=1e-5)
