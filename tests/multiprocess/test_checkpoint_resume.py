@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 
 import mp_workers
@@ -43,23 +42,6 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def resume_runs(rank: int, world: int, ports: list[int], plan: list[tuple[int, RunConfig, str]],
-                run_root: str) -> None:
-    """run_training for each (world size, config, name); world-1 entries run on rank 0 alone."""
-    from megatron_hpc.train.entry import plan_for_torchrun, run_training
-
-    for i, (size, cfg, name) in enumerate(plan):
-        if size == 1:
-            if rank == 0:
-                env = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-                # a world of one, on its own port
-                assert run_training(plan_for_torchrun(cfg), run_dir=Path(run_root) / name) == 0
-                os.environ.update(env)
-            continue
-        os.environ["MASTER_PORT"] = str(ports[i])
-        assert run_training(plan_for_torchrun(cfg), run_dir=Path(run_root) / name) == 0
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Path]]:
     """Two spawns of two processes: first 20 steps and 10 steps, then (new processes) the resume."""
@@ -68,10 +50,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Path]]
     sizes = {name: tp * pp for name, (tp, pp) in MESHES.items()}
     plan1 = [(sizes[mesh], _config(mesh, num_steps=n), f"{part}_{mesh}") for mesh in MESHES
              for part, n in (("straight", 20), ("part1", 10))]
-    mp_workers.spawn(resume_runs, world=2, out_dir=first, num_ports=len(plan1), args=(plan1, str(first)))
+    mp_workers.spawn(mp_workers.sized_runs, world=2, out_dir=first, num_ports=len(plan1), args=(plan1, str(first)))
     plan2 = [(sizes[mesh], _config(mesh, num_steps=20, load=str(first / f"part1_{mesh}" / "checkpoints")),
               f"part2_{mesh}") for mesh in MESHES]
-    mp_workers.spawn(resume_runs, world=2, out_dir=second, num_ports=len(plan2), args=(plan2, str(second)))
+    mp_workers.spawn(mp_workers.sized_runs, world=2, out_dir=second, num_ports=len(plan2), args=(plan2, str(second)))
     return {mesh: {"straight": first / f"straight_{mesh}", "part1": first / f"part1_{mesh}",
                    "part2": second / f"part2_{mesh}"} for mesh in MESHES}
 
