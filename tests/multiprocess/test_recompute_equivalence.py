@@ -26,10 +26,9 @@ SETTINGS = {
 DROPOUT = {"attention_dropout": 0.1, "hidden_dropout": 0.1}
 
 
-def _config(setting: str, *, tp: int = 1, dropout: bool = False) -> RunConfig:
-    cfg = mp_workers.tiny_config(tp=tp)
-    # Four layers, so that uniform groups of 2 are two groups and block 1 leaves three layers plain.
-    model = dataclasses.replace(cfg.model, num_layers=4, **SETTINGS[setting], **(DROPOUT if dropout else {}))
+def _config(setting: str, *, tp: int = 1, pp: int = 1, dropout: bool = False) -> RunConfig:
+    cfg = mp_workers.pipeline_config(tp=tp, pp=pp)  # four layers: uniform 2 makes two groups, block 1 leaves 3 plain
+    model = dataclasses.replace(cfg.model, **SETTINGS[setting], **(DROPOUT if dropout else {}))
     return dataclasses.replace(cfg, model=model)
 
 
@@ -39,12 +38,14 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
-    """Eleven training runs over two spawns (world 1, then world 2 at TP 2)."""
+    """Fourteen training runs over two spawns (world 1, then world 2 at TP 2 or PP 2)."""
     root = tmp_path_factory.mktemp("recompute")
     plan = {
         1: {**{name: _config(name) for name in SETTINGS},
             **{f"{name}_dropout": _config(name, dropout=True) for name in ("plain", "selective", "uniform2")}},
-        2: {f"{name}_tp2": _config(name, tp=2) for name in ("plain", "selective", "uniform1")},
+        2: {**{f"{name}_tp2": _config(name, tp=2) for name in ("plain", "selective", "uniform1")},
+            # Two stages of two layers: groups and blocks are cut within each stage's own layers.
+            **{f"{name}_pp2": _config(name, pp=2) for name in ("plain", "uniform2", "block1")}},
     }
     out: dict[str, list[dict]] = {}
     for world, configs in plan.items():
@@ -70,6 +71,7 @@ def test_plain_run_learns(runs: dict[str, list[dict]]) -> None:
 @pytest.mark.parametrize("name, reference", [
     ("selective", "plain"), ("uniform1", "plain"), ("uniform2", "plain"), ("block1", "plain"),
     ("selective_tp2", "plain_tp2"), ("uniform1_tp2", "plain_tp2"), ("plain_tp2", "plain"),
+    ("uniform2_pp2", "plain_pp2"), ("block1_pp2", "plain_pp2"), ("plain_pp2", "plain"),
 ])
 @pytest.mark.parametrize("key", ["lm_loss", "grad_norm"])
 def test_recompute_matches_plain(runs: dict[str, list[dict]], name: str, reference: str, key: str) -> None:
