@@ -17,6 +17,8 @@ PositionEmbedding = Literal["learned", "rope"]
 DataSource = Literal["synthetic", "indexed"]
 CheckpointFormat = Literal["xser", "torch"]
 SaveFailure = Literal["stop", "continue"]
+RecomputeGranularity = Literal["selective", "full"]
+RecomputeMethod = Literal["uniform", "block"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -52,7 +54,19 @@ class ModelConfig:
     layernorm_epsilon: float = 1e-5
     """LayerNorm epsilon."""
     recompute: bool = False
-    """Recompute each layer's activations in backward (full activation checkpointing)."""
+    """Alias of recompute_granularity=full with recompute_method=uniform and recompute_num_layers=1 (every layer
+    checkpointed on its own); contradicting recompute_granularity=selective is an error."""
+    recompute_granularity: RecomputeGranularity | None = None
+    """Activation recomputation (Megatron --recompute-granularity): null keeps every activation; selective
+    recomputes only the attention core softmax(QK^T)V (Megatron's recommendation); full recomputes whole layers,
+    grouped by recompute_method (plan/recompute.py)."""
+    recompute_method: RecomputeMethod | None = None
+    """With full granularity (--recompute-method): uniform checkpoints each group of recompute_num_layers layers as
+    a unit; block checkpoints the first recompute_num_layers layers of each pipeline stage and runs the rest
+    normally. Unset means uniform."""
+    recompute_num_layers: int | None = None
+    """Layers per uniform group, or checkpointed layers per stage for block (--recompute-num-layers); unset means
+    1. Uniform needs it to divide every stage's layers; block needs at most a stage's layers."""
 
     @property
     def ffn_size(self) -> int:

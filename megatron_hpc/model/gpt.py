@@ -29,6 +29,7 @@ from megatron_hpc.parallel.layers import (
 )
 from megatron_hpc.parallel.mappings import copy_to_tp_region
 from megatron_hpc.plan.checks import check_model_shape
+from megatron_hpc.plan.recompute import check_recompute_stages, recompute_groups, resolve_recompute
 from megatron_hpc.plan.stages import StageLayout
 
 
@@ -38,7 +39,10 @@ class Attention(nn.Module):
         h, tp = cfg.hidden_size, ctx.tp_size
         self.local_heads = cfg.num_attention_heads // tp
         self.head_dim = h // cfg.num_attention_heads
-        self.dropout = cfg.attention_dropout
+        self.core = AttentionCore(cfg.attention_dropout)
+        # Selective recomputation (plan/recompute.py): the attention core keeps nothing for backward and is rerun
+        # there; torch's checkpoint restores the RNG state, so attention dropout replays the same mask.
+        self.recompute_core = resolve_recompute(cfg).selective
         # Fused QKV in Megatron's per-head layout [nh, (q, k, v), hd]: a contiguous row shard then
         # holds whole heads, each with its own q, k and v.
         self.qkv = ColumnParallelLinear(h, 3 * h, ctx=ctx, init_std=cfg.init_method_std, seed=seed,
@@ -51,10 +55,25 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))  # (B, nh/tp, S, hd)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        if self.recompute_core and self.training:
+            y = checkpoint(self.core, q, k, v, use_reentrant=False)
+        else:
+            y = self.core(q, k, v)
         y = y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)  # (B, S, H/tp)
         return self.proj(y)  # (B, S, H)
+
+
+class AttentionCore(nn.Module):
+    """softmax(QK^T / sqrt(hd)) V with the causal mask and attention dropout: (B, nh/tp, S, hd) in and out. A module
+    of its own (no parameters) so that selective recomputation checkpoints exactly this, and tests can see it run."""
+
+    def __init__(self, dropout: float):
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                              dropout_p=self.dropout if self.training else 0.0)
 
 
 class MLP(nn.Module):
@@ -106,7 +125,7 @@ class GPT(nn.Module):
         super().__init__()
         check_model_shape(cfg, tensor_parallel=ctx.tp_size)  # the planner ran it too; tools build models directly
         self.group = ctx.tp_group
-        self.recompute = cfg.recompute
+        self.recompute = resolve_recompute(cfg)
         self.stages = list(stages) if stages is not None else [
             StageLayout(index=0, pp_rank=0, chunk=0, layers=range(cfg.num_layers), first=True, last=True)]
         self.has_first = any(s.first for s in self.stages)
@@ -135,6 +154,7 @@ class GPT(nn.Module):
         # Keyed by the global layer index, so every stage's state dict names a layer as the whole model does.
         self.h = nn.ModuleDict({str(i): Block(cfg, ctx=ctx, seed=seed, index=i)
                                 for stage in self.stages for i in stage.layers})
+        check_recompute_stages(cfg, [len(stage.layers) for stage in self.stages])
         if self.wte is not None and not self.has_first:
             # The last stage's copy of the tied table: the gradient norm counts it once, on the first stage.
             self.wte.weight.pipeline_duplicate = True
@@ -162,12 +182,13 @@ class GPT(nn.Module):
             if self.wpe is not None:
                 x = x + self.wpe(torch.arange(s, device=ids.device))
             x = self.drop(x)
-        for i in stage.layers:
-            block = self.h[str(i)]
-            if self.recompute and self.training:
-                x = checkpoint(block, x, rope, use_reentrant=False)
+        for layers, checkpointed in recompute_groups(stage.layers, self.recompute):
+            if checkpointed and self.training:
+                # Only the group's input is saved; its layers rerun in backward (same dropout masks: the RNG
+                # state is restored by torch's checkpoint).
+                x = checkpoint(self._run_layers, x, rope, layers, use_reentrant=False)
             else:
-                x = block(x, rope)
+                x = self._run_layers(x, rope, layers)
         if not stage.last:
             return x
         x = self.ln_f(x)
@@ -175,6 +196,12 @@ class GPT(nn.Module):
             return self.lm_head(x)
         # Tied output layer: the vocab-sharded embedding table is the column-parallel weight.
         return F.linear(copy_to_tp_region(x, self.group), self.wte.weight)  # (B, S, V/tp)
+
+    def _run_layers(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                    layers: Sequence[int]) -> torch.Tensor:
+        for i in layers:
+            x = self.h[str(i)](x, rope)
+        return x
 
     def chunks(self) -> list[nn.Module]:
         """One module per stage this rank runs (chunk order), sharing this model's parameters."""

@@ -13,6 +13,7 @@ from typing import Any
 from megatron_hpc.config.schema import ModelConfig, RunConfig
 from megatron_hpc.errors import ConfigError, PlanError
 from megatron_hpc.plan.model_math import rotary_dims
+from megatron_hpc.plan.recompute import resolve_recompute
 
 _Rule = tuple[str, Callable[[Any], bool], str]
 
@@ -84,6 +85,7 @@ def check_values(cfg: RunConfig) -> None:
         value = _value(cfg, key)
         if not ok(value):
             raise ConfigError(f"{key}={value!r} must be {requirement}; fix the recipe or use --set {key}=...")
+    resolve_recompute(cfg.model)  # contradicting recompute keys; the stage fit is checked once stages are known
     schedule = cfg.parallel.pipeline_schedule
     if schedule not in PIPELINE_SCHEDULES:
         raise ConfigError(f"parallel.pipeline_schedule={schedule!r} is not a schedule; use --set "

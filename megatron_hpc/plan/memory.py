@@ -11,7 +11,11 @@ TP 1, 3.6B at TP 2, 7.5B at TP 4, 18.4B at TP 8, then 39.1B..310.1B at TP 8 and 
 
 Activations per layer and micro-batch follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models") without sequence parallelism: s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes in 16-bit (doubled for
-fp32); full recomputation keeps only each layer's input, 2*s*b*h, plus one layer's worth while it is recomputed.
+fp32). Selective recomputation (plan/recompute.py) drops the attention core's 5*a*s/(h*t) term. Full
+recomputation keeps only the input of each checkpointed unit, 2*s*b*h: per group of recompute_num_layers with the
+uniform method (plus one group's full activations while it is recomputed), per layer for the first
+recompute_num_layers layers of a chunk with the block method (the others keep everything; plus one layer while
+recomputed). `model.recompute: true` is full / uniform / 1: each layer's input plus one layer.
 
 Pipeline parallelism (Megatron's layout, plan/stages.py): a rank holds its stages' layers; the first stage adds the
 embedding, the last the final norm and the output layer (with tied embeddings a copy of the word embedding, which
@@ -35,6 +39,7 @@ from dataclasses import dataclass
 
 from megatron_hpc.config.schema import ModelConfig
 from megatron_hpc.plan.model_math import embedding_parameters, layer_parameters
+from megatron_hpc.plan.recompute import resolve_recompute
 
 GIB = 1024**3
 
@@ -124,7 +129,7 @@ def estimate_ranks(
 
 def _rank_memory(model: ModelConfig, pp_rank: int, *, pipe: PipelineShape, padded_vocab: int, tensor_parallel: int,
                  micro_batch: int, precision: str, backend: str) -> MemoryEstimate:
-    t, s, b, h, a = (tensor_parallel, model.seq_length, micro_batch, model.hidden_size, model.num_attention_heads)
+    t, s, b, h = tensor_parallel, model.seq_length, micro_batch, model.hidden_size
     stages = range(pp_rank, len(pipe.stage_layers), pipe.pipeline)  # virtual stage k runs on rank k % p
     first, last = 0 in stages, len(pipe.stage_layers) - 1 in stages
     layers = sum(pipe.stage_layers[k] for k in stages)
@@ -138,16 +143,47 @@ def _rank_memory(model: ModelConfig, pp_rank: int, *, pipe: PipelineShape, padde
     state = params / t * bytes_per_parameter(precision=precision, backend=backend)
 
     scale = 2.0 if precision == "fp32" else 1.0
-    full_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * scale
     chunk_layers = layers / len(stages)  # layers per model chunk (equal with interleaving; one chunk otherwise)
-    held = in_flight(pp_rank, pipe=pipe) * chunk_layers
-    if model.recompute:
-        activations = held * 2.0 * s * b * h * scale + full_layer  # inputs kept, one layer recomputed at a time
-    else:
-        activations = held * full_layer
+    activations = in_flight(pp_rank, pipe=pipe) * chunk_activations(model, chunk_layers, tensor_parallel=t,
+                                                                     micro_batch=b, scale=scale)
+    rc = resolve_recompute(model)
+    if rc.full:
+        # While a checkpointed unit runs its backward, its layers' activations are alive again: one uniform group,
+        # or one layer for block.
+        activations += (rc.num_layers if rc.method == "uniform" else 1) * layer_activations(
+            model, tensor_parallel=t, micro_batch=b, scale=scale, selective=False)
     logits = 0.0
     if last:
         logits_in_flight = pipe.num_micro_batches if pipe.pipeline > 1 and pipe.schedule == "afab" else 1
         logits = logits_in_flight * 4.0 * s * b * padded_vocab / t * 2  # fp32 logits and their gradient
     return MemoryEstimate(weights_and_optimizer_gib=state / GIB, activations_gib=activations / GIB,
                           logits_gib=logits / GIB, pp_rank=pp_rank)
+
+
+def layer_activations(model: ModelConfig, *, tensor_parallel: int, micro_batch: int, scale: float,
+                      selective: bool) -> float:
+    """Bytes one layer keeps for its backward: Korthikanti et al.'s s*b*h*(10 + 24/t + 5*a*s/(h*t)) in 16-bit
+    (`scale` 2 for fp32); selective recomputation drops the attention core's 5*a*s/(h*t) term (scores, softmax
+    output, its dropout mask and output: everything of size s^2)."""
+    t, s, b, h, a = (tensor_parallel, model.seq_length, micro_batch, model.hidden_size, model.num_attention_heads)
+    core = 0.0 if selective else 5 * a * s / (h * t)
+    return s * b * h * (10 + 24 / t + core) * scale
+
+
+def chunk_activations(model: ModelConfig, chunk_layers: float, *, tensor_parallel: int, micro_batch: int,
+                      scale: float) -> float:
+    """Bytes one model chunk keeps for one micro-batch between its forward and its backward.
+
+    Full recomputation keeps the input of each checkpointed unit (2*s*b*h in 16-bit): one per uniform group, one
+    per layer for the block method's first recompute_num_layers layers, whose other layers keep everything.
+    """
+    rc = resolve_recompute(model)
+    kept = layer_activations(model, tensor_parallel=tensor_parallel, micro_batch=micro_batch, scale=scale,
+                             selective=rc.selective)
+    unit_input = 2.0 * model.seq_length * micro_batch * model.hidden_size * scale
+    if not rc.full:
+        return chunk_layers * kept
+    if rc.method == "uniform":
+        return chunk_layers / rc.num_layers * unit_input
+    checkpointed = min(rc.num_layers, chunk_layers)
+    return checkpointed * unit_input + (chunk_layers - checkpointed) * kept

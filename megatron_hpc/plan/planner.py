@@ -33,6 +33,7 @@ from megatron_hpc.plan.model_math import (
     flops_per_token_6n,
     num_parameters,
 )
+from megatron_hpc.plan.recompute import check_recompute_stages
 from megatron_hpc.plan.sizing import choose_sizes_for_batch, tensor_candidates
 from megatron_hpc.plan.stages import bubble_fraction
 
@@ -316,6 +317,7 @@ def make_plan(cfg: RunConfig, *, num_nodes: int, platform: Platform) -> Plan:
     sizes = choose_sizes_for_batch(cfg, platform, num_nodes=num_nodes, per_node=per_node,
                                    may_idle=cfg.launch.workers_per_node is None)
     mesh, micro, vocab = sizes.mesh, sizes.num_micro_batches, sizes.padded_vocab
+    check_recompute_stages(cfg.model, [len(r) for r in sizes.stage_layers])
     params = num_parameters(cfg.model, padded_vocab=vocab)
     sched = resolve_schedule(cfg.optim, num_steps=cfg.train.num_steps, global_batch_size=cfg.train.global_batch_size)
     return Plan(

@@ -27,11 +27,12 @@ import math
 from dataclasses import dataclass
 
 from megatron_hpc.config.platforms import Platform
-from megatron_hpc.config.schema import RunConfig
+from megatron_hpc.config.schema import ModelConfig, RunConfig
 from megatron_hpc.errors import PlanError
 from megatron_hpc.plan.batch import num_micro_batches
 from megatron_hpc.plan.memory import MemoryEstimate, PipelineShape, estimate_memory
 from megatron_hpc.plan.mesh import Mesh
+from megatron_hpc.plan.recompute import FULL_UNIFORM_1, resolve_recompute
 from megatron_hpc.plan.stages import split_layers
 from megatron_hpc.plan.vocab import padded_vocab_size
 
@@ -67,13 +68,29 @@ def usable_gib(platform: Platform) -> float:
 def memory_for(cfg: RunConfig, platform: Platform, *, tp: int, pp: int, micro_batches: int,
                recompute: bool | None = None) -> MemoryEstimate:
     """The heaviest pipeline rank's estimate at TP tp x PP pp (the layers must split: see stage_ranges)."""
-    model = cfg.model if recompute is None else dataclasses.replace(cfg.model, recompute=recompute)
+    model = cfg.model if not recompute else full_recompute(cfg.model)
     shape = PipelineShape(stage_layers=tuple(len(s) for s in stage_ranges(cfg, pp=pp)), pipeline=pp,
                           virtual=cfg.parallel.virtual_pipeline, schedule=cfg.parallel.pipeline_schedule,
                           num_micro_batches=micro_batches)
     return estimate_memory(model, padded_vocab=_vocab(cfg, tp), tensor_parallel=tp,
                            micro_batch=cfg.train.micro_batch_size, precision=cfg.train.precision,
                            backend=platform.backend, pipeline=shape)
+
+
+def full_recompute(model: ModelConfig) -> ModelConfig:
+    """`model` with every layer checkpointed on its own (full / uniform / 1), the leanest setting we suggest."""
+    return dataclasses.replace(model, recompute=False, recompute_granularity="full", recompute_method="uniform",
+                               recompute_num_layers=1)
+
+
+def recompute_fix(model: ModelConfig) -> str | None:
+    """The --set that turns on full / uniform / 1 recomputation, or None when it is on already."""
+    if resolve_recompute(model) == FULL_UNIFORM_1:
+        return None
+    if model.recompute_granularity is None and model.recompute_method is None and model.recompute_num_layers is None:
+        return "--set model.recompute=true"
+    return ("--set model.recompute_granularity=full --set model.recompute_method=uniform "
+            "--set model.recompute_num_layers=1")
 
 
 def stage_ranges(cfg: RunConfig, *, pp: int) -> tuple[range, ...]:
@@ -248,11 +265,12 @@ def _nothing_fits(cfg: RunConfig, platform: Platform, *, num_nodes: int, per_nod
     tp, pp, need = leanest
     free = _free_choice(cfg, platform, num_nodes=num_nodes, per_node=per_node)
     fixes = [free] if free else []
-    if not cfg.model.recompute:
+    fix = recompute_fix(cfg.model)
+    if fix:
         try:
-            choose_sizes(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, recompute=True)), platform,
+            choose_sizes(dataclasses.replace(cfg, model=full_recompute(cfg.model)), platform,
                          num_nodes=num_nodes, per_node=per_node)
-            fixes.append("--set model.recompute=true")
+            fixes.append(fix)
         except PlanError:
             pass
     fixes += ["a platform with more memory per worker, or a smaller model"]
@@ -304,9 +322,10 @@ def memory_advice(cfg: RunConfig, platform: Platform, *, num_nodes: int, per_nod
             f"({usable_gib(platform):.1f} for the plan); ")
     options = []
     micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * num_nodes * per_node // (tp * pp))
-    if not cfg.model.recompute and memory_for(cfg, platform, tp=tp, pp=pp, micro_batches=micro,
-                                              recompute=True).total_gib <= usable_gib(platform):
-        options.append("--set model.recompute=true")
+    fix = recompute_fix(cfg.model)
+    if fix and memory_for(cfg, platform, tp=tp, pp=pp, micro_batches=micro,
+                          recompute=True).total_gib <= usable_gib(platform):
+        options.append(fix)
     world = num_nodes * per_node
     for wider in tensor_candidates(cfg, platform, per_node=per_node):
         if wider > tp and world % (wider * pp) == 0:
