@@ -26,9 +26,11 @@ forward and backward of this model takes about 0.17 s on one thread (hidden 512,
 at m=16), while a stage boundary sends 192 KiB each way per micro-batch, well under a millisecond over loopback.
 
 Order: in every round each micro-batch count runs its four cases back to back (A B C D, A B C D ...), so drift
-of the shared machine hits all of them; each case's figure is the median over rounds of its median step. Every
-step is barrier-framed on all ranks; the first `--warmup` steps (the schedule's shape handshake, the allocator
-settling) are not timed. OMP_NUM_THREADS and torch.set_num_threads are both set to each process's threads.
+of the shared machine hits all of them. Each case's figure is the median over rounds of its median step, and next
+to it in brackets its best step over all rounds (as benchmarks/train_step_cpu.py does): other users take whole
+cores away for seconds at a time, which a PP world, needing both cores at once, feels more than a one-thread one.
+Every step is barrier-framed on all ranks; the first `--warmup` steps (the schedule's shape handshake, the
+allocator settling) are not timed. OMP_NUM_THREADS and torch.set_num_threads are both set to each process's threads.
 
     python benchmarks/pipeline_cpu.py --rounds 3
 """
@@ -153,8 +155,8 @@ def _worker(rank: int, world: int, port: int, case: Case, shape: ModelShape, ste
         dist.destroy_process_group()
 
 
-def measure(case: Case, shape: ModelShape, *, steps: tuple[int, int], tmp: Path) -> float:
-    """Median step time (s) of `case` in a fresh process world."""
+def measure(case: Case, shape: ModelShape, *, steps: tuple[int, int], tmp: Path) -> list[float]:
+    """Every timed step (s) of `case` in a fresh process world."""
     import torch.multiprocessing as mp
 
     out = tmp / f"{case.name}-{case.micro_batches}.json"
@@ -162,29 +164,53 @@ def measure(case: Case, shape: ModelShape, *, steps: tuple[int, int], tmp: Path)
     os.environ["OMP_NUM_THREADS"] = str(case.threads)  # read by the children's OpenMP at start
     mp.start_processes(_worker, args=(case.pipeline, _free_port(), case, shape, steps, str(out)),
                        nprocs=case.pipeline, join=True, start_method="spawn")
-    return statistics.median(json.loads(out.read_text()))
+    return json.loads(out.read_text())
 
 
-def report(results: dict[tuple[str, int], list[float]], micro_batch_counts: list[int]) -> None:
-    """One table row per PP case: measured, anchor, ratio, ideal, measured/ideal; then 1F1B against interleaved."""
-    print("| case | m | bubble | measured | anchor (1 proc x 2 thr) | PP / anchor | ideal | measured / ideal |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+@dataclass(frozen=True, slots=True)
+class Summary:
+    """One case's figures over all rounds."""
+
+    median: float
+    """Median over rounds of each round's median step."""
+    best: float
+    """Fastest single step of any round: the step least disturbed by the machine's other users."""
+    per_round: list[float]
+
+
+def summarize(rounds: list[list[float]]) -> Summary:
+    per_round = [statistics.median(steps) for steps in rounds]
+    return Summary(median=statistics.median(per_round), best=min(min(steps) for steps in rounds),
+                   per_round=per_round)
+
+
+def report(results: dict[tuple[str, int], list[list[float]]], micro_batch_counts: list[int]) -> None:
+    """A row per PP case: measured, anchor, ratio, ideal, measured/ideal, for medians and best steps; then
+    interleaved against 1F1B."""
     from megatron_hpc.plan.stages import bubble_fraction
 
+    print("| case | m | bubble | step: median (best) | anchor | PP / anchor | ideal | measured / ideal |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for m in micro_batch_counts:
-        anchor = statistics.median(results["anchor", m])
-        one = statistics.median(results["one-thread", m])
+        anchor, one = summarize(results["anchor", m]), summarize(results["one-thread", m])
         for name, v in (("1f1b", 1), ("interleaved", 2)):
-            t = statistics.median(results[name, m])
-            ideal = ideal_step(one, pipeline=2, micro_batches=m, virtual=v)
+            t = summarize(results[name, m])
+            ideal = [ideal_step(x, pipeline=2, micro_batches=m, virtual=v) for x in (one.median, one.best)]
             bubble = bubble_fraction(pipeline=2, micro_batches=m, virtual=v)
-            print(f"| PP=2 {name} | {m} | {bubble:.1%} | {t * 1000:.0f} ms | {anchor * 1000:.0f} ms | "
-                  f"{t / anchor:.2f} | {ideal * 1000:.0f} ms | {t / ideal:.2f} |")
-        print(f"| one process, 1 thread | {m} | - | {one * 1000:.0f} ms | {anchor * 1000:.0f} ms | "
-              f"{one / anchor:.2f} | - | - |")
+            print(f"| PP=2 {name} | {m} | {bubble:.1%} | {_ms(t.median, t.best)} | {_ms(anchor.median, anchor.best)} | "
+                  f"{t.median / anchor.median:.2f} ({t.best / anchor.best:.2f}) | {_ms(*ideal)} | "
+                  f"{t.median / ideal[0]:.2f} ({t.best / ideal[1]:.2f}) |")
+        print(f"| one process, 1 thread | {m} | - | {_ms(one.median, one.best)} | {_ms(anchor.median, anchor.best)} | "
+              f"{one.median / anchor.median:.2f} ({one.best / anchor.best:.2f}) | - | - |")
     for m in micro_batch_counts:
-        paired = [i / f for i, f in zip(results["interleaved", m], results["1f1b", m])]
-        print(f"m={m}: interleaved / 1F1B per round {', '.join(f'{x:.3f}' for x in paired)}: {verdict(paired)}")
+        inter, plain = summarize(results["interleaved", m]), summarize(results["1f1b", m])
+        paired = [i / f for i, f in zip(inter.per_round, plain.per_round)]
+        print(f"m={m}: interleaved / 1F1B round medians {', '.join(f'{x:.3f}' for x in paired)}: {verdict(paired)}; "
+              f"best steps {inter.best / plain.best:.3f}")
+
+
+def _ms(median: float, best: float) -> str:
+    return f"{median * 1000:.0f} ({best * 1000:.0f}) ms"
 
 
 def main() -> int:
@@ -204,14 +230,15 @@ def main() -> int:
                        micro_batch=args.micro_batch)
     print(f"model: {asdict(shape)}, fp32; {CORES} cores; median of {args.steps} steps (+{args.warmup} warm-up) "
           f"per world, median over {args.rounds} rounds", flush=True)
-    results: dict[tuple[str, int], list[float]] = {}
+    results: dict[tuple[str, int], list[list[float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for m in args.micro_batches:
                 for case in cases(m):
-                    t = measure(case, shape, steps=(args.warmup, args.steps), tmp=Path(tmp))
-                    results.setdefault((case.name, m), []).append(t)
-                    print(f"round {r + 1} m={m} {case.name}: {t * 1000:.0f} ms/step", flush=True)
+                    steps = measure(case, shape, steps=(args.warmup, args.steps), tmp=Path(tmp))
+                    results.setdefault((case.name, m), []).append(steps)
+                    print(f"round {r + 1} m={m} {case.name}: {' '.join(f'{t * 1000:.0f}' for t in steps)} ms/step "
+                          f"(load average {os.getloadavg()[0]:.1f})", flush=True)
     report(results, args.micro_batches)
     return 0
 

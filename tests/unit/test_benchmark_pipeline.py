@@ -56,3 +56,10 @@ def test_the_verdict_calls_mixed_rounds_not_measurable():
     assert bench.verdict([0.97, 1.02, 0.99]).startswith("not measurable")
     assert bench.verdict([0.95, 0.97]) == "faster in every round"
     assert bench.verdict([1.05, 1.01]) == "slower in every round"
+
+
+def test_the_summary_takes_the_median_of_round_medians_and_the_best_step():
+    bench = _bench()
+    summary = bench.summarize([[1.0, 3.0, 2.0], [9.0, 8.0, 7.0], [0.5, 5.0, 6.0]])
+    assert summary.per_round == [2.0, 8.0, 5.0]
+    assert (summary.median, summary.best) == (5.0, 0.5)
