@@ -23,7 +23,7 @@ the ratio to the anchor (2 threads on one matmul rarely run 2x as fast as 1).
 
 Size: 8 layers, hidden 384, seq 128, micro-batch 1, vocab 256. On the 2-core VM of RESULTS.md one micro-batch's
 forward and backward of this model takes about 0.17 s on one thread (hidden 512, seq 256 took 0.64 s, 10 s a step
-at m=16), while a stage boundary sends 192 KiB each way per micro-batch, well under a millisecond over loopback.
+at m=16), while a stage boundary sends 192 KiB each way per micro-batch.
 
 Order: in every round each micro-batch count runs its four cases back to back (A B C D, A B C D ...), so drift
 of the shared machine hits all of them. Each case's figure is the median over rounds of its median step, and next
