@@ -118,7 +118,7 @@ def test_training_with_async_saves_writes_the_same_checkpoints(tmp_path: Path,
 
 
 def test_training_goes_on_while_the_files_are_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # A state of about 50 MB (a 1M-token vocabulary, Adam moments included) against a step on 8 x 8 tokens: the
+    # A state of about 150 MB (a 200k-token vocabulary, Adam moments included) against a step on 8 tokens: the
     # writer is still busy when the next steps finish. The writer notes the loop's step count when it is done.
     cfg = _tiny(9, vocab_size=200_000, save_interval=3, keep_last=1, async_save=True)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, seq_length=8, max_position_embeddings=8),
