@@ -10,6 +10,12 @@ verified, as a resuming run does.
     python benchmarks/ckpt_io.py --dir ./ckpt-bench --gib 1 --rounds 3
 
 Goals (issue 5): save >= 2x torch.save and >= 0.7x dd; load >= 0.8x dd.
+
+`--mode blocked` (issue 15): how long a training loop is blocked by one save of the state, synchronous
+(`save_checkpoint`) against asynchronous (`AsyncSave`, what checkpoint.async_save runs): blocked = the start (temp
+folder, host snapshot, thread start) plus the commit at the next save (manifest, rename, tracker), the main thread
+doing a stand-in training step (a 1024 x 1024 matmul loop) until the writer is done. The write itself overlaps the
+steps. Goal: async at most 0.1x sync.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_hpc.checkpoint.async_save import AsyncSave
+from megatron_hpc.checkpoint.compat import PipelineLayout
 from megatron_hpc.checkpoint.loader import load_checkpoint
 from megatron_hpc.checkpoint.ranks import RankInfo
 from megatron_hpc.checkpoint.saver import save_checkpoint
@@ -87,16 +95,49 @@ def torch_save(state: dict, path: Path) -> None:
         os.fsync(fh.fileno())
 
 
+def blocked(state: dict, *, work: Path, rounds: int) -> None:
+    """Seconds the loop is blocked per save, sync against async (see the module docstring)."""
+    ranks, layout = RankInfo(), PipelineLayout(pipeline=1)
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    sync_s, async_s, write_s, steps = [], [], [], []
+    for r in range(rounds):
+        shutil.rmtree(work, ignore_errors=True)
+        sync_s.append(timed(lambda: save_checkpoint(work / "sync", 10 + r, state, ranks=ranks)))
+        drop_caches()
+        t0 = time.perf_counter()
+        pending = AsyncSave(work / "async", 10 + r, state, ranks=ranks, fmt="xser", keep_last=0, layout=layout)
+        start = time.perf_counter() - t0
+        n = 0
+        while pending.writing:  # training goes on while the writer writes
+            torch.mm(a, b)
+            n += 1
+        write_s.append(time.perf_counter() - t0)
+        async_s.append(start + timed(pending.finish))
+        steps.append(n)
+        drop_caches()
+    sync, asyn = statistics.median(sync_s), statistics.median(async_s)
+    print(f"sync  blocked median {sync:6.3f} s  ({', '.join(f'{t:.3f}' for t in sync_s)})")
+    print(f"async blocked median {asyn:6.3f} s  ({', '.join(f'{t:.3f}' for t in async_s)}); writer done after "
+          f"median {statistics.median(write_s):.2f} s, {statistics.median(steps):.0f} matmuls meanwhile")
+    print(f"async/sync {asyn / sync:.3f}x (goal <= 0.1)")
+    shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", type=Path, default=Path("ckpt-bench"), help="a folder on the disk to measure")
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--mode", choices=("io", "blocked"), default="io",
+                        help="io: save/load throughput against dd and torch; blocked: sync against async save")
     args = parser.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     state = gpt_state(args.gib)
     size = nbytes(state)
     print(f"state: {size / GIB:.2f} GiB in {len(state['model'])} weights + Adam moments; disk: {args.dir.resolve()}")
+    if args.mode == "blocked":
+        blocked(state, work=args.dir / "blocked", rounds=args.rounds)
+        return 0
     times: dict[str, list[float]] = {k: [] for k in ("dd write", "dd read", "torch.save", "torch.load",
                                                      "ours save", "ours load")}
     ranks = RankInfo()
