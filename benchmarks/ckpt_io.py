@@ -100,12 +100,14 @@ def blocked(state: dict, *, work: Path, rounds: int) -> None:
     ranks, layout = RankInfo(), PipelineLayout(pipeline=1)
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
     sync_s, async_s, write_s, steps = [], [], [], []
+    host = None  # the trainer reuses the previous save's host memory: round 0 allocates it, later rounds do not
     for r in range(rounds):
         shutil.rmtree(work, ignore_errors=True)
-        sync_s.append(timed(lambda: save_checkpoint(work / "sync", 10 + r, state, ranks=ranks)))
+        sync_s.append(timed(lambda it=10 + r: save_checkpoint(work / "sync", it, state, ranks=ranks)))
         drop_caches()
         t0 = time.perf_counter()
-        pending = AsyncSave(work / "async", 10 + r, state, ranks=ranks, fmt="xser", keep_last=0, layout=layout)
+        pending = AsyncSave(work / "async", 10 + r, state, ranks=ranks, fmt="xser", keep_last=0, layout=layout,
+                            reuse=host)
         start = time.perf_counter() - t0
         n = 0
         while pending.writing:  # training goes on while the writer writes
@@ -113,13 +115,15 @@ def blocked(state: dict, *, work: Path, rounds: int) -> None:
             n += 1
         write_s.append(time.perf_counter() - t0)
         async_s.append(start + timed(pending.finish))
+        host = pending.host
         steps.append(n)
         drop_caches()
-    sync, asyn = statistics.median(sync_s), statistics.median(async_s)
+    sync, asyn = statistics.median(sync_s), statistics.median(async_s[1:] or async_s)
     print(f"sync  blocked median {sync:6.3f} s  ({', '.join(f'{t:.3f}' for t in sync_s)})")
-    print(f"async blocked median {asyn:6.3f} s  ({', '.join(f'{t:.3f}' for t in async_s)}); writer done after "
-          f"median {statistics.median(write_s):.2f} s, {statistics.median(steps):.0f} matmuls meanwhile")
-    print(f"async/sync {asyn / sync:.3f}x (goal <= 0.1)")
+    print(f"async blocked median {asyn:6.3f} s  without round 0, which allocates the host memory "
+          f"({', '.join(f'{t:.3f}' for t in async_s)}); writer done after median {statistics.median(write_s):.2f} s, "
+          f"{statistics.median(steps):.0f} 1024^3 matmuls meanwhile")
+    print(f"async/sync {asyn / sync:.3f}x (goal <= 0.1); first save {async_s[0] / sync:.3f}x")
     shutil.rmtree(work, ignore_errors=True)
 
 

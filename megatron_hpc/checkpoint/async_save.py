@@ -26,7 +26,7 @@ from typing import Any
 from megatron_hpc.checkpoint.compat import PipelineLayout
 from megatron_hpc.checkpoint.ranks import RankInfo
 from megatron_hpc.checkpoint.saver import begin_save, finish_save, write_rank_files
-from megatron_hpc.checkpoint.xser import snapshot
+from megatron_hpc.checkpoint.xser import Snapshot, snapshot
 from megatron_hpc.errors import CheckpointError
 
 
@@ -34,8 +34,10 @@ class AsyncSave:
     """A started save of checkpoint `iteration`; finish() completes it (every rank calls both, in the same order)."""
 
     def __init__(self, root: Path, iteration: int, state: dict[str, Any], *, ranks: RankInfo, fmt: str,
-                 keep_last: int, layout: PipelineLayout, on_written: Callable[[], None] | None = None):
-        """Collective. `on_written` runs on the writer thread once this rank's files are complete (or failed)."""
+                 keep_last: int, layout: PipelineLayout, on_written: Callable[[], None] | None = None,
+                 reuse: Snapshot | None = None):
+        """Collective. `on_written` runs on the writer thread once this rank's files are complete (or failed);
+        `reuse`: the host memory of an earlier, finished save, overwritten by this one's snapshot."""
         if fmt not in ("xser", "torch"):
             raise CheckpointError(f"checkpoint.format {fmt!r} is not supported; use xser or torch")
         self.root, self.iteration, self.ranks = root, iteration, ranks
@@ -45,14 +47,16 @@ class AsyncSave:
         self.tmp, self.error = begin_save(root, iteration, ranks=ranks)
         self._ok = ranks.all_ok(self.error is None)
         self._thread: threading.Thread | None = None
+        self.host: Snapshot | None = None
+        """The host copy the writer writes from; after finish(), free for the next save to reuse."""
         if not self._ok or not ranks.is_writer:
             return
         try:
-            host = snapshot(state)
+            self.host = snapshot(state, into=reuse)
         except CheckpointError as exc:
             self.error = exc
             return
-        self._thread = threading.Thread(target=self._write, args=(host, on_written),
+        self._thread = threading.Thread(target=self._write, args=(self.host, on_written),
                                         name=f"checkpoint-{iteration}-writer", daemon=False)
         self._thread.start()
 

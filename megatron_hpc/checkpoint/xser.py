@@ -132,11 +132,19 @@ class Snapshot:
     tensors: list[torch.Tensor]
 
 
-def snapshot(obj: Any) -> Snapshot:
-    """`obj` copied to host memory, tensor by tensor; written later, it gives the same bytes as writing `obj` now."""
+def snapshot(obj: Any, *, into: Snapshot | None = None) -> Snapshot:
+    """`obj` copied to host memory, tensor by tensor; written later, it gives the same bytes as writing `obj` now.
+
+    `into`: an earlier snapshot nothing reads any more; its tensors of the same shape and dtype are overwritten
+    instead of allocating new ones (fresh memory costs a page fault per 4 KiB: about 5x the copy itself).
+    """
     ref_data, tensors = rewrite(obj)
     copies = []
-    for t in tensors:
+    old = into.tensors if into is not None and len(into.tensors) == len(tensors) else []
+    for i, t in enumerate(tensors):
+        if old and old[i].shape == t.shape and old[i].dtype == t.dtype:
+            copies.append(old[i].copy_(t.detach()))
+            continue
         host = _compact_cpu(t)
         if t.device.type == "cpu" and host.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
             host = host.clone()  # .cpu() of a CPU tensor is the tensor itself

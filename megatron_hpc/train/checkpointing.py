@@ -24,6 +24,7 @@ from megatron_hpc.checkpoint.optim_layout import for_model
 from megatron_hpc.checkpoint.paths import iteration_dir
 from megatron_hpc.checkpoint.ranks import RankInfo
 from megatron_hpc.checkpoint.saver import save_checkpoint
+from megatron_hpc.checkpoint.xser import Snapshot
 from megatron_hpc.config.schema import CheckpointConfig
 from megatron_hpc.errors import CheckpointError
 from megatron_hpc.parallel.context import ParallelContext
@@ -64,8 +65,13 @@ class Checkpointer:
         self.last_saved = -1
         self.pending: AsyncSave | None = None
         """The asynchronous save whose files are being written (checkpoint.async_save)."""
+        self.host_memory: Snapshot | None = None
+        """The last finished asynchronous save's host copy, reused by the next (no fresh pages to fault in)."""
         self.steps_while_writing: dict[int, int] = {}
-        """Asynchronous saves: iteration -> training steps completed by the time this rank's writer finished."""
+        """Asynchronous saves: iteration -> training steps completed by the time this rank's writer finished, or -1
+        when it finished before save_now() even returned to the loop (nothing overlapped)."""
+        self._returned = -1
+        """The iteration of the last asynchronous save whose save_now() returned to the loop."""
         self.promised = False
         """has_checkpoint() said a checkpoint will be loaded (and the model skipped its initialisation)."""
 
@@ -195,15 +201,17 @@ class Checkpointer:
         iteration = state.step
 
         def written() -> None:  # on the writer thread: how far training got meanwhile (state is the loop's own)
-            self.steps_while_writing[iteration] = state.step - iteration
+            self.steps_while_writing[iteration] = state.step - iteration if self._returned == iteration else -1
 
         try:
             self.pending = AsyncSave(self.save_root, iteration, content, ranks=self.ranks, fmt=self.ckpt.format,
-                                     keep_last=self.ckpt.keep_last, layout=self.layout, on_written=written)
+                                     keep_last=self.ckpt.keep_last, layout=self.layout, on_written=written,
+                                     reuse=self.host_memory)
         except CheckpointError as exc:
             self._failed(exc)
             return
         self._print(f"> saving checkpoint {iteration} in the background")
+        self._returned = iteration  # from here on the loop trains while the writer writes
 
     def wait_for_save(self) -> str | None:
         """Complete the asynchronous save in flight, if any (collective: every rank calls it at the same step).
@@ -215,10 +223,13 @@ class Checkpointer:
             folder = pending.finish()
         except CheckpointError as exc:
             return self._failed(exc)
+        finally:
+            self.host_memory = pending.host
         self.last_saved = pending.iteration
-        meanwhile = self.steps_while_writing.get(pending.iteration, 0)
-        self._print(f"> saved checkpoint {folder} at iteration {pending.iteration} (written in the background; "
-                    f"{meanwhile} step(s) trained meanwhile)")
+        meanwhile = self.steps_while_writing.get(pending.iteration, -1)
+        overlap = f"{meanwhile} step(s) completed meanwhile" if meanwhile >= 0 else "done before training resumed"
+        self._print(f"> saved checkpoint {folder} at iteration {pending.iteration} (written in the background, "
+                    f"{overlap})")
         return str(folder)
 
     def abandon_save(self) -> None:

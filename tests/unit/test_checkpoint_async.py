@@ -118,17 +118,24 @@ def test_training_with_async_saves_writes_the_same_checkpoints(tmp_path: Path,
 
 
 def test_training_goes_on_while_the_files_are_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # A state of about 150 MB (a 200k-token vocabulary, Adam moments included) against a step on 8 tokens: the
-    # writer is still busy when the next steps finish. The writer notes the loop's step count when it is done.
+    # A state of about 150 MB (a 200k-token vocabulary, Adam moments included): its writer is still busy when the
+    # loop gets control back. The writer notes, when it is done, whether save_now() had returned to the loop and
+    # how many steps were completed by then (informative only: that depends on the machine's speed).
     cfg = _tiny(9, vocab_size=200_000, save_interval=3, keep_last=1, async_save=True)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, seq_length=8, max_position_embeddings=8),
                               train=dataclasses.replace(cfg.train, micro_batch_size=1, global_batch_size=1))
     assert run_training(plan_for_torchrun(cfg), run_dir=tmp_path) == 0
     out = capsys.readouterr().out
-    meanwhile = {int(it): int(n) for it, n in re.findall(r"at iteration (\d+) \(written in the background; (\d+) "
-                                                         r"step\(s\) trained meanwhile\)", out)}
-    assert set(meanwhile) == {3, 6, 9}
-    assert max(meanwhile[3], meanwhile[6]) >= 1, out  # a later step ended before the writer did
+    done = dict(re.findall(r"at iteration (\d+) \(written in the background, (.*)\)$", out, flags=re.M))
+    assert set(done) == {"3", "6", "9"}, out
+    assert all(re.fullmatch(r"\d+ step\(s\) completed meanwhile", how) for how in done.values()), out
+    # The loop's order: each save starts, the next steps run, then the save completes.
+    events = {r"> saving checkpoint (\d+) in the background": "start", r"^\s*\[.*\] iteration\s+(\d+)/": "step",
+              r"> saved checkpoint .* at iteration (\d+) ": "done"}
+    order = [f"{name} {m.group(1)}" for line in out.splitlines() for pattern, name in events.items()
+             if (m := re.search(pattern, line))]
+    assert order[order.index("start 3"):order.index("done 3") + 1] == ["start 3", "step 4", "step 5", "step 6",
+                                                                     "done 3"], order
 
 
 @pytest.fixture
