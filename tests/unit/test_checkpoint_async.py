@@ -164,3 +164,17 @@ def test_background_failure_with_continue_keeps_training(tmp_path: Path, small_d
     assert [r["iteration"] for r in _metrics(tmp_path)] == [1, 2, 3, 4]
     assert capsys.readouterr().err.count("No space left on device") == 2
     assert list(small_disk.iterdir()) == []
+
+
+def test_a_stop_completes_the_save_before_stopped_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # A time budget of 0.6 ms: the run stops after its first step, whose save (save_interval 1) is in flight.
+    cfg = _tiny(6, save_interval=1, async_save=True, time_budget_min=1e-5)
+    assert run_training(plan_for_torchrun(cfg), run_dir=tmp_path) == 0
+    out = capsys.readouterr().out
+    assert -1 < out.find("> saved checkpoint") < out.find("> stopping at iteration 1"), out  # before stopped.json
+    stopped = json.loads((tmp_path / "stopped.json").read_text())
+    root = tmp_path / "checkpoints"
+    assert (stopped["iteration"], stopped["checkpoint"]) == (1, str(paths.iteration_dir(root, 1)))
+    assert (root / paths.TRACKER).read_text() == "1"
+    assert read_manifest(paths.iteration_dir(root, 1)).iteration == 1
+    assert sorted(p.name for p in root.iterdir()) == ["iter_0000001", paths.TRACKER]
