@@ -37,7 +37,8 @@ class AsyncSave:
                  keep_last: int, layout: PipelineLayout, on_written: Callable[[], None] | None = None,
                  reuse: Snapshot | None = None):
         """Collective. `on_written` runs on the writer thread once this rank's files are complete (or failed);
-        `reuse`: the host memory of an earlier, finished save, overwritten by this one's snapshot."""
+        `reuse`: the host memory of an earlier, finished save, overwritten by this one's snapshot. Raises
+        CheckpointError on every rank when the temp folder could not be made."""
         if fmt not in ("xser", "torch"):
             raise CheckpointError(f"checkpoint.format {fmt!r} is not supported; use xser or torch")
         self.root, self.iteration, self.ranks = root, iteration, ranks
@@ -49,7 +50,9 @@ class AsyncSave:
         self._thread: threading.Thread | None = None
         self.host: Snapshot | None = None
         """The host copy the writer writes from; after finish(), free for the next save to reuse."""
-        if not self._ok or not ranks.is_writer:
+        if not self._ok:  # every rank knows it now: fail together at once, not at the next save
+            self.finish()
+        if not ranks.is_writer:
             return
         try:
             self.host = snapshot(state, into=reuse)

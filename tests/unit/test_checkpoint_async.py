@@ -178,3 +178,11 @@ def test_a_stop_completes_the_save_before_stopped_json(tmp_path: Path, capsys: p
     assert (root / paths.TRACKER).read_text() == "1"
     assert read_manifest(paths.iteration_dir(root, 1)).iteration == 1
     assert sorted(p.name for p in root.iterdir()) == ["iter_0000001", paths.TRACKER]
+
+
+def test_an_unwritable_folder_fails_at_the_start(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")  # a file where the checkpoint folder should be
+    with pytest.raises(CheckpointError, match=r"saving checkpoint 1 to .*/file failed on rank 0: (File exists|Not a "
+                                              r"directory)"):
+        AsyncSave(tmp_path / "file", 1, _state(1.0), ranks=ONE, fmt="xser", keep_last=0,
+                  layout=PipelineLayout(pipeline=1))
