@@ -99,7 +99,7 @@ def blocked(state: dict, *, work: Path, rounds: int) -> None:
     """Seconds the loop is blocked per save, sync against async (see the module docstring)."""
     ranks, layout = RankInfo(), PipelineLayout(pipeline=1)
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    sync_s, async_s, write_s, steps = [], [], [], []
+    sync_s, async_s, write_s, steps, start_s = [], [], [], [], []
     host = None  # the trainer reuses the previous save's host memory: round 0 allocates it, later rounds do not
     for r in range(rounds):
         shutil.rmtree(work, ignore_errors=True)
@@ -115,6 +115,7 @@ def blocked(state: dict, *, work: Path, rounds: int) -> None:
             n += 1
         write_s.append(time.perf_counter() - t0)
         async_s.append(start + timed(pending.finish))
+        start_s.append(start)
         host = pending.host
         steps.append(n)
         drop_caches()
@@ -123,6 +124,8 @@ def blocked(state: dict, *, work: Path, rounds: int) -> None:
     print(f"async blocked median {asyn:6.3f} s  without round 0, which allocates the host memory "
           f"({', '.join(f'{t:.3f}' for t in async_s)}); writer done after median {statistics.median(write_s):.2f} s, "
           f"{statistics.median(steps):.0f} 1024^3 matmuls meanwhile")
+    starts = statistics.median(start_s[1:] or start_s)
+    print(f"  of which the start (folder, host copy, thread) median {starts:.3f} s, the commit {asyn - starts:.3f} s")
     print(f"async/sync {asyn / sync:.3f}x (goal <= 0.1); first save {async_s[0] / sync:.3f}x")
     shutil.rmtree(work, ignore_errors=True)
 
