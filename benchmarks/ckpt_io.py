@@ -12,10 +12,12 @@ verified, as a resuming run does.
 Goals (issue 5): save >= 2x torch.save and >= 0.7x dd; load >= 0.8x dd.
 
 `--mode blocked` (issue 15): how long a training loop is blocked by one save of the state, synchronous
-(`save_checkpoint`) against asynchronous (`AsyncSave`, what checkpoint.async_save runs): blocked = the start (temp
-folder, host snapshot, thread start) plus the commit at the next save (manifest, rename, tracker), the main thread
-doing a stand-in training step (a 1024 x 1024 matmul loop) until the writer is done. The write itself overlaps the
-steps. Goal: async at most 0.1x sync.
+(`save_checkpoint`) against asynchronous (`AsyncSave`, what checkpoint.async_save runs), both ways it copies the state
+to host memory: at the save (XLA) or on the writer thread while the next step's forward and backward run (CPU,
+CUDA). Blocked = the start (temp folder, host copy when made there, thread start) + the wait for the host copy
+before the optimizer step + the commit at the next save (manifest, rename, tracker); the main thread runs 1024^3
+matmuls as stand-in steps (`--step-matmuls` of them for a forward and backward) until the writer is done.
+Goal: async at most 0.1x sync.
 """
 
 from __future__ import annotations
@@ -95,38 +97,52 @@ def torch_save(state: dict, path: Path) -> None:
         os.fsync(fh.fileno())
 
 
-def blocked(state: dict, *, work: Path, rounds: int) -> None:
-    """Seconds the loop is blocked per save, sync against async (see the module docstring)."""
-    ranks, layout = RankInfo(), PipelineLayout(pipeline=1)
+def _async_round(state: dict, work: Path, iteration: int, *, host: object, in_background: bool,
+                 step_matmuls: int) -> tuple[float, float, float, int, object]:
+    """One asynchronous save beside stand-in training: (blocked s, of which start s, writer done after s, matmuls
+    meanwhile, host memory for the next round)."""
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    sync_s, async_s, write_s, steps, start_s = [], [], [], [], []
-    host = None  # the trainer reuses the previous save's host memory: round 0 allocates it, later rounds do not
+    t0 = time.perf_counter()
+    pending = AsyncSave(work, iteration, state, ranks=RankInfo(), fmt="xser", keep_last=0,
+                        layout=PipelineLayout(pipeline=1), reuse=host, copy_in_background=in_background)
+    start = time.perf_counter() - t0
+    for _ in range(step_matmuls):  # the next step's forward and backward: they only read the state
+        torch.mm(a, b)
+    blocked = start + timed(pending.wait_copied)  # the optimizer step waits for the host copy
+    n = step_matmuls
+    while pending.writing:  # later steps, while the writer writes
+        torch.mm(a, b)
+        n += 1
+    written = time.perf_counter() - t0
+    blocked += timed(pending.finish)  # the commit, at the next save
+    return blocked, start, written, n, pending.host
+
+
+def blocked(state: dict, *, work: Path, rounds: int, step_matmuls: int) -> None:
+    """Seconds the loop is blocked per save, sync against async (see the module docstring)."""
+    sync_s: list[float] = []
+    runs: dict[bool, list[tuple[float, float, float, int]]] = {False: [], True: []}
+    hosts: dict[bool, object] = {False: None, True: None}  # the trainer reuses the previous save's host memory
     for r in range(rounds):
         shutil.rmtree(work, ignore_errors=True)
-        sync_s.append(timed(lambda it=10 + r: save_checkpoint(work / "sync", it, state, ranks=ranks)))
+        sync_s.append(timed(lambda it=10 + r: save_checkpoint(work / "sync", it, state, ranks=RankInfo())))
         drop_caches()
-        t0 = time.perf_counter()
-        pending = AsyncSave(work / "async", 10 + r, state, ranks=ranks, fmt="xser", keep_last=0, layout=layout,
-                            reuse=host)
-        start = time.perf_counter() - t0
-        n = 0
-        while pending.writing:  # training goes on while the writer writes
-            torch.mm(a, b)
-            n += 1
-        write_s.append(time.perf_counter() - t0)
-        async_s.append(start + timed(pending.finish))
-        start_s.append(start)
-        host = pending.host
-        steps.append(n)
-        drop_caches()
-    sync, asyn = statistics.median(sync_s), statistics.median(async_s[1:] or async_s)
-    print(f"sync  blocked median {sync:6.3f} s  ({', '.join(f'{t:.3f}' for t in sync_s)})")
-    print(f"async blocked median {asyn:6.3f} s  without round 0, which allocates the host memory "
-          f"({', '.join(f'{t:.3f}' for t in async_s)}); writer done after median {statistics.median(write_s):.2f} s, "
-          f"{statistics.median(steps):.0f} 1024^3 matmuls meanwhile")
-    starts = statistics.median(start_s[1:] or start_s)
-    print(f"  of which the start (folder, host copy, thread) median {starts:.3f} s, the commit {asyn - starts:.3f} s")
-    print(f"async/sync {asyn / sync:.3f}x (goal <= 0.1); first save {async_s[0] / sync:.3f}x")
+        for in_background in (False, True):
+            *result, hosts[in_background] = _async_round(state, work / f"async{int(in_background)}", 10 + r,
+                                                         host=hosts[in_background], in_background=in_background,
+                                                         step_matmuls=step_matmuls)
+            runs[in_background].append(tuple(result))
+            drop_caches()
+    sync = statistics.median(sync_s)
+    print(f"sync blocked median {sync:6.3f} s  ({', '.join(f'{t:.3f}' for t in sync_s)})")
+    for in_background, rows in runs.items():
+        later = rows[1:] or rows  # round 0 allocates the host memory
+        med = statistics.median(r[0] for r in later)
+        label = "async, copy on the writer during the step" if in_background else "async, copy at the save"
+        print(f"{label}: blocked median {med:.3f} s ({', '.join(f'{r[0]:.3f}' for r in rows)}; start "
+              f"{statistics.median(r[1] for r in later):.3f} s); writer done after "
+              f"{statistics.median(r[2] for r in later):.2f} s, {statistics.median(r[3] for r in later):.0f} matmuls; "
+              f"async/sync {med / sync:.3f}x (goal <= 0.1), first save {rows[0][0] / sync:.3f}x")
     shutil.rmtree(work, ignore_errors=True)
 
 
@@ -137,13 +153,15 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--mode", choices=("io", "blocked"), default="io",
                         help="io: save/load throughput against dd and torch; blocked: sync against async save")
+    parser.add_argument("--step-matmuls", type=int, default=10,
+                        help="blocked: 1024^3 matmuls standing in for a step's forward and backward")
     args = parser.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     state = gpt_state(args.gib)
     size = nbytes(state)
     print(f"state: {size / GIB:.2f} GiB in {len(state['model'])} weights + Adam moments; disk: {args.dir.resolve()}")
     if args.mode == "blocked":
-        blocked(state, work=args.dir / "blocked", rounds=args.rounds)
+        blocked(state, work=args.dir / "blocked", rounds=args.rounds, step_matmuls=args.step_matmuls)
         return 0
     times: dict[str, list[float]] = {k: [] for k in ("dd write", "dd read", "torch.save", "torch.load",
                                                      "ours save", "ours load")}

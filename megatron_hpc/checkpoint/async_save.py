@@ -5,7 +5,9 @@ training collectives of the same process group: gloo and nccl match collectives 
 two streams would interleave differently on different ranks. So only the file writes move to the thread:
 
 - start (main thread, collective): the shared temp folder (saver.begin_save), then the state copied to host memory
-  (xser.snapshot: the optimizer updates the live tensors in place next step), then the thread starts;
+  (xser.snapshot: the optimizer updates the live tensors in place next step), then the thread starts; or, with
+  copy_in_background, the thread makes that copy too, during the next step's forward and backward, and the caller
+  waits for it (wait_copied) only before the optimizer step, the first write to the saved tensors;
 - the thread writes this rank's files (saver.write_rank_files: plain file I/O; writing and crc32 release the GIL);
 - finish (main thread, collective, at a well-defined point: the next save, a stop, the end of the run): join the
   thread, then saver.finish_save: all ranks agree that every rank's files are complete, and only then rank 0 writes
@@ -35,10 +37,12 @@ class AsyncSave:
 
     def __init__(self, root: Path, iteration: int, state: dict[str, Any], *, ranks: RankInfo, fmt: str,
                  keep_last: int, layout: PipelineLayout, on_written: Callable[[], None] | None = None,
-                 reuse: Snapshot | None = None):
+                 reuse: Snapshot | None = None, copy_in_background: bool = False):
         """Collective. `on_written` runs on the writer thread once this rank's files are complete (or failed);
-        `reuse`: the host memory of an earlier, finished save, overwritten by this one's snapshot. Raises
-        CheckpointError on every rank when the temp folder could not be made."""
+        `reuse`: the host memory of an earlier, finished save, overwritten by this one's snapshot.
+        `copy_in_background`: the writer thread makes the host copy too; the caller must then call wait_copied()
+        before anything writes to the state's tensors (the next optimizer step). Raises CheckpointError on every
+        rank when the temp folder could not be made."""
         if fmt not in ("xser", "torch"):
             raise CheckpointError(f"checkpoint.format {fmt!r} is not supported; use xser or torch")
         self.root, self.iteration, self.ranks = root, iteration, ranks
@@ -50,27 +54,42 @@ class AsyncSave:
         self._thread: threading.Thread | None = None
         self.host: Snapshot | None = None
         """The host copy the writer writes from; after finish(), free for the next save to reuse."""
+        self._copied = threading.Event()
         if not self._ok:  # every rank knows it now: fail together at once, not at the next save
             self.finish()
         if not ranks.is_writer:
+            self._copied.set()
             return
-        try:
-            self.host = snapshot(state, into=reuse)
-        except CheckpointError as exc:
-            self.error = exc
-            return
-        self._thread = threading.Thread(target=self._write, args=(self.host, on_written),
+        if not copy_in_background:
+            try:
+                self._copy(state, reuse)
+            except CheckpointError as exc:
+                self.error = exc
+                return
+        self._thread = threading.Thread(target=self._write, args=(state, reuse, on_written),
                                         name=f"checkpoint-{iteration}-writer", daemon=False)
         self._thread.start()
 
-    def _write(self, host: Any, on_written: Callable[[], None] | None) -> None:
+    def _copy(self, state: dict[str, Any], reuse: Snapshot | None) -> None:
         try:
-            write_rank_files(host, self.tmp, ranks=self.ranks, fmt=self.fmt)
+            self.host = snapshot(state, into=reuse)
+        finally:
+            self._copied.set()
+
+    def _write(self, state: dict[str, Any], reuse: Snapshot | None, on_written: Callable[[], None] | None) -> None:
+        try:
+            if not self._copied.is_set():
+                self._copy(state, reuse)
+            write_rank_files(self.host, self.tmp, ranks=self.ranks, fmt=self.fmt)
         except Exception as exc:  # any failure is reported at finish(), on the main thread
             self.error = exc
         finally:
             if on_written is not None:
                 on_written()
+
+    def wait_copied(self) -> None:
+        """Block until the state is in host memory (no collective); after it the live tensors may change."""
+        self._copied.wait()
 
     def wait_local(self) -> BaseException | None:
         """Wait for this rank's writer (no collective); its error or None. For error paths, where the other ranks

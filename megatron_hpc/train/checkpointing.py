@@ -70,6 +70,8 @@ class Checkpointer:
         self.steps_while_writing: dict[int, int] = {}
         """Asynchronous saves: iteration -> training steps completed by the time this rank's writer finished, or -1
         when it finished before save_now() even returned to the loop (nothing overlapped)."""
+        self._hooked: set[int] = set()
+        """ids of the optimizers whose step waits for an asynchronous save's host copy."""
         self._returned = -1
         """The iteration of the last asynchronous save whose save_now() returned to the loop."""
         self.promised = False
@@ -165,7 +167,7 @@ class Checkpointer:
         self.wait_for_save()  # the previous asynchronous save, complete before the next one starts
         content = self._content(state, model=model, optimizer=optimizer)
         if self.ckpt.async_save:
-            self._start_async(state, content)
+            self._start_async(state, content, optimizer=optimizer)
             return self.wait_for_save() if wait else str(iteration_dir(self.save_root, state.step))
         try:
             folder = save_checkpoint(self.save_root, state.step, content, ranks=self.ranks, fmt=self.ckpt.format,
@@ -196,9 +198,16 @@ class Checkpointer:
                   file=sys.stderr, flush=True)
         return None
 
-    def _start_async(self, state: TrainState, content: dict[str, Any]) -> None:
+    def _start_async(self, state: TrainState, content: dict[str, Any], *, optimizer: torch.optim.Optimizer) -> None:
         assert self.save_root is not None
         iteration = state.step
+        # Off XLA the host copy is made by the writer thread while the next step's forward and backward run (they
+        # only read the weights and moments); the optimizer step, the first write to them, waits for it. On XLA a
+        # second thread must not run device transfers beside the tracing main thread: the copy is made here.
+        in_background = self.device.kind != "xla"
+        if in_background and id(optimizer) not in self._hooked:
+            optimizer.register_step_pre_hook(lambda *_: self._before_update())
+            self._hooked.add(id(optimizer))
 
         def written() -> None:  # on the writer thread: how far training got meanwhile (state is the loop's own)
             self.steps_while_writing[iteration] = state.step - iteration if self._returned == iteration else -1
@@ -206,12 +215,17 @@ class Checkpointer:
         try:
             self.pending = AsyncSave(self.save_root, iteration, content, ranks=self.ranks, fmt=self.ckpt.format,
                                      keep_last=self.ckpt.keep_last, layout=self.layout, on_written=written,
-                                     reuse=self.host_memory)
+                                     reuse=self.host_memory, copy_in_background=in_background)
         except CheckpointError as exc:
             self._failed(exc)
             return
         self._print(f"> saving checkpoint {iteration} in the background")
         self._returned = iteration  # from here on the loop trains while the writer writes
+
+    def _before_update(self) -> None:
+        """The optimizer is about to change the weights and moments: the save in flight must have copied them."""
+        if self.pending is not None:
+            self.pending.wait_copied()
 
     def wait_for_save(self) -> str | None:
         """Complete the asynchronous save in flight, if any (collective: every rank calls it at the same step).

@@ -65,11 +65,13 @@ def _state(value: float) -> dict:
             "optimizer": {"state": {0: {"exp_avg": torch.arange(12.0).view(3, 4).t()}}}}  # a strided view too
 
 
-def test_snapshot_is_taken_at_start_and_files_equal_sync(tmp_path: Path) -> None:
+@pytest.mark.parametrize("in_background", [False, True], ids=["copy-at-start", "copy-on-writer"])
+def test_snapshot_is_taken_at_start_and_files_equal_sync(tmp_path: Path, in_background: bool) -> None:
     sync = save_checkpoint(tmp_path / "sync", 1, _state(1.0), ranks=ONE)
     live = _state(1.0)
     pending = AsyncSave(tmp_path / "async", 1, live, ranks=ONE, fmt="xser", keep_last=0,
-                        layout=PipelineLayout(pipeline=1))
+                        layout=PipelineLayout(pipeline=1), copy_in_background=in_background)
+    pending.wait_copied()  # what the trainer's optimizer does before its step
     for t in live["model"].values():  # what the optimizer does next step, in place
         t.add_(100.0)
     assert not (tmp_path / "async" / paths.TRACKER).exists()  # nothing is committed before finish()

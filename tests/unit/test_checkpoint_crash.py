@@ -36,8 +36,9 @@ _WRITER = textwrap.dedent('''
 ''')
 
 
-# The same with checkpoint.async_save's AsyncSave: a save starts, the state is "trained" in place (as the optimizer
-# does), and the save completes when the next one starts. Prints "ready" once iteration 1 is committed.
+# The same with checkpoint.async_save's AsyncSave as the trainer runs it: a save starts, the writer thread copies the
+# state and writes it, the state is "trained" in place once copied (as the optimizer does), and the save completes
+# when the next one starts. Prints "ready" once iteration 1 is committed.
 _ASYNC_WRITER = textwrap.dedent('''
     import sys, torch
     from pathlib import Path
@@ -48,7 +49,8 @@ _ASYNC_WRITER = textwrap.dedent('''
     model = {f"w{i}": torch.full((2048,), float(it)) for i in range(60)}
     while True:
         pending = AsyncSave(root, it, {"iteration": it, "model": model}, ranks=RankInfo(), fmt="xser", keep_last=2,
-                            layout=PipelineLayout(pipeline=1))
+                            layout=PipelineLayout(pipeline=1), copy_in_background=True)
+        pending.wait_copied()  # as the trainer's optimizer step does
         for t in model.values():  # the next step's update, in place, while the writer runs
             t.fill_(float(it + 1))
         pending.finish()  # where the next save would wait for it
