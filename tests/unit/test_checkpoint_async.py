@@ -188,3 +188,24 @@ def test_an_unwritable_folder_fails_at_the_start(tmp_path: Path) -> None:
                                               r"directory)"):
         AsyncSave(tmp_path / "file", 1, _state(1.0), ranks=ONE, fmt="xser", keep_last=0,
                   layout=PipelineLayout(pipeline=1))
+
+
+def test_a_failing_run_lets_the_writer_finish_and_commits_nothing_new(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    from megatron_hpc.errors import TrainingError
+
+    # lr 1e30: step 1 applies, steps 2 and 3 are not finite, and the run stops with an error while save 2 is in
+    # flight. Other ranks may never reach a commit then, so none is attempted; the writer still finishes its files.
+    cfg = _tiny(8, save_interval=1, async_save=True, keep_last=5)
+    cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, lr=1e30),
+                              train=dataclasses.replace(cfg.train, max_skipped_steps=2))
+    with pytest.raises(TrainingError, match="not finite for 2 steps"):
+        run_training(plan_for_torchrun(cfg), run_dir=tmp_path)
+    assert "checkpoint 2 was not completed" in capsys.readouterr().err
+    root = tmp_path / "checkpoints"
+    assert (root / paths.TRACKER).read_text() == "1"
+    temps = [p for p in root.iterdir() if paths.is_temp_dirname(p.name)]
+    assert [p.name.split(".")[0] for p in temps] == ["iter_0000002"]
+    assert (temps[0] / "mp_rank_00.files.json").is_file()  # the writer's last file: it finished
+    _found, state = load_checkpoint(root, ranks=ONE)
+    assert state["iteration"] == 1
