@@ -10,6 +10,14 @@ verified, as a resuming run does.
     python benchmarks/ckpt_io.py --dir ./ckpt-bench --gib 1 --rounds 3
 
 Goals (issue 5): save >= 2x torch.save and >= 0.7x dd; load >= 0.8x dd.
+
+`--mode blocked` (issue 15): how long a training loop is blocked by one save of the state, synchronous
+(`save_checkpoint`) against asynchronous (`AsyncSave`, what checkpoint.async_save runs), both ways it copies the state
+to host memory: at the save (XLA) or on the writer thread while the next step's forward and backward run (CPU,
+CUDA). Blocked = the start (temp folder, host copy when made there, thread start) + the wait for the host copy
+before the optimizer step + the commit at the next save (manifest, rename, tracker); the main thread runs 1024^3
+matmuls as stand-in steps (`--step-matmuls` of them for a forward and backward) until the writer is done.
+Goal: async at most 0.1x sync.
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_hpc.checkpoint.async_save import AsyncSave
+from megatron_hpc.checkpoint.compat import PipelineLayout
 from megatron_hpc.checkpoint.loader import load_checkpoint
 from megatron_hpc.checkpoint.ranks import RankInfo
 from megatron_hpc.checkpoint.saver import save_checkpoint
@@ -87,16 +97,72 @@ def torch_save(state: dict, path: Path) -> None:
         os.fsync(fh.fileno())
 
 
+def _async_round(state: dict, work: Path, iteration: int, *, host: object, in_background: bool,
+                 step_matmuls: int) -> tuple[float, float, float, int, object]:
+    """One asynchronous save beside stand-in training: (blocked s, of which start s, writer done after s, matmuls
+    meanwhile, host memory for the next round)."""
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    t0 = time.perf_counter()
+    pending = AsyncSave(work, iteration, state, ranks=RankInfo(), fmt="xser", keep_last=0,
+                        layout=PipelineLayout(pipeline=1), reuse=host, copy_in_background=in_background)
+    start = time.perf_counter() - t0
+    for _ in range(step_matmuls):  # the next step's forward and backward: they only read the state
+        torch.mm(a, b)
+    blocked = start + timed(pending.wait_copied)  # the optimizer step waits for the host copy
+    n = step_matmuls
+    while pending.writing:  # later steps, while the writer writes
+        torch.mm(a, b)
+        n += 1
+    written = time.perf_counter() - t0
+    blocked += timed(pending.finish)  # the commit, at the next save
+    return blocked, start, written, n, pending.host
+
+
+def blocked(state: dict, *, work: Path, rounds: int, step_matmuls: int) -> None:
+    """Seconds the loop is blocked per save, sync against async (see the module docstring)."""
+    sync_s: list[float] = []
+    runs: dict[bool, list[tuple[float, float, float, int]]] = {False: [], True: []}
+    hosts: dict[bool, object] = {False: None, True: None}  # the trainer reuses the previous save's host memory
+    for r in range(rounds):
+        shutil.rmtree(work, ignore_errors=True)
+        sync_s.append(timed(lambda it=10 + r: save_checkpoint(work / "sync", it, state, ranks=RankInfo())))
+        drop_caches()
+        for in_background in (False, True):
+            *result, hosts[in_background] = _async_round(state, work / f"async{int(in_background)}", 10 + r,
+                                                         host=hosts[in_background], in_background=in_background,
+                                                         step_matmuls=step_matmuls)
+            runs[in_background].append(tuple(result))
+            drop_caches()
+    sync = statistics.median(sync_s)
+    print(f"sync blocked median {sync:6.3f} s  ({', '.join(f'{t:.3f}' for t in sync_s)})")
+    for in_background, rows in runs.items():
+        later = rows[1:] or rows  # round 0 allocates the host memory
+        med = statistics.median(r[0] for r in later)
+        label = "async, copy on the writer during the step" if in_background else "async, copy at the save"
+        print(f"{label}: blocked median {med:.3f} s ({', '.join(f'{r[0]:.3f}' for r in rows)}; start "
+              f"{statistics.median(r[1] for r in later):.3f} s); writer done after "
+              f"{statistics.median(r[2] for r in later):.2f} s, {statistics.median(r[3] for r in later):.0f} matmuls; "
+              f"async/sync {med / sync:.3f}x (goal <= 0.1), first save {rows[0][0] / sync:.3f}x")
+    shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", type=Path, default=Path("ckpt-bench"), help="a folder on the disk to measure")
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--mode", choices=("io", "blocked"), default="io",
+                        help="io: save/load throughput against dd and torch; blocked: sync against async save")
+    parser.add_argument("--step-matmuls", type=int, default=10,
+                        help="blocked: 1024^3 matmuls standing in for a step's forward and backward")
     args = parser.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
     state = gpt_state(args.gib)
     size = nbytes(state)
     print(f"state: {size / GIB:.2f} GiB in {len(state['model'])} weights + Adam moments; disk: {args.dir.resolve()}")
+    if args.mode == "blocked":
+        blocked(state, work=args.dir / "blocked", rounds=args.rounds, step_matmuls=args.step_matmuls)
+        return 0
     times: dict[str, list[float]] = {k: [] for k in ("dd write", "dd read", "torch.save", "torch.load",
                                                      "ours save", "ours load")}
     ranks = RankInfo()

@@ -20,7 +20,7 @@ RESUMABLE_KEYS = frozenset({
     "optim.lr_decay_iters", "optim.lr_decay_samples",
     "train.num_steps", "train.log_interval", "train.eval_interval", "train.eval_iters", "train.tensorboard",
     "train.max_skipped_steps", "checkpoint.save_interval", "checkpoint.keep_last", "checkpoint.time_budget_min",
-    "checkpoint.on_save_failure", "checkpoint.io_workers_per_node", "launch.time_limit_min",
+    "checkpoint.on_save_failure", "checkpoint.io_workers_per_node", "checkpoint.async_save", "launch.time_limit_min",
     "launch.compile_time_limit_min", "compile.num_steps",
     "compile.enabled",
 })

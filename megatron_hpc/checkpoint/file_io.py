@@ -106,12 +106,13 @@ def write_torch_file(path: Path, obj: Any, *, pickle_module: Any = pickle) -> Wr
         sink = _WriteSink(fd)
         try:
             torch.save(obj, sink, pickle_module=pickle_module, pickle_protocol=2)
-        except RuntimeError:
-            if sink.error is not None:
-                raise sink.error from None
+            sink.drain()
+            os.fsync(fd)
+        except (RuntimeError, OSError) as exc:
+            error = sink.error or exc
+            if isinstance(error, OSError):  # os.write's error names no file; the user needs to know which
+                raise OSError(error.errno, error.strerror, str(path)) from None
             raise
-        sink.drain()
-        os.fsync(fd)
     finally:
         os.close(fd)
     return Written(size=sink.size, crc32=sink.crc)

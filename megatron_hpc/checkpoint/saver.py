@@ -9,6 +9,9 @@ Order (neuron-xla.md 1.3 lists the reference's race between the tensor writes an
    iter_XXXXXXX, then writes the tracker atomically (temp file, fsync, os.replace);
 4. rank 0 deletes all but the newest checkpoint.keep_last complete checkpoints.
 Every rank takes part in the same collectives whatever fails, and all raise CheckpointError together.
+
+The steps are also public (begin_save, write_rank_files, finish_save) so that async_save.py can run step 2 on a
+thread while the collectives of steps 1 and 3 stay on the main thread.
 """
 
 from __future__ import annotations
@@ -131,40 +134,39 @@ def _describe(exc: BaseException) -> str:
     return str(exc)
 
 
-def save_checkpoint(root: Path, iteration: int, state: dict[str, Any], *, ranks: RankInfo, fmt: str = "xser",
-                    io_workers_per_node: int = 4, keep_last: int = 0, layout: PipelineLayout | None = None) -> Path:
-    """Write `state` (this rank's TP x PP shard) as checkpoint `iteration` under `root`; every rank calls it.
-
-    `layout`: the run's pipeline layout, recorded in the manifest (default: ranks.pp_size stages, split evenly).
-    Returns the final folder. Raises CheckpointError on every rank when any rank failed; the
-    previous checkpoint and the tracker are then untouched.
-    """
+def _check_args(fmt: str, ranks: RankInfo, layout: PipelineLayout | None) -> PipelineLayout:
     if fmt not in ("xser", "torch"):
         raise CheckpointError(f"checkpoint.format {fmt!r} is not supported; use xser or torch")
     layout = layout or PipelineLayout(pipeline=ranks.pp_size)
     if layout.pipeline != ranks.pp_size:
         raise ValueError(f"layout has {layout.pipeline} pipeline stages, the mesh {ranks.pp_size}")
-    token = ranks.shared_token()
-    tmp = paths.temp_dir(root, iteration, token)
-    error: BaseException | None = None
+    return layout
+
+
+def begin_save(root: Path, iteration: int, *, ranks: RankInfo) -> tuple[Path, OSError | None]:
+    """Collective step 1: the shared temp folder, made by rank 0; (its path, rank 0's error or None)."""
+    tmp = paths.temp_dir(root, iteration, ranks.shared_token())
     if ranks.rank == 0:
         try:
             root.mkdir(parents=True, exist_ok=True)
             _remove_stale_temps(root, keep=tmp)
             tmp.mkdir()
         except OSError as exc:
-            error = exc
-    ok = ranks.all_ok(error is None)
-    # A writer's phase comes from its index among its node's writers (with PP they are not the node's first ranks).
-    phases = ranks.num_write_phases(io_workers_per_node)
-    my_phase = ranks.write_phase(io_workers_per_node) if ranks.is_writer else -1
-    for phase in range(phases):
-        if ok and phase == my_phase:
-            try:
-                _write_rank(state, tmp, tp_rank=ranks.tp_rank, pp_rank=ranks.pp_rank, pp_size=ranks.pp_size, fmt=fmt)
-            except (OSError, CheckpointError) as exc:
-                error = exc
-        ok = ranks.all_ok(error is None) and ok
+            return tmp, exc
+    return tmp, None
+
+
+def write_rank_files(state: Any, tmp: Path, *, ranks: RankInfo, fmt: str) -> None:
+    """This rank's files (writers only; `state` may be an xser Snapshot). No collectives: any thread may call it."""
+    if ranks.is_writer:
+        _write_rank(state, tmp, tp_rank=ranks.tp_rank, pp_rank=ranks.pp_rank, pp_size=ranks.pp_size, fmt=fmt)
+
+
+def finish_save(root: Path, iteration: int, tmp: Path, *, ranks: RankInfo, ok: bool, error: BaseException | None,
+                fmt: str, keep_last: int, layout: PipelineLayout) -> Path:
+    """Collective last step, after every rank's files were written or failed (`error`: this rank's failure, `ok`:
+    whether all ranks agreed so far): rank 0 writes manifest, renames, writes the tracker, prunes."""
+    ok = ranks.all_ok(error is None) and ok
     final = paths.iteration_dir(root, iteration)
     if ok and ranks.rank == 0:
         try:
@@ -186,3 +188,28 @@ def save_checkpoint(root: Path, iteration: int, state: dict[str, Any], *, ranks:
             print(f"megatron-hpc: warning: could not delete old checkpoints in {root}: {_describe(exc)}",
                   file=sys.stderr)
     return final
+
+
+def save_checkpoint(root: Path, iteration: int, state: dict[str, Any], *, ranks: RankInfo, fmt: str = "xser",
+                    io_workers_per_node: int = 4, keep_last: int = 0, layout: PipelineLayout | None = None) -> Path:
+    """Write `state` (this rank's TP x PP shard) as checkpoint `iteration` under `root`; every rank calls it.
+
+    `layout`: the run's pipeline layout, recorded in the manifest (default: ranks.pp_size stages, split evenly).
+    Returns the final folder. Raises CheckpointError on every rank when any rank failed; the
+    previous checkpoint and the tracker are then untouched.
+    """
+    layout = _check_args(fmt, ranks, layout)
+    tmp, error = begin_save(root, iteration, ranks=ranks)
+    ok = ranks.all_ok(error is None)
+    # A writer's phase comes from its index among its node's writers (with PP they are not the node's first ranks).
+    phases = ranks.num_write_phases(io_workers_per_node)
+    my_phase = ranks.write_phase(io_workers_per_node) if ranks.is_writer else -1
+    for phase in range(phases):
+        if ok and phase == my_phase:
+            try:
+                write_rank_files(state, tmp, ranks=ranks, fmt=fmt)
+            except (OSError, CheckpointError) as exc:
+                error = exc
+        ok = ranks.all_ok(error is None) and ok
+    return finish_save(root, iteration, tmp, ranks=ranks, ok=ok, error=error, fmt=fmt, keep_last=keep_last,
+                       layout=layout)

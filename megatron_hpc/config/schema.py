@@ -199,6 +199,10 @@ class CheckpointConfig:
     """At most this many ranks per node read or write checkpoint files at once (bounds host memory)."""
     on_save_failure: SaveFailure = "stop"
     """When a save fails (a full disk): stop with an error, or log it and keep training."""
+    async_save: bool = False
+    """Write checkpoint files in a background thread while training goes on (Megatron's --async-save): the state
+    is copied to host memory before the next optimizer step, and the next save, a stop or the end of the run
+    completes the checkpoint (tracker last)."""
     time_budget_min: float = 0.0
     """Save and exit cleanly after this many minutes of training; 0 means no budget."""
 

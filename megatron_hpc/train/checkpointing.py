@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron_hpc.checkpoint.async_save import AsyncSave
 from megatron_hpc.checkpoint.compat import PipelineLayout
 from megatron_hpc.checkpoint.contents import Progress, build_state_dict, read_progress, read_rng, saved_global_batch
 from megatron_hpc.checkpoint.loader import find_checkpoint, load_checkpoint
@@ -23,6 +24,7 @@ from megatron_hpc.checkpoint.optim_layout import for_model
 from megatron_hpc.checkpoint.paths import iteration_dir
 from megatron_hpc.checkpoint.ranks import RankInfo
 from megatron_hpc.checkpoint.saver import save_checkpoint
+from megatron_hpc.checkpoint.xser import Snapshot
 from megatron_hpc.config.schema import CheckpointConfig
 from megatron_hpc.errors import CheckpointError
 from megatron_hpc.parallel.context import ParallelContext
@@ -61,6 +63,17 @@ class Checkpointer:
         self.layout = PipelineLayout.of_run(plan=self.plan_json, config=self.config_json)
         self.save_root, self.load_root = save_root, load_root
         self.last_saved = -1
+        self.pending: AsyncSave | None = None
+        """The asynchronous save whose files are being written (checkpoint.async_save)."""
+        self.host_memory: Snapshot | None = None
+        """The last finished asynchronous save's host copy, reused by the next (no fresh pages to fault in)."""
+        self.steps_while_writing: dict[int, int] = {}
+        """Asynchronous saves: iteration -> training steps completed by the time this rank's writer finished, or -1
+        when it finished before save_now() even returned to the loop (nothing overlapped)."""
+        self._hooked: set[int] = set()
+        """ids of the optimizers whose step waits for an asynchronous save's host copy."""
+        self._returned = -1
+        """The iteration of the last asynchronous save whose save_now() returned to the loop."""
         self.promised = False
         """has_checkpoint() said a checkpoint will be loaded (and the model skipped its initialisation)."""
 
@@ -138,15 +151,37 @@ class Checkpointer:
         interval = self.ckpt.save_interval
         return self.save_root is not None and ((interval > 0 and step % interval == 0) or step == num_steps)
 
-    def save_now(self, state: TrainState, *, model: nn.Module, optimizer: torch.optim.Optimizer) -> str | None:
+    def save_now(self, state: TrainState, *, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 wait: bool = False) -> str | None:
         """Save this step (collective); the checkpoint folder, or None when there is nowhere to save or the
-        save failed with on_save_failure=continue. Saving a step already saved is a no-op."""
+        save failed with on_save_failure=continue. Saving a step already saved is a no-op.
+
+        With checkpoint.async_save the files are written in the background and the folder is complete only after
+        wait_for_save() (the next save, a stop and the end of the run call it; `wait` calls it here)."""
         if self.save_root is None:
             return None
+        if self.pending is not None and self.pending.iteration == state.step:
+            return self.wait_for_save() if wait else str(iteration_dir(self.save_root, state.step))
         if state.step == self.last_saved:
             return str(iteration_dir(self.save_root, state.step))
+        self.wait_for_save()  # the previous asynchronous save, complete before the next one starts
+        content = self._content(state, model=model, optimizer=optimizer)
+        if self.ckpt.async_save:
+            self._start_async(state, content, optimizer=optimizer)
+            return self.wait_for_save() if wait else str(iteration_dir(self.save_root, state.step))
+        try:
+            folder = save_checkpoint(self.save_root, state.step, content, ranks=self.ranks, fmt=self.ckpt.format,
+                                     io_workers_per_node=self.ckpt.io_workers_per_node, keep_last=self.ckpt.keep_last,
+                                     layout=self.layout)
+        except CheckpointError as exc:
+            return self._failed(exc)
+        self.last_saved = state.step
+        self._print(f"> saved checkpoint {folder} at iteration {state.step}")
+        return str(folder)
+
+    def _content(self, state: TrainState, *, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         rng = RngState.capture(self.device).to_megatron()
-        content = build_state_dict(
+        return build_state_dict(
             config=self.config_json, plan=self.plan_json, model=dict(model.state_dict()),
             optimizer=optimizer.state_dict(),
             progress=Progress(iteration=state.step, consumed_samples=state.consumed_samples, lr_steps=state.lr_steps),
@@ -154,17 +189,70 @@ class Checkpointer:
             grad_scaler=state.scaler.state_dict() if state.scaler is not None else None,
             precision={"train_precision": self.precision, "weights_hold": str(self.device.float_dtype).removeprefix(
                 "torch.")})
+
+    def _failed(self, exc: CheckpointError) -> None:
+        if self.ckpt.on_save_failure != "continue":
+            raise exc
+        if self.ctx.is_first_rank:
+            print(f"megatron-hpc: warning: {exc}; training continues (checkpoint.on_save_failure=continue)",
+                  file=sys.stderr, flush=True)
+        return None
+
+    def _start_async(self, state: TrainState, content: dict[str, Any], *, optimizer: torch.optim.Optimizer) -> None:
+        assert self.save_root is not None
+        iteration = state.step
+        # Off XLA the host copy is made by the writer thread while the next step's forward and backward run (they
+        # only read the weights and moments); the optimizer step, the first write to them, waits for it. On XLA a
+        # second thread must not run device transfers beside the tracing main thread: the copy is made here.
+        in_background = self.device.kind != "xla"
+        if in_background and id(optimizer) not in self._hooked:
+            optimizer.register_step_pre_hook(lambda *_: self._before_update())
+            self._hooked.add(id(optimizer))
+
+        def written() -> None:  # on the writer thread: how far training got meanwhile (state is the loop's own)
+            self.steps_while_writing[iteration] = state.step - iteration if self._returned == iteration else -1
+
         try:
-            folder = save_checkpoint(self.save_root, state.step, content, ranks=self.ranks, fmt=self.ckpt.format,
-                                     io_workers_per_node=self.ckpt.io_workers_per_node, keep_last=self.ckpt.keep_last,
-                                     layout=self.layout)
+            self.pending = AsyncSave(self.save_root, iteration, content, ranks=self.ranks, fmt=self.ckpt.format,
+                                     keep_last=self.ckpt.keep_last, layout=self.layout, on_written=written,
+                                     reuse=self.host_memory, copy_in_background=in_background)
         except CheckpointError as exc:
-            if self.ckpt.on_save_failure != "continue":
-                raise
-            if self.ctx.is_first_rank:
-                print(f"megatron-hpc: warning: {exc}; training continues (checkpoint.on_save_failure=continue)",
-                      file=sys.stderr, flush=True)
+            self._failed(exc)
+            return
+        self._print(f"> saving checkpoint {iteration} in the background")
+        self._returned = iteration  # from here on the loop trains while the writer writes
+
+    def _before_update(self) -> None:
+        """The optimizer is about to change the weights and moments: the save in flight must have copied them."""
+        if self.pending is not None:
+            self.pending.wait_copied()
+
+    def wait_for_save(self) -> str | None:
+        """Complete the asynchronous save in flight, if any (collective: every rank calls it at the same step).
+        Its folder, or None when there was none or it failed with on_save_failure=continue."""
+        pending, self.pending = self.pending, None
+        if pending is None:
             return None
-        self.last_saved = state.step
-        self._print(f"> saved checkpoint {folder} at iteration {state.step}")
+        try:
+            folder = pending.finish()
+        except CheckpointError as exc:
+            return self._failed(exc)
+        finally:
+            self.host_memory = pending.host
+        self.last_saved = pending.iteration
+        meanwhile = self.steps_while_writing.get(pending.iteration, -1)
+        overlap = f"{meanwhile} step(s) completed meanwhile" if meanwhile >= 0 else "done before training resumed"
+        self._print(f"> saved checkpoint {folder} at iteration {pending.iteration} (written in the background, "
+                    f"{overlap})")
         return str(folder)
+
+    def abandon_save(self) -> None:
+        """On an error path, where other ranks may never reach wait_for_save(): let this rank's writer finish its
+        files (no collective) and leave them uncommitted. The tracker keeps naming the previous checkpoint; the
+        next save removes the temp folder."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.wait_local()
+            if self.ctx.is_first_rank:
+                print(f"megatron-hpc: warning: checkpoint {pending.iteration} was not completed (the run failed "
+                      "while it was written); the previous checkpoint is the newest", file=sys.stderr, flush=True)

@@ -179,7 +179,9 @@ def train(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, phase: Pha
                 break
         else:
             skips.settle()  # XLA: the last step's flag, which no later step reads
+        ckpt.wait_for_save()  # checkpoint.async_save: the last save is complete (tracker written) before we return
     finally:  # on an error too: the signal handlers go back and the event files are flushed
+        ckpt.abandon_save()  # an error path: this rank's writer finishes its files, uncommitted (no collective)
         if stopwatch is not None:
             stopwatch.close()
         metrics.close()
@@ -258,7 +260,7 @@ def _log_step(metrics: MetricsLogger, records: list[IterationRecord], iteration:
 def _stop_early(decision: StopDecision, state: TrainState, *, ckpt: Checkpointer, model: torch.nn.Module,
                 optimizer: torch.optim.Optimizer, run_dir: Path | None, first_rank: bool, out: TextIO) -> None:
     """Save at the agreed iteration, then leave a stopped.json for the node task (which requeues)."""
-    folder = ckpt.save_now(state, model=model, optimizer=optimizer)
+    folder = ckpt.save_now(state, model=model, optimizer=optimizer, wait=True)  # complete before stopped.json
     if not first_rank:
         return
     where = f"checkpoint {folder}" if folder else "no checkpoint (no save folder)"

@@ -1,7 +1,8 @@
 """Stopping after 10 steps and resuming in new processes gives the losses of one 20-step run.
 
 Each resume runs in a fresh spawn (new interpreter, new process group), world 1, TP=2 and PP=2 (with dropout, so
-each stage's RNG must come back too).
+each stage's RNG must come back too), and TP=2 with checkpoint.async_save (whose files must equal the synchronous
+run's).
 The LR schedule spans 20 steps in both (optim.lr_decay_iters), as when train_iters is raised on
 a resumed Megatron run.
 """
@@ -16,13 +17,14 @@ import mp_workers
 import pytest
 
 from megatron_hpc.checkpoint.loader import find_checkpoint
+from megatron_hpc.checkpoint.manifest import read_manifest
 from megatron_hpc.config.schema import CheckpointConfig, RunConfig
 
 pytestmark = pytest.mark.multiprocess
 
 
-MESHES = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
-"""name -> (tensor parallel, pipeline parallel)"""
+MESHES = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2), "tp2_async": (2, 1)}
+"""name -> (tensor parallel, pipeline parallel); names ending in _async save with checkpoint.async_save"""
 
 
 def _config(mesh: str, *, num_steps: int, load: str | None = None) -> RunConfig:
@@ -35,7 +37,8 @@ def _config(mesh: str, *, num_steps: int, load: str | None = None) -> RunConfig:
         parallel = dataclasses.replace(parallel, pipeline=pp)
     return dataclasses.replace(cfg, model=model, parallel=parallel,
                                optim=dataclasses.replace(cfg.optim, lr_decay_iters=20),
-                               checkpoint=CheckpointConfig(load=load, save_interval=5, keep_last=2))
+                               checkpoint=CheckpointConfig(load=load, save_interval=5, keep_last=2,
+                                                           async_save=mesh.endswith("_async")))
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -80,3 +83,14 @@ def test_saves_follow_interval_and_keep_last(runs: dict[str, dict[str, Path]], m
     assert sorted(p.name for p in straight.iterdir() if p.is_dir()) == ["iter_0000015", "iter_0000020"]
     found = find_checkpoint(runs["part2"] / "checkpoints")
     assert found is not None and found.iteration == 20
+
+
+@pytest.mark.parametrize("iteration", [5, 10])
+def test_async_checkpoint_files_equal_the_sync_ones(runs: dict[str, dict[str, Path]], iteration: int) -> None:
+    sync, asyn = (read_manifest(runs[mesh]["part1"] / "checkpoints" / f"iter_{iteration:07d}").files
+                  for mesh in ("tp2", "tp2_async"))
+    assert sync.keys() == asyn.keys()
+    assert {"mp_rank_00/model_optim_rng.pt", "mp_rank_01/model_optim_rng.pt"} <= set(sync)
+    # Every tensor file byte for byte (size and crc32); the main files hold the config, whose async_save differs.
+    tensors = [k for k in sync if not k.endswith("model_optim_rng.pt")]
+    assert len(tensors) > 20 and [sync[k] for k in tensors] == [asyn[k] for k in tensors]
