@@ -12,6 +12,8 @@ TP 1, 3.6B at TP 2, 7.5B at TP 4, 18.4B at TP 8, then 39.1B..310.1B at TP 8 and 
 Activations per layer and micro-batch follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models") without sequence parallelism: s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes in 16-bit (doubled for
 fp32); full recomputation keeps only each layer's input, 2*s*b*h, plus one layer's worth while it is recomputed.
+With sequence parallelism (their eq. 4) the LayerNorm and dropout parts (the 10) are split t ways too:
+s*b*h/t*(34 + 5*a*s/h), and the kept layer inputs are sequence shards, 2*s*b*h/t.
 
 Pipeline parallelism (Megatron's layout, plan/stages.py): a rank holds its stages' layers; the first stage adds the
 embedding, the last the final norm and the output layer (with tied embeddings a copy of the word embedding, which
@@ -98,10 +100,12 @@ def estimate_memory(
     precision: str,
     backend: str,
     pipeline: PipelineShape | None = None,
+    sequence_parallel: bool = False,
 ) -> MemoryEstimate:
     """The estimate of the pipeline rank that needs the most memory (rank 0 without pipelining)."""
     ranks = estimate_ranks(model, padded_vocab=padded_vocab, tensor_parallel=tensor_parallel,
-                           micro_batch=micro_batch, precision=precision, backend=backend, pipeline=pipeline)
+                           micro_batch=micro_batch, precision=precision, backend=backend, pipeline=pipeline,
+                           sequence_parallel=sequence_parallel)
     return max(ranks, key=lambda e: e.total_gib)
 
 
@@ -114,16 +118,18 @@ def estimate_ranks(
     precision: str,
     backend: str,
     pipeline: PipelineShape | None = None,
+    sequence_parallel: bool = False,
 ) -> list[MemoryEstimate]:
     """The estimate of every pipeline rank, rank 0 first."""
     pipe = pipeline or no_pipeline(model)
     return [_rank_memory(model, r, pipe=pipe, padded_vocab=padded_vocab, tensor_parallel=tensor_parallel,
-                         micro_batch=micro_batch, precision=precision, backend=backend)
+                         micro_batch=micro_batch, precision=precision, backend=backend,
+                         sequence_parallel=sequence_parallel)
             for r in range(pipe.pipeline)]
 
 
 def _rank_memory(model: ModelConfig, pp_rank: int, *, pipe: PipelineShape, padded_vocab: int, tensor_parallel: int,
-                 micro_batch: int, precision: str, backend: str) -> MemoryEstimate:
+                 micro_batch: int, precision: str, backend: str, sequence_parallel: bool = False) -> MemoryEstimate:
     t, s, b, h, a = (tensor_parallel, model.seq_length, micro_batch, model.hidden_size, model.num_attention_heads)
     stages = range(pp_rank, len(pipe.stage_layers), pipe.pipeline)  # virtual stage k runs on rank k % p
     first, last = 0 in stages, len(pipe.stage_layers) - 1 in stages
@@ -138,11 +144,16 @@ def _rank_memory(model: ModelConfig, pp_rank: int, *, pipe: PipelineShape, padde
     state = params / t * bytes_per_parameter(precision=precision, backend=backend)
 
     scale = 2.0 if precision == "fp32" else 1.0
-    full_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * scale
+    if sequence_parallel:
+        full_layer = s * b * h / t * (34 + 5 * a * s / h) * scale
+        layer_input = 2.0 * s * b * h / t * scale
+    else:
+        full_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * scale
+        layer_input = 2.0 * s * b * h * scale
     chunk_layers = layers / len(stages)  # layers per model chunk (equal with interleaving; one chunk otherwise)
     held = in_flight(pp_rank, pipe=pipe) * chunk_layers
     if model.recompute:
-        activations = held * 2.0 * s * b * h * scale + full_layer  # inputs kept, one layer recomputed at a time
+        activations = held * layer_input + full_layer  # inputs kept, one layer recomputed at a time
     else:
         activations = held * full_layer
     logits = 0.0

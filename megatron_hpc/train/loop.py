@@ -53,7 +53,7 @@ class TrainSummary:
 
 def build_model(model_cfg: ModelConfig, ctx: ParallelContext, *, padded_vocab: int, seed: int,
                 device: torch.device, from_checkpoint: bool = False,
-                stages: list[StageLayout] | None = None) -> GPT:
+                stages: list[StageLayout] | None = None, sequence_parallel: bool = False) -> GPT:
     """The GPT for this rank, on `device`, with the plan's padded vocabulary: the whole model, or this pipeline
     rank's `stages`.
 
@@ -62,7 +62,8 @@ def build_model(model_cfg: ModelConfig, ctx: ParallelContext, *, padded_vocab: i
     # Built on the CPU (TP- and PP-invariant init: every weight is drawn by its name) and then moved, like
     # Megatron's --use-cpu-initialization.
     with skip_random_init(from_checkpoint):
-        model = GPT(model_cfg, ctx=ctx, padded_vocab=padded_vocab, seed=seed, stages=stages)
+        model = GPT(model_cfg, ctx=ctx, padded_vocab=padded_vocab, seed=seed, stages=stages,
+                    sequence_parallel=sequence_parallel)
     return model.to(device)
 
 
@@ -107,7 +108,8 @@ def train(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, phase: Pha
     ckpt = Checkpointer(spec, ctx, device=device, save_root=save_root, load_root=load_root, out=out)
     resuming = ckpt.has_checkpoint()  # then the random init would be thrown away: skip it
     model = build_model(cfg.model, ctx, padded_vocab=plan.padded_vocab_size, seed=tcfg.seed, device=device.device,
-                        from_checkpoint=resuming, stages=pipeline_stages(plan, ctx))
+                        from_checkpoint=resuming, stages=pipeline_stages(plan, ctx),
+                        sequence_parallel=cfg.parallel.sequence_parallel)
     if ctx.is_first_rank:
         print(_banner(spec, ctx, model=model, device=device, phase=phase, num_steps=num_steps,
                       autocast_dtype=autocast_dtype), file=out, flush=True)
