@@ -37,6 +37,7 @@ from megatron_hpc.train.tensorboard import open_tensorboard
 
 Phase = Literal["compile", "run"]
 PP_SEED_STRIDE = 1_000_003
+SP_SEED_STRIDE = 7_919  # a prime, clear of DP's +1 steps for any realistic DP size
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,8 +102,11 @@ def train(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, phase: Pha
     data = _build_data(spec, ctx)  # before the model: data errors surface first
     autocast_dtype = autocast_dtype_for(tcfg.precision, device_kind=device.kind, float_dtype=device.float_dtype)
     # Dropout masks: the same across TP, different across DP and across pipeline stages (Megatron offsets the seed
-    # by 100 per pipeline rank; a larger stride here keeps the offsets clear of DP's).
-    seed_everything(device, tcfg.seed + ctx.dp_rank + PP_SEED_STRIDE * ctx.pp_rank)
+    # by 100 per pipeline rank; a larger stride here keeps the offsets clear of DP's). With sequence parallelism
+    # every dropout acts on a TP shard (sequence or heads), so TP ranks take their own seeds too: the same seed
+    # would give each sequence shard the same mask. Weights and data do not draw from this RNG.
+    tp_offset = SP_SEED_STRIDE * ctx.tp_rank if cfg.parallel.sequence_parallel else 0
+    seed_everything(device, tcfg.seed + ctx.dp_rank + PP_SEED_STRIDE * ctx.pp_rank + tp_offset)
 
     save_root, load_root = checkpoint_roots(cfg.checkpoint, run_dir=run_dir, active=checkpoints)
     ckpt = Checkpointer(spec, ctx, device=device, save_root=save_root, load_root=load_root, out=out)
