@@ -93,6 +93,10 @@ class ParallelConfig:
     pipeline_last_stage_layers: int = 0
     """Transformer layers on the last stage (Megatron --decoder-last-pipeline-num-layers); 0 splits evenly.
     The output layer and loss live there."""
+    sequence_parallel: bool = False
+    """Megatron --sequence-parallel (Korthikanti et al. 2022): with TP above 1, LayerNorm and dropout hold
+    (B, S/tp, H) sequence shards; the TP all-reduces become all-gather / reduce-scatter pairs along the sequence,
+    and replicated parameters' gradients are all-reduced over TP after backward. Needs parallel.tensor above 1."""
     overlap_grad_reduce: bool = True
     """Start each gradient bucket's data-parallel all-reduce during the last micro-batch's backward
     (Megatron --overlap-grad-reduce); ignored on XLA and when data-parallel size is 1."""

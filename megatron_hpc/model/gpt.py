@@ -6,6 +6,13 @@ tp the TP size; `/tp` marks the dim sharded across the TP group.
 Init follows Megatron: N(0, std) for every weight, std / sqrt(2L) for the two output projections
 of each block, zero biases, LayerNorm (1, 0). Every weight is drawn in full from a generator keyed
 by its name and then sharded (see parallel/layers.py), so the model is the same at any TP size.
+
+Sequence parallelism (parallel.sequence_parallel, Korthikanti et al. 2022): between the TP linears, i.e. in the
+LayerNorms, dropouts and residual adds, hidden states are (B, S/tp, H), split along dim 1 of our batch-first
+layout (pipeline stages exchange those shards too). Attention sees the full sequence (the QKV projection
+all-gathers it), so rotary uses full positions; learned position embeddings are added to each shard with its
+own positions. Every replicated parameter then gets a partial gradient on each TP rank: the model tags them
+`sequence_parallel` and train_step all-reduces them over TP (parallel/grads.py).
 """
 
 from __future__ import annotations
@@ -27,14 +34,14 @@ from megatron_hpc.parallel.layers import (
     VocabParallelEmbedding,
     seeded_normal,
 )
-from megatron_hpc.parallel.mappings import copy_to_tp_region
+from megatron_hpc.parallel.mappings import copy_to_tp_region, gather_from_sequence_region
 from megatron_hpc.plan.checks import check_model_shape
 from megatron_hpc.plan.recompute import check_recompute_stages, recompute_groups, resolve_recompute
 from megatron_hpc.plan.stages import StageLayout
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, ctx: ParallelContext, seed: int, prefix: str):
+    def __init__(self, cfg: ModelConfig, *, ctx: ParallelContext, seed: int, prefix: str, sp: bool = False):
         super().__init__()
         h, tp = cfg.hidden_size, ctx.tp_size
         self.local_heads = cfg.num_attention_heads // tp
@@ -46,12 +53,14 @@ class Attention(nn.Module):
         # Fused QKV in Megatron's per-head layout [nh, (q, k, v), hd]: a contiguous row shard then
         # holds whole heads, each with its own q, k and v.
         self.qkv = ColumnParallelLinear(h, 3 * h, ctx=ctx, init_std=cfg.init_method_std, seed=seed,
-                                        key=prefix + ".qkv")
-        self.proj = RowParallelLinear(h, h, ctx=ctx, init_std=_out_std(cfg), seed=seed, key=prefix + ".proj")
+                                        key=prefix + ".qkv", sequence_parallel=sp)
+        self.proj = RowParallelLinear(h, h, ctx=ctx, init_std=_out_std(cfg), seed=seed, key=prefix + ".proj",
+                                      sequence_parallel=sp)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        b, s, _ = x.shape
-        qkv = self.qkv(x).view(b, s, self.local_heads, 3, self.head_dim)  # (B, S, nh/tp, 3, hd)
+        qkv = self.qkv(x)  # (B, S, 3H/tp): the full sequence, also under sequence parallelism
+        b, s = qkv.shape[:2]
+        qkv = qkv.view(b, s, self.local_heads, 3, self.head_dim)  # (B, S, nh/tp, 3, hd)
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))  # (B, nh/tp, S, hd)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
@@ -60,7 +69,7 @@ class Attention(nn.Module):
         else:
             y = self.core(q, k, v)
         y = y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)  # (B, S, H/tp)
-        return self.proj(y)  # (B, S, H)
+        return self.proj(y)  # (B, S, H); (B, S/tp, H) with sequence parallelism
 
 
 class AttentionCore(nn.Module):
@@ -77,25 +86,26 @@ class AttentionCore(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, ctx: ParallelContext, seed: int, prefix: str):
+    def __init__(self, cfg: ModelConfig, *, ctx: ParallelContext, seed: int, prefix: str, sp: bool = False):
         super().__init__()
         h, f = cfg.hidden_size, cfg.ffn_size
         self.fc = ColumnParallelLinear(h, f, ctx=ctx, init_std=cfg.init_method_std, seed=seed,
-                                       key=prefix + ".fc")
-        self.proj = RowParallelLinear(f, h, ctx=ctx, init_std=_out_std(cfg), seed=seed, key=prefix + ".proj")
+                                       key=prefix + ".fc", sequence_parallel=sp)
+        self.proj = RowParallelLinear(f, h, ctx=ctx, init_std=_out_std(cfg), seed=seed, key=prefix + ".proj",
+                                      sequence_parallel=sp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x)))  # (B, S, F/tp) inside, (B, S, H) out
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, ctx: ParallelContext, seed: int, index: int):
+    def __init__(self, cfg: ModelConfig, *, ctx: ParallelContext, seed: int, index: int, sp: bool = False):
         super().__init__()
         eps = cfg.layernorm_epsilon
         self.ln_1 = nn.LayerNorm(cfg.hidden_size, eps=eps)
-        self.attn = Attention(cfg, ctx=ctx, seed=seed, prefix=f"h.{index}.attn")
+        self.attn = Attention(cfg, ctx=ctx, seed=seed, prefix=f"h.{index}.attn", sp=sp)
         self.ln_2 = nn.LayerNorm(cfg.hidden_size, eps=eps)
-        self.mlp = MLP(cfg, ctx=ctx, seed=seed, prefix=f"h.{index}.mlp")
+        self.mlp = MLP(cfg, ctx=ctx, seed=seed, prefix=f"h.{index}.mlp", sp=sp)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -121,10 +131,13 @@ class GPT(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *, ctx: ParallelContext, padded_vocab: int, seed: int,
-                 stages: Sequence[StageLayout] | None = None):
+                 stages: Sequence[StageLayout] | None = None, sequence_parallel: bool = False):
         super().__init__()
         check_model_shape(cfg, tensor_parallel=ctx.tp_size)  # the planner ran it too; tools build models directly
         self.group = ctx.tp_group
+        # With one TP rank there is nothing to split: plain TP code paths (the planner refuses SP at TP 1 anyway).
+        sp = self.sequence_parallel = sequence_parallel and ctx.tp_size > 1
+        self.tp_size, self.tp_rank = ctx.tp_size, ctx.tp_rank
         self.recompute = resolve_recompute(cfg)
         self.stages = list(stages) if stages is not None else [
             StageLayout(index=0, pp_rank=0, chunk=0, layers=range(cfg.num_layers), first=True, last=True)]
@@ -135,7 +148,7 @@ class GPT(nn.Module):
         self.wte: VocabParallelEmbedding | None = None
         if self.has_first or (self.has_last and cfg.tie_embeddings):
             self.wte = VocabParallelEmbedding(padded_vocab, h, ctx=ctx, vocab_size=cfg.vocab_size,
-                                              init_std=std, seed=seed, key="wte")
+                                              init_std=std, seed=seed, key="wte", sequence_parallel=sp)
         self.wpe: nn.Embedding | None = None
         if cfg.position_embedding == "learned":
             if self.has_first:
@@ -152,7 +165,7 @@ class GPT(nn.Module):
             self.register_buffer("rope_sin", sin, persistent=False)
         self.drop = nn.Dropout(cfg.hidden_dropout)
         # Keyed by the global layer index, so every stage's state dict names a layer as the whole model does.
-        self.h = nn.ModuleDict({str(i): Block(cfg, ctx=ctx, seed=seed, index=i)
+        self.h = nn.ModuleDict({str(i): Block(cfg, ctx=ctx, seed=seed, index=i, sp=sp)
                                 for stage in self.stages for i in stage.layers})
         check_recompute_stages(cfg, [len(stage.layers) for stage in self.stages])
         if self.wte is not None and not self.has_first:
@@ -164,7 +177,12 @@ class GPT(nn.Module):
             self.ln_f = nn.LayerNorm(h, eps=cfg.layernorm_epsilon)
             if not cfg.tie_embeddings:
                 self.lm_head = ColumnParallelLinear(h, padded_vocab, ctx=ctx, bias=False, init_std=std,
-                                                    seed=seed, key="lm_head")
+                                                    seed=seed, key="lm_head", sequence_parallel=sp)
+        if sp:
+            # LayerNorms, row-parallel biases and position embeddings see one sequence shard per TP rank.
+            for p in self.parameters():
+                if not getattr(p, "tensor_parallel", False):
+                    p.sequence_parallel = True
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if len(self.stages) != 1 or not (self.has_first and self.has_last):
@@ -172,15 +190,17 @@ class GPT(nn.Module):
         return self.stage_forward(ids, self.stages[0])
 
     def stage_forward(self, x: torch.Tensor, stage: StageLayout) -> torch.Tensor:
-        """Token ids (B, S) on the first stage, else hidden states (B, S, H); logits (B, S, V/tp) on the last
-        stage, else hidden states."""
-        s = x.shape[1]
+        """Token ids (B, S) on the first stage, else hidden states (B, S, H) ((B, S/tp, H) with sequence
+        parallelism); logits (B, S, V/tp) on the last stage, else hidden states."""
+        s = x.shape[1] if stage.first or not self.sequence_parallel else x.shape[1] * self.tp_size
         rope = None if self.rope_cos is None else (self.rope_cos[:s], self.rope_sin[:s])  # (S, rot) each
         if stage.first:
             ids = x
-            x = self.wte(ids)  # (B, S, H)
+            x = self.wte(ids)  # (B, S, H); (B, S/tp, H) with sequence parallelism
             if self.wpe is not None:
-                x = x + self.wpe(torch.arange(s, device=ids.device))
+                shard = x.shape[1]  # this rank's positions: its slice of the sequence
+                start = self.tp_rank * shard if self.sequence_parallel else 0
+                x = x + self.wpe(torch.arange(start, start + shard, device=ids.device))
             x = self.drop(x)
         for layers, checkpointed in recompute_groups(stage.layers, self.recompute):
             if checkpointed and self.training:
@@ -193,9 +213,10 @@ class GPT(nn.Module):
             return x
         x = self.ln_f(x)
         if self.lm_head is not None:
-            return self.lm_head(x)
+            return self.lm_head(x)  # gathers the sequence itself under sequence parallelism
         # Tied output layer: the vocab-sharded embedding table is the column-parallel weight.
-        return F.linear(copy_to_tp_region(x, self.group), self.wte.weight)  # (B, S, V/tp)
+        enter = gather_from_sequence_region if self.sequence_parallel else copy_to_tp_region
+        return F.linear(enter(x, self.group), self.wte.weight)  # (B, S, V/tp)
 
     def _run_layers(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                     layers: Sequence[int]) -> torch.Tensor:

@@ -166,6 +166,21 @@ class OverlappedGradReducer:
         self._armed = False
 
 
+def all_reduce_sequence_parallel_grads(params: Iterable[nn.Parameter], *, group: ProcessGroup) -> None:
+    """Sum over TP the gradients of parameters tagged `sequence_parallel` (Megatron's
+    allreduce_sequence_parallel_grads): each TP rank saw one sequence shard, so each holds a partial sum.
+
+    Afterwards they are identical on every TP rank, so global_grad_norm counting replicated params on tp_rank 0
+    stays right. Sums commute, so this may run before or after the DP all-reduce.
+    """
+    grads = [p.grad for p in params if p.grad is not None and getattr(p, "sequence_parallel", False)]
+    if not grads or dist.get_world_size(group) == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])  # one call: these are small (LayerNorms, biases)
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    _unflatten_into(flat, grads)
+
+
 def global_grad_norm(params: Iterable[nn.Parameter], *, ctx: ParallelContext) -> torch.Tensor:
     """L2 norm of the full model's gradient; a 0-dim fp32 tensor on the grads' device (no host sync)."""
     grads = [p.grad.detach() for p in params

@@ -7,6 +7,10 @@ Initialisation is TP-invariant (Megatron's --use-cpu-initialization): each layer
 weight on the CPU from a generator seeded by (seed, key) and keeps its shard, so a TP=2 model and
 a TP=1 model with the same seed hold the same full weights. Sharded parameters carry
 `tensor_parallel = True` so the grad-norm can count replicated ones once.
+
+With `sequence_parallel` (Korthikanti et al. 2022) the layers' replicated side holds sequence shards (B, S/tp, H):
+a column-parallel input is all-gathered along the sequence (its backward reduce-scatters), a row-parallel output
+and the embedding output are reduce-scattered instead of all-reduced.
 """
 
 from __future__ import annotations
@@ -18,7 +22,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_hpc.parallel.context import ParallelContext
-from megatron_hpc.parallel.mappings import copy_to_tp_region, reduce_from_tp_region
+from megatron_hpc.parallel.mappings import (
+    copy_to_tp_region,
+    gather_from_sequence_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_sequence_region,
+)
 
 
 def seeded_normal(shape: tuple[int, ...], *, std: float, seed: int, key: str) -> torch.Tensor:
@@ -41,28 +50,38 @@ def _sharded_param(data: torch.Tensor) -> nn.Parameter:
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x A^T + b with A split by rows (output features): (B, S, H_in) -> (B, S, H_out/tp)."""
+    """y = x A^T + b with A split by rows (output features): (B, S, H_in) -> (B, S, H_out/tp).
+
+    With sequence_parallel the input is (B, S/tp, H_in), all-gathered to the full sequence first."""
 
     def __init__(self, in_features: int, out_features: int, *, ctx: ParallelContext, bias: bool = True,
-                 init_std: float, seed: int, key: str):
+                 init_std: float, seed: int, key: str, sequence_parallel: bool = False):
         super().__init__()
         self.group = ctx.tp_group
+        self.sequence_parallel = sequence_parallel
         full = seeded_normal((out_features, in_features), std=init_std, seed=seed, key=key)
         self.weight = _sharded_param(_shard(full, dim=0, ctx=ctx))
         self.bias = _sharded_param(torch.zeros(out_features // ctx.tp_size)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_tp_region(x, self.group)
+        if self.sequence_parallel:
+            x = gather_from_sequence_region(x, self.group)
+        else:
+            x = copy_to_tp_region(x, self.group)
         return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
-    """y = x A^T + b with A split by columns (input features): (B, S, H_in/tp) -> (B, S, H_out)."""
+    """y = x A^T + b with A split by columns (input features): (B, S, H_in/tp) -> (B, S, H_out).
+
+    With sequence_parallel the output is (B, S/tp, H_out), reduce-scattered along the sequence, and the bias is
+    added to that shard (so its gradient is partial on each TP rank: the model tags it `sequence_parallel`)."""
 
     def __init__(self, in_features: int, out_features: int, *, ctx: ParallelContext, bias: bool = True,
-                 init_std: float, seed: int, key: str):
+                 init_std: float, seed: int, key: str, sequence_parallel: bool = False):
         super().__init__()
         self.group, self.tp_size = ctx.tp_group, ctx.tp_size
+        self.sequence_parallel = sequence_parallel
         full = seeded_normal((out_features, in_features), std=init_std, seed=seed, key=key)
         self.weight = _sharded_param(_shard(full, dim=1, ctx=ctx))
         # The bias is replicated and added once, after the partial sums are reduced.
@@ -71,7 +90,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:  # one addmm with the bias folded in
             return F.linear(x, self.weight, self.bias)
-        y = reduce_from_tp_region(F.linear(x, self.weight), self.group)
+        reduce = reduce_scatter_to_sequence_region if self.sequence_parallel else reduce_from_tp_region
+        y = reduce(F.linear(x, self.weight), self.group)
         return y + self.bias if self.bias is not None else y
 
 
@@ -80,12 +100,14 @@ class VocabParallelEmbedding(nn.Module):
 
     Rows [vocab_size, padded) are padding; they are drawn after the real rows so that the real
     rows do not depend on the padding (which depends on TP).
+    With sequence_parallel the partial lookups are reduce-scattered: (B, S) ids -> (B, S/tp, H).
     """
 
     def __init__(self, padded_vocab: int, dim: int, *, ctx: ParallelContext, vocab_size: int,
-                 init_std: float, seed: int, key: str):
+                 init_std: float, seed: int, key: str, sequence_parallel: bool = False):
         super().__init__()
         self.group = ctx.tp_group
+        self.sequence_parallel = sequence_parallel
         real = seeded_normal((vocab_size, dim), std=init_std, seed=seed, key=key)
         pad = seeded_normal((padded_vocab - vocab_size, dim), std=init_std, seed=seed, key=key + ".pad")
         self.weight = _sharded_param(_shard(torch.cat([real, pad]), dim=0, ctx=ctx))
@@ -100,4 +122,6 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local < 0) | (local >= self.per_rank)
         emb = F.embedding(local.masked_fill(outside, 0), self.weight)  # (B, S, H), partial
         emb = emb.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_region(emb, self.group)
         return reduce_from_tp_region(emb, self.group)

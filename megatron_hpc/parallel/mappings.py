@@ -2,7 +2,8 @@
 
 Every wrapper's one-line docstring states `fwd: X | bwd: Y | dim: last` and a test holds it to
 the code. The process group is always an argument, never a default. The sharded tensor dim is
-the last one (hidden or vocab), as in Megatron's column/row-parallel layers.
+the last one (hidden or vocab), as in Megatron's column/row-parallel layers; the sequence-parallel mappings
+(`dim: sequence`) split dim 1 of our batch-first (B, S, H) tensors instead (Megatron's [S, B, H] splits dim 0).
 When the group has one rank each mapping is the identity.
 """
 
@@ -109,3 +110,91 @@ def scatter_to_tp_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 def gather_from_tp_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """fwd: all-gather | bwd: split | dim: last"""
     return _GatherFromTP.apply(x, group)
+
+
+# Sequence parallelism (Korthikanti et al. 2022): dim 1 of batch-first (B, S, H) tensors.
+_SEQ = 1
+
+
+def _split_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    if size == 1:
+        return x
+    if x.shape[_SEQ] % size:
+        raise ValueError(f"sequence dim {x.shape[_SEQ]} is not divisible by the group size {size}")
+    return x.chunk(size, dim=_SEQ)[dist.get_rank(group)].contiguous()
+
+
+def _gather_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    size = dist.get_world_size(group)
+    if size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=_SEQ)
+
+
+def _reduce_scatter_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    if dist.get_world_size(group) == 1:
+        return x
+    # gloo has no reduce_scatter: all-reduce then keep this rank's shard (same values; NCCL would move 1/tp of
+    # the bytes, which is the point of SP on a GPU, so use reduce_scatter_tensor where the backend has it).
+    if dist.get_backend(group) == "gloo":
+        return _split_seq(_all_reduce(x.clone(), group), group)
+    size = dist.get_world_size(group)
+    if x.shape[_SEQ] % size:
+        raise ValueError(f"sequence dim {x.shape[_SEQ]} is not divisible by the group size {size}")
+    # reduce_scatter_tensor splits dim 0: move the sequence there and back.
+    xt = x.transpose(0, _SEQ).contiguous()
+    out = torch.empty((xt.shape[0] // size, *xt.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, xt, op=dist.ReduceOp.SUM, group=group)
+    return out.transpose(0, _SEQ).contiguous()
+
+
+class _ScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _split_seq(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _gather_seq(grad, ctx.group), None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        # Each rank's consumer (a column-parallel matmul) saw the full sequence and produced a partial grad of it.
+        return _reduce_scatter_seq(grad, ctx.group), None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _gather_seq(grad, ctx.group), None
+
+
+def scatter_to_sequence_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """fwd: split | bwd: all-gather | dim: sequence"""
+    return _ScatterToSequence.apply(x, group)
+
+
+def gather_from_sequence_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """fwd: all-gather | bwd: reduce-scatter | dim: sequence"""
+    return _GatherFromSequence.apply(x, group)
+
+
+def reduce_scatter_to_sequence_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """fwd: reduce-scatter | bwd: all-gather | dim: sequence"""
+    return _ReduceScatterToSequence.apply(x, group)

@@ -115,3 +115,17 @@ def check_model_shape(model: ModelConfig, *, tensor_parallel: int) -> None:
                         f"FFN size ({model.ffn_size}); use --set parallel.tensor=N with N in "
                         f"{{{', '.join(map(str, choices))}}}")
 
+
+
+def check_sequence_parallel(cfg: RunConfig, *, tensor_parallel: int) -> None:
+    """PlanError when parallel.sequence_parallel is set without TP above 1, or the sequence does not split
+    `tensor_parallel` ways."""
+    if not cfg.parallel.sequence_parallel:
+        return
+    if tensor_parallel < 2:
+        raise PlanError(f"parallel.sequence_parallel needs tensor parallelism above 1 (parallel.tensor is "
+                        f"{tensor_parallel}); --set parallel.tensor=2 or drop parallel.sequence_parallel")
+    if cfg.model.seq_length % tensor_parallel:
+        raise PlanError(f"parallel.sequence_parallel splits model.seq_length={cfg.model.seq_length} over "
+                        f"parallel.tensor={tensor_parallel}, which does not divide it; pick a seq_length divisible "
+                        f"by {tensor_parallel} or drop parallel.sequence_parallel")

@@ -16,6 +16,8 @@ recomputation keeps only the input of each checkpointed unit, 2*s*b*h: per group
 uniform method (plus one group's full activations while it is recomputed), per layer for the first
 recompute_num_layers layers of a chunk with the block method (the others keep everything; plus one layer while
 recomputed). `model.recompute: true` is full / uniform / 1: each layer's input plus one layer.
+With sequence parallelism (their eq. 4) the LayerNorm and dropout parts (the 10) are split t ways too:
+s*b*h/t*(34 + 5*a*s/h), and the kept unit inputs are sequence shards, 2*s*b*h/t.
 
 Pipeline parallelism (Megatron's layout, plan/stages.py): a rank holds its stages' layers; the first stage adds the
 embedding, the last the final norm and the output layer (with tied embeddings a copy of the word embedding, which
@@ -103,10 +105,12 @@ def estimate_memory(
     precision: str,
     backend: str,
     pipeline: PipelineShape | None = None,
+    sequence_parallel: bool = False,
 ) -> MemoryEstimate:
     """The estimate of the pipeline rank that needs the most memory (rank 0 without pipelining)."""
     ranks = estimate_ranks(model, padded_vocab=padded_vocab, tensor_parallel=tensor_parallel,
-                           micro_batch=micro_batch, precision=precision, backend=backend, pipeline=pipeline)
+                           micro_batch=micro_batch, precision=precision, backend=backend, pipeline=pipeline,
+                           sequence_parallel=sequence_parallel)
     return max(ranks, key=lambda e: e.total_gib)
 
 
@@ -119,16 +123,18 @@ def estimate_ranks(
     precision: str,
     backend: str,
     pipeline: PipelineShape | None = None,
+    sequence_parallel: bool = False,
 ) -> list[MemoryEstimate]:
     """The estimate of every pipeline rank, rank 0 first."""
     pipe = pipeline or no_pipeline(model)
     return [_rank_memory(model, r, pipe=pipe, padded_vocab=padded_vocab, tensor_parallel=tensor_parallel,
-                         micro_batch=micro_batch, precision=precision, backend=backend)
+                         micro_batch=micro_batch, precision=precision, backend=backend,
+                         sequence_parallel=sequence_parallel)
             for r in range(pipe.pipeline)]
 
 
 def _rank_memory(model: ModelConfig, pp_rank: int, *, pipe: PipelineShape, padded_vocab: int, tensor_parallel: int,
-                 micro_batch: int, precision: str, backend: str) -> MemoryEstimate:
+                 micro_batch: int, precision: str, backend: str, sequence_parallel: bool = False) -> MemoryEstimate:
     t, s, b, h = tensor_parallel, model.seq_length, micro_batch, model.hidden_size
     stages = range(pp_rank, len(pipe.stage_layers), pipe.pipeline)  # virtual stage k runs on rank k % p
     first, last = 0 in stages, len(pipe.stage_layers) - 1 in stages
@@ -145,13 +151,15 @@ def _rank_memory(model: ModelConfig, pp_rank: int, *, pipe: PipelineShape, padde
     scale = 2.0 if precision == "fp32" else 1.0
     chunk_layers = layers / len(stages)  # layers per model chunk (equal with interleaving; one chunk otherwise)
     activations = in_flight(pp_rank, pipe=pipe) * chunk_activations(model, chunk_layers, tensor_parallel=t,
-                                                                     micro_batch=b, scale=scale)
+                                                                     micro_batch=b, scale=scale,
+                                                                     sequence_parallel=sequence_parallel)
     rc = resolve_recompute(model)
     if rc.full:
         # While a checkpointed unit runs its backward, its layers' activations are alive again: one uniform group,
         # or one layer for block.
         activations += (rc.num_layers if rc.method == "uniform" else 1) * layer_activations(
-            model, tensor_parallel=t, micro_batch=b, scale=scale, selective=False)
+            model, tensor_parallel=t, micro_batch=b, scale=scale, selective=False,
+            sequence_parallel=sequence_parallel)
     logits = 0.0
     if last:
         logits_in_flight = pipe.num_micro_batches if pipe.pipeline > 1 and pipe.schedule == "afab" else 1
@@ -161,17 +169,19 @@ def _rank_memory(model: ModelConfig, pp_rank: int, *, pipe: PipelineShape, padde
 
 
 def layer_activations(model: ModelConfig, *, tensor_parallel: int, micro_batch: int, scale: float,
-                      selective: bool) -> float:
+                      selective: bool, sequence_parallel: bool = False) -> float:
     """Bytes one layer keeps for its backward: Korthikanti et al.'s s*b*h*(10 + 24/t + 5*a*s/(h*t)) in 16-bit
     (`scale` 2 for fp32); selective recomputation drops the attention core's 5*a*s/(h*t) term (scores, softmax
     output, its dropout mask and output: everything of size s^2)."""
     t, s, b, h, a = (tensor_parallel, model.seq_length, micro_batch, model.hidden_size, model.num_attention_heads)
     core = 0.0 if selective else 5 * a * s / (h * t)
+    if sequence_parallel:  # the LayerNorm and dropout parts are sequence shards too (their eq. 4)
+        return s * b * h * (34 / t + core) * scale
     return s * b * h * (10 + 24 / t + core) * scale
 
 
 def chunk_activations(model: ModelConfig, chunk_layers: float, *, tensor_parallel: int, micro_batch: int,
-                      scale: float) -> float:
+                      scale: float, sequence_parallel: bool = False) -> float:
     """Bytes one model chunk keeps for one micro-batch between its forward and its backward.
 
     Full recomputation keeps the input of each checkpointed unit (2*s*b*h in 16-bit): one per uniform group, one
@@ -179,8 +189,10 @@ def chunk_activations(model: ModelConfig, chunk_layers: float, *, tensor_paralle
     """
     rc = resolve_recompute(model)
     kept = layer_activations(model, tensor_parallel=tensor_parallel, micro_batch=micro_batch, scale=scale,
-                             selective=rc.selective)
+                             selective=rc.selective, sequence_parallel=sequence_parallel)
     unit_input = 2.0 * model.seq_length * micro_batch * model.hidden_size * scale
+    if sequence_parallel:  # a checkpointed unit's input is this rank's sequence shard
+        unit_input /= tensor_parallel
     if not rc.full:
         return chunk_layers * kept
     if rc.method == "uniform":

@@ -23,7 +23,12 @@ from megatron_hpc.config.platforms import Platform
 from megatron_hpc.config.schema import DataConfig, RunConfig
 from megatron_hpc.errors import ConfigError, PlanError
 from megatron_hpc.plan.batch import BatchLayout
-from megatron_hpc.plan.checks import PIPELINE_SCHEDULES, check_model_shape, check_values
+from megatron_hpc.plan.checks import (
+    PIPELINE_SCHEDULES,
+    check_model_shape,
+    check_sequence_parallel,
+    check_values,
+)
 from megatron_hpc.plan.lr_schedule import LrSchedule, resolve_schedule
 from megatron_hpc.plan.memory import GIB
 from megatron_hpc.plan.mesh import Mesh
@@ -313,11 +318,14 @@ def make_plan(cfg: RunConfig, *, num_nodes: int, platform: Platform) -> Plan:
     per_node = workers_per_node(cfg, platform)
     _check_tensor_parallel(cfg, platform, per_node=per_node)
     check_model_shape(cfg.model, tensor_parallel=cfg.parallel.tensor or 1)
+    if cfg.parallel.tensor:  # refused before sizing when the recipe names TP; after it when the planner chooses
+        check_sequence_parallel(cfg, tensor_parallel=cfg.parallel.tensor)
     # A user's launch.workers_per_node is kept: a batch too small for it is refused with the fix.
     sizes = choose_sizes_for_batch(cfg, platform, num_nodes=num_nodes, per_node=per_node,
                                    may_idle=cfg.launch.workers_per_node is None)
     mesh, micro, vocab = sizes.mesh, sizes.num_micro_batches, sizes.padded_vocab
     check_recompute_stages(cfg.model, [len(r) for r in sizes.stage_layers])
+    check_sequence_parallel(cfg, tensor_parallel=mesh.tensor_parallel)
     params = num_parameters(cfg.model, padded_vocab=vocab)
     sched = resolve_schedule(cfg.optim, num_steps=cfg.train.num_steps, global_batch_size=cfg.train.global_batch_size)
     return Plan(

@@ -74,7 +74,8 @@ def memory_for(cfg: RunConfig, platform: Platform, *, tp: int, pp: int, micro_ba
                           num_micro_batches=micro_batches)
     return estimate_memory(model, padded_vocab=_vocab(cfg, tp), tensor_parallel=tp,
                            micro_batch=cfg.train.micro_batch_size, precision=cfg.train.precision,
-                           backend=platform.backend, pipeline=shape)
+                           backend=platform.backend, pipeline=shape,
+                           sequence_parallel=cfg.parallel.sequence_parallel and tp > 1)
 
 
 def full_recompute(model: ModelConfig) -> ModelConfig:

@@ -37,6 +37,7 @@ from megatron_hpc.train.tensorboard import open_tensorboard
 
 Phase = Literal["compile", "run"]
 PP_SEED_STRIDE = 1_000_003
+SP_SEED_STRIDE = 7_919  # a prime, clear of DP's +1 steps for any realistic DP size
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +54,7 @@ class TrainSummary:
 
 def build_model(model_cfg: ModelConfig, ctx: ParallelContext, *, padded_vocab: int, seed: int,
                 device: torch.device, from_checkpoint: bool = False,
-                stages: list[StageLayout] | None = None) -> GPT:
+                stages: list[StageLayout] | None = None, sequence_parallel: bool = False) -> GPT:
     """The GPT for this rank, on `device`, with the plan's padded vocabulary: the whole model, or this pipeline
     rank's `stages`.
 
@@ -62,7 +63,8 @@ def build_model(model_cfg: ModelConfig, ctx: ParallelContext, *, padded_vocab: i
     # Built on the CPU (TP- and PP-invariant init: every weight is drawn by its name) and then moved, like
     # Megatron's --use-cpu-initialization.
     with skip_random_init(from_checkpoint):
-        model = GPT(model_cfg, ctx=ctx, padded_vocab=padded_vocab, seed=seed, stages=stages)
+        model = GPT(model_cfg, ctx=ctx, padded_vocab=padded_vocab, seed=seed, stages=stages,
+                    sequence_parallel=sequence_parallel)
     return model.to(device)
 
 
@@ -100,14 +102,18 @@ def train(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, phase: Pha
     data = _build_data(spec, ctx)  # before the model: data errors surface first
     autocast_dtype = autocast_dtype_for(tcfg.precision, device_kind=device.kind, float_dtype=device.float_dtype)
     # Dropout masks: the same across TP, different across DP and across pipeline stages (Megatron offsets the seed
-    # by 100 per pipeline rank; a larger stride here keeps the offsets clear of DP's).
-    seed_everything(device, tcfg.seed + ctx.dp_rank + PP_SEED_STRIDE * ctx.pp_rank)
+    # by 100 per pipeline rank; a larger stride here keeps the offsets clear of DP's). With sequence parallelism
+    # every dropout acts on a TP shard (sequence or heads), so TP ranks take their own seeds too: the same seed
+    # would give each sequence shard the same mask. Weights and data do not draw from this RNG.
+    tp_offset = SP_SEED_STRIDE * ctx.tp_rank if cfg.parallel.sequence_parallel else 0
+    seed_everything(device, tcfg.seed + ctx.dp_rank + PP_SEED_STRIDE * ctx.pp_rank + tp_offset)
 
     save_root, load_root = checkpoint_roots(cfg.checkpoint, run_dir=run_dir, active=checkpoints)
     ckpt = Checkpointer(spec, ctx, device=device, save_root=save_root, load_root=load_root, out=out)
     resuming = ckpt.has_checkpoint()  # then the random init would be thrown away: skip it
     model = build_model(cfg.model, ctx, padded_vocab=plan.padded_vocab_size, seed=tcfg.seed, device=device.device,
-                        from_checkpoint=resuming, stages=pipeline_stages(plan, ctx))
+                        from_checkpoint=resuming, stages=pipeline_stages(plan, ctx),
+                        sequence_parallel=cfg.parallel.sequence_parallel)
     if ctx.is_first_rank:
         print(_banner(spec, ctx, model=model, device=device, phase=phase, num_steps=num_steps,
                       autocast_dtype=autocast_dtype), file=out, flush=True)

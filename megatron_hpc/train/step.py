@@ -14,7 +14,13 @@ from megatron_hpc.errors import TrainingError
 from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_hpc.parallel.device import DeviceInfo, mark_step, when_step_done
-from megatron_hpc.parallel.grads import BUCKET_MB, OverlappedGradReducer, all_reduce_gradients, clip_gradients_
+from megatron_hpc.parallel.grads import (
+    BUCKET_MB,
+    OverlappedGradReducer,
+    all_reduce_gradients,
+    all_reduce_sequence_parallel_grads,
+    clip_gradients_,
+)
 from megatron_hpc.parallel.pipeline import PipelineRunner
 from megatron_hpc.train.precision import DynamicGradScaler
 from megatron_hpc.train.state import TrainState
@@ -84,6 +90,9 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
         grad_reducer.finish()
     else:
         all_reduce_gradients(params, group=ctx.dp_group, bucket_mb=grad_bucket_mb)
+    # Sequence parallelism: replicated params' grads are partial per TP rank (no-op without tagged params). After
+    # the pipeline schedule too, which ran inside train_losses above.
+    all_reduce_sequence_parallel_grads(params, group=ctx.tp_group)
     if scale != 1.0:
         torch._foreach_mul_([p.grad for p in params if p.grad is not None], 1.0 / scale)
     norm = clip_gradients_(params, max_norm=clip_grad, ctx=ctx)

@@ -251,3 +251,62 @@ def sized_runs(rank: int, world: int, ports: list[int], plan: list[tuple[int, Ru
         assert size == world, f"{name}: a world of {size} in a spawn of {world}"
         os.environ["MASTER_PORT"] = str(ports[i])
         assert run_training(plan_for_torchrun(cfg), run_dir=Path(run_root) / name) == 0
+
+
+def sequence_parallel(cfg: RunConfig) -> RunConfig:
+    """`cfg` with parallel.sequence_parallel on."""
+    import dataclasses
+
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, sequence_parallel=True))
+
+
+def _expected_seq(op: str, per_rank: list[torch.Tensor], rank: int) -> torch.Tensor:
+    """What a sequence-dim (dim 1) docstring operation means, computed densely from every rank's tensor."""
+    world = len(per_rank)
+    if op == "split":
+        return per_rank[rank].chunk(world, dim=1)[rank]
+    if op == "all-gather":
+        return torch.cat(per_rank, dim=1)
+    if op == "reduce-scatter":
+        return torch.stack(per_rank).sum(0).chunk(world, dim=1)[rank]
+    raise ValueError(f"unknown docstring op {op!r}")
+
+
+def sequence_mappings(rank: int, world: int, ports: list[int]) -> dict[str, Any]:
+    """Each sequence-parallel mapping's fwd and bwd against what its docstring says, on (B, S, H) tensors."""
+    from megatron_hpc.parallel import mappings as mod
+
+    _init(rank, world, ports[0])
+    group = dist.new_group(list(range(world)))
+    out: dict[str, Any] = {}
+    for name in ("scatter_to_sequence_region", "gather_from_sequence_region", "reduce_scatter_to_sequence_region"):
+        fn = getattr(mod, name)
+        spec = dict(part.strip().split(": ") for part in inspect.getdoc(fn).split("|"))
+        inputs = [torch.randn(2, 4 * world, 3, generator=torch.Generator().manual_seed(100 + r))
+                  for r in range(world)]
+        x = inputs[rank].clone().requires_grad_(True)
+        y = fn(x, group)
+        grads = [torch.randn(y.shape, generator=torch.Generator().manual_seed(200 + r)) for r in range(world)]
+        y.backward(grads[rank])
+        out[name] = {"fwd": (y.detach(), _expected_seq(spec["fwd"], inputs, rank)),
+                     "bwd": (x.grad, _expected_seq(spec["bwd"], grads, rank)), "spec": spec}
+    dist.destroy_process_group()
+    return out
+
+
+def sp_runs(rank: int, world: int, ports: list[int], configs: list[RunConfig], faults: list[str],
+            run_root: str) -> None:
+    """run_training once per config; fault 'no_sp_grad_allreduce' drops the TP all-reduce of the replicated
+    params' grads (the bug the sequence-parallel proof must catch); '' for none."""
+    from megatron_hpc.train import step
+    from megatron_hpc.train.entry import plan_for_torchrun, run_training
+
+    intact = step.all_reduce_sequence_parallel_grads
+    for i, (cfg, fault) in enumerate(zip(configs, faults)):
+        step.all_reduce_sequence_parallel_grads = intact
+        if fault == "no_sp_grad_allreduce":
+            step.all_reduce_sequence_parallel_grads = lambda params, *, group: None
+        elif fault:
+            raise ValueError(f"unknown fault {fault!r}")
+        os.environ["MASTER_PORT"] = str(ports[i])
+        assert run_training(plan_for_torchrun(cfg), run_dir=Path(run_root) / f"run{i}") == 0

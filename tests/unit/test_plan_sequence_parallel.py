@@ -1,0 +1,58 @@
+"""parallel.sequence_parallel in the planner: refusals with the fix, and Korthikanti et al.'s activation memory."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from megatron_hpc.config.loader import load_recipe
+from megatron_hpc.config.platforms import get_platform
+from megatron_hpc.errors import PlanError
+from megatron_hpc.plan.memory import GIB, estimate_memory
+from megatron_hpc.plan.planner import make_plan
+
+
+def _plan(overrides: list[str], nodes: int = 1, platform: str = "trn1"):
+    cfg = load_recipe("gpt3_6.7b", overrides)
+    return make_plan(cfg, num_nodes=nodes, platform=get_platform(platform))
+
+
+def test_sequence_parallel_without_tensor_parallel_is_refused_with_the_fix():
+    with pytest.raises(PlanError, match=r"--set parallel.tensor=2 or drop parallel.sequence_parallel"):
+        _plan(["parallel.sequence_parallel=true", "parallel.tensor=1"])
+
+
+def test_sequence_length_must_split_over_tensor_parallel():
+    with pytest.raises(PlanError, match=r"seq_length=2047 .*parallel.tensor=8"):
+        _plan(["parallel.sequence_parallel=true", "parallel.tensor=8", "model.seq_length=2047"])
+
+
+def test_sequence_parallel_plans_at_tp_8():
+    p = _plan(["parallel.sequence_parallel=true", "parallel.tensor=8"], nodes=16)
+    assert p.tensor_parallel == 8
+
+
+@pytest.mark.parametrize("t", [2, 8])
+def test_activation_memory_follows_korthikanti(t):
+    cfg = load_recipe("gpt3_7.5b")
+    m = dataclasses.replace(cfg.model, recompute=False)
+    args = dict(padded_vocab=51200, tensor_parallel=t, micro_batch=1, precision="bf16", backend="xla")
+    plain = estimate_memory(m, **args)
+    sp = estimate_memory(m, **args, sequence_parallel=True)
+    s, h, a, n = m.seq_length, m.hidden_size, m.num_attention_heads, m.num_layers
+    assert plain.activations_gib * GIB == pytest.approx(n * s * h * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert sp.activations_gib * GIB == pytest.approx(n * s * h / t * (34 + 5 * a * s / h))
+    # Only the activations shrink: weights, optimizer state and logits are the same.
+    assert sp.weights_and_optimizer_gib == plain.weights_and_optimizer_gib
+    assert sp.logits_gib == plain.logits_gib
+
+
+def test_recompute_keeps_sequence_shards_of_the_layer_inputs():
+    cfg = load_recipe("gpt3_7.5b")
+    m = dataclasses.replace(cfg.model, recompute=True)
+    t = 4
+    args = dict(padded_vocab=51200, tensor_parallel=t, micro_batch=1, precision="bf16", backend="xla")
+    sp = estimate_memory(m, **args, sequence_parallel=True)
+    s, h, a, n = m.seq_length, m.hidden_size, m.num_attention_heads, m.num_layers
+    assert sp.activations_gib * GIB == pytest.approx(n * 2 * s * h / t + s * h / t * (34 + 5 * a * s / h))
