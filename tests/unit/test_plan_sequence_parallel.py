@@ -56,3 +56,26 @@ def test_recompute_keeps_sequence_shards_of_the_layer_inputs():
     sp = estimate_memory(m, **args, sequence_parallel=True)
     s, h, a, n = m.seq_length, m.hidden_size, m.num_attention_heads, m.num_layers
     assert sp.activations_gib * GIB == pytest.approx(n * 2 * s * h / t + s * h / t * (34 + 5 * a * s / h))
+
+
+def test_selective_recompute_with_sequence_parallelism_drops_only_the_attention_core():
+    cfg = load_recipe("gpt3_7.5b")
+    m = dataclasses.replace(cfg.model, recompute=False, recompute_granularity="selective")
+    t = 8
+    args = dict(padded_vocab=51200, tensor_parallel=t, micro_batch=1, precision="bf16", backend="xla")
+    sp = estimate_memory(m, **args, sequence_parallel=True)
+    s, h, n = m.seq_length, m.hidden_size, m.num_layers
+    # Korthikanti et al. eq. 6: with both, 34 * s * b * h / t per layer.
+    assert sp.activations_gib * GIB == pytest.approx(n * s * h * 34 / t)
+
+
+def test_uniform_groups_keep_sequence_shards_of_their_inputs():
+    cfg = load_recipe("gpt3_7.5b")
+    m = dataclasses.replace(cfg.model, recompute=False, recompute_granularity="full", recompute_method="uniform",
+                            recompute_num_layers=4)
+    t = 4
+    args = dict(padded_vocab=51200, tensor_parallel=t, micro_batch=1, precision="bf16", backend="xla")
+    sp = estimate_memory(m, **args, sequence_parallel=True)
+    s, h, a, n = m.seq_length, m.hidden_size, m.num_attention_heads, m.num_layers
+    group_recomputed = 4 * s * h / t * (34 + 5 * a * s / h)
+    assert sp.activations_gib * GIB == pytest.approx(n / 4 * 2 * s * h / t + group_recomputed)
