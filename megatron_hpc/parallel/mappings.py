@@ -24,23 +24,24 @@ def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return x
 
 
-def _split_last(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def _split(x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
+    """This rank's contiguous shard of `x` along `dim`."""
     size = dist.get_world_size(group)
     if size == 1:
         return x
-    if x.shape[-1] % size:
-        raise ValueError(f"last dim {x.shape[-1]} is not divisible by the group size {size}")
-    rank = dist.get_rank(group)
-    return x.chunk(size, dim=-1)[rank].contiguous()
+    if x.shape[dim] % size:
+        raise ValueError(f"dim {dim} ({x.shape[dim]}) is not divisible by the group size {size}")
+    return x.chunk(size, dim=dim)[dist.get_rank(group)].contiguous()
 
 
-def _gather_last(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def _gather(x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
+    """Every rank's shard, concatenated along `dim` in rank order."""
     size = dist.get_world_size(group)
     if size == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(size)]
     dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=-1)
+    return torch.cat(parts, dim=dim)
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -74,22 +75,22 @@ class _ScatterToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         ctx.group = group
-        return _split_last(x, group)
+        return _split(x, group, -1)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _gather_last(grad, ctx.group), None
+        return _gather(grad, ctx.group, -1), None
 
 
 class _GatherFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         ctx.group = group
-        return _gather_last(x, group)
+        return _gather(x, group, -1)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _split_last(grad, ctx.group), None
+        return _split(grad, ctx.group, -1), None
 
 
 def copy_to_tp_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -116,31 +117,13 @@ def gather_from_tp_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
 _SEQ = 1
 
 
-def _split_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    size = dist.get_world_size(group)
-    if size == 1:
-        return x
-    if x.shape[_SEQ] % size:
-        raise ValueError(f"sequence dim {x.shape[_SEQ]} is not divisible by the group size {size}")
-    return x.chunk(size, dim=_SEQ)[dist.get_rank(group)].contiguous()
-
-
-def _gather_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    size = dist.get_world_size(group)
-    if size == 1:
-        return x
-    parts = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=_SEQ)
-
-
 def _reduce_scatter_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     if dist.get_world_size(group) == 1:
         return x
     # gloo has no reduce_scatter: all-reduce then keep this rank's shard (same values; NCCL would move 1/tp of
     # the bytes, which is the point of SP on a GPU, so use reduce_scatter_tensor where the backend has it).
     if dist.get_backend(group) == "gloo":
-        return _split_seq(_all_reduce(x.clone(), group), group)
+        return _split(_all_reduce(x.clone(), group), group, _SEQ)
     size = dist.get_world_size(group)
     if x.shape[_SEQ] % size:
         raise ValueError(f"sequence dim {x.shape[_SEQ]} is not divisible by the group size {size}")
@@ -155,18 +138,18 @@ class _ScatterToSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         ctx.group = group
-        return _split_seq(x, group)
+        return _split(x, group, _SEQ)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _gather_seq(grad, ctx.group), None
+        return _gather(grad, ctx.group, _SEQ), None
 
 
 class _GatherFromSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         ctx.group = group
-        return _gather_seq(x, group)
+        return _gather(x, group, _SEQ)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -182,7 +165,7 @@ class _ReduceScatterToSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _gather_seq(grad, ctx.group), None
+        return _gather(grad, ctx.group, _SEQ), None
 
 
 def scatter_to_sequence_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:

@@ -152,7 +152,11 @@ def cross_entropy(rank: int, world: int, ports: list[int]) -> dict[str, Any]:
     return result
 
 
-def _expected(op: str, per_rank: list[torch.Tensor], rank: int) -> torch.Tensor:
+_DIMS = {"last": -1, "sequence": 1}
+"""A mapping docstring's `dim:` as a tensor dim (the sequence is dim 1 of batch-first (B, S, H))."""
+
+
+def _expected(op: str, per_rank: list[torch.Tensor], rank: int, *, dim: int) -> torch.Tensor:
     """What a docstring operation means, computed densely from every rank's tensor."""
     world = len(per_rank)
     if op == "identity":
@@ -160,29 +164,37 @@ def _expected(op: str, per_rank: list[torch.Tensor], rank: int) -> torch.Tensor:
     if op == "all-reduce":
         return torch.stack(per_rank).sum(0)
     if op == "split":
-        return per_rank[rank].chunk(world, dim=-1)[rank]
+        return per_rank[rank].chunk(world, dim=dim)[rank]
     if op == "all-gather":
-        return torch.cat(per_rank, dim=-1)
+        return torch.cat(per_rank, dim=dim)
+    if op == "reduce-scatter":
+        return torch.stack(per_rank).sum(0).chunk(world, dim=dim)[rank]
     raise ValueError(f"unknown docstring op {op!r}")
 
 
-def mappings(rank: int, world: int, ports: list[int]) -> dict[str, Any]:
-    """Each mapping's fwd and bwd against what its docstring says, over a group of `world`."""
+TP_MAPPINGS = ("copy_to_tp_region", "reduce_from_tp_region", "scatter_to_tp_region", "gather_from_tp_region")
+SEQUENCE_MAPPINGS = ("scatter_to_sequence_region", "gather_from_sequence_region", "reduce_scatter_to_sequence_region")
+
+
+def mappings(rank: int, world: int, ports: list[int], names: tuple[str, ...] = TP_MAPPINGS) -> dict[str, Any]:
+    """Each mapping's fwd and bwd against what its docstring says, over a group of `world`, on (B, S, H) tensors."""
     from megatron_hpc.parallel import mappings as mod
 
     _init(rank, world, ports[0])
     group = dist.new_group(list(range(world)))
     out: dict[str, Any] = {}
-    for name in ("copy_to_tp_region", "reduce_from_tp_region", "scatter_to_tp_region", "gather_from_tp_region"):
+    for name in names:
         fn = getattr(mod, name)
         spec = dict(part.strip().split(": ") for part in inspect.getdoc(fn).split("|"))
-        inputs = [torch.randn(2, 8, generator=torch.Generator().manual_seed(100 + r)) for r in range(world)]
+        dim = _DIMS[spec["dim"]]
+        inputs = [torch.randn(2, 4 * world, 2 * world, generator=torch.Generator().manual_seed(100 + r))
+                  for r in range(world)]
         x = inputs[rank].clone().requires_grad_(True)
         y = fn(x, group)
         grads = [torch.randn(y.shape, generator=torch.Generator().manual_seed(200 + r)) for r in range(world)]
         y.backward(grads[rank])
-        out[name] = {"fwd": (y.detach(), _expected(spec["fwd"], inputs, rank)),
-                     "bwd": (x.grad, _expected(spec["bwd"], grads, rank)), "spec": spec}
+        out[name] = {"fwd": (y.detach(), _expected(spec["fwd"], inputs, rank, dim=dim)),
+                     "bwd": (x.grad, _expected(spec["bwd"], grads, rank, dim=dim)), "spec": spec}
     dist.destroy_process_group()
     return out
 
@@ -200,9 +212,10 @@ def pipeline_config(*, tp: int = 1, pp: int = 1, virtual: int = 1, schedule: str
     return dataclasses.replace(cfg, model=model, parallel=parallel)
 
 
-def _break_pipeline(fault: str) -> None:
-    """Deliberate bugs the pipeline proof must catch (applied in this worker process only)."""
+def _break(fault: str) -> None:
+    """Deliberate bugs a proof must catch (applied in this worker process only)."""
     from megatron_hpc.parallel import pipeline
+    from megatron_hpc.train import step
 
     if fault == "no_embedding_allreduce":
         pipeline.PipelineRunner.sync_embedding_grads = lambda self: None
@@ -217,20 +230,26 @@ def _break_pipeline(fault: str) -> None:
             return original(self, micro_batches, train=train)
 
         pipeline.PipelineRunner._run = misordered
+    elif fault == "no_sp_grad_allreduce":
+        # The TP all-reduce of the sequence-parallel replicated params' grads.
+        step.all_reduce_sequence_parallel_grads = lambda params, *, group: None
     elif fault:
         raise ValueError(f"unknown fault {fault!r}")
 
 
-def pipeline_runs(rank: int, world: int, ports: list[int], configs: list[RunConfig], faults: list[str],
-                  run_root: str) -> None:
-    """run_training once per config, with `faults[i]` broken in run i ('' for none)."""
+def fault_runs(rank: int, world: int, ports: list[int], configs: list[RunConfig], faults: list[str],
+               run_root: str) -> None:
+    """run_training once per config, with `faults[i]` broken in run i ('' for none; see _break)."""
     from megatron_hpc.parallel import pipeline
+    from megatron_hpc.train import step
     from megatron_hpc.train.entry import plan_for_torchrun, run_training
 
-    intact = (pipeline.PipelineRunner.sync_embedding_grads, pipeline.PipelineRunner._run)
+    intact = (pipeline.PipelineRunner.sync_embedding_grads, pipeline.PipelineRunner._run,
+              step.all_reduce_sequence_parallel_grads)
     for i, (cfg, fault) in enumerate(zip(configs, faults)):
-        pipeline.PipelineRunner.sync_embedding_grads, pipeline.PipelineRunner._run = intact
-        _break_pipeline(fault)
+        (pipeline.PipelineRunner.sync_embedding_grads, pipeline.PipelineRunner._run,
+         step.all_reduce_sequence_parallel_grads) = intact
+        _break(fault)
         os.environ["MASTER_PORT"] = str(ports[i])
         assert run_training(plan_for_torchrun(cfg), run_dir=Path(run_root) / f"run{i}") == 0
 
@@ -258,55 +277,3 @@ def sequence_parallel(cfg: RunConfig) -> RunConfig:
     import dataclasses
 
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, sequence_parallel=True))
-
-
-def _expected_seq(op: str, per_rank: list[torch.Tensor], rank: int) -> torch.Tensor:
-    """What a sequence-dim (dim 1) docstring operation means, computed densely from every rank's tensor."""
-    world = len(per_rank)
-    if op == "split":
-        return per_rank[rank].chunk(world, dim=1)[rank]
-    if op == "all-gather":
-        return torch.cat(per_rank, dim=1)
-    if op == "reduce-scatter":
-        return torch.stack(per_rank).sum(0).chunk(world, dim=1)[rank]
-    raise ValueError(f"unknown docstring op {op!r}")
-
-
-def sequence_mappings(rank: int, world: int, ports: list[int]) -> dict[str, Any]:
-    """Each sequence-parallel mapping's fwd and bwd against what its docstring says, on (B, S, H) tensors."""
-    from megatron_hpc.parallel import mappings as mod
-
-    _init(rank, world, ports[0])
-    group = dist.new_group(list(range(world)))
-    out: dict[str, Any] = {}
-    for name in ("scatter_to_sequence_region", "gather_from_sequence_region", "reduce_scatter_to_sequence_region"):
-        fn = getattr(mod, name)
-        spec = dict(part.strip().split(": ") for part in inspect.getdoc(fn).split("|"))
-        inputs = [torch.randn(2, 4 * world, 3, generator=torch.Generator().manual_seed(100 + r))
-                  for r in range(world)]
-        x = inputs[rank].clone().requires_grad_(True)
-        y = fn(x, group)
-        grads = [torch.randn(y.shape, generator=torch.Generator().manual_seed(200 + r)) for r in range(world)]
-        y.backward(grads[rank])
-        out[name] = {"fwd": (y.detach(), _expected_seq(spec["fwd"], inputs, rank)),
-                     "bwd": (x.grad, _expected_seq(spec["bwd"], grads, rank)), "spec": spec}
-    dist.destroy_process_group()
-    return out
-
-
-def sp_runs(rank: int, world: int, ports: list[int], configs: list[RunConfig], faults: list[str],
-            run_root: str) -> None:
-    """run_training once per config; fault 'no_sp_grad_allreduce' drops the TP all-reduce of the replicated
-    params' grads (the bug the sequence-parallel proof must catch); '' for none."""
-    from megatron_hpc.train import step
-    from megatron_hpc.train.entry import plan_for_torchrun, run_training
-
-    intact = step.all_reduce_sequence_parallel_grads
-    for i, (cfg, fault) in enumerate(zip(configs, faults)):
-        step.all_reduce_sequence_parallel_grads = intact
-        if fault == "no_sp_grad_allreduce":
-            step.all_reduce_sequence_parallel_grads = lambda params, *, group: None
-        elif fault:
-            raise ValueError(f"unknown fault {fault!r}")
-        os.environ["MASTER_PORT"] = str(ports[i])
-        assert run_training(plan_for_torchrun(cfg), run_dir=Path(run_root) / f"run{i}") == 0

@@ -48,7 +48,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
         configs = [mp_workers.pipeline_config(**RUNS[n][1]) for n in names]
         faults = [RUNS[n][2] for n in names]
         run_root = root / f"world{world}"
-        mp_workers.spawn(mp_workers.pipeline_runs, world=world, out_dir=run_root, num_ports=len(names),
+        mp_workers.spawn(mp_workers.fault_runs, world=world, out_dir=run_root, num_ports=len(names),
                          args=(configs, faults, str(run_root)))
         for i, name in enumerate(names):
             out[name] = _metrics(run_root / f"run{i}")

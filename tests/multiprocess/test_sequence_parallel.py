@@ -37,7 +37,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
         run_root = root / f"world{world}"
         configs = [cfg for cfg, _ in entries.values()]
         faults = [fault for _, fault in entries.values()]
-        mp_workers.spawn(mp_workers.sp_runs, world=world, out_dir=run_root, num_ports=len(configs),
+        mp_workers.spawn(mp_workers.fault_runs, world=world, out_dir=run_root, num_ports=len(configs),
                          args=(configs, faults, str(run_root)))
         for i, name in enumerate(entries):
             out[name] = _metrics(run_root / f"run{i}")
@@ -65,7 +65,8 @@ def test_missing_layernorm_grad_allreduce_is_caught(runs: dict[str, list[dict]])
 
 
 def test_sequence_mappings_do_what_their_docstrings_say(tmp_path: Path) -> None:
-    for res in mp_workers.spawn(mp_workers.sequence_mappings, world=2, out_dir=tmp_path):
+    for res in mp_workers.spawn(mp_workers.mappings, world=2, out_dir=tmp_path,
+                                args=(mp_workers.SEQUENCE_MAPPINGS,)):
         for name, got in res.items():
             assert got["spec"]["dim"] == "sequence", name
             torch.testing.assert_close(*got["fwd"], msg=f"{name} forward")
