@@ -53,7 +53,7 @@ class IndexedDataset:
         self.idx_path, self.bin_path = data_file_paths(prefix)
         for path in (self.idx_path, self.bin_path):
             if not path.is_file():
-                raise DataError(f"{path} not found; --data-path takes the prefix without .bin/.idx "
+                raise DataError(f"{path} not found; data.path (or --data-path) takes the prefix without .bin/.idx "
                                 f"(e.g. my-gpt2_text_document), and both files must exist")
         self._idx = np.memmap(self.idx_path, dtype=np.uint8, mode="r") if self.idx_path.stat().st_size else None
         self._read_index(multimodal=multimodal)
