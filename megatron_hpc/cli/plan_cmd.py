@@ -8,7 +8,12 @@ import sys
 
 from megatron_hpc.cli.common import Resolved, add_recipe_arguments, resolve
 from megatron_hpc.data.preflight import DataSummary, summarize_data
-from megatron_hpc.plan.planner import Plan, idle_workers_warning, pipeline_runtime_warning
+from megatron_hpc.plan.planner import (
+    Plan,
+    distributed_optimizer_warning,
+    idle_workers_warning,
+    pipeline_runtime_warning,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,6 +73,8 @@ def plan_warnings(resolved: Resolved) -> list[str]:
     warnings += [resolved.cfg.warning] if resolved.cfg.warning else []
     runtime = pipeline_runtime_warning(resolved.plan)
     warnings += [runtime] if runtime else []
+    pointless = distributed_optimizer_warning(resolved.plan)
+    warnings += [pointless] if pointless else []
     if resolved.plan.pipeline_parallel == 1 and resolved.plan.pipeline_schedule != "1f1b":
         warnings.append(f"parallel.pipeline_schedule={resolved.plan.pipeline_schedule} is ignored: this plan has no "
                         "pipeline (PP 1)")

@@ -17,7 +17,12 @@ from megatron_hpc.errors import ConfigError, DataError
 from megatron_hpc.launch import cluster_profile, env_checks
 from megatron_hpc.launch.run_dir import default_run_dir, prepare_run_dir
 from megatron_hpc.launch.submit import SubmitRequest, SubmitResult, check_cluster, submit, write_run_files
-from megatron_hpc.plan.planner import check_data_source, check_pipeline_runtime, idle_workers_warning
+from megatron_hpc.plan.planner import (
+    check_data_source,
+    check_pipeline_runtime,
+    distributed_optimizer_warning,
+    idle_workers_warning,
+)
 from megatron_hpc.run_folder import CHECKPOINT_DIR
 
 
@@ -97,6 +102,8 @@ def run(args: argparse.Namespace) -> int:
     idle = idle_workers_warning(resolved.plan)
     warnings: list[str] = [idle] if idle else []
     warnings += [resolved.cfg.warning] if resolved.cfg.warning else []
+    pointless = distributed_optimizer_warning(resolved.plan)
+    warnings += [pointless] if pointless else []
     if source == "synthetic" and resolved.plan.platform != "cpu":
         warnings.append(f"this run trains on SYNTHETIC tokens (data.source=synthetic), not real data, on "
                         f"{resolved.plan.num_nodes} x {resolved.plan.platform}; meant for benchmarks and smoke tests")

@@ -97,6 +97,11 @@ class ParallelConfig:
     """Megatron --sequence-parallel (Korthikanti et al. 2022): with TP above 1, LayerNorm and dropout hold
     (B, S/tp, H) sequence shards; the TP all-reduces become all-gather / reduce-scatter pairs along the sequence,
     and replicated parameters' gradients are all-reduced over TP after backward. Needs parallel.tensor above 1."""
+    distributed_optimizer: bool = False
+    """Megatron --use-distributed-optimizer (ZeRO-1): each data-parallel rank keeps Adam's moments for 1/DP of
+    the parameters; gradients are reduce-scattered and the updated weights all-gathered
+    (train/distributed_optimizer.py). Checkpoints keep the plain layout, so they load at any DP size. Not on XLA
+    yet."""
     overlap_grad_reduce: bool = True
     """Start each gradient bucket's data-parallel all-reduce during the last micro-batch's backward
     (Megatron --overlap-grad-reduce); ignored on XLA and when data-parallel size is 1."""

@@ -194,12 +194,16 @@ def global_grad_norm(params: Iterable[nn.Parameter], *, ctx: ParallelContext) ->
     # costs about 2.5 ms per step for 5M parameters. GPU and XLA reductions are tree-shaped and stay in fp32.
     acc = torch.float64 if grads[0].device.type == "cpu" else torch.float32
     norms = torch._foreach_norm(grads, 2.0, dtype=acc)
-    total = torch.stack(norms).pow(2).sum()
+    return reduce_norm_squares(torch.stack(norms).pow(2).sum(), ctx=ctx).sqrt().float()
+
+
+def reduce_norm_squares(total: torch.Tensor, *, ctx: ParallelContext) -> torch.Tensor:
+    """A rank's sum of squared gradients (its TP shards, its stages) summed over TP and PP, in place."""
     if ctx.tp_size > 1:
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.tp_group)
     if ctx.pp_size > 1:  # each stage holds other parameters (the tied table's last-stage copy left out above)
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.pp_group)
-    return total.sqrt().float()
+    return total
 
 
 def clip_gradients_(params: Iterable[nn.Parameter], *, max_norm: float, ctx: ParallelContext) -> torch.Tensor:

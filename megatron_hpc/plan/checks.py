@@ -129,3 +129,12 @@ def check_sequence_parallel(cfg: RunConfig, *, tensor_parallel: int) -> None:
         raise PlanError(f"parallel.sequence_parallel splits model.seq_length={cfg.model.seq_length} over "
                         f"parallel.tensor={tensor_parallel}, which does not divide it; pick a seq_length divisible "
                         f"by {tensor_parallel} or drop parallel.sequence_parallel")
+
+
+def check_distributed_optimizer(cfg: RunConfig, *, backend: str) -> None:
+    """PlanError when parallel.distributed_optimizer is asked of a backend it does not run on yet (XLA)."""
+    if cfg.parallel.distributed_optimizer and backend == "xla":
+        raise PlanError("parallel.distributed_optimizer does not run on XLA in this release (the sharded update and "
+                        "its gathers are built on torch.distributed for CPU and CUDA); drop it (--set "
+                        "parallel.distributed_optimizer=false), or use model.recompute or a larger parallel.tensor "
+                        "to save memory")

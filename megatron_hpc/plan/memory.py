@@ -6,8 +6,11 @@ Bytes per parameter (weights, grads and Adam's two moments together):
 - bf16 or fp16 elsewhere: autocast (train/precision.py) keeps fp32 weights, grads and moments (16) plus the
   16-bit copies of the weights that autocast caches during the forward and matmuls save for the backward (2),
   18 in all (the same count as Megatron's mixed precision with fp32 main grads).
-With those, the estimate gives table 1 of Narayanan et al. 2021 (80 GB A100s, 16-bit training) on p5: 1.7B at
-TP 1, 3.6B at TP 2, 7.5B at TP 4, 18.4B at TP 8, then 39.1B..310.1B at TP 8 and PP 2, 4, 8, 16.
+The distributed optimizer (ZeRO-1) divides the optimizer part (Adam's 8 bytes; 4 in pure bf16) by the DP size:
+4 + 4 + 8/d for fp32 (Megatron's table says 6 + 12/d for its 16-bit weights with an fp32 main copy; here autocast
+keeps the weights in fp32, so they are the main copy). Without it, the estimate gives table 1 of Narayanan et al.
+2021 (80 GB A100s, 16-bit training) on p5: 1.7B at TP 1, 3.6B at TP 2, 7.5B at TP 4, 18.4B at TP 8, then
+39.1B..310.1B at TP 8 and PP 2, 4, 8, 16.
 
 Activations per layer and micro-batch follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models") without sequence parallelism: s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes in 16-bit (doubled for
@@ -76,12 +79,32 @@ def no_pipeline(model: ModelConfig) -> PipelineShape:
     return PipelineShape(stage_layers=(model.num_layers,))
 
 
-def bytes_per_parameter(*, precision: str, backend: str) -> int:
+@dataclass(frozen=True, slots=True)
+class ParameterBytes:
+    """Bytes per parameter of what a rank keeps for it: the weights (with autocast's 16-bit copies), its gradient
+    and the optimizer state (Adam's two moments)."""
+
+    weights: int
+    grads: int
+    optimizer: int
+
+    def total(self, *, optimizer_shards: int = 1) -> float:
+        """With the distributed optimizer the state is split over `optimizer_shards` (DP) ranks."""
+        return self.weights + self.grads + self.optimizer / optimizer_shards
+
+
+def parameter_bytes(*, precision: str, backend: str) -> ParameterBytes:
     if precision == "bf16" and backend == "xla":
-        return 8
+        return ParameterBytes(weights=2, grads=2, optimizer=4)
     if precision in ("bf16", "fp16"):
-        return 18
-    return 16
+        return ParameterBytes(weights=4 + 2, grads=4, optimizer=8)
+    return ParameterBytes(weights=4, grads=4, optimizer=8)
+
+
+def bytes_per_parameter(*, precision: str, backend: str) -> int:
+    """All of a parameter's bytes without the distributed optimizer: 16, 18 or 8 (the module docstring)."""
+    b = parameter_bytes(precision=precision, backend=backend)
+    return b.weights + b.grads + b.optimizer
 
 
 def in_flight(pp_rank: int, *, pipe: PipelineShape) -> int:
@@ -106,11 +129,12 @@ def estimate_memory(
     backend: str,
     pipeline: PipelineShape | None = None,
     sequence_parallel: bool = False,
+    optimizer_shards: int = 1,
 ) -> MemoryEstimate:
     """The estimate of the pipeline rank that needs the most memory (rank 0 without pipelining)."""
     ranks = estimate_ranks(model, padded_vocab=padded_vocab, tensor_parallel=tensor_parallel,
                            micro_batch=micro_batch, precision=precision, backend=backend, pipeline=pipeline,
-                           sequence_parallel=sequence_parallel)
+                           sequence_parallel=sequence_parallel, optimizer_shards=optimizer_shards)
     return max(ranks, key=lambda e: e.total_gib)
 
 
@@ -124,17 +148,20 @@ def estimate_ranks(
     backend: str,
     pipeline: PipelineShape | None = None,
     sequence_parallel: bool = False,
+    optimizer_shards: int = 1,
 ) -> list[MemoryEstimate]:
-    """The estimate of every pipeline rank, rank 0 first."""
+    """The estimate of every pipeline rank, rank 0 first. `optimizer_shards` is the DP size with the distributed
+    optimizer (Adam's moments split over it), 1 without."""
     pipe = pipeline or no_pipeline(model)
     return [_rank_memory(model, r, pipe=pipe, padded_vocab=padded_vocab, tensor_parallel=tensor_parallel,
                          micro_batch=micro_batch, precision=precision, backend=backend,
-                         sequence_parallel=sequence_parallel)
+                         sequence_parallel=sequence_parallel, optimizer_shards=optimizer_shards)
             for r in range(pipe.pipeline)]
 
 
 def _rank_memory(model: ModelConfig, pp_rank: int, *, pipe: PipelineShape, padded_vocab: int, tensor_parallel: int,
-                 micro_batch: int, precision: str, backend: str, sequence_parallel: bool = False) -> MemoryEstimate:
+                 micro_batch: int, precision: str, backend: str, sequence_parallel: bool = False,
+                 optimizer_shards: int = 1) -> MemoryEstimate:
     t, s, b, h = tensor_parallel, model.seq_length, micro_batch, model.hidden_size
     stages = range(pp_rank, len(pipe.stage_layers), pipe.pipeline)  # virtual stage k runs on rank k % p
     first, last = 0 in stages, len(pipe.stage_layers) - 1 in stages
@@ -146,7 +173,7 @@ def _rank_memory(model: ModelConfig, pp_rank: int, *, pipe: PipelineShape, padde
         params += 2 * h  # final LayerNorm
         if not model.tie_embeddings or pipe.pipeline > 1:
             params += padded_vocab * h  # the output layer (tied: the last stage's copy of the word embedding)
-    state = params / t * bytes_per_parameter(precision=precision, backend=backend)
+    state = params / t * parameter_bytes(precision=precision, backend=backend).total(optimizer_shards=optimizer_shards)
 
     scale = 2.0 if precision == "fp32" else 1.0
     chunk_layers = layers / len(stages)  # layers per model chunk (equal with interleaving; one chunk otherwise)

@@ -25,6 +25,7 @@ from megatron_hpc.errors import ConfigError, PlanError
 from megatron_hpc.plan.batch import BatchLayout
 from megatron_hpc.plan.checks import (
     PIPELINE_SCHEDULES,
+    check_distributed_optimizer,
     check_model_shape,
     check_sequence_parallel,
     check_values,
@@ -70,6 +71,8 @@ class Plan:
     virtual_pipeline: int
     """Model chunks per pipeline rank; above 1 the 1F1B schedule is interleaved."""
     pipeline_schedule: Literal["1f1b", "afab"]
+    distributed_optimizer: bool
+    """Adam's moments sharded over the DP ranks (parallel.distributed_optimizer, ZeRO-1)."""
     stage_layers: list[list[int]]
     """[start, stop) of the transformer layers of each virtual stage, in stage order (pipeline_parallel x
     virtual_pipeline entries); virtual stage k runs on pipeline rank k % pipeline_parallel (plan/stages.py)."""
@@ -191,6 +194,15 @@ def _idle_problems(plan: Plan) -> list[str]:
     if full_batch is not None and full_batch <= plan.global_batch_size:
         return [f"global_batch_for_all_workers {full_batch} is not above global_batch_size {plan.global_batch_size}"]
     return []
+
+
+def distributed_optimizer_warning(plan: Plan) -> str | None:
+    """The line `plan` and `submit` print when the distributed optimizer has nothing to shard over (DP 1)."""
+    if not plan.distributed_optimizer or plan.data_parallel > 1:
+        return None
+    return ("parallel.distributed_optimizer=true with DP 1 shards nothing: the one data-parallel rank keeps all of "
+            "Adam's state, as without it (the run works, with no memory saved); it pays off from DP 2 (more nodes, "
+            "or a smaller parallel.tensor / parallel.pipeline)")
 
 
 def idle_workers_warning(plan: Plan) -> str | None:
@@ -315,6 +327,7 @@ def make_plan(cfg: RunConfig, *, num_nodes: int, platform: Platform) -> Plan:
     if num_nodes < 1:
         raise PlanError(f"--nodes {num_nodes}: a run needs at least 1 node; use --nodes 1 or more")
     check_values(cfg)
+    check_distributed_optimizer(cfg, backend=platform.backend)
     per_node = workers_per_node(cfg, platform)
     _check_tensor_parallel(cfg, platform, per_node=per_node)
     check_model_shape(cfg.model, tensor_parallel=cfg.parallel.tensor or 1)
@@ -345,6 +358,7 @@ def make_plan(cfg: RunConfig, *, num_nodes: int, platform: Platform) -> Plan:
         num_micro_batches=micro,
         virtual_pipeline=cfg.parallel.virtual_pipeline,
         pipeline_schedule=cfg.parallel.pipeline_schedule,
+        distributed_optimizer=cfg.parallel.distributed_optimizer,
         stage_layers=[[r.start, r.stop] for r in sizes.stage_layers],
         bubble_fraction=bubble_fraction(pipeline=mesh.pipeline_parallel, micro_batches=micro,
                                         virtual=cfg.parallel.virtual_pipeline),

@@ -65,9 +65,10 @@ def usable_gib(platform: Platform) -> float:
     return platform.memory_per_worker_gib * USABLE_MEMORY_FRACTION
 
 
-def memory_for(cfg: RunConfig, platform: Platform, *, tp: int, pp: int, micro_batches: int,
-               recompute: bool | None = None) -> MemoryEstimate:
-    """The heaviest pipeline rank's estimate at TP tp x PP pp (the layers must split: see stage_ranges)."""
+def memory_for(cfg: RunConfig, platform: Platform, *, tp: int, pp: int, micro_batches: int, data_parallel: int,
+               recompute: bool | None = None, distributed_optimizer: bool | None = None) -> MemoryEstimate:
+    """The heaviest pipeline rank's estimate at TP tp x PP pp x DP data_parallel (the layers must split: see
+    stage_ranges). `recompute` and `distributed_optimizer` true try that setting instead of the recipe's."""
     model = cfg.model if not recompute else full_recompute(cfg.model)
     shape = PipelineShape(stage_layers=tuple(len(s) for s in stage_ranges(cfg, pp=pp)), pipeline=pp,
                           virtual=cfg.parallel.virtual_pipeline, schedule=cfg.parallel.pipeline_schedule,
@@ -75,7 +76,9 @@ def memory_for(cfg: RunConfig, platform: Platform, *, tp: int, pp: int, micro_ba
     return estimate_memory(model, padded_vocab=_vocab(cfg, tp), tensor_parallel=tp,
                            micro_batch=cfg.train.micro_batch_size, precision=cfg.train.precision,
                            backend=platform.backend, pipeline=shape,
-                           sequence_parallel=cfg.parallel.sequence_parallel and tp > 1)
+                           sequence_parallel=cfg.parallel.sequence_parallel and tp > 1,
+                           optimizer_shards=data_parallel if distributed_optimizer or (
+                               distributed_optimizer is None and cfg.parallel.distributed_optimizer) else 1)
 
 
 def full_recompute(model: ModelConfig) -> ModelConfig:
@@ -123,7 +126,7 @@ def _fit(cfg: RunConfig, platform: Platform, *, num_nodes: int, per_node: int, t
     micro = num_micro_batches(global_batch=cfg.train.global_batch_size, micro_batch=cfg.train.micro_batch_size,
                               data_parallel=mesh.data_parallel)
     check_micro_batches(cfg, pp=pp, micro_batches=micro, data_parallel=mesh.data_parallel)
-    estimate = memory_for(cfg, platform, tp=tp, pp=pp, micro_batches=micro)
+    estimate = memory_for(cfg, platform, tp=tp, pp=pp, micro_batches=micro, data_parallel=mesh.data_parallel)
     if estimate.total_gib > usable_gib(platform):
         return estimate
     return Sizes(mesh=mesh, num_micro_batches=micro, stage_layers=stages, padded_vocab=_vocab(cfg, tp),
@@ -203,7 +206,7 @@ def choose_sizes(cfg: RunConfig, platform: Platform, *, num_nodes: int, per_node
                 if per_micro * pp > cfg.train.global_batch_size:
                     too_many_replicas = True  # not even one micro-batch per stage: more model parallelism
                     continue
-                estimate = memory_for(cfg, platform, tp=tp, pp=pp,
+                estimate = memory_for(cfg, platform, tp=tp, pp=pp, data_parallel=world // (tp * pp),
                                       micro_batches=cfg.train.global_batch_size // per_micro)
                 if estimate.total_gib <= usable_gib(platform):
                     # The first mesh with room for the batch and the model; a batch that does not divide into its
@@ -266,11 +269,16 @@ def _nothing_fits(cfg: RunConfig, platform: Platform, *, num_nodes: int, per_nod
     tp, pp, need = leanest
     free = _free_choice(cfg, platform, num_nodes=num_nodes, per_node=per_node)
     fixes = [free] if free else []
+    candidates = []
+    if not cfg.parallel.distributed_optimizer and platform.backend != "xla":
+        candidates.append(("--set parallel.distributed_optimizer=true", dataclasses.replace(
+            cfg, parallel=dataclasses.replace(cfg.parallel, distributed_optimizer=True))))
     fix = recompute_fix(cfg.model)
     if fix:
+        candidates.append((fix, dataclasses.replace(cfg, model=full_recompute(cfg.model))))
+    for fix, changed in candidates:
         try:
-            choose_sizes(dataclasses.replace(cfg, model=full_recompute(cfg.model)), platform,
-                         num_nodes=num_nodes, per_node=per_node)
+            choose_sizes(changed, platform, num_nodes=num_nodes, per_node=per_node)
             fixes.append(fix)
         except PlanError:
             pass
@@ -309,7 +317,8 @@ def smallest_global_batch(cfg: RunConfig, platform: Platform, *, num_nodes: int,
                 steps = -(-steps // pp) * pp
             if best is not None and steps * per_step >= best:
                 continue
-            if memory_for(cfg, platform, tp=tp, pp=pp, micro_batches=steps).total_gib <= usable_gib(platform):
+            if memory_for(cfg, platform, tp=tp, pp=pp, micro_batches=steps,
+                          data_parallel=world // (tp * pp)).total_gib <= usable_gib(platform):
                 best = steps * per_step
     return best
 
@@ -322,17 +331,22 @@ def memory_advice(cfg: RunConfig, platform: Platform, *, num_nodes: int, per_nod
             f"but a {platform.name} worker has {platform.memory_per_worker_gib:g} GiB "
             f"({usable_gib(platform):.1f} for the plan); ")
     options = []
-    micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * num_nodes * per_node // (tp * pp))
+    world = num_nodes * per_node
+    dp = world // (tp * pp)
+    micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
+    if (not cfg.parallel.distributed_optimizer and dp > 1 and platform.backend != "xla"
+            and memory_for(cfg, platform, tp=tp, pp=pp, micro_batches=micro, data_parallel=dp,
+                           distributed_optimizer=True).total_gib <= usable_gib(platform)):
+        options.append("--set parallel.distributed_optimizer=true")
     fix = recompute_fix(cfg.model)
-    if fix and memory_for(cfg, platform, tp=tp, pp=pp, micro_batches=micro,
+    if fix and memory_for(cfg, platform, tp=tp, pp=pp, micro_batches=micro, data_parallel=dp,
                           recompute=True).total_gib <= usable_gib(platform):
         options.append(fix)
-    world = num_nodes * per_node
     for wider in tensor_candidates(cfg, platform, per_node=per_node):
         if wider > tp and world % (wider * pp) == 0:
             wider_micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * world // (wider * pp))
-            if memory_for(cfg, platform, tp=wider, pp=pp, micro_batches=max(1, wider_micro)).total_gib <= \
-                    usable_gib(platform):
+            if memory_for(cfg, platform, tp=wider, pp=pp, micro_batches=max(1, wider_micro),
+                          data_parallel=world // (wider * pp)).total_gib <= usable_gib(platform):
                 options.append(f"--set parallel.tensor={wider}")
                 break
     free = _free_choice(cfg, platform, num_nodes=num_nodes, per_node=per_node)

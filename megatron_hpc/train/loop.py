@@ -24,6 +24,7 @@ from megatron_hpc.plan.planner import Plan
 from megatron_hpc.plan.spec import RunSpec
 from megatron_hpc.plan.stages import StageLayout, rank_stages, stage_layouts_of
 from megatron_hpc.train.checkpointing import Checkpointer, checkpoint_roots
+from megatron_hpc.train.distributed_optimizer import DistributedOptimizer
 from megatron_hpc.train.evaluate import build_evaluator
 from megatron_hpc.train.init_skip import skip_random_init
 from megatron_hpc.train.lr import lr_at_count
@@ -123,7 +124,8 @@ def train(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, phase: Pha
                                   schedule=plan.pipeline_schedule, device=device.device,
                                   compile_chunks=tcfg.compile and device.kind != "xla")
     step_model = torch.compile(model) if tcfg.compile and device.kind != "xla" and pipeline is None else model
-    optimizer = build_optimizer(model, optim=cfg.optim)
+    optimizer = (DistributedOptimizer(model, optim=cfg.optim, group=ctx.dp_group) if cfg.parallel.distributed_optimizer
+                 else build_optimizer(model, optim=cfg.optim))
     state = ckpt.restore(model, optimizer, TrainState(scaler=build_loss_scaler(tcfg.precision)))
     start = state.step
     metrics = MetricsLogger(model=cfg.model, padded_vocab=plan.padded_vocab_size, world_size=ctx.world_size,
@@ -141,9 +143,11 @@ def train(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, phase: Pha
     skips = SkipTracker(device, optimizer, state=state, limit=tcfg.max_skipped_steps, phase=phase)
     stopped: StopDecision | None = None
     # DP all-reduce started inside the last micro-batch's backward (None: after it; see parallel/grads.py).
-    # Not under pipelining: the schedule runs the last micro-batch's backward, where the reducer would arm.
+    # Not under pipelining: the schedule runs the last micro-batch's backward, where the reducer would arm. Not with
+    # the distributed optimizer, which reduce-scatters instead.
     grad_reducer = build_grad_reducer(model.parameters(), group=ctx.dp_group, device_kind=device.kind,
-                                      overlap=cfg.parallel.overlap_grad_reduce and pipeline is None,
+                                      overlap=(cfg.parallel.overlap_grad_reduce and pipeline is None
+                                               and not cfg.parallel.distributed_optimizer),
                                       bucket_mb=cfg.parallel.grad_bucket_mb)
     feed = DeviceFeed((_host_batches(data, step, plan=plan, ctx=ctx) for step in range(start, num_steps)), device)
     model.train()
@@ -208,8 +212,8 @@ def _banner(spec: RunSpec, ctx: ParallelContext, *, model: GPT, device: DeviceIn
     if plan.data_source == "synthetic":  # loudly where hours are spent: never real data, whatever the loss says
         data = "synthetic tokens" if plan.platform == "cpu" else "SYNTHETIC TOKENS, NOT REAL DATA (data.source)"
     return (f"> megatron-hpc {phase}: world {ctx.world_size} = {ctx.mesh.num_nodes} node(s) x "
-            f"{ctx.mesh.workers_per_node} worker(s) | tp {ctx.tp_size} pp {ctx.pp_size} dp {ctx.dp_size} | "
-            f"parameters {_param_count(spec, ctx, model)} | padded vocab {plan.padded_vocab_size} "
+            f"{ctx.mesh.workers_per_node} worker(s) | tp {ctx.tp_size} pp {ctx.pp_size} dp {ctx.dp_size}"
+            f"{' (Adam state sharded over dp)' if plan.distributed_optimizer else ''} | parameters {_param_count(spec, ctx, model)} | padded vocab {plan.padded_vocab_size} "
             f"({plan.padded_vocab_size - vocab} dummy) | {plan.num_micro_batches} micro-batch(es) of "
             f"{plan.micro_batch_size} | {device.kind} {label} | {num_steps} steps | {data}")
 

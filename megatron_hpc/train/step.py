@@ -22,6 +22,7 @@ from megatron_hpc.parallel.grads import (
     clip_gradients_,
 )
 from megatron_hpc.parallel.pipeline import PipelineRunner
+from megatron_hpc.train.distributed_optimizer import DistributedOptimizer
 from megatron_hpc.train.precision import DynamicGradScaler
 from megatron_hpc.train.state import TrainState
 
@@ -43,7 +44,8 @@ class StepOutput:
     """Loss scale after this step's update (1.0 without a scaler), for the iteration line."""
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Sequence[torch.Tensor], *,
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | DistributedOptimizer,
+               micro_batches: Sequence[torch.Tensor], *,
                ctx: ParallelContext, clip_grad: float, autocast_dtype: torch.dtype | None,
                device_type: str, scaler: DynamicGradScaler | None = None,
                grad_reducer: OverlappedGradReducer | None = None, grad_bucket_mb: float = BUCKET_MB,
@@ -58,6 +60,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
     graph and stall the device, so the flag stays on the device: the update always runs and a
     select keeps the old weights and Adam state when it is not finite (`_step_where`), and
     SkipTracker reads the flag one step later.
+    With a DistributedOptimizer (ZeRO-1) the gradients are reduce-scattered instead, and the norm, clip and update
+    act on this DP rank's slice (train/distributed_optimizer.py).
     With `pipeline` the micro-batches go through this rank's pipeline stages by its schedule (forward and
     backward interleaved across stages); the loss is then the last stage's, 0 on the others.
     """
@@ -86,16 +90,24 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
     # XLA: run forward and backward as one graph, then the reduce, clip and update as the step's second (the
     # reference's cut after backward; it bounds what a graph holds). No-op elsewhere.
     mark_step(device_type)
-    if grad_reducer is not None:
-        grad_reducer.finish()
+    if isinstance(optimizer, DistributedOptimizer):
+        # Sums commute: the TP sum of the sequence-parallel grads first, on the whole buffer, then the DP
+        # reduce-scatter into this rank's slice, which the norm, the clip and the update then touch alone.
+        all_reduce_sequence_parallel_grads(params, group=ctx.tp_group)
+        optimizer.reduce_gradients()
+        norm = optimizer.clip_grad_norm_(max_norm=clip_grad, ctx=ctx, unscale=1.0 / scale)
     else:
-        all_reduce_gradients(params, group=ctx.dp_group, bucket_mb=grad_bucket_mb)
-    # Sequence parallelism: replicated params' grads are partial per TP rank (no-op without tagged params). After
-    # the pipeline schedule too, which ran inside train_losses above.
-    all_reduce_sequence_parallel_grads(params, group=ctx.tp_group)
-    if scale != 1.0:
-        torch._foreach_mul_([p.grad for p in params if p.grad is not None], 1.0 / scale)
-    norm = clip_gradients_(params, max_norm=clip_grad, ctx=ctx)
+        if grad_reducer is not None:
+            grad_reducer.finish()
+        else:
+            all_reduce_gradients(params, group=ctx.dp_group, bucket_mb=grad_bucket_mb)
+        # Sequence parallelism: replicated params' grads are partial per TP rank (no-op without tagged params).
+        # After the DP reduce, whose overlapped buckets copy back into .grad, and after the pipeline schedule too,
+        # which ran inside train_losses above.
+        all_reduce_sequence_parallel_grads(params, group=ctx.tp_group)
+        if scale != 1.0:
+            torch._foreach_mul_([p.grad for p in params if p.grad is not None], 1.0 / scale)
+        norm = clip_gradients_(params, max_norm=clip_grad, ctx=ctx)
     # The norm is the same on every rank (it was all-reduced), so all ranks skip together.
     finite = torch.isfinite(norm)
     if device_type == "xla":

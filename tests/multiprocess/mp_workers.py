@@ -215,7 +215,7 @@ def pipeline_config(*, tp: int = 1, pp: int = 1, virtual: int = 1, schedule: str
 def _break(fault: str) -> None:
     """Deliberate bugs a proof must catch (applied in this worker process only)."""
     from megatron_hpc.parallel import pipeline
-    from megatron_hpc.train import step
+    from megatron_hpc.train import distributed_optimizer, step
 
     if fault == "no_embedding_allreduce":
         pipeline.PipelineRunner.sync_embedding_grads = lambda self: None
@@ -233,34 +233,41 @@ def _break(fault: str) -> None:
     elif fault == "no_sp_grad_allreduce":
         # The TP all-reduce of the sequence-parallel replicated params' grads.
         step.all_reduce_sequence_parallel_grads = lambda params, *, group: None
+    elif fault == "no_param_allgather":
+        # The distributed optimizer updates its slice but never gathers the others' slices: each DP rank's weights
+        # outside its own slice stay as they were.
+        distributed_optimizer.DistributedOptimizer.step = lambda self: self.optimizer.step()
     elif fault:
         raise ValueError(f"unknown fault {fault!r}")
+
+
+def _breakable() -> list[tuple[Any, str]]:
+    """(owner, attribute) of everything _break may replace."""
+    from megatron_hpc.parallel import pipeline
+    from megatron_hpc.train import distributed_optimizer, step
+
+    return [(pipeline.PipelineRunner, "sync_embedding_grads"), (pipeline.PipelineRunner, "_run"),
+            (step, "all_reduce_sequence_parallel_grads"), (distributed_optimizer.DistributedOptimizer, "step")]
 
 
 def fault_runs(rank: int, world: int, ports: list[int], configs: list[RunConfig], faults: list[str],
                run_root: str) -> None:
     """run_training once per config, with `faults[i]` broken in run i ('' for none; see _break)."""
-    from megatron_hpc.parallel import pipeline
-    from megatron_hpc.train import step
+    sized_runs(rank, world, ports, [(world, cfg, f"run{i}", fault) for i, (cfg, fault) in enumerate(zip(configs,
+                                                                                                          faults))],
+               run_root)
+
+
+def sized_runs(rank: int, world: int, ports: list[int], plan: list[tuple[Any, ...]], run_root: str) -> None:
+    """run_training for each (world size, config, name[, fault]): entries of world 1 run on rank 0 alone (its own
+    world), the others on every rank; a fault (see _break) is applied for its entry only."""
     from megatron_hpc.train.entry import plan_for_torchrun, run_training
 
-    intact = (pipeline.PipelineRunner.sync_embedding_grads, pipeline.PipelineRunner._run,
-              step.all_reduce_sequence_parallel_grads)
-    for i, (cfg, fault) in enumerate(zip(configs, faults)):
-        (pipeline.PipelineRunner.sync_embedding_grads, pipeline.PipelineRunner._run,
-         step.all_reduce_sequence_parallel_grads) = intact
-        _break(fault)
-        os.environ["MASTER_PORT"] = str(ports[i])
-        assert run_training(plan_for_torchrun(cfg), run_dir=Path(run_root) / f"run{i}") == 0
-
-
-def sized_runs(rank: int, world: int, ports: list[int], plan: list[tuple[int, RunConfig, str]],
-               run_root: str) -> None:
-    """run_training for each (world size, config, name): entries of world 1 run on rank 0 alone (its own world),
-    the others on every rank."""
-    from megatron_hpc.train.entry import plan_for_torchrun, run_training
-
-    for i, (size, cfg, name) in enumerate(plan):
+    intact = [(owner, attr, getattr(owner, attr)) for owner, attr in _breakable()]
+    for i, (size, cfg, name, *fault) in enumerate(plan):
+        for owner, attr, value in intact:
+            setattr(owner, attr, value)
+        _break(fault[0] if fault else "")
         if size == 1:
             if rank == 0:
                 env = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
@@ -277,3 +284,10 @@ def sequence_parallel(cfg: RunConfig) -> RunConfig:
     import dataclasses
 
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, sequence_parallel=True))
+
+
+def distributed_optimizer(cfg: RunConfig) -> RunConfig:
+    """`cfg` with parallel.distributed_optimizer on."""
+    import dataclasses
+
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, distributed_optimizer=True))

@@ -1,0 +1,103 @@
+"""parallel.distributed_optimizer in the planner and the shard layout: what each DP rank owns, the memory it saves,
+and the refusals and warnings before anything is queued."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+from megatron_hpc.config.loader import load_recipe
+from megatron_hpc.config.platforms import get_platform
+from megatron_hpc.errors import PlanError
+from megatron_hpc.plan.memory import GIB, estimate_memory
+from megatron_hpc.plan.planner import distributed_optimizer_warning, make_plan
+from megatron_hpc.train.distributed_optimizer import SHARD_ALIGN, shard_layout
+
+
+@pytest.mark.parametrize("dp", [1, 2, 3, 4])
+def test_shards_cover_every_element_once_and_equally(dp):
+    sizes = [700, 3, 129, 1000, 1]
+    layouts = [shard_layout(sizes, dp_size=dp, dp_rank=r) for r in range(dp)]
+    assert {lay.shard for lay in layouts} == {layouts[0].padded // dp}
+    assert layouts[0].padded >= sum(sizes) and layouts[0].padded % (dp * SHARD_ALIGN) == 0
+    owned: dict[int, list[tuple[int, int]]] = {}
+    for lay in layouts:
+        for piece in lay.pieces:
+            assert 0 <= piece.offset and piece.offset + piece.end - piece.start <= lay.shard
+            owned.setdefault(piece.index, []).append((piece.start, piece.end))
+    for index, size in enumerate(sizes):
+        ranges = sorted(owned[index])
+        # contiguous, no gap and no overlap, from 0 to the parameter's size
+        assert ranges[0][0] == 0 and ranges[-1][1] == size
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+
+
+def test_piece_offsets_follow_the_flat_order():
+    lay = shard_layout([300, 200], dp_size=2, dp_rank=1)  # 500 padded to 512: rank 1 owns [256, 512)
+    assert lay.lo == 256 and lay.shard == 256
+    assert [(p.index, p.start, p.end, p.offset) for p in lay.pieces] == [(0, 256, 300, 0), (1, 0, 200, 44)]
+
+
+@pytest.mark.parametrize("precision,backend,adam", [("fp32", "cuda", 8), ("bf16", "cuda", 8)])
+@pytest.mark.parametrize("dp", [2, 4])
+def test_only_the_optimizer_state_is_divided_by_dp(precision, backend, adam, dp):
+    m = load_recipe("gpt3_1.7b").model
+    args = dict(padded_vocab=51200, tensor_parallel=2, micro_batch=1, precision=precision, backend=backend)
+    plain, sharded = estimate_memory(m, **args), estimate_memory(m, **args, optimizer_shards=dp)
+    params_per_rank = plain.weights_and_optimizer_gib * GIB / (18 if precision == "bf16" else 16)
+    saved = plain.weights_and_optimizer_gib - sharded.weights_and_optimizer_gib
+    assert saved * GIB == pytest.approx(params_per_rank * adam * (1 - 1 / dp))
+    assert sharded.activations_gib == plain.activations_gib and sharded.logits_gib == plain.logits_gib
+
+
+def test_plan_records_it_and_sizes_with_it():
+    over = ["parallel.tensor=1", "parallel.pipeline=1"]
+    plain = make_plan(load_recipe("gpt3_1.7b", over), num_nodes=2, platform=get_platform("p5"))
+    sharded = make_plan(load_recipe("gpt3_1.7b", [*over, "parallel.distributed_optimizer=true"]), num_nodes=2,
+                        platform=get_platform("p5"))
+    assert (plain.distributed_optimizer, sharded.distributed_optimizer) == (False, True)
+    assert sharded.data_parallel == 16
+    fp32_adam = plain.num_parameters * 8 * (1 - 1 / 16) / GIB
+    assert plain.memory_per_worker_gib - sharded.memory_per_worker_gib == pytest.approx(fp32_adam, abs=2e-3)
+
+
+def test_tp1_that_only_fits_sharded_is_advised():
+    # gpt3_6.7b at TP 1 with full recompute: about 100 GiB plain, under 72 with Adam over 16 ranks.
+    cfg = load_recipe("gpt3_6.7b", ["parallel.tensor=1", "parallel.pipeline=1", "model.recompute=true"])
+    with pytest.raises(PlanError, match=r"--set parallel.distributed_optimizer=true"):
+        make_plan(cfg, num_nodes=2, platform=get_platform("p5"))
+
+
+def test_refused_on_xla_before_anything_is_planned():
+    cfg = load_recipe("gpt3_6.7b", ["parallel.distributed_optimizer=true"])
+    with pytest.raises(PlanError, match=r"does not run on XLA .*parallel.distributed_optimizer=false"):
+        make_plan(cfg, num_nodes=4, platform=get_platform("trn1"))
+
+
+def test_dp_1_works_and_says_it_is_pointless():
+    plan = make_plan(load_recipe("tiny", ["parallel.distributed_optimizer=true"]), num_nodes=1,
+                     platform=get_platform("cpu"))
+    assert plan.data_parallel == 1
+    assert "DP 1 shards nothing" in distributed_optimizer_warning(plan)
+    two = make_plan(load_recipe("tiny", ["parallel.distributed_optimizer=true", "launch.workers_per_node=2"]),
+                    num_nodes=1, platform=get_platform("cpu"))
+    assert two.data_parallel == 2 and distributed_optimizer_warning(two) is None
+
+
+def test_plan_json_carries_the_flag_and_the_warning():
+    out = subprocess.run([sys.executable, "-m", "megatron_hpc", "plan", "--recipe", "tiny", "--json", "--set",
+                          "parallel.distributed_optimizer=true"], capture_output=True, text=True, check=True)
+    data = json.loads(out.stdout)
+    assert data["distributed_optimizer"] is True
+    assert any("shards nothing" in w for w in data["warnings"])
+
+
+def test_misspelt_key_suggests_the_right_one():
+    out = subprocess.run([sys.executable, "-m", "megatron_hpc", "plan", "--recipe", "tiny", "--set",
+                          "parallel.use_distributed_optimizer=true"], capture_output=True, text=True)
+    assert out.returncode != 0 and "parallel.distributed_optimizer" in out.stderr
+    assert dataclasses.is_dataclass(load_recipe("tiny").parallel)
