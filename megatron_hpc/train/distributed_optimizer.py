@@ -15,7 +15,8 @@ the plain path, half its traffic); the norm sums the slice's squares over DP (th
 parallel/grads.py does); clipping and the update touch the slice; an all-gather of the slices refreshes every
 rank's full weights.
 
-Memory per parameter: 4 bytes of weights and 4 of gradients as before, Adam's 8 bytes divided by DP.
+Memory per parameter: 4 bytes of weights and 4 of gradients as before (the flat buffers, padded), Adam's 8 bytes
+divided by DP; the collectives run in place, so nothing else is allocated.
 
 Checkpoints. `state_dict()` gathers the slices onto DP rank 0 (the rank that writes, checkpoint/ranks.py) in the
 plain optimizer's layout: one entry per parameter, whole. So a checkpoint saved with the distributed optimizer
@@ -131,9 +132,10 @@ class DistributedOptimizer:
                 p.data = view
                 p.grad = self.grad_buffer[start:start + p.numel()].view_as(p)
         lo, n = self.layout.lo, self.layout.shard
+        # Both collectives work in place (the slice is the rank's own part of the flat buffer, which NCCL and gloo
+        # allow), so the slices are views and the step allocates nothing.
         self.param_shard = self.param_buffer[lo:lo + n]
-        # At DP 1 the slice is the whole buffer: reduce-scatter is then a no-op and the slice a view of it.
-        self.grad_shard = self.grad_buffer[lo:lo + n] if self.dp_size == 1 else torch.zeros_like(self.param_shard)
+        self.grad_shard = self.grad_buffer[lo:lo + n]
         decay = {id(p) for p in groups[0]["params"]}
         self.pieces: list[torch.Tensor] = []
         pieces_of = ([], [])
@@ -157,8 +159,6 @@ class DistributedOptimizer:
         """Zero the gradient buffer (never None: the parameters' .grad are views into it)."""
         del set_to_none
         self.grad_buffer.zero_()
-        if self.grad_shard.data_ptr() != self.grad_buffer.data_ptr():
-            self.grad_shard.zero_()
 
     def reduce_gradients(self) -> None:
         """Average the gradients over DP into this rank's slice (reduce-scatter, pre-divided as the plain path)."""
@@ -204,7 +204,7 @@ class DistributedOptimizer:
         """Update this rank's slice, then gather every rank's slice into the full weights."""
         self.optimizer.step()
         if self.dp_size > 1:
-            dist.all_gather_into_tensor(self.param_buffer, self.param_shard.clone(), group=self.group)
+            dist.all_gather_into_tensor(self.param_buffer, self.param_shard, group=self.group)
 
     def register_step_pre_hook(self, hook: Callable[..., None]) -> Any:
         return self.optimizer.register_step_pre_hook(hook)
