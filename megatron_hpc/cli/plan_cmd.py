@@ -65,6 +65,18 @@ def _pipeline_line(plan: Plan) -> str:
             f"{plan.bubble_fraction:.1%} of the step")
 
 
+_MEMORY_PARTS = {"weights": "weights", "grads": "grads", "optimizer": "Adam", "activations": "activations",
+                 "logits": "logits"}
+
+
+def _memory_line(plan: Plan) -> str:
+    parts = ", ".join(f"{_MEMORY_PARTS[k]} {v:.1f}" for k, v in plan.memory_breakdown_gib.items())
+    where = f" (pipeline rank {plan.memory_pp_rank}, the heaviest)" if plan.pipeline_parallel > 1 else ""
+    adam = "; Adam sharded over DP" if plan.distributed_optimizer else ""
+    return (f"about {plan.memory_per_worker_gib:.1f} GiB of {plan.memory_limit_gib:g} GiB per worker{where}: "
+            f"{parts}; recompute {plan.recompute}{adam}")
+
+
 def plan_warnings(resolved: Resolved) -> list[str]:
     """What `plan` says on stderr (and `plan --json` under "warnings") about a plan it prints: idle workers, the
     recipe's caveat, a runtime that cannot run it."""
@@ -100,7 +112,7 @@ def format_plan(resolved: Resolved, *, data: DataSummary | None = None) -> str:
                   f"x {plan.num_micro_batches} micro-batches; {plan.tokens_per_step:,} tokens per step"),
         ("model", f"{_count(plan.num_parameters)} parameters; padded vocab {plan.padded_vocab_size} "
                   f"({vocab_size} + {plan.padded_vocab_size - vocab_size} padding)"),
-        ("memory", f"about {plan.memory_per_worker_gib:.1f} GiB of {plan.memory_limit_gib:g} GiB per worker"),
+        ("memory", _memory_line(plan)),
         ("flops", f"{plan.flops_per_token / 1e9:.2f} GFLOP per token ({plan.flops_formula}); "
                   f"6N gives {plan.flops_per_token_6n / 1e9:.2f}"),
         ("lr", _lr_line(resolved)),

@@ -34,7 +34,7 @@ from megatron_hpc.parallel.layers import (
     VocabParallelEmbedding,
     seeded_normal,
 )
-from megatron_hpc.parallel.mappings import copy_to_tp_region, gather_from_sequence_region
+from megatron_hpc.parallel.mappings import copy_to_tp_region, sequence_gather_linear
 from megatron_hpc.plan.checks import check_model_shape
 from megatron_hpc.plan.recompute import check_recompute_stages, recompute_groups, resolve_recompute
 from megatron_hpc.plan.stages import StageLayout
@@ -215,8 +215,9 @@ class GPT(nn.Module):
         if self.lm_head is not None:
             return self.lm_head(x)  # gathers the sequence itself under sequence parallelism
         # Tied output layer: the vocab-sharded embedding table is the column-parallel weight.
-        enter = gather_from_sequence_region if self.sequence_parallel else copy_to_tp_region
-        return F.linear(enter(x, self.group), self.wte.weight)  # (B, S, V/tp)
+        if self.sequence_parallel:
+            return sequence_gather_linear(x, self.wte.weight, None, self.group)  # (B, S, V/tp)
+        return F.linear(copy_to_tp_region(x, self.group), self.wte.weight)  # (B, S, V/tp)
 
     def _run_layers(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                     layers: Sequence[int]) -> torch.Tensor:

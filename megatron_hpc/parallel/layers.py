@@ -24,9 +24,9 @@ from torch import nn
 from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.parallel.mappings import (
     copy_to_tp_region,
-    gather_from_sequence_region,
     reduce_from_tp_region,
     reduce_scatter_to_sequence_region,
+    sequence_gather_linear,
 )
 
 
@@ -65,10 +65,8 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            x = gather_from_sequence_region(x, self.group)
-        else:
-            x = copy_to_tp_region(x, self.group)
-        return F.linear(x, self.weight, self.bias)
+            return sequence_gather_linear(x, self.weight, self.bias, self.group)
+        return F.linear(copy_to_tp_region(x, self.group), self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):

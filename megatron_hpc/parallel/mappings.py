@@ -120,10 +120,6 @@ _SEQ = 1
 def _reduce_scatter_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     if dist.get_world_size(group) == 1:
         return x
-    # gloo has no reduce_scatter: all-reduce then keep this rank's shard (same values; NCCL would move 1/tp of
-    # the bytes, which is the point of SP on a GPU, so use reduce_scatter_tensor where the backend has it).
-    if dist.get_backend(group) == "gloo":
-        return _split(_all_reduce(x.clone(), group), group, _SEQ)
     size = dist.get_world_size(group)
     if x.shape[_SEQ] % size:
         raise ValueError(f"sequence dim {x.shape[_SEQ]} is not divisible by the group size {size}")
@@ -181,3 +177,35 @@ def gather_from_sequence_region(x: torch.Tensor, group: ProcessGroup) -> torch.T
 def reduce_scatter_to_sequence_region(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """fwd: reduce-scatter | bwd: all-gather | dim: sequence"""
     return _ReduceScatterToSequence.apply(x, group)
+
+
+class _SequenceGatherLinear(torch.autograd.Function):
+    """all-gather along the sequence, then x W^T + b; keeps the sequence shard for backward, not the gathered input,
+    and gathers it again there. Megatron's sequence-parallel linear does the same, and Korthikanti et al.'s
+    activation count (34/t per layer) assumes it: saving the gathered input would keep the QKV and MLP inputs whole
+    on every TP rank."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                group: ProcessGroup) -> torch.Tensor:
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)
+        return torch.nn.functional.linear(_gather(x, group, _SEQ), weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        # Under autocast the forward's matmul ran in 16 bits and `grad` is 16-bit: compute in its dtype, then hand
+        # each input its own dtype back, as autocast's cast nodes would.
+        full = _gather(x, ctx.group, _SEQ).to(grad.dtype)
+        grad_x = _reduce_scatter_seq(grad.matmul(weight.to(grad.dtype)), ctx.group).to(x.dtype)
+        flat_grad = grad.reshape(-1, grad.shape[-1])
+        grad_w = flat_grad.t().mm(full.reshape(-1, full.shape[-1])).to(weight.dtype)
+        grad_b = flat_grad.sum(dim=0).to(weight.dtype) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None
+
+
+def sequence_gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           group: ProcessGroup) -> torch.Tensor:
+    """linear(gather_from_sequence_region(x), weight, bias), keeping only the sequence shard for backward."""
+    return _SequenceGatherLinear.apply(x, weight, bias, group)

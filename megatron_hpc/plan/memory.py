@@ -43,23 +43,46 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_hpc.config.schema import ModelConfig
-from megatron_hpc.plan.model_math import embedding_parameters, layer_parameters
+from megatron_hpc.plan.model_math import embedding_parameters_per_rank, layer_parameters_per_rank
 from megatron_hpc.plan.recompute import resolve_recompute
 
 GIB = 1024**3
 
 
+SHARD_ALIGN = 128
+"""The distributed optimizer's slices are multiples of this many elements (Megatron pads its buffers to DP * 128)."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MemoryEstimate:
-    weights_and_optimizer_gib: float
+    weights_gib: float
+    """The rank's weights (with autocast's 16-bit copies under bf16/fp16)."""
+    grads_gib: float
+    optimizer_gib: float
+    """Adam's two moments (this rank's slice with the distributed optimizer); the step counters are left out."""
     activations_gib: float
+    """At the schedule's peak: every micro-batch in flight, plus a recomputed unit's activations under full
+    recomputation."""
     logits_gib: float
+    micro_batch_activations_gib: float = 0.0
+    """What one micro-batch leaves saved for backward across this rank's chunks (what saved-tensor hooks see during
+    its forward): the layers and the stage's input and output parts, without the logits."""
     pp_rank: int = 0
     """The pipeline rank these numbers are for (the heaviest one)."""
 
     @property
+    def weights_and_optimizer_gib(self) -> float:
+        return self.weights_gib + self.grads_gib + self.optimizer_gib
+
+    @property
     def total_gib(self) -> float:
         return self.weights_and_optimizer_gib + self.activations_gib + self.logits_gib
+
+    def breakdown(self) -> dict[str, float]:
+        """GiB by kind, rounded to MiB: what `plan --json` gives as memory_breakdown_gib."""
+        parts = {"weights": self.weights_gib, "grads": self.grads_gib, "optimizer": self.optimizer_gib,
+                 "activations": self.activations_gib, "logits": self.logits_gib}
+        return {k: round(v, 3) for k, v in parts.items()}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -162,62 +185,139 @@ def estimate_ranks(
 def _rank_memory(model: ModelConfig, pp_rank: int, *, pipe: PipelineShape, padded_vocab: int, tensor_parallel: int,
                  micro_batch: int, precision: str, backend: str, sequence_parallel: bool = False,
                  optimizer_shards: int = 1) -> MemoryEstimate:
-    t, s, b, h = tensor_parallel, model.seq_length, micro_batch, model.hidden_size
+    t, s, b, _h = tensor_parallel, model.seq_length, micro_batch, model.hidden_size
     stages = range(pp_rank, len(pipe.stage_layers), pipe.pipeline)  # virtual stage k runs on rank k % p
     first, last = 0 in stages, len(pipe.stage_layers) - 1 in stages
     layers = sum(pipe.stage_layers[k] for k in stages)
-    params = layers * layer_parameters(model)
-    if first:
-        params += embedding_parameters(model, padded_vocab=padded_vocab)
-    if last:
-        params += 2 * h  # final LayerNorm
-        if not model.tie_embeddings or pipe.pipeline > 1:
-            params += padded_vocab * h  # the output layer (tied: the last stage's copy of the word embedding)
-    state = params / t * parameter_bytes(precision=precision, backend=backend).total(optimizer_shards=optimizer_shards)
+    params = rank_parameters(model, padded_vocab=padded_vocab, tensor_parallel=t, layers=layers, first=first,
+                             last=last, pipeline=pipe.pipeline)
+    pb = parameter_bytes(precision=precision, backend=backend)
+    # The distributed optimizer pads its flat buffers to whole slices (train/distributed_optimizer.py), so the
+    # weights and gradients it holds are the padded count and each rank's Adam state one slice.
+    flat = padded_parameters(params, optimizer_shards) if optimizer_shards > 1 else params
+    weights, grads = flat * pb.weights, flat * pb.grads
+    optimizer = flat // optimizer_shards * pb.optimizer
 
-    scale = 2.0 if precision == "fp32" else 1.0
-    chunk_layers = layers / len(stages)  # layers per model chunk (equal with interleaving; one chunk otherwise)
-    activations = in_flight(pp_rank, pipe=pipe) * chunk_activations(model, chunk_layers, tensor_parallel=t,
-                                                                     micro_batch=b, scale=scale,
-                                                                     sequence_parallel=sequence_parallel)
+    act = activation_bytes(model, precision=precision, backend=backend)
+    io = stage_io_activations(model, first=first, last=last, tensor_parallel=t, micro_batch=b, act=act,
+                              sequence_parallel=sequence_parallel)
+    kept = [chunk_activations(model, pipe.stage_layers[k], tensor_parallel=t, micro_batch=b, act=act,
+                              sequence_parallel=sequence_parallel) for k in stages]
+    micro = sum(kept) + io  # one micro-batch through every chunk of this rank
+    # in_flight counts model-chunk micro-batches: with interleaving, chunks of the average size
+    activations = in_flight(pp_rank, pipe=pipe) * micro / len(stages)
     rc = resolve_recompute(model)
     if rc.full:
         # While a checkpointed unit runs its backward, its layers' activations are alive again: one uniform group,
         # or one layer for block.
         activations += (rc.num_layers if rc.method == "uniform" else 1) * layer_activations(
-            model, tensor_parallel=t, micro_batch=b, scale=scale, selective=False,
-            sequence_parallel=sequence_parallel)
+            model, tensor_parallel=t, micro_batch=b, act=act, selective=False, sequence_parallel=sequence_parallel)
     logits = 0.0
     if last:
         logits_in_flight = pipe.num_micro_batches if pipe.pipeline > 1 and pipe.schedule == "afab" else 1
         logits = logits_in_flight * 4.0 * s * b * padded_vocab / t * 2  # fp32 logits and their gradient
-    return MemoryEstimate(weights_and_optimizer_gib=state / GIB, activations_gib=activations / GIB,
-                          logits_gib=logits / GIB, pp_rank=pp_rank)
+    return MemoryEstimate(weights_gib=weights / GIB, grads_gib=grads / GIB, optimizer_gib=optimizer / GIB,
+                          activations_gib=activations / GIB, logits_gib=logits / GIB,
+                          micro_batch_activations_gib=micro / GIB, pp_rank=pp_rank)
 
 
-def layer_activations(model: ModelConfig, *, tensor_parallel: int, micro_batch: int, scale: float,
+def rank_parameters(model: ModelConfig, *, padded_vocab: int, tensor_parallel: int, layers: int, first: bool,
+                    last: bool, pipeline: int = 1) -> int:
+    """Parameters one rank holds, exactly as the model builds them: the TP-sharded matrices and column biases
+    divided by TP, the LayerNorms, row-parallel biases and the position table whole on every TP rank."""
+    h, t = model.hidden_size, tensor_parallel
+    params = layers * layer_parameters_per_rank(model, tensor_parallel=t)
+    if first:
+        params += embedding_parameters_per_rank(model, padded_vocab=padded_vocab, tensor_parallel=t)
+    if last:
+        params += 2 * h  # final LayerNorm
+        if not model.tie_embeddings or pipeline > 1:
+            params += padded_vocab // t * h  # the output layer (tied: the last stage's copy of the word embedding)
+    return params
+
+
+def padded_parameters(params: int, shards: int) -> int:
+    """The distributed optimizer's flat buffer length for `params` over `shards` DP ranks."""
+    unit = shards * SHARD_ALIGN
+    return max(unit, -(-params // unit) * unit)
+
+
+@dataclass(frozen=True, slots=True)
+class ActivationBytes:
+    """How the trainer's kernels keep activations on a backend (measured with saved-tensor hooks on the CPU; the
+    CUDA and XLA cases follow the kernels torch picks there)."""
+
+    value: int
+    """Bytes of a saved activation element: 4 in fp32, 2 in 16-bit."""
+    mask: int
+    """Bytes of a dropout-mask element: bool on CUDA (and Korthikanti et al.'s count, kept for XLA); the CPU's
+    dropout keeps its mask in the activations' dtype."""
+    attention_scores: bool
+    """Whether the attention core keeps its s x s tensors (softmax output, dropout mask and output) for backward:
+    yes where scaled_dot_product_attention runs its math path (XLA; the CPU with attention dropout); no for the
+    flash and memory-efficient kernels (the CPU without attention dropout; CUDA, where the estimate counts them
+    anyway), which keep the output and the log-sum-exp and recompute the scores in backward, as selective
+    recomputation does."""
+
+
+def activation_bytes(model: ModelConfig, *, precision: str, backend: str) -> ActivationBytes:
+    value = 4 if precision == "fp32" else 2
+    if backend == "gloo":  # the CPU, as measured (tests/unit/test_memory_model.py)
+        return ActivationBytes(value=value, mask=value, attention_scores=model.attention_dropout > 0)
+    # XLA runs the math path. On CUDA the scores are counted although SDPA's flash and memory-efficient kernels
+    # recompute them: the estimate stays Megatron's (without flash attention), an upper bound that leaves room for
+    # what it does not model.
+    return ActivationBytes(value=value, mask=1, attention_scores=True)
+
+
+def layer_activations(model: ModelConfig, *, tensor_parallel: int, micro_batch: int, act: ActivationBytes,
                       selective: bool, sequence_parallel: bool = False) -> float:
-    """Bytes one layer keeps for its backward: Korthikanti et al.'s s*b*h*(10 + 24/t + 5*a*s/(h*t)) in 16-bit
-    (`scale` 2 for fp32); selective recomputation drops the attention core's 5*a*s/(h*t) term (scores, softmax
-    output, its dropout mask and output: everything of size s^2)."""
+    """Bytes one layer keeps for its backward, Korthikanti et al.'s count: in 16-bit with dropout
+    s*b*h*(10 + 24/t + 5*a*s/(h*t)).
+
+    In elements of s*b*h: 4 whole on every TP rank (the inputs of QKV, of the MLP and of the two LayerNorms) and 2
+    dropout masks (when hidden_dropout > 0), sharded with sequence parallelism; 12 split over TP (Q, K, V, the
+    attention output, the GeLU's input and output, 4h wide). The attention core keeps a*s*s*b/t elements of softmax
+    output, plus a mask and the dropout's output with attention dropout, unless `selective` recomputation or a
+    kernel that recomputes them (ActivationBytes.attention_scores). Left out: the LayerNorms' statistics and the
+    log-sum-exp (2*s*b and a*s*b/t floats, under 1% from h = 64 on).
+    """
     t, s, b, h, a = (tensor_parallel, model.seq_length, micro_batch, model.hidden_size, model.num_attention_heads)
-    core = 0.0 if selective else 5 * a * s / (h * t)
-    if sequence_parallel:  # the LayerNorm and dropout parts are sequence shards too (their eq. 4)
-        return s * b * h * (34 / t + core) * scale
-    return s * b * h * (10 + 24 / t + core) * scale
+    masks = 2 * act.mask if model.hidden_dropout > 0 else 0
+    whole = (4 * act.value + masks) / (t if sequence_parallel else 1)
+    core = 0.0
+    if act.attention_scores and not selective:
+        per_score = act.value + (act.mask + act.value if model.attention_dropout > 0 else 0)
+        core = per_score * a * s / (h * t)
+    return s * b * h * (whole + 12 * act.value / t + core)
+
+
+def stage_io_activations(model: ModelConfig, *, first: bool, last: bool, tensor_parallel: int, micro_batch: int,
+                         act: ActivationBytes, sequence_parallel: bool = False) -> float:
+    """What one micro-batch keeps outside the layers: the embedding's dropout mask on the first stage; the final
+    LayerNorm's input and the output layer's input on the last (sequence shards with sequence parallelism, whose
+    output layer gathers the sequence again in backward). The logits and their loss are logits_gib's."""
+    sbh = model.seq_length * micro_batch * model.hidden_size
+    shard = tensor_parallel if sequence_parallel else 1
+    kept = 0.0
+    if first and model.hidden_dropout > 0:
+        kept += sbh * act.mask / shard
+    if last:
+        kept += 2 * sbh * act.value / shard
+    return kept
 
 
 def chunk_activations(model: ModelConfig, chunk_layers: float, *, tensor_parallel: int, micro_batch: int,
-                      scale: float, sequence_parallel: bool = False) -> float:
-    """Bytes one model chunk keeps for one micro-batch between its forward and its backward.
+                      act: ActivationBytes, sequence_parallel: bool = False) -> float:
+    """Bytes one model chunk's layers keep for one micro-batch between its forward and its backward.
 
-    Full recomputation keeps the input of each checkpointed unit (2*s*b*h in 16-bit): one per uniform group, one
+    Full recomputation keeps the input of each checkpointed unit (s*b*h elements): one per uniform group, one
     per layer for the block method's first recompute_num_layers layers, whose other layers keep everything.
     """
     rc = resolve_recompute(model)
-    kept = layer_activations(model, tensor_parallel=tensor_parallel, micro_batch=micro_batch, scale=scale,
+    kept = layer_activations(model, tensor_parallel=tensor_parallel, micro_batch=micro_batch, act=act,
                              selective=rc.selective, sequence_parallel=sequence_parallel)
-    unit_input = 2.0 * model.seq_length * micro_batch * model.hidden_size * scale
+    unit_input = 1.0 * model.seq_length * micro_batch * model.hidden_size * act.value
     if sequence_parallel:  # a checkpointed unit's input is this rank's sequence shard
         unit_input /= tensor_parallel
     if not rc.full:

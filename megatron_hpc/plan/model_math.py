@@ -35,6 +35,21 @@ def layer_parameters(model: ModelConfig) -> int:
     )
 
 
+def layer_parameters_per_rank(model: ModelConfig, *, tensor_parallel: int) -> int:
+    """One layer's parameters on one TP rank: QKV, projections and MLP matrices and the column-parallel biases split
+    over TP; the two row-parallel biases and the two LayerNorms whole (parallel/layers.py)."""
+    h, _f = model.hidden_size, model.ffn_size
+    replicated = h + h + 4 * h
+    return (layer_parameters(model) - replicated) // tensor_parallel + replicated
+
+
+def embedding_parameters_per_rank(model: ModelConfig, *, padded_vocab: int, tensor_parallel: int) -> int:
+    """The word embedding's vocabulary shard plus the whole position table."""
+    whole = embedding_parameters(model, padded_vocab=padded_vocab)
+    words = padded_vocab * model.hidden_size
+    return words // tensor_parallel + whole - words
+
+
 def embedding_parameters(model: ModelConfig, *, padded_vocab: int) -> int:
     """Word embedding plus the learned position table (rope has none): what the first pipeline stage adds."""
     positions = model.max_position_embeddings * model.hidden_size if model.position_embedding == "learned" else 0

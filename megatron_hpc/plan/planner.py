@@ -39,7 +39,7 @@ from megatron_hpc.plan.model_math import (
     flops_per_token_6n,
     num_parameters,
 )
-from megatron_hpc.plan.recompute import check_recompute_stages
+from megatron_hpc.plan.recompute import check_recompute_stages, resolve_recompute
 from megatron_hpc.plan.sizing import choose_sizes_for_batch, tensor_candidates
 from megatron_hpc.plan.stages import bubble_fraction
 
@@ -84,6 +84,12 @@ class Plan:
     num_parameters: int
     memory_per_worker_gib: float
     """Estimate for the pipeline rank that needs the most (plan/memory.py)."""
+    memory_breakdown_gib: dict[str, float]
+    """memory_per_worker_gib by kind: weights, grads, optimizer (Adam's moments), activations, logits."""
+    memory_pp_rank: int
+    """The pipeline rank the memory figures are for (the heaviest)."""
+    recompute: str
+    """The effective activation recomputation (plan/recompute.py): none, selective, full with its method."""
     memory_limit_gib: float
     flops_per_token: float
     flops_formula: str
@@ -367,6 +373,9 @@ def make_plan(cfg: RunConfig, *, num_nodes: int, platform: Platform) -> Plan:
         padded_vocab_size=vocab,
         num_parameters=params,
         memory_per_worker_gib=round(sizes.memory.total_gib, 3),
+        memory_breakdown_gib=sizes.memory.breakdown(),
+        memory_pp_rank=sizes.memory.pp_rank,
+        recompute=resolve_recompute(cfg.model).label(),
         memory_limit_gib=platform.memory_per_worker_gib,
         flops_per_token=flops_per_token(cfg.model, padded_vocab=vocab),
         flops_formula=FLOPS_FORMULA,

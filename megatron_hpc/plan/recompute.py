@@ -38,6 +38,16 @@ class Recompute:
     def full(self) -> bool:
         return self.granularity == "full"
 
+    def label(self) -> str:
+        """For `plan`: 'none', 'selective' or 'full, uniform groups of 2' / 'full, block of 3 layers'."""
+        if self.granularity is None:
+            return "none"
+        if self.selective:
+            return "selective"
+        if self.method == "uniform":
+            return f"full, uniform groups of {self.num_layers} layer{'s' if self.num_layers > 1 else ''}"
+        return f"full, block of {self.num_layers} layer{'s' if self.num_layers > 1 else ''}"
+
 
 FULL_UNIFORM_1 = Recompute(granularity="full", method="uniform", num_layers=1)
 """What `model.recompute: true` means (every layer checkpointed on its own)."""

@@ -46,10 +46,8 @@ from torch.distributed import ProcessGroup
 from megatron_hpc.config.schema import OptimConfig
 from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.parallel.grads import reduce_norm_squares
+from megatron_hpc.plan.memory import padded_parameters
 from megatron_hpc.train.optim import param_groups
-
-SHARD_ALIGN = 128
-"""Each rank's slice is a multiple of this many elements (Megatron pads its buffers to DP * 128 as well)."""
 
 GATHER_WINDOW = 16 * 1024 * 1024
 """Elements per rank gathered at a time when a checkpoint collects the moments (64 MiB of fp32)."""
@@ -89,9 +87,7 @@ class ShardLayout:
 
 def shard_layout(sizes: Sequence[int], *, dp_size: int, dp_rank: int) -> ShardLayout:
     """Which parts of which parameters DP rank `dp_rank` owns (pure)."""
-    total = sum(sizes)
-    unit = dp_size * SHARD_ALIGN
-    padded = max(unit, -(-total // unit) * unit)
+    padded = padded_parameters(sum(sizes), dp_size)
     shard = padded // dp_size
     lo, hi = dp_rank * shard, (dp_rank + 1) * shard
     pieces, at = [], 0

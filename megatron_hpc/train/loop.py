@@ -213,7 +213,8 @@ def _banner(spec: RunSpec, ctx: ParallelContext, *, model: GPT, device: DeviceIn
         data = "synthetic tokens" if plan.platform == "cpu" else "SYNTHETIC TOKENS, NOT REAL DATA (data.source)"
     return (f"> megatron-hpc {phase}: world {ctx.world_size} = {ctx.mesh.num_nodes} node(s) x "
             f"{ctx.mesh.workers_per_node} worker(s) | tp {ctx.tp_size} pp {ctx.pp_size} dp {ctx.dp_size}"
-            f"{' (Adam state sharded over dp)' if plan.distributed_optimizer else ''} | parameters {_param_count(spec, ctx, model)} | padded vocab {plan.padded_vocab_size} "
+            f"{' (Adam state sharded over dp)' if plan.distributed_optimizer else ''} | "
+            f"parameters {_param_count(spec, ctx, model)} | padded vocab {plan.padded_vocab_size} "
             f"({plan.padded_vocab_size - vocab} dummy) | {plan.num_micro_batches} micro-batch(es) of "
             f"{plan.micro_batch_size} | {device.kind} {label} | {num_steps} steps | {data}")
 

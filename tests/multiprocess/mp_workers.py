@@ -291,3 +291,91 @@ def distributed_optimizer(cfg: RunConfig) -> RunConfig:
     import dataclasses
 
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, distributed_optimizer=True))
+
+
+def memory_measure(rank: int, world: int, ports: list[int], cases: list[tuple[str, RunConfig]]) -> dict[str, Any]:
+    """For each (name, config) at this world size: the bytes of this rank's weights, gradients and Adam moments
+    after one real step, what autograd saves during one micro-batch's forward through the rank's stages (seen
+    with saved-tensor hooks, each storage once, parameters left out), and the planner's estimate for the rank."""
+    import dataclasses
+
+    from megatron_hpc.config.platforms import get_platform
+    from megatron_hpc.parallel.context import ParallelContext
+    from megatron_hpc.parallel.pipeline import PipelineRunner
+    from megatron_hpc.plan.memory import GIB, PipelineShape, estimate_ranks
+    from megatron_hpc.plan.planner import make_plan
+    from megatron_hpc.train.distributed_optimizer import DistributedOptimizer
+    from megatron_hpc.train.loop import build_model, pipeline_stages
+    from megatron_hpc.train.optim import build_optimizer
+    from megatron_hpc.train.step import train_step
+
+    out: dict[str, Any] = {}
+    for i, (name, cfg) in enumerate(cases):
+        cfg = dataclasses.replace(cfg, launch=dataclasses.replace(cfg.launch, workers_per_node=world))
+        plan = make_plan(cfg, num_nodes=1, platform=get_platform("cpu"))
+        _init(rank, world, ports[i])
+        ctx = ParallelContext.build(plan.mesh, rank=rank)
+        sp = cfg.parallel.sequence_parallel
+        model = build_model(cfg.model, ctx, padded_vocab=plan.padded_vocab_size, seed=cfg.train.seed,
+                            device=torch.device("cpu"), stages=pipeline_stages(plan, ctx), sequence_parallel=sp)
+        dist_opt = cfg.parallel.distributed_optimizer
+        optimizer = (DistributedOptimizer(model, optim=cfg.optim, group=ctx.dp_group) if dist_opt
+                     else build_optimizer(model, optim=cfg.optim))
+        runner = (PipelineRunner(model, ctx, num_micro_batches=plan.num_micro_batches,
+                                 schedule=plan.pipeline_schedule, device=torch.device("cpu"))
+                  if ctx.pp_size > 1 else None)
+        gen = torch.Generator().manual_seed(rank)
+        s, b, h = cfg.model.seq_length, plan.micro_batch_size, cfg.model.hidden_size
+        batches = [torch.randint(0, cfg.model.vocab_size, (b, s + 1), generator=gen)
+                   for _ in range(plan.num_micro_batches)]
+        train_step(model, optimizer, batches, ctx=ctx, clip_grad=1.0, autocast_dtype=None, device_type="cpu",
+                   pipeline=runner)
+
+        params = list(model.parameters())
+        if dist_opt:
+            weights = optimizer.param_buffer.numel() * optimizer.param_buffer.element_size()
+            grads = optimizer.grad_buffer.numel() * optimizer.grad_buffer.element_size()
+            states = optimizer.optimizer.state.values()
+        else:
+            weights = sum(p.numel() * p.element_size() for p in params)
+            grads = sum(p.grad.numel() * p.grad.element_size() for p in params)
+            states = optimizer.state.values()
+        moments = sum(v.numel() * v.element_size() for st in states for k, v in st.items() if k != "step")
+
+        rows = s // ctx.tp_size if sp else s  # a later stage's input: this rank's sequence shard under SP
+        inputs = [batches[0][:, :-1] if stage.first else torch.randn(b, rows, h, generator=gen, requires_grad=True)
+                  for stage in model.stages]
+        saved = _saved_bytes(model, inputs)
+
+        shape = PipelineShape(stage_layers=tuple(stop - start for start, stop in plan.stage_layers),
+                              pipeline=plan.pipeline_parallel, virtual=plan.virtual_pipeline,
+                              schedule=plan.pipeline_schedule, num_micro_batches=plan.num_micro_batches)
+        est = estimate_ranks(cfg.model, padded_vocab=plan.padded_vocab_size, tensor_parallel=ctx.tp_size,
+                             micro_batch=b, precision=cfg.train.precision, backend=plan.backend, pipeline=shape,
+                             sequence_parallel=sp, optimizer_shards=ctx.dp_size if dist_opt else 1)[ctx.pp_rank]
+        out[name] = {"weights": weights, "grads": grads, "optimizer": moments, "activations": saved,
+                     "params": sum(p.numel() for p in params),
+                     "est": {"weights": est.weights_gib * GIB, "grads": est.grads_gib * GIB,
+                             "optimizer": est.optimizer_gib * GIB,
+                             "activations": est.micro_batch_activations_gib * GIB},
+                     "tp_rank": ctx.tp_rank, "pp_rank": ctx.pp_rank, "dp_rank": ctx.dp_rank}
+        dist.destroy_process_group()
+    return out
+
+
+def _saved_bytes(model: Any, inputs: list[torch.Tensor]) -> int:
+    """Bytes autograd saves for backward while `inputs` go through the model's stages (one micro-batch): each
+    storage once (views share it), the parameters and buffers left out."""
+    excluded = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in excluded:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        outputs = [model.stage_forward(x, stage) for x, stage in zip(inputs, model.stages)]
+    del outputs
+    return sum(seen.values())

@@ -4,6 +4,7 @@ and the refusals and warnings before anything is queued."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import subprocess
 import sys
@@ -13,9 +14,9 @@ import pytest
 from megatron_hpc.config.loader import load_recipe
 from megatron_hpc.config.platforms import get_platform
 from megatron_hpc.errors import PlanError
-from megatron_hpc.plan.memory import GIB, estimate_memory
+from megatron_hpc.plan.memory import GIB, SHARD_ALIGN, estimate_memory
 from megatron_hpc.plan.planner import distributed_optimizer_warning, make_plan
-from megatron_hpc.train.distributed_optimizer import SHARD_ALIGN, shard_layout
+from megatron_hpc.train.distributed_optimizer import shard_layout
 
 
 @pytest.mark.parametrize("dp", [1, 2, 3, 4])
@@ -27,13 +28,13 @@ def test_shards_cover_every_element_once_and_equally(dp):
     owned: dict[int, list[tuple[int, int]]] = {}
     for lay in layouts:
         for piece in lay.pieces:
-            assert 0 <= piece.offset and piece.offset + piece.end - piece.start <= lay.shard
+            assert piece.offset >= 0 and piece.offset + piece.end - piece.start <= lay.shard
             owned.setdefault(piece.index, []).append((piece.start, piece.end))
     for index, size in enumerate(sizes):
         ranges = sorted(owned[index])
         # contiguous, no gap and no overlap, from 0 to the parameter's size
         assert ranges[0][0] == 0 and ranges[-1][1] == size
-        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
 
 
 def test_piece_offsets_follow_the_flat_order():
