@@ -300,6 +300,7 @@ def memory_measure(rank: int, world: int, ports: list[int], cases: list[tuple[st
     import dataclasses
 
     from megatron_hpc.config.platforms import get_platform
+    from megatron_hpc.model.saved_activations import saved_activation_bytes
     from megatron_hpc.parallel.context import ParallelContext
     from megatron_hpc.parallel.pipeline import PipelineRunner
     from megatron_hpc.plan.memory import GIB, PipelineShape, estimate_ranks
@@ -345,7 +346,7 @@ def memory_measure(rank: int, world: int, ports: list[int], cases: list[tuple[st
         rows = s // ctx.tp_size if sp else s  # a later stage's input: this rank's sequence shard under SP
         inputs = [batches[0][:, :-1] if stage.first else torch.randn(b, rows, h, generator=gen, requires_grad=True)
                   for stage in model.stages]
-        saved = _saved_bytes(model, inputs)
+        saved = saved_activation_bytes(model, inputs)
 
         shape = PipelineShape(stage_layers=tuple(stop - start for start, stop in plan.stage_layers),
                               pipeline=plan.pipeline_parallel, virtual=plan.virtual_pipeline,
@@ -362,20 +363,3 @@ def memory_measure(rank: int, world: int, ports: list[int], cases: list[tuple[st
         dist.destroy_process_group()
     return out
 
-
-def _saved_bytes(model: Any, inputs: list[torch.Tensor]) -> int:
-    """Bytes autograd saves for backward while `inputs` go through the model's stages (one micro-batch): each
-    storage once (views share it), the parameters and buffers left out."""
-    excluded = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in excluded:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        outputs = [model.stage_forward(x, stage) for x, stage in zip(inputs, model.stages)]
-    del outputs
-    return sum(seen.values())
