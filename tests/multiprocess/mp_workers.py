@@ -363,3 +363,16 @@ def memory_measure(rank: int, world: int, ports: list[int], cases: list[tuple[st
         dist.destroy_process_group()
     return out
 
+
+
+def failing_run(rank: int, world: int, ports: list[int], cfg: RunConfig, run_root: str) -> str:
+    """run_training that must fail: the CheckpointError message this rank raised ('' when the run succeeded)."""
+    from megatron_hpc.errors import CheckpointError
+    from megatron_hpc.train.entry import plan_for_torchrun, run_training
+
+    os.environ["MASTER_PORT"] = str(ports[0])
+    try:
+        run_training(plan_for_torchrun(cfg), run_dir=Path(run_root))
+    except CheckpointError as exc:
+        return str(exc)
+    return ""
