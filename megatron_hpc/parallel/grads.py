@@ -173,12 +173,17 @@ def all_reduce_sequence_parallel_grads(params: Iterable[nn.Parameter], *, group:
     Afterwards they are identical on every TP rank, so global_grad_norm counting replicated params on tp_rank 0
     stays right. Sums commute, so this may run before or after the DP all-reduce.
     """
-    grads = [p.grad for p in params if p.grad is not None and getattr(p, "sequence_parallel", False)]
-    if not grads or dist.get_world_size(group) == 1:
+    all_reduce_sum_([p.grad for p in params if p.grad is not None and getattr(p, "sequence_parallel", False)],
+                    group=group)
+
+
+def all_reduce_sum_(tensors: Sequence[torch.Tensor], *, group: ProcessGroup) -> None:
+    """Sum `tensors` over `group` in place, in one call (they are small: LayerNorms, biases, or their pieces)."""
+    if not tensors or dist.get_world_size(group) == 1:
         return
-    flat = torch.cat([g.reshape(-1) for g in grads])  # one call: these are small (LayerNorms, biases)
+    flat = torch.cat([t.reshape(-1) for t in tensors])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-    _unflatten_into(flat, grads)
+    _unflatten_into(flat, list(tensors))
 
 
 def global_grad_norm(params: Iterable[nn.Parameter], *, ctx: ParallelContext) -> torch.Tensor:

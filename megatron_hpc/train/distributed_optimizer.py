@@ -1,19 +1,20 @@
 """The distributed optimizer (ZeRO-1, Megatron's --use-distributed-optimizer): each DP rank keeps Adam's moments
-for one contiguous 1/DP slice of the parameters only.
+for 1/DP of the parameters only.
 
-Layout. A rank's parameters (in the optimizer's order: matrices, then 1-D tensors; train/optim.py) live in one flat
-buffer, padded to a multiple of DP * SHARD_ALIGN elements, and the parameters become views into it; their gradients
-are views into a second flat buffer of the same size, so backward accumulates straight into it. DP rank r owns
-elements [r * n, (r + 1) * n) of both, n = padded / DP. Where the slice cuts a parameter it owns a piece of it;
-AdamW runs over those pieces, which are views into the parameter buffer, so the update lands in the weights with no
-copy (the weights are fp32 off XLA, so they are the "main" parameters themselves; Megatron keeps an extra fp32 copy
-only for 16-bit weights). Weight decay and Adam are element-wise, so updating pieces gives the very numbers that
-updating whole tensors does.
+Layout. A rank's parameters live in one flat buffer in backward order (the model's last parameters first), cut into
+buckets of about parallel.grad_bucket_mb, each padded to a multiple of DP * SHARD_ALIGN elements; the parameters
+become views into it, and their gradients views into a second flat buffer of the same layout, so backward
+accumulates straight into it. DP rank r owns the r-th of the DP equal slices of every bucket (Megatron's layout).
+Where a slice cuts a parameter the rank owns a piece of it; AdamW runs over those pieces, which are views into the
+parameter buffer, so the update lands in the weights with no copy (the weights are fp32 off XLA, so they are the
+"main" parameters themselves; Megatron keeps an extra fp32 copy only for 16-bit weights). Weight decay and Adam are
+element-wise, so updating pieces gives the very numbers that updating whole tensors does.
 
-Step. Gradients are pre-divided by DP and reduce-scattered into this rank's slice (the same sum as the all-reduce of
-the plain path, half its traffic); the norm sums the slice's squares over DP (then TP and PP, as
-parallel/grads.py does); clipping and the update touch the slice; an all-gather of the slices refreshes every
-rank's full weights.
+Step. Each bucket's gradients are pre-divided by DP and reduce-scattered in place into this rank's slice (the same
+sum as the plain path's all-reduce, half its traffic). With parallel.overlap_grad_reduce a bucket's reduce-scatter
+starts inside the last micro-batch's backward as soon as its gradients are final (not under pipelining, as for the
+plain path). The norm sums the slices' squares over DP (then TP and PP, as parallel/grads.py does); clipping and the
+update touch the slices; all-gathers of the slices, in place, refresh every rank's full weights.
 
 Memory per parameter: 4 bytes of weights and 4 of gradients as before (the flat buffers, padded), Adam's 8 bytes
 divided by DP; the collectives run in place, so nothing else is allocated.
@@ -21,8 +22,7 @@ divided by DP; the collectives run in place, so nothing else is allocated.
 Checkpoints. `state_dict()` gathers the slices onto DP rank 0 (the rank that writes, checkpoint/ranks.py) in the
 plain optimizer's layout: one entry per parameter, whole. So a checkpoint saved with the distributed optimizer
 loads at any DP size, with or without it, and `ckpt reshard` moves it by name like any other; `load_state_dict`
-takes this rank's slice of each moment. Gathering is windowed (GATHER_WINDOW elements at a time per rank), so a
-save never holds more than the whole state on rank 0 plus a window.
+takes this rank's pieces of each moment. Gathering is windowed (GATHER_WINDOW elements at a time per rank).
 
 Why our own and not torch's: FSDP2's fully_shard (which runs on gloo here) is ZeRO-3: it turns every parameter into a
 DTensor sharded over DP and gathers it for each forward, which our plain-tensor TP layers, the pipeline stages'
@@ -44,8 +44,9 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from megatron_hpc.config.schema import OptimConfig
+from megatron_hpc.errors import TrainingError
 from megatron_hpc.parallel.context import ParallelContext
-from megatron_hpc.parallel.grads import reduce_norm_squares
+from megatron_hpc.parallel.grads import BUCKET_MB, bucket_numel, reduce_norm_squares
 from megatron_hpc.plan.memory import padded_parameters
 from megatron_hpc.train.optim import param_groups
 
@@ -55,8 +56,8 @@ GATHER_WINDOW = 16 * 1024 * 1024
 
 @dataclass(frozen=True, slots=True)
 class Piece:
-    """The part of parameter `index` (optimizer order) inside this rank's slice: elements [start, end) of the
-    parameter flattened, at [offset, offset + end - start) of the slice."""
+    """The part of parameter `index` (optimizer order) this rank owns: elements [start, end) of the parameter
+    flattened, at `offset` in the flat buffers."""
 
     index: int
     start: int
@@ -65,49 +66,81 @@ class Piece:
 
 
 @dataclass(frozen=True, slots=True)
+class Bucket:
+    start: int
+    """Where the bucket starts in the flat buffers."""
+    padded: int
+    """Its length: its parameters' elements rounded up to a multiple of DP * SHARD_ALIGN."""
+    members: tuple[int, ...]
+    """The parameters in it (optimizer indices), in placement order."""
+
+
+@dataclass(frozen=True, slots=True)
 class ShardLayout:
     sizes: tuple[int, ...]
     """Elements of each parameter, in the optimizer's order."""
-    padded: int
-    """Length of the flat buffers: sum(sizes) rounded up to a multiple of DP * SHARD_ALIGN."""
-    shard: int
-    """Elements each rank owns: padded / DP."""
-    lo: int
-    """Where this rank's slice starts in the flat buffers."""
+    starts: tuple[int, ...]
+    """Where each parameter (optimizer order) starts in the flat buffers."""
+    buckets: tuple[Bucket, ...]
+    """In placement order (backward order)."""
+    dp_size: int
+    dp_rank: int
     pieces: tuple[Piece, ...]
 
-    def starts(self) -> list[int]:
-        """Where each parameter starts in the flat buffers."""
-        out, at = [], 0
-        for size in self.sizes:
-            out.append(at)
-            at += size
-        return out
+    @property
+    def padded(self) -> int:
+        """Length of the flat buffers."""
+        return sum(b.padded for b in self.buckets)
+
+    def slice_of(self, bucket: Bucket) -> tuple[int, int]:
+        """[lo, hi) of this rank's slice of `bucket` in the flat buffers."""
+        n = bucket.padded // self.dp_size
+        lo = bucket.start + self.dp_rank * n
+        return lo, lo + n
 
 
-def shard_layout(sizes: Sequence[int], *, dp_size: int, dp_rank: int) -> ShardLayout:
-    """Which parts of which parameters DP rank `dp_rank` owns (pure)."""
-    padded = padded_parameters(sum(sizes), dp_size)
-    shard = padded // dp_size
-    lo, hi = dp_rank * shard, (dp_rank + 1) * shard
-    pieces, at = [], 0
-    for index, size in enumerate(sizes):
-        a, b = max(at, lo), min(at + size, hi)
-        if a < b:
-            pieces.append(Piece(index=index, start=a - at, end=b - at, offset=a - lo))
-        at += size
-    return ShardLayout(sizes=tuple(sizes), padded=padded, shard=shard, lo=lo, pieces=tuple(pieces))
+def shard_layout(sizes: Sequence[int], *, dp_size: int, dp_rank: int, order: Sequence[int] | None = None,
+                 bucket_elements: int | None = None) -> ShardLayout:
+    """Which parts of which parameters DP rank `dp_rank` owns (pure). `order`: the placement order of the
+    parameters (optimizer indices; default their own order); a bucket closes before a parameter that would take it
+    past `bucket_elements` (default: one bucket)."""
+    order = list(range(len(sizes))) if order is None else list(order)
+    groups: list[list[int]] = []
+    for index in order:
+        if groups and (bucket_elements is None or sum(sizes[i] for i in groups[-1]) + sizes[index] <= bucket_elements):
+            groups[-1].append(index)
+        else:
+            groups.append([index])
+    starts = [0] * len(sizes)
+    buckets, pieces, at = [], [], 0
+    for members in groups:
+        padded = padded_parameters(sum(sizes[i] for i in members), dp_size)
+        bucket = Bucket(start=at, padded=padded, members=tuple(members))
+        n = padded // dp_size
+        lo, hi = at + dp_rank * n, at + (dp_rank + 1) * n
+        offset = at
+        for index in members:
+            starts[index] = offset
+            a, b = max(offset, lo), min(offset + sizes[index], hi)
+            if a < b:
+                pieces.append(Piece(index=index, start=a - offset, end=b - offset, offset=a))
+            offset += sizes[index]
+        buckets.append(bucket)
+        at += padded
+    return ShardLayout(sizes=tuple(sizes), starts=tuple(starts), buckets=tuple(buckets), dp_size=dp_size,
+                       dp_rank=dp_rank, pieces=tuple(pieces))
 
 
 class DistributedOptimizer:
-    """AdamW over this DP rank's slice of the parameters; see the module docstring.
+    """AdamW over this DP rank's slices of the parameters; see the module docstring.
 
     Takes the plain optimizer's place in the loop: `param_groups` (the LR), `zero_grad`, `step`, `state_dict` and
-    `load_state_dict` in the plain layout, `register_step_pre_hook`. The step itself calls `reduce_gradients` after
-    backward and `clip_grad_norm_` before `step` (train/step.py).
+    `load_state_dict` in the plain layout, `register_step_pre_hook`. The step itself calls `arm` before the last
+    micro-batch's backward, `reduce_gradients` after backward and `clip_grad_norm_` before `step` (train/step.py).
     """
 
-    def __init__(self, model: nn.Module, *, optim: OptimConfig, group: ProcessGroup):
+    def __init__(self, model: nn.Module, *, optim: OptimConfig, group: ProcessGroup, overlap: bool = False,
+                 bucket_mb: float = BUCKET_MB):
         groups = param_groups(model, weight_decay=optim.weight_decay)
         self.params: list[nn.Parameter] = [p for g in groups for p in g["params"]]
         dtypes = {p.dtype for p in self.params}
@@ -117,27 +150,30 @@ class DistributedOptimizer:
                              f"{sorted(map(str, dtypes))} on {sorted(map(str, devices))}")
         self.group = group
         self.dp_size, self.dp_rank = dist.get_world_size(group), dist.get_rank(group)
-        self.layout = shard_layout([p.numel() for p in self.params], dp_size=self.dp_size, dp_rank=self.dp_rank)
+        index_of = {id(p): i for i, p in enumerate(self.params)}
+        backward_order = [index_of[id(p)] for p in reversed(list(model.parameters())) if id(p) in index_of]
         dtype, device = dtypes.pop(), devices.pop()
+        self.layout = shard_layout([p.numel() for p in self.params], dp_size=self.dp_size, dp_rank=self.dp_rank,
+                                   order=backward_order, bucket_elements=bucket_numel(bucket_mb, dtype=dtype))
         self.param_buffer = torch.zeros(self.layout.padded, dtype=dtype, device=device)
         self.grad_buffer = torch.zeros(self.layout.padded, dtype=dtype, device=device)
         with torch.no_grad():
-            for p, start in zip(self.params, self.layout.starts()):
+            for p, start in zip(self.params, self.layout.starts):
                 view = self.param_buffer[start:start + p.numel()].view_as(p)
                 view.copy_(p)
                 p.data = view
                 p.grad = self.grad_buffer[start:start + p.numel()].view_as(p)
-        lo, n = self.layout.lo, self.layout.shard
-        # Both collectives work in place (the slice is the rank's own part of the flat buffer, which NCCL and gloo
-        # allow), so the slices are views and the step allocates nothing.
-        self.param_shard = self.param_buffer[lo:lo + n]
-        self.grad_shard = self.grad_buffer[lo:lo + n]
+        # Both collectives work in place (a slice is the rank's own part of its bucket, which NCCL and gloo allow),
+        # so the slices are views and the step allocates nothing.
+        self._slices = [self.layout.slice_of(b) for b in self.layout.buckets]
+        self.grad_slices = [self.grad_buffer[lo:hi] for lo, hi in self._slices]
         decay = {id(p) for p in groups[0]["params"]}
         self.pieces: list[torch.Tensor] = []
-        pieces_of = ([], [])
+        pieces_of: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         for piece in self.layout.pieces:
-            main = self.param_shard[piece.offset:piece.offset + piece.end - piece.start]
-            main.grad = self.grad_shard[piece.offset:piece.offset + piece.end - piece.start]
+            at, n = piece.offset, piece.end - piece.start
+            main = self.param_buffer[at:at + n]
+            main.grad = self.grad_buffer[at:at + n]
             self.pieces.append(main)
             pieces_of[0 if id(self.params[piece.index]) in decay else 1].append(main)
         self.optimizer = torch.optim.AdamW(
@@ -146,74 +182,141 @@ class DistributedOptimizer:
             lr=optim.lr, betas=(optim.adam_beta1, optim.adam_beta2), eps=optim.adam_eps,
             fused=device.type in ("cpu", "cuda"))
         self._counted: list[torch.Tensor] | None = None
+        # Overlap: a post-accumulate-grad hook counts each parameter's final gradient in the armed backward; a
+        # bucket's reduce-scatter starts when all its members are final and every earlier bucket has started (the
+        # same order on every DP rank).
+        self._armed = False
+        self._next = 0
+        self._ready = [0] * len(self.layout.buckets)
+        self._final: set[int] = set()
+        self._in_flight: list[dist.Work | None] = []
+        bucket_of = {i: b for b, bucket in enumerate(self.layout.buckets) for i in bucket.members}
+        self._hooks = []
+        if overlap and self.dp_size > 1:
+            self._hooks = [p.register_post_accumulate_grad_hook(self._hook_for(i, bucket_of[i]))
+                           for i, p in enumerate(self.params)]
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
+
+    @property
+    def overlapped(self) -> bool:
+        return bool(self._hooks)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient buffer (never None: the parameters' .grad are views into it)."""
         del set_to_none
         self.grad_buffer.zero_()
 
+    def _hook_for(self, index: int, bucket: int) -> Callable[[torch.Tensor], None]:
+        def hook(_param: torch.Tensor) -> None:
+            if not self._armed:
+                return
+            if index in self._final:
+                raise TrainingError(f"parameter {index} received two gradients in one backward while its "
+                                    "reduce-scatter was overlapped; set parallel.overlap_grad_reduce=false")
+            self._final.add(index)
+            self._ready[bucket] += 1
+            while (self._next < len(self.layout.buckets)
+                   and self._ready[self._next] == len(self.layout.buckets[self._next].members)):
+                self._start(self._next, async_op=True)
+                self._next += 1
+        return hook
+
+    def arm(self) -> None:
+        """The next backward is the step's last: start each bucket's reduce-scatter when its gradients are final
+        (a no-op without overlap)."""
+        if not self.overlapped:
+            return
+        self._wait()  # leftovers of a step that raised mid-backward
+        self._final.clear()
+        self._ready = [0] * len(self.layout.buckets)
+        self._next = 0
+        self._armed = True
+
+    def _start(self, b: int, *, async_op: bool) -> None:
+        bucket = self.layout.buckets[b]
+        whole = self.grad_buffer[bucket.start:bucket.start + bucket.padded]
+        whole.div_(self.dp_size)
+        self._in_flight.append(dist.reduce_scatter_tensor(self.grad_slices[b], whole, op=dist.ReduceOp.SUM,
+                                                          group=self.group, async_op=async_op))
+
+    def _wait(self) -> None:
+        for work in self._in_flight:
+            if work is not None:
+                work.wait()
+        self._in_flight.clear()
+
     def reduce_gradients(self) -> None:
-        """Average the gradients over DP into this rank's slice (reduce-scatter, pre-divided as the plain path)."""
+        """Average the gradients over DP into this rank's slices: start the buckets the overlapped backward did not
+        (all of them without overlap), then wait for every reduce-scatter."""
+        self._armed = False
         if self.dp_size == 1:
             return
-        self.grad_buffer.div_(self.dp_size)
-        dist.reduce_scatter_tensor(self.grad_shard, self.grad_buffer, op=dist.ReduceOp.SUM, group=self.group)
+        first = self._next if self.overlapped else 0
+        for b in range(first, len(self.layout.buckets)):
+            self._start(b, async_op=True)
+        self._next = 0
+        self._wait()
+
+    def sequence_parallel_grads(self) -> list[torch.Tensor]:
+        """This rank's pieces of the gradients of parameters tagged sequence_parallel (every TP rank has the same
+        layout, so the pieces line up across TP for the all-reduce that completes them)."""
+        return [main.grad for piece, main in zip(self.layout.pieces, self.pieces)
+                if getattr(self.params[piece.index], "sequence_parallel", False)]
 
     def clip_grad_norm_(self, *, max_norm: float, ctx: ParallelContext, unscale: float = 1.0) -> torch.Tensor:
-        """Unscale the slice's gradients, then clip them to the global norm max_norm (0: no clip); the norm.
+        """Unscale the slices' gradients, then clip them to the global norm max_norm (0: no clip); the norm.
 
         The norm counts what parallel/grads.global_grad_norm counts (replicated parameters on TP rank 0, the tied
         table's last-stage copy not at all); the slices of all DP ranks make up each parameter once.
         """
         if unscale != 1.0:
-            self.grad_shard.mul_(unscale)
+            torch._foreach_mul_(self.grad_slices, unscale)
         counted = self._counted_grads(ctx)
-        acc = torch.float64 if self.grad_shard.device.type == "cpu" else torch.float32
+        device = self.grad_buffer.device
+        acc = torch.float64 if device.type == "cpu" else torch.float32
         if counted:
             total = torch.stack(torch._foreach_norm(counted, 2.0, dtype=acc)).pow(2).sum()
         else:
-            total = torch.zeros((), dtype=acc, device=self.grad_shard.device)
+            total = torch.zeros((), dtype=acc, device=device)
         if self.dp_size > 1:
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.group)
         norm = reduce_norm_squares(total, ctx=ctx).sqrt().float()
         if max_norm > 0:
-            self.grad_shard.mul_((max_norm / (norm + 1e-6)).clamp(max=1.0))
+            torch._foreach_mul_(self.grad_slices, (max_norm / (norm + 1e-6)).clamp(max=1.0))
         return norm
 
     def _counted_grads(self, ctx: ParallelContext) -> list[torch.Tensor]:
         if self._counted is None:
-            counted = []
-            for piece, main in zip(self.layout.pieces, self.pieces):
-                p = self.params[piece.index]
-                if ((getattr(p, "tensor_parallel", False) or ctx.tp_rank == 0)
-                        and not getattr(p, "pipeline_duplicate", False)):
-                    counted.append(main.grad)
-            self._counted = counted
+            self._counted = [main.grad for piece, main in zip(self.layout.pieces, self.pieces)
+                             if (getattr(self.params[piece.index], "tensor_parallel", False) or ctx.tp_rank == 0)
+                             and not getattr(self.params[piece.index], "pipeline_duplicate", False)]
         return self._counted
 
     @torch.no_grad()
     def step(self) -> None:
-        """Update this rank's slice, then gather every rank's slice into the full weights."""
+        """Update this rank's slices, then gather every rank's slices into the full weights."""
         self.optimizer.step()
         if self.dp_size > 1:
-            dist.all_gather_into_tensor(self.param_buffer, self.param_shard, group=self.group)
+            works = [dist.all_gather_into_tensor(self.param_buffer[b.start:b.start + b.padded],
+                                                 self.param_buffer[lo:hi], group=self.group, async_op=True)
+                     for b, (lo, hi) in zip(self.layout.buckets, self._slices)]
+            for work in works:
+                if work is not None:
+                    work.wait()
 
     def register_step_pre_hook(self, hook: Callable[..., None]) -> Any:
         return self.optimizer.register_step_pre_hook(hook)
 
     # -- checkpoints: the plain optimizer's layout ------------------------------------------------------------------
 
-    def _settings(self) -> list[dict[str, Any]]:
-        return [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-
     def _plain_groups(self) -> list[dict[str, Any]]:
+        settings = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         matrices = sum(1 for p in self.params if p.ndim >= 2)
         bounds = [(0, matrices), (matrices, len(self.params))]
-        return [{**s, "params": list(range(a, b))} for s, (a, b) in zip(self._settings(), bounds)]
+        return [{**s, "params": list(range(a, b))} for s, (a, b) in zip(settings, bounds)]
 
     @torch.no_grad()
     def state_dict(self) -> dict[str, Any]:
@@ -230,35 +333,39 @@ class DistributedOptimizer:
             return {"state": {}, "param_groups": groups}
         step = stepped[0]["step"].detach().clone() if stepped else torch.tensor(0.0)
         state = {}
-        for index, (p, start) in enumerate(zip(self.params, self.layout.starts())):
+        for index, (p, start) in enumerate(zip(self.params, self.layout.starts)):
             state[index] = {"step": step.clone(),
                             **{key: full[key][start:start + p.numel()].view_as(p) for key in keys}}
         return {"state": state, "param_groups": groups}
 
     def _gather(self, key: str) -> torch.Tensor | None:
-        """Moment `key` of every parameter, flat, on DP rank 0 (None elsewhere)."""
-        local = torch.zeros_like(self.param_shard)
-        for piece, main in zip(self.layout.pieces, self.pieces):
-            if main in self.optimizer.state:
-                local[piece.offset:piece.offset + main.numel()] = self.optimizer.state[main][key]
-        if self.dp_size == 1:
-            return local
-        n = self.layout.shard
-        out = torch.empty(self.layout.padded, dtype=local.dtype, device=local.device) if self.dp_rank == 0 else None
-        root = dist.get_global_rank(self.group, 0)
-        for a in range(0, n, GATHER_WINDOW):
-            b = min(a + GATHER_WINDOW, n)
-            window = local[a:b].contiguous()
-            parts = [torch.empty_like(window) for _ in range(self.dp_size)] if out is not None else None
-            dist.gather(window, gather_list=parts, dst=root, group=self.group)
-            if out is not None:
-                for r, part in enumerate(parts):
-                    out[r * n + a:r * n + b] = part
+        """Moment `key` of every parameter in the flat layout, on DP rank 0 (None elsewhere)."""
+        out = torch.zeros_like(self.param_buffer) if self.dp_rank == 0 else None
+        root = dist.get_global_rank(self.group, 0) if self.dp_size > 1 else 0
+        state = self.optimizer.state
+        for bucket, (lo, hi) in zip(self.layout.buckets, self._slices):
+            n = hi - lo
+            local = torch.zeros(n, dtype=self.param_buffer.dtype, device=self.param_buffer.device)
+            for piece, main in zip(self.layout.pieces, self.pieces):
+                if lo <= piece.offset < hi and main in state:
+                    local[piece.offset - lo:piece.offset - lo + main.numel()] = state[main][key]
+            if self.dp_size == 1:
+                out[lo:hi] = local
+                continue
+            for a in range(0, n, GATHER_WINDOW):
+                b = min(a + GATHER_WINDOW, n)
+                parts = [torch.empty(b - a, dtype=local.dtype, device=local.device)
+                         for _ in range(self.dp_size)] if out is not None else None
+                dist.gather(local[a:b], gather_list=parts, dst=root, group=self.group)
+                if out is not None:
+                    for r, part in enumerate(parts):
+                        out[bucket.start + r * n + a:bucket.start + r * n + b] = part
         return out
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Take this rank's slice of each parameter's moments from a plain-layout state dict (any DP size saved it)."""
+        """Take this rank's pieces of each parameter's moments from a plain-layout state dict (any DP size saved
+        it)."""
         groups = state_dict["param_groups"]
         sizes = [len(g["params"]) for g in groups]
         matrices = sum(1 for p in self.params if p.ndim >= 2)

@@ -124,8 +124,12 @@ def train(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, phase: Pha
                                   schedule=plan.pipeline_schedule, device=device.device,
                                   compile_chunks=tcfg.compile and device.kind != "xla")
     step_model = torch.compile(model) if tcfg.compile and device.kind != "xla" and pipeline is None else model
-    optimizer = (DistributedOptimizer(model, optim=cfg.optim, group=ctx.dp_group) if cfg.parallel.distributed_optimizer
-                 else build_optimizer(model, optim=cfg.optim))
+    # The distributed optimizer overlaps its reduce-scatter with backward as the plain path's reducer does (not under
+    # pipelining, not on XLA).
+    optimizer = (DistributedOptimizer(model, optim=cfg.optim, group=ctx.dp_group, bucket_mb=cfg.parallel.grad_bucket_mb,
+                                      overlap=cfg.parallel.overlap_grad_reduce and pipeline is None
+                                      and device.kind != "xla")
+                 if cfg.parallel.distributed_optimizer else build_optimizer(model, optim=cfg.optim))
     state = ckpt.restore(model, optimizer, TrainState(scaler=build_loss_scaler(tcfg.precision)))
     start = state.step
     metrics = MetricsLogger(model=cfg.model, padded_vocab=plan.padded_vocab_size, world_size=ctx.world_size,

@@ -19,6 +19,7 @@ from megatron_hpc.parallel.grads import (
     OverlappedGradReducer,
     all_reduce_gradients,
     all_reduce_sequence_parallel_grads,
+    all_reduce_sum_,
     clip_gradients_,
 )
 from megatron_hpc.parallel.pipeline import PipelineRunner
@@ -81,8 +82,11 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | DistributedO
             logits = model(ids)  # (mbs, S, V/tp)
         loss = vocab_parallel_cross_entropy(logits, labels, group=ctx.tp_group).mean()
         del logits  # the loss saved what backward needs; do not hold the logits through backward
-        if grad_reducer is not None and m == len(micro_batches) - 1:
-            grad_reducer.arm()
+        if m == len(micro_batches) - 1:
+            if grad_reducer is not None:
+                grad_reducer.arm()
+            elif isinstance(optimizer, DistributedOptimizer):
+                optimizer.arm()  # its overlapped reduce-scatter, when it has one
         # Every micro-batch has mbs * S tokens, so averaging micro-batch means and then DP
         # replicas gives the token mean of the global batch.
         (loss * (scale / len(micro_batches))).backward()
@@ -91,10 +95,11 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | DistributedO
     # reference's cut after backward; it bounds what a graph holds). No-op elsewhere.
     mark_step(device_type)
     if isinstance(optimizer, DistributedOptimizer):
-        # Sums commute: the TP sum of the sequence-parallel grads first, on the whole buffer, then the DP
-        # reduce-scatter into this rank's slice, which the norm, the clip and the update then touch alone.
-        all_reduce_sequence_parallel_grads(params, group=ctx.tp_group)
+        # The DP reduce-scatter into this rank's slices (started in backward when overlapped), then the TP sum of
+        # the sequence-parallel grads on their pieces there (sums commute); the norm, the clip and the update then
+        # touch the slices alone.
         optimizer.reduce_gradients()
+        all_reduce_sum_(optimizer.sequence_parallel_grads(), group=ctx.tp_group)
         norm = optimizer.clip_grad_norm_(max_norm=clip_grad, ctx=ctx, unscale=1.0 / scale)
     else:
         if grad_reducer is not None:

@@ -18,12 +18,18 @@ pytestmark = pytest.mark.multiprocess
 RTOL = 1e-5
 
 
-def _config(*, tp: int = 1, dist_opt: bool = True, num_steps: int = 20, load: Path | None = None) -> RunConfig:
+def _config(*, tp: int = 1, dist_opt: bool = True, num_steps: int = 20, load: Path | None = None,
+            **parallel: object) -> RunConfig:
     """tiny_config with the LR schedule spanning 20 steps (so 10-step halves match) and a save at the end."""
     cfg = mp_workers.tiny_config(tp=tp, num_steps=num_steps)
     cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, lr_decay_iters=20),
+                              parallel=dataclasses.replace(cfg.parallel, **parallel),
                               checkpoint=CheckpointConfig(load=str(load) if load else None, save_interval=0))
     return mp_workers.distributed_optimizer(cfg) if dist_opt else cfg
+
+
+SMALL_BUCKETS = 0.02
+"""MiB: 5,242 fp32 elements, so the tiny model's parameters fall into a dozen buckets."""
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -32,16 +38,21 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
-    """A spawn of 4 (DP 4 for 10 steps, saved; TP 2 x DP 2), then a spawn of 2: the one-process references, DP 2
-    straight, DP 2 in two halves, DP 2 continuing the DP 4 checkpoint, and DP 2 without the all-gather."""
+    """A spawn of 4 (DP 4 for 10 steps, saved; TP 2 x DP 2; with sequence parallelism and a dozen buckets), then a
+    spawn of 2: the one-process references, DP 2 straight (the reduce-scatter overlapped with backward, the default;
+    not overlapped; a dozen buckets), DP 2 in two halves, DP 2 continuing the DP 4 checkpoint, and DP 2 without the
+    all-gather."""
     root = tmp_path_factory.mktemp("distopt")
     four, two = root / "four", root / "two"
-    plan4 = [(4, _config(num_steps=10), "dp4_part1"), (4, _config(tp=2), "tp2dp2")]
+    plan4 = [(4, _config(num_steps=10), "dp4_part1"), (4, _config(tp=2), "tp2dp2"),
+             (4, _config(tp=2, sequence_parallel=True, grad_bucket_mb=SMALL_BUCKETS), "tp2dp2_sp_buckets")]
     mp_workers.spawn(mp_workers.sized_runs, world=4, out_dir=four, num_ports=len(plan4), args=(plan4, str(four)))
     plan2 = [
         (1, _config(dist_opt=False), "dense"),
         (1, _config(), "dense_dist_opt"),
         (2, _config(), "dp2"),
+        (2, _config(overlap_grad_reduce=False), "dp2_no_overlap"),
+        (2, _config(grad_bucket_mb=SMALL_BUCKETS), "dp2_buckets"),
         (2, _config(num_steps=10), "dp2_part1"),
         (2, _config(load=two / "dp2_part1" / "checkpoints"), "dp2_part2"),
         (2, _config(load=four / "dp4_part1" / "checkpoints"), "dp2_from_dp4"),
@@ -58,7 +69,8 @@ def _series(rows: list[dict], key: str, steps: range = range(1, 21)) -> torch.Te
     return torch.tensor([r[key] for r in rows], dtype=torch.float64)
 
 
-@pytest.mark.parametrize("name", ["dp2", "tp2dp2", "dense_dist_opt"])
+@pytest.mark.parametrize("name", ["dp2", "dp2_no_overlap", "dp2_buckets", "tp2dp2", "tp2dp2_sp_buckets",
+                                  "dense_dist_opt"])
 @pytest.mark.parametrize("key", ["lm_loss", "grad_norm"])
 def test_distributed_optimizer_matches_single_process(runs: dict[str, list[dict]], name: str, key: str) -> None:
     torch.testing.assert_close(_series(runs[name], key), _series(runs["dense"], key), rtol=RTOL, atol=0.0)

@@ -19,16 +19,26 @@ from megatron_hpc.plan.planner import distributed_optimizer_warning, make_plan
 from megatron_hpc.train.distributed_optimizer import shard_layout
 
 
+@pytest.mark.parametrize("bucket", [None, 800])
 @pytest.mark.parametrize("dp", [1, 2, 3, 4])
-def test_shards_cover_every_element_once_and_equally(dp):
+def test_shards_cover_every_element_once_and_equally(dp, bucket):
     sizes = [700, 3, 129, 1000, 1]
-    layouts = [shard_layout(sizes, dp_size=dp, dp_rank=r) for r in range(dp)]
-    assert {lay.shard for lay in layouts} == {layouts[0].padded // dp}
-    assert layouts[0].padded >= sum(sizes) and layouts[0].padded % (dp * SHARD_ALIGN) == 0
+    order = [4, 3, 2, 1, 0]  # backward order: the last parameters first
+    layouts = [shard_layout(sizes, dp_size=dp, dp_rank=r, order=order, bucket_elements=bucket) for r in range(dp)]
+    buckets = layouts[0].buckets
+    # 800-element buckets close before a parameter that would overflow them: 1 | 1000 (alone, too big) | 129 + 3 | 700
+    expected = [(4, 3, 2, 1, 0)] if bucket is None else [(4,), (3,), (2, 1), (0,)]
+    assert [b.members for b in buckets] == expected
+    for b in buckets:
+        assert b.padded % (dp * SHARD_ALIGN) == 0 and b.padded >= sum(sizes[i] for i in b.members)
     owned: dict[int, list[tuple[int, int]]] = {}
     for lay in layouts:
+        slices = [lay.slice_of(b) for b in buckets]
+        assert [hi - lo for lo, hi in slices] == [b.padded // dp for b in buckets]
         for piece in lay.pieces:
-            assert piece.offset >= 0 and piece.offset + piece.end - piece.start <= lay.shard
+            # inside one of this rank's slices, at the parameter's own place in the flat buffer
+            assert any(lo <= piece.offset and piece.offset + piece.end - piece.start <= hi for lo, hi in slices)
+            assert piece.offset == lay.starts[piece.index] + piece.start
             owned.setdefault(piece.index, []).append((piece.start, piece.end))
     for index, size in enumerate(sizes):
         ranges = sorted(owned[index])
@@ -39,8 +49,8 @@ def test_shards_cover_every_element_once_and_equally(dp):
 
 def test_piece_offsets_follow_the_flat_order():
     lay = shard_layout([300, 200], dp_size=2, dp_rank=1)  # 500 padded to 512: rank 1 owns [256, 512)
-    assert lay.lo == 256 and lay.shard == 256
-    assert [(p.index, p.start, p.end, p.offset) for p in lay.pieces] == [(0, 256, 300, 0), (1, 0, 200, 44)]
+    assert lay.slice_of(lay.buckets[0]) == (256, 512)
+    assert [(p.index, p.start, p.end, p.offset) for p in lay.pieces] == [(0, 256, 300, 256), (1, 0, 200, 300)]
 
 
 @pytest.mark.parametrize("precision,backend,adam", [("fp32", "cuda", 8), ("bf16", "cuda", 8)])
