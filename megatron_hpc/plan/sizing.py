@@ -159,6 +159,14 @@ def tensor_candidates(cfg: RunConfig, platform: Platform, *, per_node: int) -> l
             and cfg.model.ffn_size % t == 0]
 
 
+def auto_tensor_candidates(cfg: RunConfig, platform: Platform, *, per_node: int) -> list[int]:
+    """The TP sizes the planner may choose itself: tensor_candidates, from 2 with sequence parallelism (which needs
+    TP, and a sequence length the TP size divides)."""
+    sp = cfg.parallel.sequence_parallel
+    return [t for t in tensor_candidates(cfg, platform, per_node=per_node)
+            if not sp or (t > 1 and cfg.model.seq_length % t == 0)]
+
+
 def pipeline_candidates(cfg: RunConfig, *, world: int, tp: int) -> list[int]:
     """PP sizes that leave an integer DP at TP tp and split the layers evenly, ascending."""
     slots = world // tp
@@ -188,7 +196,7 @@ def choose_sizes(cfg: RunConfig, platform: Platform, *, num_nodes: int, per_node
     if tp_fixed and pp_fixed:
         return check_mesh(cfg, platform, num_nodes=num_nodes, per_node=per_node, tp=tp_fixed, pp=pp_fixed)
     world = num_nodes * per_node
-    tps = [tp_fixed] if tp_fixed else tensor_candidates(cfg, platform, per_node=per_node)
+    tps = [tp_fixed] if tp_fixed else auto_tensor_candidates(cfg, platform, per_node=per_node)
     if pp_fixed:  # the recipe's PP must split the layers and the world before TP is searched
         stage_ranges(cfg, pp=pp_fixed)
         if all(world % (t * pp_fixed) for t in tps):
@@ -246,7 +254,7 @@ def batch_too_small(cfg: RunConfig, platform: Platform, *, num_nodes: int, per_n
     """The smallest global batch that lets a mesh use every worker, when the recipe's batch leaves no mesh room for
     a micro-batch per stage in every replica; None when some mesh has that room, or memory rules out every mesh."""
     world, micro = num_nodes * per_node, cfg.train.micro_batch_size
-    tps = [cfg.parallel.tensor] if cfg.parallel.tensor else tensor_candidates(cfg, platform, per_node=per_node)
+    tps = [cfg.parallel.tensor] if cfg.parallel.tensor else auto_tensor_candidates(cfg, platform, per_node=per_node)
     # DP x PP = world / TP at any PP, and each (replica, stage) pair needs a micro-batch: only TP makes room.
     if any(micro * world <= cfg.train.global_batch_size * tp for tp in tps):
         return None
@@ -305,7 +313,7 @@ def smallest_global_batch(cfg: RunConfig, platform: Platform, *, num_nodes: int,
     """The smallest global batch >= the recipe's at which some mesh fits; None when memory rules out every mesh."""
     world, micro = num_nodes * per_node, cfg.train.micro_batch_size
     best = None
-    tps = [cfg.parallel.tensor] if cfg.parallel.tensor else tensor_candidates(cfg, platform, per_node=per_node)
+    tps = [cfg.parallel.tensor] if cfg.parallel.tensor else auto_tensor_candidates(cfg, platform, per_node=per_node)
     for tp in tps:
         pps = [cfg.parallel.pipeline] if cfg.parallel.pipeline else pipeline_candidates(cfg, world=world, tp=tp)
         for pp in pps:

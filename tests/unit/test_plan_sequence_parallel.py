@@ -89,3 +89,13 @@ def test_uniform_groups_keep_sequence_shards_of_their_inputs():
     s, h, a, n = m.seq_length, m.hidden_size, m.num_attention_heads, m.num_layers
     group_recomputed = 4 * s * h / t * (34 + 5 * a * s / h)
     assert sp.activations_gib * GIB == pytest.approx(n / 4 * 2 * s * h / t + group_recomputed + _io(m, t))
+
+
+def test_a_planner_chosen_tp_starts_at_2_with_sequence_parallelism():
+    # gpt3_1.7b fits at TP 1 on p5; with SP and TP left to the planner it takes the smallest TP that SP allows.
+    def plan(overrides):
+        return make_plan(load_recipe("gpt3_1.7b", overrides), num_nodes=4, platform=get_platform("p5"))
+
+    plain = plan(["parallel.tensor=0"])
+    sp = plan(["parallel.tensor=0", "parallel.sequence_parallel=true"])
+    assert plain.tensor_parallel == 1 and sp.tensor_parallel == 2
