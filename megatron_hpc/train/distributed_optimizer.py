@@ -16,6 +16,11 @@ starts inside the last micro-batch's backward as soon as its gradients are final
 plain path). The norm sums the slices' squares over DP (then TP and PP, as parallel/grads.py does); clipping and the
 update touch the slices; all-gathers of the slices, in place, refresh every rank's full weights.
 
+On gloo (the CPU backend) the same values come cheaper another way: its reduce_scatter_tensor returns exactly an
+all-reduce's values in 1.4-2.4x an all-reduce's time, and its all_gather_into_tensor takes 2.5-10x as long as one
+broadcast per rank (benchmarks/RESULTS.md, issue 15). So there each bucket is all-reduced in place (this rank's
+slice is a view of it) and each rank broadcasts its slices (ALL_REDUCE_ON_GLOO; the tests run both ways).
+
 Memory per parameter: 4 bytes of weights and 4 of gradients as before (the flat buffers, padded), Adam's 8 bytes
 divided by DP; the collectives run in place, so nothing else is allocated.
 
@@ -134,10 +139,15 @@ def shard_layout(sizes: Sequence[int], *, dp_size: int, dp_rank: int, order: Seq
 class DistributedOptimizer:
     """AdamW over this DP rank's slices of the parameters; see the module docstring.
 
+    ALL_REDUCE_ON_GLOO: on gloo, all-reduce the buckets and broadcast the slices instead of reduce-scatter and
+    all-gather (the same numbers, faster there); a test turns it off to run the NCCL path's collectives on gloo.
+
     Takes the plain optimizer's place in the loop: `param_groups` (the LR), `zero_grad`, `step`, `state_dict` and
     `load_state_dict` in the plain layout, `register_step_pre_hook`. The step itself calls `arm` before the last
     micro-batch's backward, `reduce_gradients` after backward and `clip_grad_norm_` before `step` (train/step.py).
     """
+
+    ALL_REDUCE_ON_GLOO = True
 
     def __init__(self, model: nn.Module, *, optim: OptimConfig, group: ProcessGroup, overlap: bool = False,
                  bucket_mb: float = BUCKET_MB):
@@ -150,6 +160,8 @@ class DistributedOptimizer:
                              f"{sorted(map(str, dtypes))} on {sorted(map(str, devices))}")
         self.group = group
         self.dp_size, self.dp_rank = dist.get_world_size(group), dist.get_rank(group)
+        self.all_reduce = self.ALL_REDUCE_ON_GLOO and dist.get_backend(group) == "gloo"
+        self._ranks = [dist.get_global_rank(group, r) for r in range(self.dp_size)]
         index_of = {id(p): i for i, p in enumerate(self.params)}
         backward_order = [index_of[id(p)] for p in reversed(list(model.parameters())) if id(p) in index_of]
         dtype, device = dtypes.pop(), devices.pop()
@@ -239,8 +251,12 @@ class DistributedOptimizer:
         bucket = self.layout.buckets[b]
         whole = self.grad_buffer[bucket.start:bucket.start + bucket.padded]
         whole.div_(self.dp_size)
-        self._in_flight.append(dist.reduce_scatter_tensor(self.grad_slices[b], whole, op=dist.ReduceOp.SUM,
-                                                          group=self.group, async_op=async_op))
+        if self.all_reduce:
+            work = dist.all_reduce(whole, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+        else:
+            work = dist.reduce_scatter_tensor(self.grad_slices[b], whole, op=dist.ReduceOp.SUM, group=self.group,
+                                              async_op=async_op)
+        self._in_flight.append(work)
 
     def _wait(self) -> None:
         for work in self._in_flight:
@@ -299,13 +315,20 @@ class DistributedOptimizer:
     def step(self) -> None:
         """Update this rank's slices, then gather every rank's slices into the full weights."""
         self.optimizer.step()
-        if self.dp_size > 1:
-            works = [dist.all_gather_into_tensor(self.param_buffer[b.start:b.start + b.padded],
-                                                 self.param_buffer[lo:hi], group=self.group, async_op=True)
-                     for b, (lo, hi) in zip(self.layout.buckets, self._slices)]
-            for work in works:
-                if work is not None:
-                    work.wait()
+        if self.dp_size == 1:
+            return
+        works = []
+        for b, (lo, hi) in zip(self.layout.buckets, self._slices):
+            if self.all_reduce:
+                n = hi - lo
+                works += [dist.broadcast(self.param_buffer[b.start + r * n:b.start + (r + 1) * n], src=src,
+                                         group=self.group, async_op=True) for r, src in enumerate(self._ranks)]
+            else:
+                works.append(dist.all_gather_into_tensor(self.param_buffer[b.start:b.start + b.padded],
+                                                         self.param_buffer[lo:hi], group=self.group, async_op=True))
+        for work in works:
+            if work is not None:
+                work.wait()
 
     def register_step_pre_hook(self, hook: Callable[..., None]) -> Any:
         return self.optimizer.register_step_pre_hook(hook)
@@ -341,7 +364,7 @@ class DistributedOptimizer:
     def _gather(self, key: str) -> torch.Tensor | None:
         """Moment `key` of every parameter in the flat layout, on DP rank 0 (None elsewhere)."""
         out = torch.zeros_like(self.param_buffer) if self.dp_rank == 0 else None
-        root = dist.get_global_rank(self.group, 0) if self.dp_size > 1 else 0
+        root = self._ranks[0]
         state = self.optimizer.state
         for bucket, (lo, hi) in zip(self.layout.buckets, self._slices):
             n = hi - lo

@@ -213,7 +213,7 @@ def pipeline_config(*, tp: int = 1, pp: int = 1, virtual: int = 1, schedule: str
 
 
 def _break(fault: str) -> None:
-    """Deliberate bugs a proof must catch (applied in this worker process only)."""
+    """Deliberate bugs a proof must catch, and code-path variants (applied in this worker process only)."""
     from megatron_hpc.parallel import pipeline
     from megatron_hpc.train import distributed_optimizer, step
 
@@ -237,6 +237,9 @@ def _break(fault: str) -> None:
         # The distributed optimizer updates its slice but never gathers the others' slices: each DP rank's weights
         # outside its own slice stay as they were.
         distributed_optimizer.DistributedOptimizer.step = lambda self: self.optimizer.step()
+    elif fault == "scatter_collectives":
+        # Not a bug: the distributed optimizer's NCCL collectives (reduce-scatter, all-gather), run on gloo.
+        distributed_optimizer.DistributedOptimizer.ALL_REDUCE_ON_GLOO = False
     elif fault:
         raise ValueError(f"unknown fault {fault!r}")
 
@@ -247,7 +250,8 @@ def _breakable() -> list[tuple[Any, str]]:
     from megatron_hpc.train import distributed_optimizer, step
 
     return [(pipeline.PipelineRunner, "sync_embedding_grads"), (pipeline.PipelineRunner, "_run"),
-            (step, "all_reduce_sequence_parallel_grads"), (distributed_optimizer.DistributedOptimizer, "step")]
+            (step, "all_reduce_sequence_parallel_grads"), (distributed_optimizer.DistributedOptimizer, "step"),
+            (distributed_optimizer.DistributedOptimizer, "ALL_REDUCE_ON_GLOO")]
 
 
 def fault_runs(rank: int, world: int, ports: list[int], configs: list[RunConfig], faults: list[str],

@@ -38,14 +38,15 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
-    """A spawn of 4 (DP 4 for 10 steps, saved; TP 2 x DP 2; with sequence parallelism and a dozen buckets), then a
-    spawn of 2: the one-process references, DP 2 straight (the reduce-scatter overlapped with backward, the default;
-    not overlapped; a dozen buckets), DP 2 in two halves, DP 2 continuing the DP 4 checkpoint, and DP 2 without the
-    all-gather."""
+    """A spawn of 4 (DP 4 for 10 steps, saved; TP 2 x DP 2; with sequence parallelism and a dozen buckets; DP 4 with
+    the NCCL path's reduce-scatter and all-gather), then a spawn of 2: the one-process references, DP 2 straight
+    (the reduce overlapped with backward, the default; not overlapped; a dozen buckets; the NCCL path's
+    collectives), DP 2 in two halves, DP 2 continuing the DP 4 checkpoint, and DP 2 without the all-gather."""
     root = tmp_path_factory.mktemp("distopt")
     four, two = root / "four", root / "two"
     plan4 = [(4, _config(num_steps=10), "dp4_part1"), (4, _config(tp=2), "tp2dp2"),
-             (4, _config(tp=2, sequence_parallel=True, grad_bucket_mb=SMALL_BUCKETS), "tp2dp2_sp_buckets")]
+             (4, _config(tp=2, sequence_parallel=True, grad_bucket_mb=SMALL_BUCKETS), "tp2dp2_sp_buckets"),
+             (4, _config(grad_bucket_mb=SMALL_BUCKETS), "dp4_scatter_buckets", "scatter_collectives")]
     mp_workers.spawn(mp_workers.sized_runs, world=4, out_dir=four, num_ports=len(plan4), args=(plan4, str(four)))
     plan2 = [
         (1, _config(dist_opt=False), "dense"),
@@ -53,13 +54,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
         (2, _config(), "dp2"),
         (2, _config(overlap_grad_reduce=False), "dp2_no_overlap"),
         (2, _config(grad_bucket_mb=SMALL_BUCKETS), "dp2_buckets"),
+        (2, _config(), "dp2_scatter", "scatter_collectives"),
         (2, _config(num_steps=10), "dp2_part1"),
         (2, _config(load=two / "dp2_part1" / "checkpoints"), "dp2_part2"),
         (2, _config(load=four / "dp4_part1" / "checkpoints"), "dp2_from_dp4"),
         (2, _config(), "dp2_no_allgather", "no_param_allgather"),
     ]
     mp_workers.spawn(mp_workers.sized_runs, world=2, out_dir=two, num_ports=len(plan2), args=(plan2, str(two)))
-    out = {name: _metrics(four / name) for _, _, name in plan4}
+    out = {entry[2]: _metrics(four / entry[2]) for entry in plan4}
     out.update({entry[2]: _metrics(two / entry[2]) for entry in plan2})
     return out
 
@@ -69,8 +71,8 @@ def _series(rows: list[dict], key: str, steps: range = range(1, 21)) -> torch.Te
     return torch.tensor([r[key] for r in rows], dtype=torch.float64)
 
 
-@pytest.mark.parametrize("name", ["dp2", "dp2_no_overlap", "dp2_buckets", "tp2dp2", "tp2dp2_sp_buckets",
-                                  "dense_dist_opt"])
+@pytest.mark.parametrize("name", ["dp2", "dp2_no_overlap", "dp2_buckets", "dp2_scatter", "dp4_scatter_buckets",
+                                  "tp2dp2", "tp2dp2_sp_buckets", "dense_dist_opt"])
 @pytest.mark.parametrize("key", ["lm_loss", "grad_norm"])
 def test_distributed_optimizer_matches_single_process(runs: dict[str, list[dict]], name: str, key: str) -> None:
     torch.testing.assert_close(_series(runs[name], key), _series(runs["dense"], key), rtol=RTOL, atol=0.0)
