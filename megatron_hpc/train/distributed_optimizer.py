@@ -13,7 +13,10 @@ updating whole tensors does.
 Step. Gradients are pre-divided by DP and reduce-scattered into this rank's slice (the same sum as the all-reduce of
 the plain path, half its traffic); the norm sums the slice's squares over DP (then TP and PP, as
 parallel/grads.py does); clipping and the update touch the slice; an all-gather of the slices refreshes every
-rank's full weights.
+rank's full weights. On gloo (the CPU backend) the same values come cheaper another way: its reduce_scatter_tensor
+returns exactly the values of an all-reduce (checked bit for bit at DP 2 to 8) in 1.4-2.4x an all-reduce's time, and
+its all_gather_into_tensor takes 2.5-10x as long as one broadcast per rank (benchmarks/RESULTS.md, issue 15). So
+there the gradient buffer is all-reduced in place, the slice being a view of it, and each rank broadcasts its slice.
 
 Memory per parameter: 4 bytes of weights and 4 of gradients as before, Adam's 8 bytes divided by DP.
 
@@ -27,8 +30,8 @@ Why our own and not torch's: FSDP2's fully_shard (which runs on gloo here) is Ze
 DTensor sharded over DP and gathers it for each forward, which our plain-tensor TP layers, the pipeline stages'
 state dicts and the checkpoint layout would all have to follow, and it has no XLA path; torch's
 ZeroRedundancyOptimizer assigns whole parameters to ranks (uneven shards: one embedding table can outweigh the rest)
-and all-reduces the full gradients. The collectives used here (reduce_scatter_tensor, all_gather_into_tensor) are
-torch.distributed's own and exist on gloo and NCCL.
+and all-reduces the full gradients. The collectives used here (reduce_scatter_tensor, all_gather_into_tensor; on
+gloo all_reduce and broadcast) are torch.distributed's own.
 """
 
 from __future__ import annotations
@@ -120,6 +123,8 @@ class DistributedOptimizer:
                              f"{sorted(map(str, dtypes))} on {sorted(map(str, devices))}")
         self.group = group
         self.dp_size, self.dp_rank = dist.get_world_size(group), dist.get_rank(group)
+        self.gloo = dist.get_backend(group) == "gloo"
+        """All-reduce in place and broadcast the slices instead of reduce-scatter and all-gather (module docstring)."""
         self.layout = shard_layout([p.numel() for p in self.params], dp_size=self.dp_size, dp_rank=self.dp_rank)
         dtype, device = dtypes.pop(), devices.pop()
         self.param_buffer = torch.zeros(self.layout.padded, dtype=dtype, device=device)
@@ -132,8 +137,10 @@ class DistributedOptimizer:
                 p.grad = self.grad_buffer[start:start + p.numel()].view_as(p)
         lo, n = self.layout.lo, self.layout.shard
         self.param_shard = self.param_buffer[lo:lo + n]
-        # At DP 1 the slice is the whole buffer: reduce-scatter is then a no-op and the slice a view of it.
-        self.grad_shard = self.grad_buffer[lo:lo + n] if self.dp_size == 1 else torch.zeros_like(self.param_shard)
+        # At DP 1 the slice is the whole buffer and there is nothing to reduce; on gloo the reduce is in place. In
+        # both the slice is a view of the buffer; a reduce-scatter needs a buffer of its own to write to.
+        in_place = self.dp_size == 1 or self.gloo
+        self.grad_shard = self.grad_buffer[lo:lo + n] if in_place else torch.zeros_like(self.param_shard)
         decay = {id(p) for p in groups[0]["params"]}
         self.pieces: list[torch.Tensor] = []
         pieces_of = ([], [])
@@ -161,11 +168,15 @@ class DistributedOptimizer:
             self.grad_shard.zero_()
 
     def reduce_gradients(self) -> None:
-        """Average the gradients over DP into this rank's slice (reduce-scatter, pre-divided as the plain path)."""
+        """Average the gradients over DP into this rank's slice (reduce-scatter, pre-divided as the plain path; on
+        gloo an all-reduce of the whole buffer, whose slice is grad_shard)."""
         if self.dp_size == 1:
             return
         self.grad_buffer.div_(self.dp_size)
-        dist.reduce_scatter_tensor(self.grad_shard, self.grad_buffer, op=dist.ReduceOp.SUM, group=self.group)
+        if self.gloo:
+            dist.all_reduce(self.grad_buffer, op=dist.ReduceOp.SUM, group=self.group)
+        else:
+            dist.reduce_scatter_tensor(self.grad_shard, self.grad_buffer, op=dist.ReduceOp.SUM, group=self.group)
 
     def clip_grad_norm_(self, *, max_norm: float, ctx: ParallelContext, unscale: float = 1.0) -> torch.Tensor:
         """Unscale the slice's gradients, then clip them to the global norm max_norm (0: no clip); the norm.
@@ -204,7 +215,18 @@ class DistributedOptimizer:
         """Update this rank's slice, then gather every rank's slice into the full weights."""
         self.optimizer.step()
         if self.dp_size > 1:
+            self.gather_params()
+
+    @torch.no_grad()
+    def gather_params(self) -> None:
+        """Every rank's updated slice into every rank's weights (all-gather; on gloo a broadcast per slice)."""
+        if not self.gloo:
             dist.all_gather_into_tensor(self.param_buffer, self.param_shard.clone(), group=self.group)
+            return
+        n = self.layout.shard
+        for r in range(self.dp_size):
+            dist.broadcast(self.param_buffer[r * n:(r + 1) * n], src=dist.get_global_rank(self.group, r),
+                           group=self.group)
 
     def register_step_pre_hook(self, hook: Callable[..., None]) -> Any:
         return self.optimizer.register_step_pre_hook(hook)
