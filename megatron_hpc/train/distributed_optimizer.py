@@ -14,7 +14,7 @@ Step. Gradients are pre-divided by DP and reduce-scattered into this rank's slic
 the plain path, half its traffic); the norm sums the slice's squares over DP (then TP and PP, as
 parallel/grads.py does); clipping and the update touch the slice; an all-gather of the slices refreshes every
 rank's full weights. On gloo (the CPU backend) the same values come cheaper another way: its reduce_scatter_tensor
-returns exactly the values of an all-reduce (checked bit for bit at DP 2 to 8) in 1.4-2.4x an all-reduce's time, and
+returns exactly the values of an all-reduce (checked bit for bit at DP 2, 3, 4, 5, 8) in 1.4-2.4x the time, and
 its all_gather_into_tensor takes 2.5-10x as long as one broadcast per rank (benchmarks/RESULTS.md, issue 15). So
 there the gradient buffer is all-reduced in place, the slice being a view of it, and each rank broadcasts its slice.
 
