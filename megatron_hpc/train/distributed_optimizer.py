@@ -315,6 +315,11 @@ class DistributedOptimizer:
     def step(self) -> None:
         """Update this rank's slices, then gather every rank's slices into the full weights."""
         self.optimizer.step()
+        self.gather_params()
+
+    @torch.no_grad()
+    def gather_params(self) -> None:
+        """Every rank's updated slices into every rank's weights (all-gathers; on gloo a broadcast per slice)."""
         if self.dp_size == 1:
             return
         works = []
