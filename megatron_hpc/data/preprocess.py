@@ -42,7 +42,13 @@ import numpy as np
 
 from megatron_hpc.data.indexed import IndexedDatasetWriter, optimal_dtype
 from megatron_hpc.data.jsonl import open_jsonl
-from megatron_hpc.data.text_tokenizers import BulkEncoder, TokenizerSpec, build_tokenizer, tokenizer_spec
+from megatron_hpc.data.text_tokenizers import (
+    BulkEncoder,
+    TextTokenizer,
+    TokenizerSpec,
+    build_tokenizer,
+    tokenizer_spec,
+)
 from megatron_hpc.errors import DataError
 
 BATCH_CHARS = 1 << 19
@@ -101,9 +107,9 @@ class _Job:
     dtype: str
     split: SplitOptions | None = None
 
-    def encoder(self) -> _Encoder:
-        """What this process encodes with (built here: a pool worker builds its own)."""
-        tokenizer = build_tokenizer(self.tokenizer)
+    def encoder(self, tokenizer: TextTokenizer | None = None) -> _Encoder:
+        """What this process encodes with (a pool worker builds its own tokenizer; the main process passes its)."""
+        tokenizer = tokenizer or build_tokenizer(self.tokenizer)
         eod = np.asarray([tokenizer.eod], dtype=self.dtype).tobytes() if self.append_eod else None
         splitter = None
         if self.split is not None:
@@ -287,9 +293,10 @@ def preprocess(
         raise DataError(f"--workers {workers}: need at least 1")
     spec = tokenizer or tokenizer_spec(tokenizer_type, vocab_file=vocab_file, merge_file=merge_file)
     keys = tuple(dict.fromkeys(json_keys))
-    dtype = optimal_dtype(build_tokenizer(spec).vocab_size)
+    built = build_tokenizer(spec)
+    dtype = optimal_dtype(built.vocab_size)
     job = _Job(tokenizer=spec, keys=keys, append_eod=append_eod, dtype=dtype.str, split=split)
-    local = job.encoder()  # here too with workers: fails early without an EOD id, nltk or its data
+    local = job.encoder(built)  # here too with workers: fails early without an EOD id, nltk or its data
     result = PreprocessResult(prefixes={k: output_prefix_for(output_prefix, k, split_sentences=split is not None)
                                         for k in keys}, workers=workers)
     Path(os.fspath(output_prefix)).parent.mkdir(parents=True, exist_ok=True)

@@ -98,6 +98,9 @@ def tokenizer_spec(tokenizer_type: str = GPT2, *, vocab_file: str | os.PathLike[
 
 
 def build_tokenizer(spec: TokenizerSpec) -> TextTokenizer:
+    """The tokenizer `spec` names; DataError (with the fix) for missing or unreadable files."""
+    spec = tokenizer_spec(spec.type, vocab_file=spec.vocab_file, merge_file=spec.merge_file, model=spec.model,
+                          legacy=spec.legacy, special_tokens=spec.special_tokens)  # a spec made by hand, too
     if spec.type == GPT2:
         from megatron_hpc.data.tokenizer import GPT2BPETokenizer
 
