@@ -12,6 +12,12 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from megatron_hpc.cli.preprocess_args import add_preprocess_parser, run_preprocess
+
+if TYPE_CHECKING:
+    from megatron_hpc.data.text_tokenizers import TokenizerSpec
 
 DEMO_DIR = "~/.cache/megatron-hpc/demo"
 DEMO_VOCAB_SIZE = 8192  # the tiny recipe's model.vocab_size
@@ -21,17 +27,7 @@ DEMO_NAME = "stdlib"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="data_command", metavar="SUBCOMMAND", required=True)
 
-    p = sub.add_parser("preprocess", help="tokenize JSONL into {prefix}_{key}_document.bin/.idx")
-    p.add_argument("--input", required=True, help="corpus.jsonl or corpus.jsonl.gz, one JSON document per line")
-    p.add_argument("--output-prefix", required=True, help="output path prefix (Megatron's --output-prefix)")
-    p.add_argument("--tokenizer-type", default="GPT2BPETokenizer", choices=["GPT2BPETokenizer"])
-    p.add_argument("--vocab-file", required=True, help="GPT-2 vocab.json")
-    p.add_argument("--merge-file", required=True, help="GPT-2 merges.txt")
-    p.add_argument("--json-keys", nargs="+", default=["text"], help="keys to tokenize, one dataset each")
-    p.add_argument("--append-eod", action="store_true", help="end every document with <|endoftext|>")
-    p.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1)")
-    p.add_argument("--strict", action="store_true", help="stop at the first malformed line instead of skipping it")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_preprocess_parser(sub)
 
     p = sub.add_parser("train-tokenizer", help="train byte-level BPE; writes vocab.json and merges.txt")
     p.add_argument("--input", nargs="+", required=True, help="text files, or JSONL files (their --json-key text)")
@@ -41,8 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     p = sub.add_parser("inspect", help="counts, dtype and a decoded peek of a dataset")
     p.add_argument("prefix", help="dataset prefix without .bin/.idx")
-    p.add_argument("--vocab-file", help="GPT-2 vocab.json, to decode the first document")
+    p.add_argument("--tokenizer-type", default="GPT2BPETokenizer", help="tokenizer that made it (as preprocess)")
+    p.add_argument("--vocab-file", "--vocab", dest="vocab_file", help="GPT-2 vocab.json, to decode the first document")
     p.add_argument("--merge-file", help="GPT-2 merges.txt, to decode the first document")
+    p.add_argument("--tokenizer-model", help="Hugging Face folder or SentencePiece .model, to decode it")
+    p.add_argument("--legacy-tokenizer", action="store_true", help="Megatron's pre-rewrite tokenizer (as preprocess)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
     p = sub.add_parser("samples", help="token ids of training samples exactly as the trainer sees them")
@@ -67,23 +66,6 @@ def demo_paths(out: Path) -> dict[str, Path]:
             "prefix": out / f"{DEMO_NAME}_text_document"}
 
 
-def _preprocess(args: argparse.Namespace) -> int:
-    from megatron_hpc.data.preprocess import preprocess
-
-    result = preprocess(args.input, output_prefix=args.output_prefix, vocab_file=args.vocab_file,
-                        merge_file=args.merge_file, tokenizer_type=args.tokenizer_type, json_keys=args.json_keys,
-                        append_eod=args.append_eod, workers=args.workers, strict=args.strict,
-                        progress=sys.stderr)
-    if args.json:
-        print(json.dumps({"prefixes": result.prefixes, "documents": result.num_documents,
-                          "tokens": result.num_tokens, "skipped_lines": [n for n, _ in result.skipped],
-                          "seconds": round(result.seconds, 3), "workers": result.workers}))
-    else:
-        for prefix in result.prefixes.values():
-            print(prefix)
-    return 0
-
-
 def _train_tokenizer(args: argparse.Namespace) -> int:
     from megatron_hpc.data.tokenizer import train_tokenizer
 
@@ -95,9 +77,11 @@ def _train_tokenizer(args: argparse.Namespace) -> int:
 
 
 def inspect_dataset(prefix: str, *, vocab_file: str | None = None, merge_file: str | None = None,
-                    peek_tokens: int = 64) -> dict:
-    """Summary of a dataset; `peek` (the first document's first tokens, decoded) needs a tokenizer."""
+                    tokenizer: TokenizerSpec | None = None, peek_tokens: int = 64) -> dict:
+    """Summary of a dataset; `peek` (the first document's first tokens, decoded) needs a tokenizer: `tokenizer`,
+    or GPT-2's `vocab_file` and `merge_file`."""
     from megatron_hpc.data.indexed import IndexedDataset
+    from megatron_hpc.data.text_tokenizers import build_tokenizer, tokenizer_spec
 
     ds = IndexedDataset(prefix)
     info: dict = {"prefix": ds.prefix, "sequences": len(ds), "documents": ds.num_documents,
@@ -106,22 +90,28 @@ def inspect_dataset(prefix: str, *, vocab_file: str | None = None, merge_file: s
     if len(ds):
         info["sequence_length"] = {"min": int(ds.sequence_lengths.min()), "max": int(ds.sequence_lengths.max()),
                                    "mean": round(float(ds.sequence_lengths.mean()), 1)}
-    if vocab_file and merge_file:
-        from megatron_hpc.data.tokenizer import GPT2BPETokenizer
-
+    if tokenizer is None and vocab_file and merge_file:
+        tokenizer = tokenizer_spec(vocab_file=vocab_file, merge_file=merge_file)
+    if tokenizer is not None:
         first, end = (int(x) for x in ds.document_indices[:2]) if ds.num_documents else (0, 0)
         ids: list[int] = []
         for seq in range(first, end):
             ids.extend(int(t) for t in ds[seq][: peek_tokens - len(ids)])
         info["peek_ids"] = ids
-        info["peek"] = GPT2BPETokenizer(vocab_file, merge_file).decode(ids)
+        info["peek"] = build_tokenizer(tokenizer).decode(ids)
     elif vocab_file or merge_file:
         print("megatron-hpc: warning: --vocab-file and --merge-file go together; no peek", file=sys.stderr)
     return info
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    info = inspect_dataset(args.prefix, vocab_file=args.vocab_file, merge_file=args.merge_file)
+    from megatron_hpc.data.text_tokenizers import tokenizer_spec
+
+    tokenizer = None
+    if args.tokenizer_model or args.tokenizer_type != "GPT2BPETokenizer":
+        tokenizer = tokenizer_spec(args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
+                                   model=args.tokenizer_model, legacy=args.legacy_tokenizer)
+    info = inspect_dataset(args.prefix, vocab_file=args.vocab_file, merge_file=args.merge_file, tokenizer=tokenizer)
     if args.json:
         print(json.dumps(info, ensure_ascii=False))
         return 0
@@ -170,6 +160,6 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    handlers = {"preprocess": _preprocess, "train-tokenizer": _train_tokenizer, "inspect": _inspect,
+    handlers = {"preprocess": run_preprocess, "train-tokenizer": _train_tokenizer, "inspect": _inspect,
                 "samples": _samples, "demo": _demo}
     return handlers[args.data_command](args)

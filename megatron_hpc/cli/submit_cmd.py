@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     check_pipeline_runtime(resolved.plan)  # ... or pipelines on a runtime that cannot run a pipeline
     check_checkpoint_to_load(resolved, resumed_dir=resumed_dir)  # ... or would load a checkpoint of another mesh
     profile = _profile(args, resumed_dir)
-    from megatron_hpc.data.preflight import check_data  # numpy, no torch
+    from megatron_hpc.data.preflight import check_data, check_tokenizer_vocabulary  # numpy, no torch
 
     source = resolved.plan.data_source
     idle = idle_workers_warning(resolved.plan)
@@ -115,6 +115,9 @@ def run(args: argparse.Namespace) -> int:
             check_data(resolved.cfg.data, source=source)
         except DataError as exc:
             warnings.append(f"{exc} (the scripts are written; the run fails unless the nodes see the data)")
+    if source == "indexed":  # a vocabulary too small for the tokenizer is refused here, dry run or not
+        unchecked = check_tokenizer_vocabulary(resolved.cfg.data, vocab_size=resolved.cfg.model.vocab_size)
+        warnings += [unchecked] if unchecked else []
     run_dir = prepare_run_dir(resumed_dir or args.out or default_run_dir(Path("runs"), resolved.cfg.name))
     warnings = env_checks.submit_warnings(os.environ, run_dir=run_dir, cluster=args.cluster,
                                           num_nodes=resolved.plan.num_nodes,

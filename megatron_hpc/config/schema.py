@@ -185,11 +185,16 @@ class DataConfig:
     cache_path: str | None = None
     """Megatron --data-cache-path for the index .npy files; None means <prefix>/cache/GPTDataset_indices."""
     tokenizer_type: str = "GPT2BPETokenizer"
-    """Tokenizer that made the data (decoding in `data inspect`)."""
+    """Tokenizer that made the data (Megatron --tokenizer-type: GPT2BPETokenizer, HuggingFaceTokenizer,
+    SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer); with its files, submit and the trainer
+    refuse a model.vocab_size smaller than its vocabulary."""
     vocab_file: str | None = None
     """GPT-2 vocab.json of the tokenizer."""
     merge_file: str | None = None
     """GPT-2 merges.txt of the tokenizer."""
+    tokenizer_model: str | None = None
+    """Megatron --tokenizer-model: a Hugging Face tokenizer folder (or its tokenizer.json), or a SentencePiece
+    .model; ~ expands."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -40,6 +40,29 @@ def check_data(data: DataConfig, *, source: str) -> None:
             raise
 
 
+def check_tokenizer_vocabulary(data: DataConfig, *, vocab_size: int) -> str | None:
+    """Refuse a model.vocab_size smaller than the vocabulary of the tokenizer data.* names (DataError, one line).
+
+    Returns why nothing was checked when the recipe names tokenizer files that cannot be read here (None when it
+    names none, or when the vocabulary fits). Building the tokenizer reads its files only (milliseconds).
+    """
+    from megatron_hpc.data.text_tokenizers import build_tokenizer, tokenizer_spec
+
+    if not (data.vocab_file or data.tokenizer_model):
+        return None
+    try:
+        spec = tokenizer_spec(data.tokenizer_type, vocab_file=data.vocab_file, merge_file=data.merge_file,
+                              model=data.tokenizer_model)
+        tokenizer = build_tokenizer(spec)
+    except DataError as exc:
+        return f"the tokenizer of data.* was not checked against model.vocab_size: {exc}"
+    if tokenizer.vocab_size > vocab_size:
+        raise DataError(f"model.vocab_size {vocab_size} is smaller than the {tokenizer.vocab_size} ids of the "
+                        f"tokenizer {spec.describe()}: its ids past {vocab_size - 1} would have no embedding row; "
+                        f"use --set model.vocab_size={tokenizer.vocab_size} (the planner pads it)")
+    return None
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DataSummary:
     """What a run will train on, for the `data` line of `plan` and `submit` (and their --json)."""

@@ -5,7 +5,13 @@ one JSON line is one document; a string value is one sequence, a list of strings
 sequence per non-empty string; `--append-eod` appends the EOD id to the last sequence of every
 non-empty document; an empty document is still written (a document with no sequences); the
 token dtype is uint16 below 65500 vocab entries, else int32; outputs are
-`{prefix}_{key}_document.{bin,idx}`. Lines are read as Megatron reads them (jsonl.py).
+`{prefix}_{key}_document.{bin,idx}`. Lines are read as Megatron reads them (jsonl.py). The tokenizer is any of
+text_tokenizers.py (GPT-2 BPE, Hugging Face tokenizer.json, SentencePiece), with Megatron's vocabulary size and EOD.
+
+`split_sentences` (sentences.py) makes every sentence of a text one sequence and names the outputs
+`{prefix}_{key}_sentence`, as Megatron does. Megatron's tool needs two runs for that (the first writes
+`{input}_ss.jsonl` next to the input and stops; the second encodes it); this writes the same output in one run and
+nothing next to the input. A list of strings is split string by string (Megatron's tool stops on a list there).
 
 Where Megatron crashes (a blank line, bad JSON or UTF-8, a missing key, a value that is not
 text), we skip the whole line for every key, report its line number, and `strict=True` makes
@@ -27,20 +33,24 @@ import os
 import re
 import signal
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
 import numpy as np
 
-from megatron_hpc.data.fast_encode import WordCacheEncoder
 from megatron_hpc.data.indexed import IndexedDatasetWriter, optimal_dtype
 from megatron_hpc.data.jsonl import open_jsonl
-from megatron_hpc.data.tokenizer import GPT2BPETokenizer
+from megatron_hpc.data.text_tokenizers import (
+    BulkEncoder,
+    TextTokenizer,
+    TokenizerSpec,
+    build_tokenizer,
+    tokenizer_spec,
+)
 from megatron_hpc.errors import DataError
 
-SUPPORTED_TOKENIZERS = ("GPT2BPETokenizer",)
 BATCH_CHARS = 1 << 19
 """Characters of input per batch handed to a worker (large enough to amortise the hand-over, small enough that
 the workers finish together)."""
@@ -50,9 +60,9 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 _MAX_REPORTED = 20
 
 
-def output_prefix_for(output_prefix: str | os.PathLike[str], key: str) -> str:
-    """Megatron's output name without extension: `{prefix}_{key}_document`."""
-    return f"{os.fspath(output_prefix)}_{key}_document"
+def output_prefix_for(output_prefix: str | os.PathLike[str], key: str, *, split_sentences: bool = False) -> str:
+    """Megatron's output name without extension: `{prefix}_{key}_document` (`_sentence` when split)."""
+    return f"{os.fspath(output_prefix)}_{key}_{'sentence' if split_sentences else 'document'}"
 
 
 def _parse(line: str, keys: Sequence[str]) -> dict[str, list[str]] | str:
@@ -82,18 +92,39 @@ def _parse(line: str, keys: Sequence[str]) -> dict[str, list[str]] | str:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class SplitOptions:
+    """--split-sentences with its --lang and --keep-newlines."""
+
+    lang: str = "english"
+    keep_newlines: bool = False
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class _Job:
-    vocab_file: str
-    merge_file: str
+    tokenizer: TokenizerSpec
     keys: tuple[str, ...]
     append_eod: bool
     dtype: str
+    split: SplitOptions | None = None
 
-    def encoder(self) -> tuple[WordCacheEncoder, bytes | None]:
-        """The encoder of this process, and the EOD id as token bytes when --append-eod."""
-        tokenizer = GPT2BPETokenizer(self.vocab_file, self.merge_file)
+    def encoder(self, tokenizer: TextTokenizer | None = None) -> _Encoder:
+        """What this process encodes with (a pool worker builds its own tokenizer; the main process passes its)."""
+        tokenizer = tokenizer or build_tokenizer(self.tokenizer)
         eod = np.asarray([tokenizer.eod], dtype=self.dtype).tobytes() if self.append_eod else None
-        return tokenizer.fast_encoder(np.dtype(self.dtype)), eod
+        splitter = None
+        if self.split is not None:
+            from megatron_hpc.data.sentences import sentence_splitter
+
+            splitter = sentence_splitter(lang=self.split.lang, keep_newlines=self.split.keep_newlines)
+        return _Encoder(tokenizer.bulk_encoder(np.dtype(self.dtype)), eod, splitter)
+
+
+@dataclass(frozen=True, slots=True)
+class _Encoder:
+    tokens: BulkEncoder
+    eod: bytes | None
+    """The EOD id as token bytes when --append-eod."""
+    split: Callable[[str], list[str]] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +138,7 @@ class _Encoded:
     sequences_per_document: dict[str, list[int]]
 
 
-_WORKER: tuple[_Job, WordCacheEncoder, bytes | None] | None = None  # per worker process, set by _init_worker
+_WORKER: tuple[_Job, _Encoder] | None = None  # per worker process, set by _init_worker
 
 
 def _init_worker(job: _Job) -> None:
@@ -116,7 +147,7 @@ def _init_worker(job: _Job) -> None:
     # that only sets a flag would keep it waiting for work after Pool.terminate() and hang the parent.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # N processes already; no threads inside each
-    _WORKER = (job, *job.encoder())
+    _WORKER = (job, job.encoder())
 
 
 def _encode_in_worker(first_line: int, lines: list[str]) -> _Encoded:
@@ -124,8 +155,7 @@ def _encode_in_worker(first_line: int, lines: list[str]) -> _Encoded:
     return _encode_batch(*_WORKER, first_line, lines)
 
 
-def _encode_batch(job: _Job, encoder: WordCacheEncoder, eod: bytes | None, first_line: int,
-                  lines: list[str]) -> _Encoded:
+def _encode_batch(job: _Job, encoder: _Encoder, first_line: int, lines: list[str]) -> _Encoded:
     """Lines first_line, first_line + 1, ... parsed, tokenized and laid out as Megatron's tool writes them."""
     skipped: list[tuple[int, str]] = []
     documents: list[dict[str, list[str]]] = []
@@ -134,9 +164,10 @@ def _encode_batch(job: _Job, encoder: WordCacheEncoder, eod: bytes | None, first
         if isinstance(parsed, str):
             skipped.append((number, parsed))
         else:
-            documents.append(parsed)
+            documents.append(parsed if encoder.split is None else _split(parsed, encoder.split))
     texts = [s for doc in documents for key in job.keys for s in doc[key]]
-    encoded = iter(encoder.encode(texts))
+    encoded = iter(encoder.tokens.encode(texts))
+    eod = encoder.eod
     itemsize = np.dtype(job.dtype).itemsize
     parts: dict[str, list[bytes]] = {key: [] for key in job.keys}
     lengths: dict[str, list[int]] = {key: [] for key in job.keys}
@@ -154,6 +185,10 @@ def _encode_batch(job: _Job, encoder: WordCacheEncoder, eod: bytes | None, first
                 doc_lengths[-1] += 1
             counts[key].append(len(doc_lengths) - before)
     return _Encoded(skipped, len(documents), {key: b"".join(p) for key, p in parts.items()}, lengths, counts)
+
+
+def _split(document: dict[str, list[str]], split: Callable[[str], list[str]]) -> dict[str, list[str]]:
+    return {key: [s for text in texts for s in split(text)] for key, texts in document.items()}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -235,8 +270,9 @@ def preprocess(
     input_path: str | os.PathLike[str],
     *,
     output_prefix: str | os.PathLike[str],
-    vocab_file: str | os.PathLike[str],
-    merge_file: str | os.PathLike[str],
+    tokenizer: TokenizerSpec | None = None,
+    vocab_file: str | os.PathLike[str] | None = None,
+    merge_file: str | os.PathLike[str] | None = None,
     tokenizer_type: str = "GPT2BPETokenizer",
     json_keys: Sequence[str] = ("text",),
     append_eod: bool = False,
@@ -244,25 +280,25 @@ def preprocess(
     strict: bool = False,
     progress: TextIO | None = None,
     progress_interval: float = 1.0,
+    split: SplitOptions | None = None,
 ) -> PreprocessResult:
     """Tokenize a JSONL corpus into one `.bin/.idx` pair per key; see the module docstring.
 
     `workers` > 1 tokenizes in that many processes while this one reads and writes; with 1 everything runs
     here. `progress` (e.g. sys.stderr) gets a rate/ETA line every `progress_interval` seconds and the line
-    numbers of skipped lines.
+    numbers of skipped lines. `tokenizer` names any tokenizer (text_tokenizers.tokenizer_spec); without it,
+    GPT-2 BPE from `vocab_file` and `merge_file`. `split` splits every text into sentences (sentences.py).
     """
-    if tokenizer_type not in SUPPORTED_TOKENIZERS:
-        raise DataError(f"--tokenizer-type {tokenizer_type} is not supported; use one of {SUPPORTED_TOKENIZERS}")
     if workers < 1:
         raise DataError(f"--workers {workers}: need at least 1")
+    spec = tokenizer or tokenizer_spec(tokenizer_type, vocab_file=vocab_file, merge_file=merge_file)
     keys = tuple(dict.fromkeys(json_keys))
-    tokenizer = GPT2BPETokenizer(vocab_file, merge_file)
-    if append_eod:
-        tokenizer.eod  # noqa: B018  (fails early when the vocab has no EOD token)
-    dtype = optimal_dtype(tokenizer.vocab_size)
-    job = _Job(vocab_file=os.fspath(vocab_file), merge_file=os.fspath(merge_file), keys=keys,
-               append_eod=append_eod, dtype=dtype.str)
-    result = PreprocessResult(prefixes={k: output_prefix_for(output_prefix, k) for k in keys}, workers=workers)
+    built = build_tokenizer(spec)
+    dtype = optimal_dtype(built.vocab_size)
+    job = _Job(tokenizer=spec, keys=keys, append_eod=append_eod, dtype=dtype.str, split=split)
+    local = job.encoder(built)  # here too with workers: fails early without an EOD id, nltk or its data
+    result = PreprocessResult(prefixes={k: output_prefix_for(output_prefix, k, split_sentences=split is not None)
+                                        for k in keys}, workers=workers)
     Path(os.fspath(output_prefix)).parent.mkdir(parents=True, exist_ok=True)
     input_size = Path(input_path).stat().st_size if Path(input_path).is_file() else 0
     meter = _Progress(progress, input_size, progress_interval)
@@ -272,7 +308,6 @@ def preprocess(
         pool = _pool(workers, job)
         if pool is not None:
             stack.enter_context(_pool_closing(pool))
-        local = job.encoder() if pool is None else None
         pending: collections.deque = collections.deque()
 
         def drain(limit: int) -> None:
@@ -286,7 +321,7 @@ def preprocess(
             if pool is not None:
                 handle = pool.apply_async(_encode_in_worker, (first, batch))
             else:
-                handle = _encode_batch(job, *local, first, batch)
+                handle = _encode_batch(job, local, first, batch)
             pending.append((handle, done_bytes))
             drain(2 * workers)
         drain(0)

@@ -114,6 +114,10 @@ class GPT2BPETokenizer:
         special = {EOD_TOKEN: self.vocab[EOD_TOKEN]} if EOD_TOKEN in self.vocab else {}
         return WordCacheEncoder(word_tok, tokenizers_module=tk, dtype=np.dtype(dtype), special=special)
 
+    def bulk_encoder(self, dtype: np.dtype | type[np.generic]) -> WordCacheEncoder:
+        """What preprocessing encodes with (text_tokenizers.TextTokenizer): the fast encoder."""
+        return self.fast_encoder(dtype)
+
     def decode(self, ids: Iterable[int]) -> str:
         """Bytes of every token, joined and decoded as UTF-8 with U+FFFD for broken sequences."""
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from megatron_hpc.config.platforms import resolve_platform
 from megatron_hpc.config.schema import RunConfig
+from megatron_hpc.data.preflight import check_tokenizer_vocabulary
 from megatron_hpc.errors import PlanError
 from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.parallel.device import init_method, keep_freed_memory, resolve_device, set_cpu_threads
@@ -81,6 +82,10 @@ def run_training(spec: RunSpec, *, phase: Literal["compile", "run"] = "run", run
     check_torchrun_world(plan, world_size=env.world_size, local_world_size=env.local_world_size)
     check_data_source(plan)
     check_pipeline_runtime(plan)
+    if plan.data_source == "indexed":  # before any process group or model: a vocabulary the tokenizer overflows
+        unchecked = check_tokenizer_vocabulary(spec.config.data, vocab_size=spec.config.model.vocab_size)
+        if unchecked and env.rank == 0:
+            print(f"megatron-hpc: warning: {unchecked}", file=sys.stderr, flush=True)
     # The configured precision decides, not XLA_USE_BF16 left in the environment: set before torch_xla reads it.
     warning = set_xla_precision_env(spec.config.train.precision) if plan.backend == "xla" else None
     if warning and env.rank == 0:

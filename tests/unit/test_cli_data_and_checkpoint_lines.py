@@ -92,3 +92,19 @@ def test_a_save_folder_too_small_for_the_checkpoints_is_a_warning(tmp_path, caps
         assert not [w for w in json.loads(capsys.readouterr().out)["warnings"] if "checkpoints of" in w]
     finally:
         subprocess.run(["umount", str(small)], check=True)
+
+
+def test_a_vocabulary_smaller_than_the_tokenizer_is_refused_before_anything_is_written(tmp_path, capsys):
+    fixtures = Path(__file__).resolve().parents[1] / "fixtures" / "preprocess"
+    sets = ["--set", f"data.path={_corpus(tmp_path, length=100)}", "--set", f"data.vocab_file={fixtures}/vocab.json",
+            "--set", f"data.merge_file={fixtures}/merges.txt"]
+    out = tmp_path / "d"
+    assert main(["submit", "--recipe", "tiny", "--dry-run", "--out", str(out), *sets,
+                 "--set", "model.vocab_size=256"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("megatron-hpc: error: model.vocab_size 256 is smaller than the 400 ids")
+    assert err[0].endswith("use --set model.vocab_size=400 (the planner pads it)")
+    assert not out.exists()
+    assert main(["submit", "--recipe", "tiny", "--dry-run", "--out", str(out), *sets,
+                 "--set", "model.vocab_size=50000", "--set", "data.merge_file=/nowhere/merges.txt"]) == 0
+    assert "the tokenizer of data.* was not checked against model.vocab_size" in capsys.readouterr().err

@@ -122,3 +122,15 @@ def test_samples_on_real_data(tmp_path: Path, capsys) -> None:
     rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert [r["index"] for r in rows] == [0, 1]
     assert all(len(r["tokens"]) == 8 and r["tokens"][1:] == r["labels"][:-1] for r in rows)
+
+
+def test_inspect_decodes_with_any_tokenizer(capsys) -> None:
+    folder = FIXTURES / "tokenizers"
+    sp = ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(folder / "sp_bpe.model")]
+    assert main(["data", "inspect", str(folder / "expected" / "sp"), "--json", *sp]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["peek"].startswith('def add(a, b):\n    """Return a + b."""')
+    hf = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(folder / "neox")]
+    assert main(["data", "inspect", str(folder / "expected" / "hf_neox"), "--json", *hf]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["peek"] == 'def add(a, b):\n    """Return a + b."""\n    return a + b\n<|endoftext|>'

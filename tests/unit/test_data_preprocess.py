@@ -114,10 +114,79 @@ def test_progress_reports_rates_and_eta(tmp_path: Path, monkeypatch: pytest.Monk
 def test_input_and_tokenizer_errors(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="not found"):
         preprocess(tmp_path / "missing.jsonl", output_prefix=tmp_path / "p", progress=None, **TOKENIZER)
-    with pytest.raises(DataError, match="not supported"):
+    with pytest.raises(DataError, match="BertWordPieceCase is not supported"):
+        preprocess(FIXTURES / "corpus.jsonl", output_prefix=tmp_path / "p", tokenizer_type="BertWordPieceCase",
+                   progress=None, **TOKENIZER)
+    with pytest.raises(DataError, match="Llama2Tokenizer needs --tokenizer-model"):
         preprocess(FIXTURES / "corpus.jsonl", output_prefix=tmp_path / "p", tokenizer_type="Llama2Tokenizer",
                    progress=None, **TOKENIZER)
     bad = tmp_path / "bad.jsonl.gz"
     bad.write_bytes(gzip.compress(b'{"text": "abc"}\n' * 100)[:-12])
     with pytest.raises(DataError, match="gzip"):
         preprocess(bad, output_prefix=tmp_path / "p", progress=None, **TOKENIZER)
+
+
+TOKENIZER_CASES = json.loads((FIXTURES / "tokenizers" / "cases.json").read_text())["cases"]
+
+
+def _case_args(case: dict, out: Path) -> list[str]:
+    flags = [f.replace("{dir}", str(FIXTURES / "tokenizers")) for f in case["ours"]]
+    return ["data", "preprocess", "--input", str(FIXTURES / "tokenizers" / case["input"]), "--output-prefix",
+            str(out / case["name"]), *flags]
+
+
+@pytest.mark.parametrize("case", TOKENIZER_CASES, ids=[c["name"] for c in TOKENIZER_CASES])
+def test_bytes_match_megatron_for_each_tokenizer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 case: dict) -> None:
+    """Megatron-LM's tools/preprocess_data.py wrote expected/ (tests/fixtures/make_tokenizer_expected.py)."""
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("sentencepiece")
+    if "--split-sentences" in case["ours"]:
+        pytest.importorskip("nltk")
+        monkeypatch.setenv("NLTK_DATA", str(FIXTURES / "tokenizers" / "nltk_data"))
+    from megatron_hpc.cli.main import main
+
+    workers = ["--workers", "2"] if case["name"] in ("sp_legacy", "hf_llama") else []
+    assert main([*_case_args(case, tmp_path), *workers]) == 0
+    level = "sentence" if "--split-sentences" in case["ours"] else "document"
+    for ext in ("bin", "idx"):
+        ours = (tmp_path / f"{case['name']}_text_{level}.{ext}").read_bytes()
+        assert ours == (FIXTURES / "tokenizers" / "expected" / f"{case['name']}.{ext}").read_bytes(), ext
+
+
+def test_gpt_neox_hftokenizer_flags_give_the_folder_bytes(tmp_path: Path) -> None:
+    """GPT-NeoX's `--tokenizer-type HFTokenizer --vocab-file tokenizer.json`: that folder's tokenizer adds no
+    special tokens and its EOD is <|endoftext|>, so the bytes are Megatron's for the folder."""
+    pytest.importorskip("tokenizers")
+    from megatron_hpc.cli.main import main
+
+    folder = FIXTURES / "tokenizers"
+    assert main(["data", "preprocess", "--input", str(folder / "corpus.jsonl"), "--output-prefix", str(tmp_path / "n"),
+                 "--tokenizer-type", "HFTokenizer", "--vocab-file", str(folder / "neox" / "tokenizer.json"),
+                 "--append-eod"]) == 0
+    for ext in ("bin", "idx"):
+        expected = (folder / "expected" / f"hf_neox.{ext}").read_bytes()
+        assert (tmp_path / f"n_text_document.{ext}").read_bytes() == expected
+
+
+def test_split_sentences_without_nltk_or_its_data_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              capsys) -> None:
+    import sys
+
+    from megatron_hpc.cli.main import main
+
+    args = ["data", "preprocess", "--input", str(FIXTURES / "corpus.jsonl"), "--output-prefix", str(tmp_path / "p"),
+            "--vocab-file", str(TOKENIZER["vocab_file"]), "--merge-file", str(TOKENIZER["merge_file"]),
+            "--split-sentences"]
+    pytest.importorskip("nltk")
+    assert main([*args, "--lang", "nosuchlanguage"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["megatron-hpc: error: --split-sentences needs nltk's punkt data for 'nosuchlanguage', which is "
+                   "not installed; pip install nltk && python -m nltk.downloader punkt_tab (or set NLTK_DATA to a "
+                   "folder holding tokenizers/punkt_tab/nosuchlanguage)"]
+    monkeypatch.setitem(sys.modules, "nltk", None)  # as if nltk were not installed: `import nltk` fails
+    assert main(args) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["megatron-hpc: error: --split-sentences needs nltk and its punkt_tab data; pip install nltk && "
+                   "python -m nltk.downloader punkt_tab"]
+    assert not list(tmp_path.iterdir())

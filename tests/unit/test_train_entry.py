@@ -13,13 +13,14 @@ import torch
 from megatron_hpc.checkpoint.loader import find_checkpoint, read_shard
 from megatron_hpc.config.schema import (
     CompilePhaseConfig,
+    DataConfig,
     ModelConfig,
     OptimConfig,
     ParallelConfig,
     RunConfig,
     TrainConfig,
 )
-from megatron_hpc.errors import PlanError, TrainingError
+from megatron_hpc.errors import DataError, PlanError, TrainingError
 from megatron_hpc.plan.planner import check_torchrun_world
 from megatron_hpc.run_folder import read_spec, write_spec
 from megatron_hpc.train.entry import plan_for_torchrun, run_training
@@ -150,3 +151,31 @@ def test_non_finite_steps_are_skipped_then_stop(tmp_path: Path, monkeypatch: pyt
     assert [r["num_skipped_iterations"] for r in rows] == [0, 1, 1]
     assert math.isfinite(rows[0]["lm_loss"])  # finite before the blow-up
     assert all(math.isnan(r["lm_loss"]) for r in rows[1:])  # no finite step was averaged in
+
+
+def test_a_vocabulary_smaller_than_the_tokenizer_is_refused_before_any_process_group(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The data's ids all fit 300 rows (the scan of the .bin would pass), but the tokenizer that made it has 400."""
+    import dataclasses
+
+    import numpy as np
+
+    from megatron_hpc.data.indexed import IndexedDatasetWriter
+
+    for var in TORCHRUN_VARS:
+        monkeypatch.delenv(var, raising=False)
+    fixtures = Path(__file__).resolve().parents[1] / "fixtures" / "preprocess"
+    prefix = str(tmp_path / "c_text_document")
+    with IndexedDatasetWriter(prefix, dtype=np.uint16) as writer:
+        for i in range(40):
+            writer.add_document(np.arange(i, i + 100, dtype=np.uint16))
+    data = DataConfig(path=prefix, vocab_file=str(fixtures / "vocab.json"), merge_file=str(fixtures / "merges.txt"))
+    cfg = dataclasses.replace(_tiny(num_steps=2), data=data)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=300))
+    with pytest.raises(DataError, match=r"^model.vocab_size 300 is smaller than the 400 ids of the tokenizer "
+                                        r"GPT2BPETokenizer \(.*vocab.json, .*merges.txt\).*"
+                                        r"use --set model.vocab_size=400 \(the planner pads it\)$"):
+        run_training(plan_for_torchrun(cfg), run_dir=tmp_path / "run")
+    assert not torch.distributed.is_initialized() and not (tmp_path / "run").exists()
+    fits = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=400))
+    assert run_training(plan_for_torchrun(fits), phase="compile", run_dir=tmp_path / "run") == 0
