@@ -93,6 +93,24 @@ def check_fits(folder: Path, manifest: Manifest, *, tensor_parallel: int, layout
         f"run with parallel.tensor={manifest.tensor_parallel} parallel.pipeline={saved.pipeline}")
 
 
+def foreign_message(folder: Path, *, root: Path | None = None) -> str:
+    """Why a checkpoint folder of another trainer is not loaded as it is, and the command that converts it (given
+    its save folder `root`, or the folder itself)."""
+    return (f"{folder} holds Megatron shards without our manifest.json: a checkpoint written by another trainer "
+            f"(the Neuron reference or Megatron-LM); convert it with `megatron-hpc ckpt convert {root or folder} "
+            "--to xser --out DIR` and set checkpoint.load=DIR")
+
+
+def is_foreign(folder: Path) -> bool:
+    """Whether `folder` holds mp_rank_* shards but no manifest of ours: our saves rename a folder to its final name
+    only after writing the manifest, so such a folder was written by another trainer."""
+    try:
+        return not (folder / paths.MANIFEST).exists() and any(
+            paths.parse_rank_dirname(p.name) is not None and p.is_dir() for p in folder.iterdir())
+    except OSError:
+        return False
+
+
 def check_before_queue(root: Path, *, tensor_parallel: int, layout: PipelineLayout) -> None:
     """The pre-queue form of the loader's check: the checkpoint the tracker under `root` names, when there is one
     with a readable manifest (anything less is left to the trainer, which falls back or starts fresh)."""
@@ -103,6 +121,8 @@ def check_before_queue(root: Path, *, tensor_parallel: int, layout: PipelineLayo
     if named is None:
         return
     folder = paths.iteration_dir(root, named)
+    if is_foreign(folder):
+        raise CheckpointError(foreign_message(folder, root=root))
     try:
         manifest = read_manifest(folder)
     except CheckpointError:

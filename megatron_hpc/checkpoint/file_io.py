@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from megatron_hpc.checkpoint import safe_pickle
 from megatron_hpc.checkpoint.manifest import FileRecord
 from megatron_hpc.errors import CheckpointAccessError, CheckpointError
 
@@ -39,6 +40,8 @@ CHUNK = 4 << 20
 """Bytes checksummed and then written or read at a time: small enough to still be in cache for the second pass."""
 _SMALL = 64 << 10
 """Records smaller than this (zip headers, the pickle) are gathered and written together."""
+_MAX_FOREIGN = 64
+"""Distinct Megatron classes answered by stand-ins in one file before it is refused."""
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # zip local file header, 30 bytes (APPNOTE 4.3.7)
 
 
@@ -131,19 +134,28 @@ def write_bytes_file(path: Path, data: bytes) -> Written:
 
 def safe_load(source: io.BytesIO | Path, *, what: Path, mmap: bool = False,
               allowed: tuple[type, ...] = ()) -> Any:
-    """torch.load that never runs code from the file (weights only, plus the `allowed` classes)."""
-    try:
-        with torch.serialization.safe_globals(list(allowed)):
-            return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
-    except PermissionError as exc:  # an OSError too, but no sign of damage
-        raise CheckpointAccessError(what, exc) from None
-    except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"{what} holds objects a checkpoint may not contain, so it was not loaded "
-                              f"(nothing in it ran): {first}") from None
-    except (RuntimeError, EOFError, ValueError, OSError) as exc:
-        raise CheckpointError(f"{what} is not a readable torch file ({type(exc).__name__}: "
-                              f"{str(exc).strip()[:200]}); it is truncated or damaged") from None
+    """torch.load that never runs code from the file: weights only, plus what Megatron-family checkpoints hold
+    (safe_pickle.py) and the `allowed` classes. Megatron's own classes come back as inert ForeignObjects."""
+    foreign: list[str] = []
+    while True:
+        try:
+            if isinstance(source, io.BytesIO):
+                source.seek(0)
+            with torch.serialization.safe_globals(safe_pickle.allowed_globals(allowed, tuple(foreign))):
+                return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
+        except PermissionError as exc:  # an OSError too, but no sign of damage
+            raise CheckpointAccessError(what, exc) from None
+        except pickle.UnpicklingError as exc:
+            # A class of Megatron's (an enum in `args`): answer it with a stand-in and read the file again. The
+            # refusal comes when the global is named, before anything is called, and `args` comes first.
+            name = safe_pickle.refused_global(str(exc))
+            if name and safe_pickle.is_foreign(name) and name not in foreign and len(foreign) < _MAX_FOREIGN:
+                foreign.append(name)
+                continue
+            raise CheckpointError(safe_pickle.refusal(what, str(exc))) from None
+        except (RuntimeError, EOFError, ValueError, OSError) as exc:
+            raise CheckpointError(f"{what} is not a readable torch file ({type(exc).__name__}: "
+                                  f"{str(exc).strip()[:200]}); it is truncated or damaged") from None
 
 
 def _read_into(fd: int, view: memoryview, offset: int, crc: int) -> int:

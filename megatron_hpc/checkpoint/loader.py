@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_hpc.checkpoint import paths
-from megatron_hpc.checkpoint.compat import PipelineLayout, check_fits
+from megatron_hpc.checkpoint.compat import PipelineLayout, check_fits, foreign_message, is_foreign
 from megatron_hpc.checkpoint.manifest import Manifest, read_manifest
 from megatron_hpc.checkpoint.ranks import RankInfo
 from megatron_hpc.checkpoint.saver import complete_iterations
@@ -77,6 +77,12 @@ def find_checkpoint(root: Path, *, quiet: bool = False) -> FoundCheckpoint | Non
             _warn(f"{tracker} names {folder.name}, which is missing or incomplete; loading {candidate.name}, "
                   "the newest complete checkpoint before it", quiet=quiet)
             return FoundCheckpoint(folder=candidate, manifest=manifest)
+    if is_foreign(folder):  # shards but no manifest: nothing of ours died there, another trainer wrote it
+        raise CheckpointError(foreign_message(folder, root=root))
+    if folder.exists():  # files we could not use are no reason to throw the checkpoint away: no advice to delete
+        raise CheckpointError(f"{tracker} names {folder.name}, which has no valid {paths.MANIFEST}, and {root} has no "
+                              "complete checkpoint before it; restore that folder from a copy, or point "
+                              "checkpoint.load at another checkpoint folder")
     raise CheckpointError(f"{tracker} names {folder.name}, which is missing or incomplete, and {root} has no "
                           "complete checkpoint before it; delete the tracker to start from scratch")
 

@@ -22,6 +22,7 @@ RELEASE = "release"
 
 _ITER_RE = re.compile(r"^iter_(\d{7,})$")
 _TMP_RE = re.compile(r"^iter_(\d{7,})\.tmp-[0-9a-z]+$")
+_RANK_RE = re.compile(r"^mp_rank_(\d{2,})(?:_(\d{3,}))?(?:_(\d{3,}))?$")
 
 
 def iteration_dirname(iteration: int) -> str:
@@ -45,6 +46,16 @@ def rank_dirname(tp_rank: int, pp_rank: int = 0, *, pp_size: int = 1) -> str:
     if pp_size == 1:
         return f"mp_rank_{tp_rank:02d}"
     return f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+
+
+def parse_rank_dirname(name: str) -> tuple[int, int | None, int | None] | None:
+    """(tp, pp, ep) of 'mp_rank_TT[_PPP[_EEE]]' (pp and ep None when absent; EEE is Megatron's expert-parallel
+    rank), None for any other name."""
+    match = _RANK_RE.match(name)
+    if match is None:
+        return None
+    tp, pp, ep = match.groups()
+    return int(tp), None if pp is None else int(pp), None if ep is None else int(ep)
 
 
 def main_file(ckpt_dir: Path, tp_rank: int, pp_rank: int = 0, *, pp_size: int = 1) -> Path:

@@ -238,10 +238,13 @@ def reshard(whole: WholeCheckpoint, *, tp: int, pp: int = 1, virtual: int = 1, f
             full[name] = tp_layout.repad_vocab(full[name], vocab_size=vocab, padded=padded)
     models = pp_layout.split_grid(full, tp=tp, layout=layout, num_layers=layers)
     note, optimizers = "", None
-    try:
-        optimizers = _reshard_optimizer(whole, models, vocab=vocab, padded=padded)
-    except (KeyError, ValueError, TypeError, IndexError, CheckpointError) as exc:
-        note = f"the optimizer state could not be resharded ({exc}); a resumed run starts Adam's moments at zero"
+    if not all("optimizer" in s for row in whole.grid for s in row):
+        note = "the checkpoint holds no optimizer state; a resumed run starts Adam's moments at zero"
+    else:
+        try:
+            optimizers = _reshard_optimizer(whole, models, vocab=vocab, padded=padded)
+        except (KeyError, ValueError, TypeError, IndexError, CheckpointError) as exc:
+            note = f"the optimizer state could not be resharded ({exc}); a resumed run starts Adam's moments at zero"
     grid = []
     for p, row in enumerate(models):
         states = []

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_hpc.checkpoint import paths
-from megatron_hpc.checkpoint.compat import PipelineLayout
+from megatron_hpc.checkpoint.compat import PipelineLayout, foreign_message, is_foreign
 from megatron_hpc.checkpoint.loader import FoundCheckpoint, find_checkpoint, read_shard
 from megatron_hpc.checkpoint.manifest import read_manifest
 from megatron_hpc.checkpoint.ranks import RankInfo
@@ -67,6 +67,8 @@ def _locate(path: Path, *, iteration: int | None) -> FoundCheckpoint:
     if (path / paths.MANIFEST).is_file():
         return FoundCheckpoint(folder=path, manifest=read_manifest(path))
     found = find_checkpoint(path) if path.is_dir() else None
+    if found is None and is_foreign(path):
+        raise CheckpointError(foreign_message(path))
     if found is None:
         raise CheckpointError(f"{path} holds no complete checkpoint (no {paths.TRACKER} naming a folder with a "
                               f"{paths.MANIFEST}); pass the folder a run saved into")

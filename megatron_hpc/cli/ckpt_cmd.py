@@ -1,27 +1,54 @@
-"""`megatron-hpc ckpt inspect | convert | reshard`: look into a checkpoint, export it to Hugging Face or the other
-file format, or change its TP and PP sizes."""
+"""`megatron-hpc ckpt inspect | convert | reshard`: look into a checkpoint (ours, or one of the Neuron reference,
+Megatron-LM or megatron-core), make one of those ours, export it to Hugging Face or the other file format, or change
+its TP and PP sizes."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 
+class _IntermixedParser(argparse.ArgumentParser):
+    """Positionals may follow options: `convert SRC --to xser OUT` fills the optional OUT (plain argparse would
+    leave it unrecognised, having matched OUT's absence right after SRC)."""
+
+    _inner = False
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        if self._inner:  # parse_known_intermixed_args calls back here, twice
+            return super().parse_known_args(args, namespace)
+        self._inner = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._inner = False
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="ckpt_command", metavar="SUBCOMMAND", required=True)
+    sub = parser.add_subparsers(dest="ckpt_command", metavar="SUBCOMMAND", required=True,
+                                parser_class=_IntermixedParser)
     p = sub.add_parser("inspect", help="iteration, mesh and tensors (name, shape, dtype) of a checkpoint")
     p.add_argument("path", type=Path, help="checkpoint folder (with the tracker), iter_XXXXXXX folder, "
                                            "or a model_optim_rng.pt file (ours or torch_xla's)")
     p.add_argument("--verify", action="store_true", help="check every file's size and checksum (reads all data)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
-    c = sub.add_parser("convert", help="a Hugging Face GPT2LMHeadModel folder (--to hf), or the checkpoint in the "
-                                       "other file format (--to torch|xser)")
+    c = sub.add_parser("convert", help="a checkpoint of ours or of the Neuron reference / Megatron-LM / megatron-core "
+                                       "as ours (--to torch|xser, optionally at --tp N --pp M), or a Hugging Face "
+                                       "GPT2LMHeadModel folder (--to hf)")
     c.add_argument("path", type=Path, help="checkpoint folder (the tracker picks the iteration) or iter_XXXXXXX folder")
     c.add_argument("--to", required=True, choices=("hf", "torch", "xser"), help="what to write")
-    c.add_argument("out", type=Path, help="output folder")
+    c.add_argument("out", type=Path, nargs="?", help="output folder (or --out)")
+    c.add_argument("--out", dest="out_option", type=Path, metavar="OUT", help="output folder")
+    c.add_argument("--tp", "--tensor-parallel", dest="tp", type=int,
+                   help="write at this TP size (default: the source's); not with --to hf")
+    c.add_argument("--pp", "--pipeline-parallel", dest="pp", type=int,
+                   help="write at this PP size, layers split evenly (default: the source's); not with --to hf")
+    c.add_argument("--vocab-size", type=int, help="the tokenizer's true vocabulary, when a checkpoint of another "
+                                                  "trainer records only the padded size")
     c.add_argument("--iteration", type=int, help="convert this iteration instead of the tracker's")
     c.add_argument("--json", action="store_true", help="print JSON")
 
@@ -45,8 +72,11 @@ def format_summary(s: dict[str, Any]) -> str:
     def show(value: Any) -> str:
         return "?" if value is None else str(value)
 
-    lines = [f"checkpoint  {s['path']}",
-             f"iteration   {show(s['iteration'])} ({s['format']})",
+    lines = [f"checkpoint  {s['path']}"]
+    if s.get("family"):
+        lines.append(f"written by  {s['family']}" + (f" (checkpoint_version {s['checkpoint_version']})"
+                                                     if s.get("checkpoint_version") is not None else ""))
+    lines += [f"iteration   {show(s['iteration'])} ({s['format']})",
              f"mesh        tp {show(s['tensor_parallel'])} pp {show(s.get('pipeline_parallel'))}"
              f"{_virtual(s)} dp {show(s['data_parallel'])} world {show(s['world_size'])}"]
     if s.get("files") is not None:
@@ -87,31 +117,71 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _convert(args: argparse.Namespace) -> int:
-    from megatron_hpc.checkpoint.tools import convert_format
-    from megatron_hpc.checkpoint.whole import read_whole
+def _out(args: argparse.Namespace) -> Path:
+    from megatron_hpc.errors import CheckpointError
 
-    whole = read_whole(args.path, iteration=args.iteration)
-    tokenizer: list[str] | None = None
-    if args.to == "hf":
-        written, tokenizer = _export_hf(whole, args.out)
+    given = [p for p in (args.out, args.out_option) if p is not None]
+    if len(given) != 1:
+        raise CheckpointError("say once where to write: ckpt convert SRC --to FORMAT --out DIR (or SRC OUT)")
+    return given[0]
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from megatron_hpc.checkpoint.foreign import foreign_folder, read_foreign
+    from megatron_hpc.checkpoint.importer import import_foreign
+    from megatron_hpc.checkpoint.paths import iteration_dir
+    from megatron_hpc.checkpoint.whole import read_whole
+    from megatron_hpc.errors import CheckpointError
+
+    source, out = args.path, _out(args)
+    if args.to == "hf" and (args.tp is not None or args.pp is not None):
+        raise CheckpointError("--tp and --pp choose the layout of a Megatron checkpoint; a Hugging Face folder has "
+                              "none, drop them")
+    folder = foreign_folder(source if args.iteration is None else iteration_dir(source, args.iteration))
+    notes: list[str] = []
+    family = "megatron-hpc"
+    if folder is not None:
+        imported = import_foreign(read_foreign(folder), vocab_size=args.vocab_size)
+        whole, family, notes = imported.whole, imported.family, list(imported.notes)
     else:
-        written = convert_format(whole, to=args.to, out=args.out)
-    report = {"source": str(whole.found.folder), "iteration": whole.iteration, "to": args.to, "out": str(args.out),
-              "tensor_parallel": whole.tensor_parallel, "written": str(written)}
+        if args.vocab_size is not None:
+            raise CheckpointError("--vocab-size is for checkpoints of other trainers; ours record their vocabulary")
+        whole = read_whole(source, iteration=args.iteration)
+    report = {"source": str(whole.found.folder), "family": family, "iteration": whole.iteration, "to": args.to,
+              "out": str(out), "from_tp": whole.tensor_parallel, "from_pp": whole.pipeline_parallel}
     if args.to == "hf":
-        report["tokenizer"] = tokenizer
-    print(json.dumps(report, indent=1) if args.json else
-          f"converted {whole.found.folder} (iteration {whole.iteration}, tp {whole.tensor_parallel}) to {args.to}: "
-          f"{written}")
+        written, report["tokenizer"] = _export_hf(whole, out)
+        tp, pp = whole.tensor_parallel, whole.pipeline_parallel
+    elif folder is None and args.tp is None and args.pp is None:
+        from megatron_hpc.checkpoint.tools import convert_format
+
+        written, tp, pp = convert_format(whole, to=args.to, out=out), whole.tensor_parallel, whole.pipeline_parallel
+    else:
+        from megatron_hpc.checkpoint.tools import reshard
+
+        tp = whole.tensor_parallel if args.tp is None else args.tp
+        pp = whole.pipeline_parallel if args.pp is None else args.pp
+        result = reshard(whole, tp=tp, pp=pp, out=out, fmt=args.to)
+        written, report["optimizer"] = result.folder, result.optimizer
+        if result.note and not any("Adam" in n for n in notes):
+            notes.append(result.note)
+    report.update(tensor_parallel=tp, pipeline_parallel=pp, written=str(written), notes=notes)
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        sets = "" if args.to == "hf" else (f"; continue from it with checkpoint.load={out} parallel.tensor={tp} "
+                                          f"parallel.pipeline={pp}")
+        at = "" if args.to == "hf" else f" at tp {tp} x pp {pp}"
+        print(f"converted {whole.found.folder} ({family}, iteration {whole.iteration}, tp {whole.tensor_parallel} x "
+              f"pp {whole.pipeline_parallel}) to {args.to}{at}: {written}{sets}")
+    for note in notes:
+        print(f"megatron-hpc: warning: {note}", file=sys.stderr)
     return 0
 
 
 def _export_hf(whole: Any, out: Path) -> tuple[Path, list[str] | None]:
     """The model, and the run's tokenizer when it has one (else a note on stderr): the weights file and the
     tokenizer files written (None without a tokenizer)."""
-    import sys
-
     from megatron_hpc.checkpoint.tools import export_hf, tokenizer_files
     from megatron_hpc.data.tokenizer import EOD_TOKEN, GPT2BPETokenizer
     from megatron_hpc.errors import DataError
@@ -171,7 +241,5 @@ def _reshard(args: argparse.Namespace) -> int:
               f"{layout.describe()}: {result.folder} (optimizer {result.optimizer}); resume with "
               f"checkpoint.load={out} and {sets}")
     if result.note:
-        import sys
-
         print(f"megatron-hpc: warning: {result.note}", file=sys.stderr)
     return 0

@@ -202,7 +202,17 @@ class CheckpointConfig:
     save: str | None = None
     """Checkpoint folder (Megatron layout); None means <run folder>/checkpoints."""
     load: str | None = None
-    """Folder to resume from; None means the save folder (a requeued job resumes by itself)."""
+    """Folder to start from; None means the save folder (a requeued job resumes by itself). When it differs from the
+    save folder, it is read only until this run has saved a checkpoint of its own: a restart resumes from that."""
+    finetune: bool = False
+    """Megatron's --finetune: take only the weights of the checkpoint in `load` and start at iteration 0, with a fresh
+    optimizer, LR schedule, data position and RNG (a restart after this run's first save resumes from that save)."""
+    load_optim: bool = True
+    """False is Megatron's --no-load-optim: Adam's moments and fp16's loss scale start afresh; the iteration, LR
+    position and consumed samples still come from the checkpoint in `load`."""
+    load_rng: bool = True
+    """False is Megatron's --no-load-rng: the random generators keep their train.seed seeding instead of the states
+    saved in the checkpoint in `load`."""
     save_interval: int = 0
     """Save every this many steps; 0 saves only at the end, on a signal or on the time budget."""
     keep_last: int = 2

@@ -62,6 +62,11 @@ class Checkpointer:
         # Which layers this pipeline rank's file holds: recorded at save, checked at load (checkpoint/compat.py).
         self.layout = PipelineLayout.of_run(plan=self.plan_json, config=self.config_json)
         self.save_root, self.load_root = save_root, load_root
+        self.source: Path | None = None
+        """Where restore() loads from: checkpoint.load, or this run's own save folder once it saved there."""
+        self.own = True
+        """Whether `source` is this run's own checkpoint (resumed fully), not checkpoint.load's (whose finetune,
+        load_optim and load_rng apply)."""
         self.last_saved = -1
         self.pending: AsyncSave | None = None
         """The asynchronous save whose files are being written (checkpoint.async_save)."""
@@ -81,54 +86,84 @@ class Checkpointer:
         if self.ctx.is_first_rank:
             print(message, file=self.out, flush=True)
 
+    def _choose(self) -> Path | None:
+        """checkpoint.load, unless this run already saved into a different save folder: then its own checkpoint."""
+        separate = (self.save_root is not None and self.load_root is not None
+                    and self.save_root.resolve() != self.load_root.resolve())
+        if separate and find_checkpoint(self.save_root, quiet=True) is not None:
+            self.source, self.own = self.save_root, True
+        else:
+            self.source, self.own = self.load_root, not separate
+        return self.source
+
     def has_checkpoint(self) -> bool:
         """Whether restore() will load one (every rank reads the same tracker on the shared filesystem)."""
-        self.promised = self.load_root is not None and find_checkpoint(self.load_root, quiet=True) is not None
+        source = self._choose()
+        self.promised = source is not None and find_checkpoint(source, quiet=True) is not None
         return self.promised
 
     def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState) -> TrainState:
         """Load the newest complete checkpoint into model, optimizer, RNG and `state`; `state` as it was without one.
 
         The model was built without its random initialisation when has_checkpoint() said so; a
-        checkpoint that cannot be loaded then is an error, never a silent fresh start.
+        checkpoint that cannot be loaded then is an error, never a silent fresh start. A checkpoint from
+        checkpoint.load follows checkpoint.finetune, load_optim and load_rng; the run's own is resumed fully.
         """
-        if self.load_root is None:
+        source = self.source if self.source is not None else self._choose()
+        if source is None:
             return state
-        loaded = load_checkpoint(self.load_root, ranks=self.ranks, io_workers_per_node=self.ckpt.io_workers_per_node,
+        loaded = load_checkpoint(source, ranks=self.ranks, io_workers_per_node=self.ckpt.io_workers_per_node,
                                  layout=self.layout)
         if loaded is None:
             if self.promised:  # the weights were never initialised: training on them would be garbage
-                raise CheckpointError(f"the checkpoint found in {self.load_root} at start-up disappeared before it "
+                raise CheckpointError(f"the checkpoint found in {source} at start-up disappeared before it "
                                       "was loaded; check that nothing else writes there, and resubmit")
             return state
         found, saved = loaded
+        finetune = self.ckpt.finetune and not self.own
+        load_optim = self.own or (self.ckpt.load_optim and not finetune)
+        load_rng = self.own or (self.ckpt.load_rng and not finetune)
         where = found.folder
         saved_gbs = saved_global_batch(saved)
-        if saved_gbs is not None and saved_gbs != self.global_batch_size:
+        if not finetune and saved_gbs is not None and saved_gbs != self.global_batch_size:
             raise CheckpointError(f"{where} was trained with global_batch_size {saved_gbs}, this run has "
                                   f"{self.global_batch_size}; the data order depends on it, so keep "
-                                  f"train.global_batch_size={saved_gbs}")
-        progress = read_progress(saved, where=where)
-        rng = RngState.from_megatron(read_rng(saved, dp_rank=self.ctx.dp_rank, where=where), where=where)
+                                  f"train.global_batch_size={saved_gbs}, or set checkpoint.finetune=true to start "
+                                  "from its weights at iteration 0")
+        progress = Progress(iteration=0, consumed_samples=0, lr_steps=0) if finetune else read_progress(saved,
+                                                                                                       where=where)
+        rng = self._saved_rng(saved, where=where) if load_rng else None
         try:
             model.load_state_dict(saved["model"])
-            if "optimizer" in saved:
+            if load_optim and "optimizer" in saved:
                 # by parameter name: a resharded checkpoint lists a stage's weights in the PP=1 model's order
                 optimizer.load_state_dict(for_model(saved["optimizer"], saved_model=saved["model"],
                                                     live_model=model.state_dict()))
-            else:  # `ckpt reshard` could not move it
+            elif load_optim:  # `ckpt reshard` or `ckpt convert` could not move it
                 self._print(f"megatron-hpc: warning: {where} has no optimizer state; Adam's moments start at zero")
-            if state.scaler is not None and "grad_scaler" in saved:
+            if load_optim and state.scaler is not None and "grad_scaler" in saved:
                 state.scaler.load_state_dict(saved["grad_scaler"])
         except (KeyError, IndexError, TypeError, RuntimeError, ValueError) as exc:
             raise CheckpointError(f"{where} does not fit this model or optimizer ({type(exc).__name__}: "
                                   f"{str(exc)[:300]}); check model.* against its resolved_config") from None
-        rng.restore(self.device)
+        if rng is not None:
+            rng.restore(self.device)
         self.last_saved = progress.iteration
-        self._print(f"> loaded checkpoint {where} at iteration {progress.iteration} "
-                    f"({progress.consumed_samples} samples consumed)")
+        self._print(f"> loaded checkpoint {where} at iteration {found.iteration} " + (
+            "(weights only, starting at iteration 0: checkpoint.finetune)" if finetune else
+            f"({progress.consumed_samples} samples consumed"
+            + ("" if load_optim else ", optimizer afresh: checkpoint.load_optim=false")
+            + ("" if load_rng else ", RNG from train.seed: checkpoint.load_rng=false") + ")"))
         return TrainState(step=progress.iteration, consumed_samples=progress.consumed_samples,
                           lr_steps=progress.lr_steps, scaler=state.scaler, rng=rng)
+
+    def _saved_rng(self, saved: dict[str, Any], *, where: Path) -> RngState | None:
+        """This DP rank's RNG states; None, with a warning, for a converted checkpoint whose source kept none."""
+        if "converted_from" in saved and "torch_rng_state" not in saved and not saved.get("rng_state"):
+            self._print(f"megatron-hpc: warning: {where} holds no RNG state (its source saved none); the random "
+                        "generators keep their train.seed seeding")
+            return None
+        return RngState.from_megatron(read_rng(saved, dp_rank=self.ctx.dp_rank, where=where), where=where)
 
     def _rng_per_dp_rank(self, mine: dict[str, Any]) -> list[dict[str, Any]]:
         if self.ctx.dp_size == 1 or self.device.kind == "xla":

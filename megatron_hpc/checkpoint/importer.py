@@ -1,0 +1,384 @@
+"""A Megatron-family checkpoint as ours: every rank's weights, Adam moments, progress and RNG under our names, at the
+source's TP x PP, ready for tools.reshard to write at any TP x PP (and re-pad the vocabulary).
+
+Per rank: the model (each virtual chunk) is renamed (foreign_keys.py), its stage-local layer numbers made global
+(chunks in Megatron's order: chunk 0 of every pipeline rank, then chunk 1, ...), QKV rows put in our order, and the
+weights made fp32 (the fp32 master copies of a 16-bit run when it kept them). The optimizer's positions become names
+(foreign_optim.py) and then our trainer's positions. Progress: iteration, consumed samples (the reference's flat
+keys or Megatron-LM's `args`), and the LR position: the scheduler's num_steps counts samples (Megatron steps it by
+the global batch after every applied update), so applied steps = num_steps / global batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megatron_hpc.checkpoint import foreign_keys, foreign_optim, optim_layout, pp_layout, tp_layout
+from megatron_hpc.checkpoint.foreign import OURS, ForeignCheckpoint, arg
+from megatron_hpc.checkpoint.loader import FoundCheckpoint
+from megatron_hpc.checkpoint.manifest import Manifest
+from megatron_hpc.checkpoint.whole import WholeCheckpoint
+from megatron_hpc.errors import CheckpointError
+
+GPT2_VOCAB = 50257
+"""The GPT-2 BPE vocabulary (Megatron's GPT2BPETokenizer), when a checkpoint records only the padded size."""
+_LAYER_KEYS = ("ln_1.weight", "ln_1.bias", "attn.qkv.weight", "attn.qkv.bias", "attn.proj.weight", "attn.proj.bias",
+               "ln_2.weight", "ln_2.bias", "mlp.fc.weight", "mlp.fc.bias", "mlp.proj.weight", "mlp.proj.bias")
+# Architecture switches in Megatron's args that our GPT cannot follow: (arg, its harmless value, what it means).
+_UNSUPPORTED = (("swiglu", False, "SwiGLU MLPs"), ("num_experts", None, "mixture-of-experts layers"),
+                ("normalization", "LayerNorm", "another normalization than LayerNorm"),
+                ("apply_residual_connection_post_layernorm", False, "residuals taken after the LayerNorm"),
+                ("add_bias_linear", True, "bias-free linear layers"))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Imported:
+    whole: WholeCheckpoint
+    family: str
+    notes: list[str] = field(default_factory=list)
+    """What was not carried over, and why (one line each)."""
+
+
+def _check_architecture(state: dict[str, Any], *, where: object) -> None:
+    for name, harmless, what in _UNSUPPORTED:
+        value = arg(state, name, harmless)
+        if value is not None and value != harmless:
+            raise CheckpointError(f"{where} was trained with {name}={value!r} ({what}), which our GPT does not "
+                                  "have; it cannot be converted")
+    heads, groups = arg(state, "num_attention_heads"), arg(state, "num_query_groups")
+    if arg(state, "group_query_attention", False) and groups not in (None, heads):
+        raise CheckpointError(f"{where} uses grouped-query attention ({groups} query groups for {heads} heads), "
+                              "which our GPT does not have; it cannot be converted")
+
+
+def _chunks(state: dict[str, Any], *, where: object) -> list[dict[str, Any]]:
+    """The model's virtual chunks: `model`, or `model0`, `model1`, ... (Megatron with virtual pipelining)."""
+    if "model" in state:
+        return [state["model"]]
+    count = sum(1 for k in state if isinstance(k, str) and k.startswith("model") and k[5:].isdigit())
+    if count == 0 or any(f"model{i}" not in state for i in range(count)):
+        raise CheckpointError(f"{where} has no model weights ('model' or 'model0', 'model1', ...); pass a checkpoint "
+                              "that holds the model")
+    return [state[f"model{i}"] for i in range(count)]
+
+
+def _renamed(src: ForeignCheckpoint, *, tied: bool) -> list[list[dict[str, torch.Tensor]]]:
+    """Every rank's weights under our names, layers numbered globally."""
+    files = src.files
+    counts: dict[tuple[int, int], int] = {}
+    local: list[list[list[dict[str, Any]]]] = []
+    for p, row in enumerate(src.grid):
+        local.append([])
+        for t, state in enumerate(row):
+            where = files.mains[(p, t)]
+            chunks = [foreign_keys.map_names(foreign_keys.flatten(c), family=src.family, tied=tied, where=where)
+                      for c in _chunks(state, where=where)]
+            for v, chunk in enumerate(chunks):
+                n = foreign_keys.num_layers(list(chunk))
+                if counts.setdefault((p, v), n) != n:
+                    raise CheckpointError(f"the TP shards of {files.folder} disagree: {where} holds {n} layers in "
+                                          f"chunk {v}, tp rank 0 {counts[(p, v)]}; they are not one model")
+            local[-1].append(chunks)
+    virtual = len(local[0][0])
+    offset, offsets = 0, {}
+    for v in range(virtual):  # Megatron's chunk order: chunk 0 of every stage, then chunk 1, ...
+        for p in range(len(local)):
+            offsets[(p, v)] = offset
+            offset += counts.get((p, v), 0)
+    return [[{foreign_keys.renumber(name, offsets[(p, v)]): t for v, chunk in enumerate(chunks)
+              for name, t in chunk.items()} for chunks in row] for p, row in enumerate(local)]
+
+
+def _check_tp_agree(row: list[dict[str, torch.Tensor]], *, where: object) -> None:
+    """The TP shards of one pipeline rank are one model: the same weights, split shapes alike, copies equal."""
+    names = sorted(row[0])
+    for t, shard in enumerate(row[1:], start=1):
+        if sorted(shard) != names:
+            extra = sorted(set(shard) ^ set(names))[:3]
+            raise CheckpointError(f"the TP shards of {where} disagree: tp rank {t} and rank 0 hold different weights "
+                                  f"({extra}); they are not one model")
+    for name in names:
+        first = row[0][name]
+        for t, shard in enumerate(row[1:], start=1):
+            other = shard[name]
+            if other.shape != first.shape:
+                raise CheckpointError(f"the TP shards of {where} disagree: {name} is {tuple(other.shape)} on tp rank "
+                                      f"{t} and {tuple(first.shape)} on rank 0; they are not one model")
+            if tp_layout.split_of(name) == "replicated":
+                a, b = first.float(), other.float()
+                diff = (a - b).abs().max().item() if a.numel() else 0.0
+                if not diff <= 1e-3 * (1.0 + a.abs().max().item()):
+                    raise CheckpointError(f"the TP shards of {where} disagree: {name}, a copy every TP rank holds, "
+                                          f"differs between tp ranks 0 and {t} (max {diff:.3g}); the shards are not "
+                                          "from one model and iteration")
+
+
+def _check_layers(model: dict[str, torch.Tensor], *, where: object) -> None:
+    layers = sorted({i for i in map(foreign_keys.layer_of, model) if i is not None})
+    for i in layers:
+        missing = [k for k in _LAYER_KEYS if f"h.{i}.{k}" not in model]
+        if missing:
+            raise CheckpointError(f"{where}: layer {i} has no {', '.join(missing[:3])} (bias-free linears or "
+                                  "RMSNorm?), which our GPT needs; it cannot be converted")
+
+
+def _progress(src: ForeignCheckpoint, notes: list[str]) -> tuple[int, int, int]:
+    """(iteration, consumed samples, applied LR steps)."""
+    state = src.first
+    release = src.folder.name == "release"
+    iteration = 0 if release else int(state.get("iteration", state.get("total_iters", 0)) or 0)
+    consumed = int(arg(state, "consumed_train_samples", 0) or 0)
+    sched = state.get("opt_param_scheduler", state.get("lr_scheduler"))
+    num_steps = sched.get("num_steps") if isinstance(sched, dict) else None
+    gbs = arg(state, "global_batch_size")
+    if not gbs and iteration and consumed and consumed % iteration == 0:
+        gbs = consumed // iteration  # the reference keeps no batch size; without ramp-up this is it
+    if num_steps is None or not gbs:
+        if iteration:
+            notes.append("the source records no global batch size for its LR position; a resumed run takes the "
+                         "iteration count as the applied steps")
+        return iteration, consumed, iteration
+    return iteration, consumed, int(num_steps) // int(gbs)
+
+
+def _rng(state: dict[str, Any], notes: list[str]) -> list[dict[str, Any]] | None:
+    """Megatron's RNG states (one per DP rank) in our form: lists for tuples, numpy's keys as ints; the CUDA
+    generator's state (the reference's is the CPU one again) is not carried: devices differ."""
+    per_rank = state.get("rng_state")
+    per_rank = per_rank if isinstance(per_rank, list) else ([state] if "torch_rng_state" in state else [])
+    out = []
+    try:
+        for rng in per_rank:
+            version, internal, gauss = rng["random_rng_state"]
+            name, keys, pos, has_gauss, cached = rng["np_rng_state"]
+            torch_state = rng["torch_rng_state"]
+            if not isinstance(torch_state, torch.Tensor):
+                raise TypeError("torch_rng_state is not a tensor")
+            out.append({"random_rng_state": [int(version), [int(k) for k in internal], gauss],
+                        "np_rng_state": [str(name), [int(k) for k in keys], int(pos), int(has_gauss), float(cached)],
+                        "torch_rng_state": torch_state.to(torch.uint8), "cuda_rng_state": None,
+                        "xla_rng_state": None})
+    except (KeyError, TypeError, ValueError) as exc:
+        notes.append(f"the source's RNG state was not understood ({type(exc).__name__}: {exc}); a resumed run "
+                     "uses its seed")
+        return None
+    if not out:
+        notes.append("the source holds no RNG state (--no-save-rng); a resumed run uses its seed")
+        return None
+    return out
+
+
+def _vocab(state: dict[str, Any], padded: int, given: int | None, notes: list[str]) -> int:
+    if given is not None:
+        if not 0 < given <= padded:
+            raise CheckpointError(f"--vocab-size {given} must be between 1 and the checkpoint's {padded} "
+                                  "embedding rows")
+        return given
+    recorded = arg(state, "vocab_size")
+    if isinstance(recorded, int) and 0 < recorded <= padded:
+        return recorded
+    if arg(state, "tokenizer_type") == "GPT2BPETokenizer" and padded >= GPT2_VOCAB:
+        return GPT2_VOCAB
+    notes.append(f"the true vocabulary size is not recorded; the {padded} embedding rows are all taken as tokens "
+                 "(pass --vocab-size to drop the padding)")
+    return padded
+
+
+def model_config(src: ForeignCheckpoint, full: dict[str, torch.Tensor], *, vocab_size: int | None,
+                 notes: list[str]) -> dict[str, Any]:
+    """Our model config (config/schema.py ModelConfig keys) of the whole model `full` and the source's arguments."""
+    state = src.first
+    heads = arg(state, "num_attention_heads")
+    if not isinstance(heads, int) or heads < 1:
+        raise CheckpointError(f"{src.files.mains[(0, 0)]} records no num_attention_heads; the QKV weights cannot be "
+                              "split into heads without it")
+    layers = foreign_keys.num_layers(list(full))
+    recorded = arg(state, "num_layers")
+    if recorded is not None and recorded != layers:
+        raise CheckpointError(f"{src.folder} holds {layers} layers but its arguments say num_layers={recorded}; "
+                              "shards are missing or the folder mixes checkpoints")
+    hidden = full["wte.weight"].shape[1]
+    if hidden % heads:
+        raise CheckpointError(f"{src.folder}: hidden size {hidden} is not a multiple of its {heads} heads")
+    padded = full["wte.weight"].shape[0]
+    rope = "wpe.weight" not in full
+    if rope and not (arg(state, "position_embedding_type") == "rope" or arg(state, "use_rotary_position_embeddings")):
+        raise CheckpointError(f"{src.folder} has no position embeddings and does not say it uses rotary ones; "
+                              "it cannot be converted")
+    base = arg(state, "rotary_base", 10000)
+    if rope and base != 10000:
+        raise CheckpointError(f"{src.folder} uses rotary base {base}; our GPT's rotary embeddings use 10000")
+    max_pos = full["wpe.weight"].shape[0] if not rope else int(arg(state, "max_position_embeddings")
+                                                                 or arg(state, "seq_length"))
+    cfg = {"num_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
+           "seq_length": int(arg(state, "seq_length") or max_pos), "max_position_embeddings": max_pos,
+           "vocab_size": _vocab(state, padded, vocab_size, notes),
+           "ffn_hidden_size": full["h.0.mlp.fc.weight"].shape[0] if layers else 4 * hidden,
+           "make_vocab_size_divisible_by": int(arg(state, "make_vocab_size_divisible_by", 128) or 128),
+           "position_embedding": "rope" if rope else "learned",
+           "rotary_percent": float(arg(state, "rotary_percent", 1.0) or 1.0),
+           "tie_embeddings": "lm_head.weight" not in full,
+           "init_method_std": float(arg(state, "init_method_std", 0.02) or 0.02),
+           "layernorm_epsilon": float(arg(state, "layernorm_epsilon", 1e-5) or 1e-5)}
+    cfg["seq_length"] = min(cfg["seq_length"], max_pos)
+    return cfg
+
+
+def _optimizers(src: ForeignCheckpoint, ranks: list[list[dict[str, torch.Tensor]]], *, version: float,
+                heads_per_shard: int, notes: list[str]) -> list[list[foreign_optim.ForeignOptimizer]] | None:
+    """Each rank's optimizer state by our names (QKV moments and masters in our row order); None, with a note, when
+    any rank's cannot be carried over."""
+    out = []
+    for p, row in enumerate(ranks):
+        out.append([])
+        for t, rank in enumerate(row):
+            state = src.grid[p][t]
+            if "optimizer" not in state:
+                notes.append("the source holds no optimizer state (--no-save-optim); a resumed run starts Adam's "
+                             "moments at zero")
+                return None
+            shapes = {n: w.shape for n, w in rank.items()}
+            try:
+                opt = foreign_optim.by_name(state["optimizer"], names=list(rank), shapes=shapes)
+            except (ValueError, KeyError, TypeError, IndexError) as exc:
+                notes.append(f"the source's optimizer state was not carried over: {exc}; a resumed run starts "
+                             "Adam's moments at zero")
+                return None
+            for name in [n for n in opt.moments if foreign_keys.is_qkv(n)]:
+                m = opt.moments[name]
+                for key in ("exp_avg", "exp_avg_sq"):
+                    m[key] = foreign_keys.qkv_to_ours(m[key], version=version, heads=heads_per_shard)
+            for name in [n for n in opt.masters if foreign_keys.is_qkv(n)]:
+                opt.masters[name] = foreign_keys.qkv_to_ours(opt.masters[name], version=version,
+                                                             heads=heads_per_shard)
+            out[-1].append(opt)
+    return out
+
+
+def _adam_groups(hyper: dict[str, Any]) -> list[dict[str, Any]]:
+    """Our trainer's two AdamW groups (weight decay, then none) with the source's settings."""
+    template = torch.optim.AdamW([torch.zeros(1)]).state_dict()["param_groups"][0]
+    decay = {**{k: v for k, v in template.items() if k != "params"}, **hyper}
+    decay["betas"] = tuple(decay["betas"])
+    return [decay, {**decay, "weight_decay": 0.0}]
+
+
+def _our_optimizer(opt: foreign_optim.ForeignOptimizer, model: dict[str, torch.Tensor],
+                   lr_steps: int) -> dict[str, Any]:
+    moments = {}
+    for name, m in opt.moments.items():
+        step = m["step"] if m["step"] is not None else lr_steps
+        step = float(step.item() if isinstance(step, torch.Tensor) else step)
+        moments[name] = {"step": torch.tensor(step, dtype=torch.float32), "exp_avg": m["exp_avg"].float().contiguous(),
+                         "exp_avg_sq": m["exp_avg_sq"].float().contiguous()}
+    return optim_layout.indexed(moments, model=model, groups=_adam_groups(opt.hyper))
+
+
+def import_foreign(src: ForeignCheckpoint, *, vocab_size: int | None = None) -> Imported:
+    """`src` as our WholeCheckpoint at its own TP x PP (in memory), with notes on what was not carried over."""
+    where = src.files.mains[(0, 0)]
+    if src.family == OURS:
+        raise CheckpointError(f"{src.folder} holds megatron-hpc shards but no manifest.json: a copy that lost it or "
+                              "a damaged folder; copy the checkpoint again, or pass an earlier iteration")
+    notes: list[str] = []
+    state = src.first
+    for p, row in enumerate(src.grid):
+        for t, s in enumerate(row):
+            for key in ("iteration", "checkpoint_version"):
+                if s.get(key) != state.get(key):
+                    raise CheckpointError(f"the TP x PP shards of {src.folder} disagree: {src.files.mains[(p, t)]} "
+                                          f"has {key} {s.get(key)!r}, {where} {state.get(key)!r}; they are not one "
+                                          "checkpoint")
+    _check_architecture(state, where=where)
+    tp, pp = src.files.tensor_parallel, src.files.pipeline_parallel
+    recorded = (arg(state, "tensor_model_parallel_size", arg(state, "model_parallel_size")),
+                arg(state, "pipeline_model_parallel_size", 1))
+    if None not in recorded and (int(recorded[0]), int(recorded[1])) != (tp, pp):
+        raise CheckpointError(f"{src.folder} holds tp {tp} x pp {pp} shards but its arguments say tp {recorded[0]} x "
+                              f"pp {recorded[1]}; shards are missing, copy them or pass another iteration")
+    version = float(state.get("checkpoint_version", 0) or 0)
+    heads = arg(state, "num_attention_heads")
+    if not isinstance(heads, int) or heads % tp:
+        raise CheckpointError(f"{where} records num_attention_heads={heads!r}, which tp {tp} does not divide; the "
+                              "checkpoint's arguments do not fit its shards")
+    untied = bool(arg(state, "untie_embeddings_and_output_weights", False))
+    ranks = _renamed(src, tied=not untied and not (pp == 1 and _has_output_layer(state)))
+    iteration, consumed, lr_steps = _progress(src, notes)
+    optimizers = _optimizers(src, ranks, version=version, heads_per_shard=heads // tp, notes=notes)
+    models: list[list[dict[str, torch.Tensor]]] = []
+    for p, row in enumerate(ranks):
+        models.append([])
+        for t, rank in enumerate(row):
+            masters = optimizers[p][t].masters if optimizers else {}
+            model = {}
+            for name, w in rank.items():
+                w = masters.get(name, foreign_keys.qkv_to_ours(w, version=version, heads=heads // tp)
+                                if foreign_keys.is_qkv(name) else w)
+                model[name] = w.detach().float().contiguous()
+            _check_layers(model, where=src.files.mains[(p, t)])
+            models[-1].append(model)
+        _check_tp_agree(models[-1], where=src.folder)
+    full = pp_layout.merge_grid(models)
+    cfg = model_config(src, full, vocab_size=vocab_size, notes=notes)
+    rng = _rng(state, notes)
+    scaler = optimizers[0][0].grad_scaler if optimizers else None
+    grid = []
+    for p, row in enumerate(models):
+        grid.append([])
+        for t, model in enumerate(row):
+            ordered = {n: model[n] for n in pp_layout.model_order(model)}
+            s = _state(src, cfg, ordered, iteration=iteration, consumed=consumed, lr_steps=lr_steps, rng=rng,
+                       scaler=scaler, version=version, padded=full["wte.weight"].shape[0])
+            if optimizers:
+                s["optimizer"] = _our_optimizer(optimizers[p][t], ordered, lr_steps)
+            grid[-1].append(s)
+    manifest = Manifest(iteration=iteration, format=src.files.format, tensor_parallel=tp, pipeline_parallel=pp,
+                        data_parallel=1, world_size=tp * pp)
+    return Imported(whole=WholeCheckpoint(found=FoundCheckpoint(folder=src.folder, manifest=manifest), grid=grid),
+                    family=src.family, notes=list(dict.fromkeys(notes)))
+
+
+def _has_output_layer(state: dict[str, Any]) -> bool:
+    return any("output_layer" in name for chunk in _chunks(state, where="") for name in foreign_keys.flatten(chunk))
+
+
+def _state(src: ForeignCheckpoint, cfg: dict[str, Any], model: dict[str, torch.Tensor], *, iteration: int,
+           consumed: int, lr_steps: int, rng: list[dict[str, Any]] | None, scaler: dict[str, Any] | None,
+           version: float, padded: int) -> dict[str, Any]:
+    """One rank's state in our checkpoint's keys (checkpoint/contents.py)."""
+    first = src.first
+    out: dict[str, Any] = {
+        "num_layers": cfg["num_layers"], "hidden_size": cfg["hidden_size"],
+        "num_attention_heads": cfg["num_attention_heads"],
+        "tensor_model_parallel_size": src.files.tensor_parallel,
+        "pipeline_model_parallel_size": src.files.pipeline_parallel,
+        "consumed_train_samples": consumed, "consumed_valid_samples": int(arg(first, "consumed_valid_samples", 0) or 0),
+        "max_position_embeddings": cfg["max_position_embeddings"],
+        "make_vocab_size_divisible_by": cfg["make_vocab_size_divisible_by"],
+        "padded_vocab_size": padded,
+        "tokenizer_type": arg(first, "tokenizer_type"), "checkpoint_version": 3.0, "iteration": iteration,
+        "model": model,
+        "lr_scheduler": {"successful_steps": lr_steps},
+        "resolved_config": {"model": cfg, "data": _data_config(first)},
+        "converted_from": {"family": src.family, "folder": str(src.folder), "format": src.files.format,
+                           "tensor_parallel": src.files.tensor_parallel,
+                           "pipeline_parallel": src.files.pipeline_parallel, "checkpoint_version": version,
+                           "iteration": iteration},
+    }
+    if rng is not None:
+        out.update(rng[0])
+        out["rng_state"] = rng
+    if scaler is not None and {"scale", "growth_tracker", "hysteresis_tracker"} <= set(scaler):
+        out["grad_scaler"] = {"scale": float(scaler["scale"]), "growth_tracker": int(scaler["growth_tracker"]),
+                              "hysteresis_tracker": int(scaler["hysteresis_tracker"])}
+    return out
+
+
+def _data_config(state: dict[str, Any]) -> dict[str, Any]:
+    """The tokenizer the source run named (for `ckpt convert --to hf`), when it says."""
+    out = {k: arg(state, k) for k in ("tokenizer_type", "vocab_file", "merge_file") if arg(state, k) is not None}
+    return {k: v for k, v in out.items() if isinstance(v, str)}
+
