@@ -18,6 +18,12 @@ CUDA). Blocked = the start (temp folder, host copy when made there, thread start
 before the optimizer step + the commit at the next save (manifest, rename, tracker); the main thread runs 1024^3
 matmuls as stand-in steps (`--step-matmuls` of them for a forward and backward) until the writer is done.
 Goal: async at most 0.1x sync.
+
+`--mode split` (issue 15): where one load's time goes. The checkpoint's own files, each part timed alone: reading
+the bytes (from the disk, cache dropped, IO_THREADS threads into reused buffers; and from the page cache, one thread:
+the copy alone), the checksum (zlib's and ours), the first write of fresh memory (what the loader allocates for the
+tensors) less a second write of it, and the unpickling of every file (torch.load mmap=True: dtype, shape, strides);
+then whole loads, warm and cold, and dd over the same files. All but the cold reads are one thread's CPU seconds.
 """
 
 from __future__ import annotations
@@ -28,16 +34,22 @@ import shutil
 import statistics
 import subprocess
 import time
+import zlib
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from megatron_hpc.checkpoint.async_save import AsyncSave
+from megatron_hpc.checkpoint.checksum import IMPLEMENTATION as CHECKSUM_IMPLEMENTATION
+from megatron_hpc.checkpoint.checksum import crc32
 from megatron_hpc.checkpoint.compat import PipelineLayout
+from megatron_hpc.checkpoint.file_io import CHUNK, safe_load
 from megatron_hpc.checkpoint.loader import load_checkpoint
 from megatron_hpc.checkpoint.ranks import RankInfo
 from megatron_hpc.checkpoint.saver import save_checkpoint
+from megatron_hpc.checkpoint.xser import IO_THREADS, TensorReference
 
 GIB = 1 << 30
 
@@ -146,13 +158,88 @@ def blocked(state: dict, *, work: Path, rounds: int, step_matmuls: int) -> None:
     shutil.rmtree(work, ignore_errors=True)
 
 
+def read_reusing(files: list[Path], *, threads: int) -> None:
+    """Every file's bytes, read into one reused buffer per file: the disk and the kernel's copy, no fresh memory."""
+    def one(path: Path) -> None:
+        buf = memoryview(bytearray(CHUNK))
+        with open(path, "rb", buffering=0) as fh:
+            while fh.readinto(buf):
+                pass
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        list(pool.map(one, files))
+
+
+def checksum_all(data: list[memoryview], crc: Callable[[memoryview, int], int]) -> None:
+    for view in data:
+        value = 0
+        for start in range(0, view.nbytes, CHUNK):
+            value = crc(view[start:start + CHUNK], value)
+
+
+def first_writes(sizes: list[int]) -> float:
+    """Seconds to allocate and write each size once, less a second write of the same memory: the page faults."""
+    t0 = time.perf_counter()
+    held = [torch.empty(n, dtype=torch.uint8).fill_(1) for n in sizes]
+    first = time.perf_counter() - t0
+    again = timed(lambda: [t.fill_(2) for t in held])
+    return first - again
+
+
+SPLIT_PARTS = ("dd read, cold (the files, one by one)", "read, cold (disk + copy, threads)",
+               "read, warm (page-cache copy)", "checksum, zlib.crc32", "checksum, ours",
+               "fresh memory faults (first write)", "unpickle (mmap=True, every file)",
+               "load_checkpoint, warm", "load_checkpoint, cold")
+
+
+def split(state: dict, *, work: Path, rounds: int) -> dict[str, list[float]]:
+    """Seconds of each part of a load (see the module docstring), `rounds` times."""
+    shutil.rmtree(work, ignore_errors=True)
+    folder = save_checkpoint(work, 10, state, ranks=RankInfo())
+    files = sorted(folder.rglob("*.pt"))
+    meta = [safe_load(f, what=f, mmap=True, allowed=(TensorReference,)) for f in files]
+    sizes = [m.untyped_storage().nbytes() for m in meta if torch.is_tensor(m)]
+    del meta
+    times: dict[str, list[float]] = {k: [] for k in SPLIT_PARTS}
+
+    def cold(fn: Callable[[], object]) -> float:
+        drop_caches()
+        return timed(fn)
+
+    for _ in range(rounds):
+        times["dd read, cold (the files, one by one)"].append(cold(lambda: [dd_read(f) for f in files]))
+        times["read, cold (disk + copy, threads)"].append(cold(lambda: read_reusing(files, threads=IO_THREADS)))
+        times["read, warm (page-cache copy)"].append(timed(lambda: read_reusing(files, threads=1)))
+        data = [memoryview(f.read_bytes()) for f in files]
+        times["checksum, zlib.crc32"].append(timed(lambda d=data: checksum_all(d, zlib.crc32)))
+        times["checksum, ours"].append(timed(lambda d=data: checksum_all(d, crc32)))
+        del data
+        times["fresh memory faults (first write)"].append(first_writes(sizes))
+        times["unpickle (mmap=True, every file)"].append(
+            timed(lambda: [safe_load(f, what=f, mmap=True, allowed=(TensorReference,)) for f in files]))
+        times["load_checkpoint, warm"].append(timed(lambda: load_checkpoint(work, ranks=RankInfo())))
+        times["load_checkpoint, cold"].append(cold(lambda: load_checkpoint(work, ranks=RankInfo())))
+    shutil.rmtree(work, ignore_errors=True)
+    return times
+
+
+def split_table(times: dict[str, list[float]], *, size: int) -> list[str]:
+    """One line a part: median seconds, GiB/s and seconds per GiB, then the runs."""
+    lines = []
+    for part, runs in times.items():
+        med = statistics.median(runs)
+        lines.append(f"{part:<40} {med:6.3f} s  {size / GIB / med if med > 0 else float('inf'):6.2f} GiB/s  "
+                     f"{med / (size / GIB):6.3f} s/GiB  ({', '.join(f'{t:.3f}' for t in runs)})")
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", type=Path, default=Path("ckpt-bench"), help="a folder on the disk to measure")
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--mode", choices=("io", "blocked"), default="io",
-                        help="io: save/load throughput against dd and torch; blocked: sync against async save")
+    parser.add_argument("--mode", choices=("io", "blocked", "split"), default="io",
+                        help="io: save/load throughput against dd and torch; blocked: sync against async save; "
+                             "split: where a load's time goes")
     parser.add_argument("--step-matmuls", type=int, default=10,
                         help="blocked: 1024^3 matmuls standing in for a step's forward and backward")
     args = parser.parse_args()
@@ -162,6 +249,11 @@ def main() -> int:
     print(f"state: {size / GIB:.2f} GiB in {len(state['model'])} weights + Adam moments; disk: {args.dir.resolve()}")
     if args.mode == "blocked":
         blocked(state, work=args.dir / "blocked", rounds=args.rounds, step_matmuls=args.step_matmuls)
+        return 0
+    if args.mode == "split":
+        times = split(state, work=args.dir / "split", rounds=args.rounds)
+        print(f"our checksum: {CHECKSUM_IMPLEMENTATION}'s crc32; the loader's I/O threads: {IO_THREADS}")
+        print("\n".join(split_table(times, size=size)))
         return 0
     times: dict[str, list[float]] = {k: [] for k in ("dd write", "dd read", "torch.save", "torch.load",
                                                      "ours save", "ours load")}

@@ -1,4 +1,4 @@
-"""One torch file between tensor memory and disk, checksummed on the way (zlib's crc32), with as few copies as we can.
+"""One torch file between tensor memory and disk, checksummed on the way (crc32), with as few copies as we can.
 
 Why: a checkpoint's time is bytes moved. Serialising each tensor into a buffer, hashing the buffer and then writing it
 costs two copies and a slow hash per byte (benchmarks/RESULTS.md, issue 5). Here:
@@ -14,7 +14,8 @@ costs two copies and a slow hash per byte (benchmarks/RESULTS.md, issue 5). Here
   strides without reading the data, and the result is a view of the fresh memory. Any other file (the main file, a
   file of several storages, a compressed or non-zip file) is read whole and loaded from memory, checksummed the same.
 
-zlib.crc32 and the reads and writes release the GIL, so the saver's and loader's threads overlap checksums with I/O.
+The checksum is zlib's crc32, computed by ISA-L (checksum.py: 3x faster, the same values). It and the reads and writes
+release the GIL, so the saver's and loader's threads overlap checksums with I/O.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import os
 import pickle
 import struct
 import zipfile
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from megatron_hpc.checkpoint import safe_pickle
+from megatron_hpc.checkpoint.checksum import crc32
 from megatron_hpc.checkpoint.manifest import FileRecord
 from megatron_hpc.errors import CheckpointAccessError, CheckpointError
 
@@ -83,7 +84,7 @@ class _WriteSink:
         return n
 
     def _out(self, view: memoryview) -> None:
-        self.crc = zlib.crc32(view, self.crc)
+        self.crc = crc32(view, self.crc)
         try:
             _write_all(self._fd, view)
         except OSError as exc:
@@ -129,7 +130,7 @@ def write_bytes_file(path: Path, data: bytes) -> Written:
         os.fsync(fd)
     finally:
         os.close(fd)
-    return Written(size=len(data), crc32=zlib.crc32(data))
+    return Written(size=len(data), crc32=crc32(data))
 
 
 def safe_load(source: io.BytesIO | Path, *, what: Path, mmap: bool = False,
@@ -166,7 +167,7 @@ def _read_into(fd: int, view: memoryview, offset: int, crc: int) -> int:
         got = os.preadv(fd, [piece], offset + done)
         if got == 0:
             raise EOFError(f"the file ended {view.nbytes - done} bytes early")
-        crc = zlib.crc32(piece[:got], crc)
+        crc = crc32(piece[:got], crc)
         done += got
     return crc
 
@@ -236,7 +237,7 @@ def read_torch_file(path: Path, *, expected: FileRecord | None = None, allowed: 
         os.close(fd)
     if len(data) != size:
         raise CheckpointError(f"{path} changed while it was read ({len(data)} of {size} bytes); load it again")
-    _check(path, size=size, crc=zlib.crc32(data), data=data, expected=expected)
+    _check(path, size=size, crc=crc32(data), data=data, expected=expected)
     return safe_load(io.BytesIO(data), what=path, allowed=allowed)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import struct
 import zipfile
 import zlib
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from megatron_hpc.checkpoint import paths
+from megatron_hpc.checkpoint.checksum import IMPLEMENTATION, crc32
 from megatron_hpc.checkpoint.file_io import CHUNK, read_torch_file, write_torch_file
 from megatron_hpc.checkpoint.loader import load_checkpoint
 from megatron_hpc.checkpoint.manifest import FileRecord
@@ -104,3 +106,38 @@ def test_filesystem_without_mmap_still_loads_the_checked_bytes(tmp_path: Path,
     rec = write_torch_file(tmp_path / "t.pt", t)
     back = read_torch_file(tmp_path / "t.pt", expected=FileRecord(size=rec.size, crc32=rec.crc32))
     assert torch.equal(back, t)
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 5 * 1024 + 3, CHUNK + 17])
+def test_checksum_is_zlibs_crc32(nbytes: int) -> None:
+    """The manifest's checksum (isal's when installed) gives zlib's values, whole and as a running value."""
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8).numpy().tobytes()
+    assert crc32(data) == zlib.crc32(data)
+    cut = nbytes // 3
+    assert crc32(data[cut:], crc32(data[:cut])) == zlib.crc32(data)
+    assert crc32(memoryview(data)[cut:], 0x1234abcd) == zlib.crc32(data[cut:], 0x1234abcd)
+
+
+def test_checksum_comes_from_isal() -> None:
+    assert IMPLEMENTATION == "isal", "isal is not installed (setup.cfg needs it): pip install -e . again"
+
+
+@pytest.mark.parametrize("where", ["first", "chunk edge", "middle", "last"])
+def test_altered_byte_of_a_multi_chunk_tensor_fails_the_crc_and_names_the_file(tmp_path: Path, where: str) -> None:
+    """The running checksum over the pieces a large tensor is read in catches a flip in any of them."""
+    ranks = RankInfo()
+    big = torch.randn(2 * CHUNK // 4 + 1001)  # three pieces, the last one ragged
+    folder = save_checkpoint(tmp_path, 3, {"iteration": 3, "model": {"w": big, "b": torch.ones(3)}}, ranks=ranks)
+    victim = folder / "mp_rank_00/model_optim_rng.pt.tensors/tensor_0.pt"
+    data = bytearray(victim.read_bytes())
+    with zipfile.ZipFile(victim) as zf:
+        info = next(i for i in zf.infolist() if "/data/" in i.filename)
+    name_len, extra_len = struct.unpack_from("<HH", data, info.header_offset + 26)  # zip local header (APPNOTE 4.3.7)
+    start = info.header_offset + 30 + name_len + extra_len
+    assert data[start:start + info.file_size] == big.numpy().tobytes()  # the data record lies where we flip
+    at = {"first": start, "chunk edge": start + CHUNK, "middle": start + info.file_size // 2,
+          "last": start + info.file_size - 1}[where]
+    data[at] ^= 0x40
+    victim.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"tensor_0\.pt has crc32 .* but the manifest says"):
+        load_checkpoint(tmp_path, ranks=ranks)
