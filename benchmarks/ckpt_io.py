@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -91,6 +92,19 @@ def timed(fn: Callable[[], object]) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
+
+
+def cpu_seconds() -> float:
+    """User + system CPU of this process (every thread) and of its finished children (dd)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def timed_cpu(fn: Callable[[], object]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of fn(): on a shared machine the CPU seconds move less than the wall."""
+    c = cpu_seconds()
+    wall = timed(fn)
+    return wall, cpu_seconds() - c
 
 
 def dd_write(path: Path, size: int) -> None:
@@ -257,6 +271,7 @@ def main() -> int:
         return 0
     times: dict[str, list[float]] = {k: [] for k in ("dd write", "dd read", "torch.save", "torch.load",
                                                      "ours save", "ours load")}
+    cpus: dict[str, list[float]] = {k: [] for k in times}
     ranks = RankInfo()
     for r in range(args.rounds):
         work = args.dir / f"round{r}"
@@ -271,14 +286,17 @@ def main() -> int:
             ("ours load", lambda w=work: load_checkpoint(w / "ours", ranks=ranks), False),
         ]
         for name, fn, then_drop in steps:
-            times[name].append(timed(fn))
+            wall, cpu = timed_cpu(fn)
+            times[name].append(wall)
+            cpus[name].append(cpu)
             if then_drop:  # the next step reads what this one wrote: from the disk, not the page cache
                 drop_caches()
         shutil.rmtree(work)
     rate = {k: size / GIB / statistics.median(v) for k, v in times.items()}
     for k, v in times.items():
         runs = ", ".join(f"{t:.2f}" for t in v)
-        print(f"{k:<11} median {statistics.median(v):6.2f} s  {rate[k]:5.2f} GiB/s   ({runs})")
+        print(f"{k:<11} median {statistics.median(v):6.2f} s  {rate[k]:5.2f} GiB/s  "
+              f"CPU {statistics.median(cpus[k]):5.2f} s   ({runs})")
     print(f"save: ours/torch.save {rate['ours save'] / rate['torch.save']:.2f}x (goal >= 2), "
           f"ours/dd {rate['ours save'] / rate['dd write']:.2f}x (goal >= 0.7)")
     print(f"load: ours/dd {rate['ours load'] / rate['dd read']:.2f}x (goal >= 0.8), "
