@@ -44,14 +44,24 @@ def model_for(cfg: RunConfig, ctx: Any) -> Any:
 
 
 def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """n distinct ports free now, from below the kernel's ephemeral range: a spawn uses its ports one run after
+    another, and gloo's own listeners (kernel-assigned, ephemeral) of an earlier run must not take a later run's."""
+    import random
+
+    low, _ = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    rng = random.Random()
+    ports: list[int] = []
+    while len(ports) < n:
+        port = rng.randrange(max(1024, low - 12000), low)
+        if port in ports:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+    return ports
 
 
 def _entry(rank: int, world: int, ports: list[int], fn: Callable[..., Any], args: tuple, out_dir: str) -> None:
