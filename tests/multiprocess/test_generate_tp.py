@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import mp_workers
 import pytest
 import torch.distributed as dist
-
-import mp_workers
 
 pytestmark = pytest.mark.multiprocess
 
