@@ -69,6 +69,10 @@ class TrainingError(MegatronHpcError):
     """Training cannot continue (NaN loss streak, bad feature combination)."""
 
 
+class GenerationError(MegatronHpcError):
+    """A generation request that cannot run: a prompt longer than the context, a bad sampling parameter."""
+
+
 def _user(uid: int) -> str:
     try:
         return pwd.getpwuid(uid).pw_name

@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "cache": ("megatron_hpc.cli.cache_cmd", "inspect, verify, prune and share the compile cache"),
     "train": ("megatron_hpc.cli.train_cmd", "per-rank training entry point (what torchrun starts)"),
     "ckpt": ("megatron_hpc.cli.ckpt_cmd", "inspect checkpoints"),
+    "generate": ("megatron_hpc.cli.generate_cmd", "continue prompts with a checkpoint (greedy or sampled, CPU)"),
     "data": ("megatron_hpc.cli.data_cmd", "preprocess, inspect and sample Megatron .bin/.idx datasets"),
 }
 

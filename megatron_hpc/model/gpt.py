@@ -144,6 +144,7 @@ class GPT(nn.Module):
         self.has_first = any(s.first for s in self.stages)
         self.has_last = any(s.last for s in self.stages)
         self.tied = cfg.tie_embeddings
+        self.vocab_size = cfg.vocab_size  # the real rows of the (padded) output layer, for generation
         h, std = cfg.hidden_size, cfg.init_method_std
         self.wte: VocabParallelEmbedding | None = None
         if self.has_first or (self.has_last and cfg.tie_embeddings):

@@ -33,9 +33,15 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the first cos.shape[-1] dims of x (B, nh, S, hd) by the tables' first S rows."""
-    rot = cos.shape[-1]
     s = x.shape[-2]
-    cos, sin = cos[:s].to(x.dtype), sin[:s].to(x.dtype)  # (S, rot), broadcast over B and nh
+    return rotate(x, cos[:s], sin[:s])  # (S, rot), broadcast over B and nh
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first cos.shape[-1] dims of x (B, nh, S, hd) by tables that broadcast against it: (S, rot) for
+    shared positions, (B, 1, S, rot) for per-row positions (generation with left-padded prompts)."""
+    rot = cos.shape[-1]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     if rot == x.shape[-1]:
         return x * cos + _rotate_half(x) * sin
     x_rot, x_pass = x[..., :rot], x[..., rot:]

@@ -1,0 +1,96 @@
+"""The generation loop: left-pad the prompts, prefill the KV cache, then choose and feed one token per step."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megatron_hpc.errors import GenerationError
+from megatron_hpc.generate.kv_cache import KVCache, cached_forward, check_generation_model, context_length
+from megatron_hpc.generate.sampling import SamplingParams, VocabShard, next_tokens
+from megatron_hpc.model.gpt import GPT
+
+PAD_ID = 0
+"""What fills the left padding: any real id does, the padding columns are masked out."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Generation:
+    prompt: list[int]
+    tokens: list[int]
+    """The new tokens, the stop token included when one ended the row."""
+    logprobs: list[float]
+    """log p(token) under the model for each new token (before temperature and truncation)."""
+    finish_reason: str
+    """"stop" (a stop token) or "length" (max_new_tokens reached)."""
+
+
+def check_prompts(prompts: Sequence[Sequence[int]], *, context: int, max_new_tokens: int, vocab_size: int) -> None:
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise GenerationError("every prompt needs at least one token")
+    for i, p in enumerate(prompts):
+        if len(p) > context:
+            raise GenerationError(f"prompt {i} is {len(p)} tokens, {len(p) - context} more than the model's "
+                                  f"context of {context}; shorten it")
+        if len(p) + max_new_tokens > context:
+            raise GenerationError(f"prompt {i} ({len(p)} tokens) plus {max_new_tokens} new tokens exceeds the "
+                                  f"model's context of {context} by {len(p) + max_new_tokens - context}; ask for at "
+                                  f"most {context - len(p)} new tokens")
+        bad = [t for t in p if not 0 <= t < vocab_size]
+        if bad:
+            raise GenerationError(f"prompt {i} holds token id {bad[0]}, outside the vocabulary [0, {vocab_size})")
+
+
+def vocab_shard(model: GPT) -> VocabShard:
+    owner = model.wte if model.lm_head is None else model.lm_head
+    start = model.wte.start if model.lm_head is None else model.tp_rank * owner.weight.shape[0]
+    group = model.group if model.tp_size > 1 else None
+    return VocabShard(start=start, vocab_size=model.vocab_size, group=group)
+
+
+@torch.no_grad()
+def generate(model: GPT, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
+    """Continue each prompt (token ids). Under TP every rank of the model's TP group calls this with the same
+    prompts and params, and every rank returns the same result."""
+    check_generation_model(model)
+    shard = vocab_shard(model)
+    check_prompts(prompts, context=context_length(model), max_new_tokens=params.max_new_tokens,
+                  vocab_size=shard.vocab_size)
+    device = model.ln_f.weight.device
+    longest = max(len(p) for p in prompts)
+    pad = torch.tensor([longest - len(p) for p in prompts], device=device)
+    ids = torch.tensor([[PAD_ID] * (longest - len(p)) + list(p) for p in prompts], device=device)
+    cache = KVCache.allocate(model, pad=pad, capacity=longest + params.max_new_tokens)
+    generator = None
+    if not params.greedy:
+        # a seedless request still draws the same on every rank until the broadcast settles it
+        generator = torch.Generator(device=device).manual_seed(
+            params.seed if params.seed is not None else secrets.randbits(63))
+    stops = torch.tensor(params.stop_tokens or [-1], device=device)
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    new: list[torch.Tensor] = []
+    logps: list[torch.Tensor] = []
+    logits = cached_forward(model, ids, cache)
+    for step in range(params.max_new_tokens):
+        tokens, logp = next_tokens(logits, params, shard, generator)
+        new.append(tokens)
+        logps.append(logp)
+        done |= torch.isin(tokens, stops)
+        if bool(done.all()) or step == params.max_new_tokens - 1:
+            break
+        logits = cached_forward(model, tokens.unsqueeze(1), cache)
+    return _results(prompts, torch.stack(new, dim=1).tolist(), torch.stack(logps, dim=1).tolist(),
+                    set(params.stop_tokens))
+
+
+def _results(prompts: Sequence[Sequence[int]], tokens: list[list[int]], logps: list[list[float]],
+             stops: set[int]) -> list[Generation]:
+    out = []
+    for prompt, row, lp in zip(prompts, tokens, logps):
+        end = next((i + 1 for i, t in enumerate(row) if t in stops), None)
+        out.append(Generation(prompt=list(prompt), tokens=row[:end], logprobs=lp[:end],
+                              finish_reason="length" if end is None else "stop"))
+    return out

@@ -1,0 +1,107 @@
+"""Incremental forward of our GPT with a key/value cache: prefill the prompts once, then one token per step.
+
+It reuses the model's own submodules (embeddings, LayerNorms, the TP linears) but not GPT.forward, so the
+training path stays exactly as it was. Each TP rank caches the keys and values of its own heads only.
+
+Batched prompts of different lengths are LEFT-padded: every row's next token then sits in the same, last
+column, and one step appends one column for all rows. A row's positions count from its first real token
+(learned positions and rotary offsets alike), and its padding columns are masked out as keys. A padding
+column still attends to itself, so that its (unused) hidden states stay finite: a query with every key
+masked would give NaN, and NaN values times a zero attention weight would leak into the real rows.
+
+Shape legend: B batch, S new tokens this step, L cached length (capacity), H hidden, nh/tp local heads,
+hd head dim, V/tp this rank's vocabulary shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from megatron_hpc.model.gpt import GPT
+from megatron_hpc.model.rotary import rotate
+from megatron_hpc.parallel.mappings import copy_to_tp_region
+
+
+@dataclass(kw_only=True, slots=True)
+class KVCache:
+    keys: list[torch.Tensor]
+    """One (B, nh/tp, L, hd) buffer per layer, in the model's layer order."""
+    values: list[torch.Tensor]
+    pad: torch.Tensor
+    """(B,) left-padding columns of each row."""
+    length: int = 0
+    """Columns filled so far (padding included)."""
+
+    @classmethod
+    def allocate(cls, model: GPT, *, pad: torch.Tensor, capacity: int) -> KVCache:
+        blocks = list(model.h.values())
+        heads, hd = blocks[0].attn.local_heads, blocks[0].attn.head_dim
+        dtype = blocks[0].attn.qkv.weight.dtype
+        device = blocks[0].attn.qkv.weight.device
+        shape = (pad.shape[0], heads, capacity, hd)
+        return cls(keys=[torch.empty(shape, dtype=dtype, device=device) for _ in blocks],
+                   values=[torch.empty(shape, dtype=dtype, device=device) for _ in blocks], pad=pad.to(device))
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+
+def context_length(model: GPT) -> int:
+    """The most positions the model has embeddings (or rotary tables) for."""
+    if model.wpe is not None:
+        return model.wpe.num_embeddings
+    return model.rope_cos.shape[0]
+
+
+def check_generation_model(model: GPT) -> None:
+    if len(model.stages) != 1 or not (model.has_first and model.has_last):
+        raise ValueError("generation needs the whole model on each TP rank (no pipeline stages)")
+    if model.sequence_parallel:
+        raise ValueError("build the model for generation without sequence parallelism")
+    if model.training:
+        raise ValueError("call model.eval() before generating (dropout would make the output random)")
+
+
+@torch.no_grad()
+def cached_forward(model: GPT, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """Run `ids` (B, S), the next S columns, through the model, appending their keys and values to `cache`.
+    Returns this rank's logits of the last column, (B, V/tp)."""
+    b, s = ids.shape
+    start = cache.length
+    if start + s > cache.capacity:
+        raise ValueError(f"cache holds {cache.capacity} columns; {start} used, {s} more asked")
+    cols = torch.arange(start, start + s, device=ids.device)  # (S,)
+    positions = (cols.unsqueeze(0) - cache.pad.unsqueeze(1)).clamp_min(0)  # (B, S)
+    keys = torch.arange(start + s, device=ids.device)  # (S + start,)
+    # Key j is visible to query column c when j <= c and j is a real token of the row (or j is c itself).
+    real = keys.unsqueeze(0) >= cache.pad.unsqueeze(1)  # (B, start + S)
+    causal = keys.unsqueeze(0) <= cols.unsqueeze(1)  # (S, start + S)
+    mask = (real.unsqueeze(1) & causal.unsqueeze(0)) | (keys.unsqueeze(0) == cols.unsqueeze(1)).unsqueeze(0)
+    mask = mask.unsqueeze(1)  # (B, 1, S, start + S)
+    rope = None
+    if model.rope_cos is not None:
+        rope = (model.rope_cos[positions].unsqueeze(1), model.rope_sin[positions].unsqueeze(1))  # (B, 1, S, rot)
+    x = model.wte(ids)  # (B, S, H)
+    if model.wpe is not None:
+        x = x + model.wpe(positions)
+    for layer, block in enumerate(model.h.values()):
+        attn = block.attn
+        qkv = attn.qkv(block.ln_1(x)).view(b, s, attn.local_heads, 3, attn.head_dim)
+        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))  # (B, nh/tp, S, hd)
+        if rope is not None:
+            q, k = rotate(q, *rope), rotate(k, *rope)
+        cache.keys[layer][:, :, start:start + s] = k
+        cache.values[layer][:, :, start:start + s] = v
+        y = F.scaled_dot_product_attention(q, cache.keys[layer][:, :, :start + s],
+                                           cache.values[layer][:, :, :start + s], attn_mask=mask)
+        x = x + attn.proj(y.transpose(1, 2).reshape(b, s, attn.local_heads * attn.head_dim))
+        x = x + block.mlp(block.ln_2(x))
+    cache.length = start + s
+    x = model.ln_f(x[:, -1])  # (B, H): only the last column's logits are needed
+    if model.lm_head is not None:
+        return model.lm_head(x)
+    return F.linear(copy_to_tp_region(x, model.group), model.wte.weight)  # (B, V/tp)

@@ -1,0 +1,78 @@
+"""A checkpoint of ours as one in-process GPT for generation: every TP x PP shard merged and loaded at TP 1 on
+the CPU (the reshard tool's merge and vocabulary re-padding), with the run's tokenizer when it has one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_hpc.checkpoint import pp_layout, tp_layout
+from megatron_hpc.checkpoint.tools import tokenizer_files
+from megatron_hpc.checkpoint.whole import read_whole
+from megatron_hpc.config.loader import from_dict
+from megatron_hpc.config.schema import ModelConfig
+from megatron_hpc.data.tokenizer import GPT2BPETokenizer
+from megatron_hpc.errors import CheckpointError, GenerationError
+from megatron_hpc.model.gpt import GPT
+from megatron_hpc.parallel.context import ParallelContext
+from megatron_hpc.plan.mesh import Mesh
+from megatron_hpc.plan.vocab import padded_vocab_size
+from megatron_hpc.train.init_skip import skip_random_init
+
+TOKENIZER_FLAGS = "--vocab-file and --merge-file"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LoadedModel:
+    model: GPT
+    iteration: int
+    source_tp: int
+    source_pp: int
+    tokenizer: GPT2BPETokenizer | None
+    no_tokenizer: str
+    """Why there is no tokenizer (empty when there is one)."""
+
+
+def _single_process_context() -> ParallelContext:
+    # The TP layers take their group from a ParallelContext: a one-rank gloo world gives it, in memory.
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    return ParallelContext.build(Mesh(num_nodes=1, workers_per_node=1, tensor_parallel=1), rank=0)
+
+
+def load_tokenizer(whole_reason: tuple[Path, Path] | str, *, vocab_file: Path | None,
+                   merge_file: Path | None) -> tuple[GPT2BPETokenizer | None, str]:
+    if (vocab_file is None) != (merge_file is None):
+        raise GenerationError(f"pass both {TOKENIZER_FLAGS} (GPT-2 vocab.json and merges.txt), not one")
+    files = (vocab_file, merge_file) if vocab_file is not None else whole_reason
+    if isinstance(files, str):
+        return None, files
+    return GPT2BPETokenizer(*files), ""
+
+
+def load_for_generation(path: Path, *, iteration: int | None = None, vocab_file: Path | None = None,
+                        merge_file: Path | None = None) -> LoadedModel:
+    whole = read_whole(path, iteration=iteration)
+    try:
+        raw = whole.first["resolved_config"]["model"]
+    except (KeyError, TypeError):
+        raise CheckpointError(f"{whole.found.folder} has no resolved_config (not written by megatron-hpc); "
+                              "convert it first: megatron-hpc ckpt convert SRC --to torch OUT") from None
+    cfg = from_dict(ModelConfig, raw, where="model")
+    padded = padded_vocab_size(cfg.vocab_size, divisible_by=cfg.make_vocab_size_divisible_by, tensor_parallel=1)
+    full = pp_layout.merge_grid([[s["model"] for s in row] for row in whole.grid], num_layers=cfg.num_layers)
+    for name in ("wte.weight", "lm_head.weight"):
+        if name in full:
+            full[name] = tp_layout.repad_vocab(full[name], vocab_size=cfg.vocab_size, padded=padded)
+    with skip_random_init(True):
+        model = GPT(cfg, ctx=_single_process_context(), padded_vocab=padded, seed=0)
+    model.load_state_dict({k: v.to(torch.float32) for k, v in full.items()})
+    tokenizer, why = load_tokenizer(tokenizer_files(whole), vocab_file=vocab_file, merge_file=merge_file)
+    if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
+        raise GenerationError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
+                              f"{cfg.vocab_size}; pass the run's {TOKENIZER_FLAGS}")
+    return LoadedModel(model=model.eval(), iteration=whole.iteration, source_tp=whole.tensor_parallel,
+                       source_pp=whole.pipeline_parallel, tokenizer=tokenizer, no_tokenizer=why)

@@ -1,0 +1,119 @@
+"""Generation at TP=1: the KV-cached loop against plain full forward passes, sampling options, bad input."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_hpc.config.schema import ModelConfig
+from megatron_hpc.errors import GenerationError
+from megatron_hpc.generate.engine import generate
+from megatron_hpc.generate.sampling import SamplingParams, sampling_params
+from megatron_hpc.model.gpt import GPT
+from megatron_hpc.parallel.context import ParallelContext
+from megatron_hpc.plan.mesh import Mesh
+
+VOCAB = 500
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [1, 2], [300]]
+
+
+def _cfg(position_embedding: str) -> ModelConfig:
+    # a large init std makes the logits spread out, so argmax ties between the two paths are not a concern
+    return ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, max_position_embeddings=32,
+                       vocab_size=VOCAB, init_method_std=0.2, position_embedding=position_embedding)
+
+
+@pytest.fixture
+def ctx(tmp_path: Path) -> Iterator[ParallelContext]:
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.FileStore(str(tmp_path / "store"), 1))
+    yield ParallelContext.build(Mesh(num_nodes=1, workers_per_node=1, tensor_parallel=1), rank=0)
+    dist.destroy_process_group()
+
+
+def _full_forward_greedy(model: GPT, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """The reference: the whole sequence through GPT.forward (no cache, no padding) for every new token."""
+    ids, logps = list(prompt), []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids]))[0, -1, :VOCAB]
+            ids.append(int(logits.argmax()))
+            logps.append(float(logits.log_softmax(-1)[ids[-1]]))
+    return ids[len(prompt):], logps
+
+
+@pytest.mark.parametrize("position_embedding", ["learned", "rotary"])
+def test_cached_greedy_equals_full_forward_passes(ctx: ParallelContext, position_embedding: str) -> None:
+    model = GPT(_cfg(position_embedding), ctx=ctx, padded_vocab=512, seed=1).eval()
+    out = generate(model, PROMPTS, SamplingParams(max_new_tokens=12))  # one batch, three lengths (left-padded)
+    for prompt, gen in zip(PROMPTS, out):
+        tokens, logps = _full_forward_greedy(model, prompt, 12)
+        assert gen.tokens == tokens and gen.finish_reason == "length"
+        torch.testing.assert_close(torch.tensor(gen.logprobs), torch.tensor(logps), rtol=0, atol=1e-4)
+
+
+def test_training_forward_untouched_by_generation(ctx: ParallelContext) -> None:
+    model = GPT(_cfg("rotary"), ctx=ctx, padded_vocab=512, seed=1).eval()
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        before = model(ids)
+        generate(model, PROMPTS, SamplingParams(max_new_tokens=4, temperature=1.0, seed=0))
+        assert torch.equal(model(ids), before)
+
+
+def test_sampling_options(ctx: ParallelContext) -> None:
+    model = GPT(_cfg("learned"), ctx=ctx, padded_vocab=512, seed=1).eval()
+    greedy = generate(model, PROMPTS, SamplingParams(max_new_tokens=8))
+    # top-k 1, and a top-p so small that only the best token survives, are greedy however hot the temperature
+    for params in (SamplingParams(max_new_tokens=8, temperature=5.0, top_k=1, seed=1),
+                   SamplingParams(max_new_tokens=8, temperature=1.0, top_p=1e-6, seed=2)):
+        assert [g.tokens for g in generate(model, PROMPTS, params)] == [g.tokens for g in greedy]
+    hot = SamplingParams(max_new_tokens=8, temperature=1.5, top_k=50, top_p=0.95, seed=7)
+    a, b = generate(model, PROMPTS, hot), generate(model, PROMPTS, hot)
+    assert [g.tokens for g in a] == [g.tokens for g in b]  # seeded: reproducible
+    other = generate(model, PROMPTS, SamplingParams(max_new_tokens=8, temperature=1.5, top_k=50, top_p=0.95, seed=8))
+    assert [g.tokens for g in a] != [g.tokens for g in other]
+    assert [g.tokens for g in a] != [g.tokens for g in greedy]
+    # top-k: every drawn token is among the k most likely of its step (checked by a full forward pass)
+    k = 3
+    for prompt, gen in zip(PROMPTS, generate(model, PROMPTS, SamplingParams(max_new_tokens=6, temperature=2.0,
+                                                                             top_k=k, seed=3))):
+        ids = list(prompt)
+        for t in gen.tokens:
+            with torch.no_grad():
+                best = model(torch.tensor([ids]))[0, -1, :VOCAB].topk(k).indices.tolist()
+            assert t in best
+            ids.append(t)
+
+
+def test_stop_tokens_end_each_row(ctx: ParallelContext) -> None:
+    model = GPT(_cfg("learned"), ctx=ctx, padded_vocab=512, seed=1).eval()
+    free = generate(model, PROMPTS, SamplingParams(max_new_tokens=10))
+    stop = free[0].tokens[3]
+    out = generate(model, PROMPTS, SamplingParams(max_new_tokens=10, stop_tokens=(stop,)))
+    for f, g in zip(free, out):
+        end = f.tokens.index(stop) + 1 if stop in f.tokens else len(f.tokens)
+        assert g.tokens == f.tokens[:end]
+        assert g.finish_reason == ("stop" if stop in f.tokens else "length")
+    assert out[0].tokens[-1] == stop and len(out[0].tokens) <= 4
+
+
+def test_bad_input_one_line_each(ctx: ParallelContext) -> None:
+    model = GPT(_cfg("learned"), ctx=ctx, padded_vocab=512, seed=1).eval()
+    cases = [
+        (lambda: generate(model, [[1] * 40], SamplingParams(max_new_tokens=1)), "40 tokens, 8 more than"),
+        (lambda: generate(model, [[1] * 30], SamplingParams(max_new_tokens=5)), "ask for at most 2 new tokens"),
+        (lambda: generate(model, [[VOCAB]], SamplingParams(max_new_tokens=1)), "outside the vocabulary"),
+        (lambda: SamplingParams(top_p=0.0), "top_p must be in (0, 1]"),
+        (lambda: SamplingParams(top_p=1.5), "top_p must be in (0, 1]"),
+        (lambda: SamplingParams(temperature=-1.0), "temperature must be"),
+        (lambda: sampling_params({"topk": 3}), "unknown sampling parameter 'topk'; did you mean 'top_k'?"),
+    ]
+    for call, words in cases:
+        with pytest.raises(GenerationError) as info:
+            call()
+        assert words in str(info.value) and "\n" not in str(info.value)
+    assert sampling_params({"top_k": 3, "stop_tokens": [1, 2]}) == SamplingParams(top_k=3, stop_tokens=(1, 2))
