@@ -30,7 +30,7 @@ MARKER_DIR = "megatron-hpc/fingerprints"
 # Where the caches live, and logging switches, do not change a graph.
 _ENV_IGNORED = {"NEURON_COMPILE_CACHE_URL", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "PYTHONUNBUFFERED",
                 "PYTHONFAULTHANDLER", "MEGATRON_HPC_MAX_REQUEUES"}
-_TRAIN_KEYS = ("micro_batch_size", "global_batch_size", "precision", "compile")
+_TRAIN_KEYS = ("micro_batch_size", "global_batch_size", "precision", "compile", "compile_backend")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

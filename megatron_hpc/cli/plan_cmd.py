@@ -70,10 +70,16 @@ _MEMORY_PARTS = {"weights": "weights", "grads": "grads", "optimizer": "Adam", "a
 
 
 def _memory_line(plan: Plan) -> str:
-    parts = ", ".join(f"{_MEMORY_PARTS[k]} {v:.1f}" for k, v in plan.memory_breakdown_gib.items())
+    # Below 1 GiB (the CPU demos) tenths of a GiB would print every part as 0.0: those plans count in MiB.
+    if plan.memory_per_worker_gib < 1:
+        total = f"{plan.memory_per_worker_gib * 1024:.0f} MiB"
+        parts = ", ".join(f"{_MEMORY_PARTS[k]} {v * 1024:.0f} MiB" for k, v in plan.memory_breakdown_gib.items())
+    else:
+        total = f"{plan.memory_per_worker_gib:.1f} GiB"
+        parts = ", ".join(f"{_MEMORY_PARTS[k]} {v:.1f}" for k, v in plan.memory_breakdown_gib.items())
     where = f" (pipeline rank {plan.memory_pp_rank}, the heaviest)" if plan.pipeline_parallel > 1 else ""
     adam = "; Adam sharded over DP" if plan.distributed_optimizer else ""
-    return (f"about {plan.memory_per_worker_gib:.1f} GiB of {plan.memory_limit_gib:g} GiB per worker{where}: "
+    return (f"about {total} of {plan.memory_limit_gib:g} GiB per worker{where}: "
             f"{parts}; recompute {plan.recompute}{adam}")
 
 

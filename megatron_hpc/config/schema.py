@@ -19,6 +19,7 @@ CheckpointFormat = Literal["xser", "torch"]
 SaveFailure = Literal["stop", "continue"]
 RecomputeGranularity = Literal["selective", "full"]
 RecomputeMethod = Literal["uniform", "block"]
+CompileBackend = Literal["inductor", "aot_eager", "eager"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -126,6 +127,9 @@ class TrainConfig:
     """Print Megatron's iteration line every this many steps."""
     compile: bool = False
     """Wrap the model with torch.compile (not on XLA)."""
+    compile_backend: CompileBackend = "inductor"
+    """torch.compile's backend: inductor generates kernels (and fills the compile cache); aot_eager and eager only
+    trace, to tell a compiler bug from a model bug, or to try the compile phase's plumbing in seconds."""
     max_skipped_steps: int = 5
     """Stop with an error after this many steps in a row whose loss or gradients were not finite."""
     eval_interval: int = 0

@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from megatron_hpc.parallel.collectives import reduce_scatter_single
+
 
 def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     if dist.get_world_size(group) == 1:
@@ -128,7 +130,7 @@ def _reduce_scatter_seq(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     # reduce_scatter_tensor splits dim 0: move the sequence there and back.
     xt = x.transpose(0, _SEQ).contiguous()
     out = torch.empty((xt.shape[0] // size, *xt.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, xt, op=dist.ReduceOp.SUM, group=group)
+    reduce_scatter_single(out, xt, op=dist.ReduceOp.SUM, group=group)
     return out.transpose(0, _SEQ).contiguous()
 
 

@@ -53,7 +53,7 @@ class PipelineRunner:
     """Runs one step's micro-batches through this rank's stages with the configured schedule."""
 
     def __init__(self, model: GPT, ctx: ParallelContext, *, num_micro_batches: int, schedule: str,
-                 device: torch.device, compile_chunks: bool = False):
+                 device: torch.device, compile_chunks: bool = False, compile_backend: str = "inductor"):
         if schedule not in SCHEDULES:
             raise ValueError(f"parallel.pipeline_schedule={schedule!r}: use one of {SCHEDULES}")
         self.model, self.ctx, self.num_micro = model, ctx, num_micro_batches
@@ -62,7 +62,7 @@ class PipelineRunner:
         num_stages = ctx.pp_size * len(model.stages)
         chunks = model.chunks()
         if compile_chunks:  # train.compile: each stage's forward is one torch.compile graph (its own backward)
-            chunks = [torch.compile(chunk) for chunk in chunks]
+            chunks = [torch.compile(chunk, backend=compile_backend) for chunk in chunks]
         stages = [PipelineStage(chunk, layout.index, num_stages, device, group=ctx.pp_group)
                   for chunk, layout in zip(chunks, model.stages)]
         common: dict[str, Any] = {"n_microbatches": num_micro_batches, "loss_fn": self.loss, "scale_grads": False}

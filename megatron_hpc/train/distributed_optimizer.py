@@ -50,6 +50,7 @@ from torch.distributed import ProcessGroup
 
 from megatron_hpc.config.schema import OptimConfig
 from megatron_hpc.errors import TrainingError
+from megatron_hpc.parallel.collectives import all_gather_single, reduce_scatter_single
 from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.parallel.grads import BUCKET_MB, bucket_numel, reduce_norm_squares
 from megatron_hpc.plan.memory import padded_parameters
@@ -254,7 +255,7 @@ class DistributedOptimizer:
         if self.all_reduce:
             work = dist.all_reduce(whole, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
         else:
-            work = dist.reduce_scatter_tensor(self.grad_slices[b], whole, op=dist.ReduceOp.SUM, group=self.group,
+            work = reduce_scatter_single(self.grad_slices[b], whole, op=dist.ReduceOp.SUM, group=self.group,
                                               async_op=async_op)
         self._in_flight.append(work)
 
@@ -329,7 +330,7 @@ class DistributedOptimizer:
                 works += [dist.broadcast(self.param_buffer[b.start + r * n:b.start + (r + 1) * n], src=src,
                                          group=self.group, async_op=True) for r, src in enumerate(self._ranks)]
             else:
-                works.append(dist.all_gather_into_tensor(self.param_buffer[b.start:b.start + b.padded],
+                works.append(all_gather_single(self.param_buffer[b.start:b.start + b.padded],
                                                          self.param_buffer[lo:hi], group=self.group, async_op=True))
         for work in works:
             if work is not None:

@@ -122,8 +122,10 @@ def train(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, phase: Pha
     if ctx.pp_size > 1:
         pipeline = PipelineRunner(model, ctx, num_micro_batches=plan.num_micro_batches,
                                   schedule=plan.pipeline_schedule, device=device.device,
-                                  compile_chunks=tcfg.compile and device.kind != "xla")
-    step_model = torch.compile(model) if tcfg.compile and device.kind != "xla" and pipeline is None else model
+                                  compile_chunks=tcfg.compile and device.kind != "xla",
+                                  compile_backend=tcfg.compile_backend)
+    compiled = tcfg.compile and device.kind != "xla" and pipeline is None
+    step_model = torch.compile(model, backend=tcfg.compile_backend) if compiled else model
     # The distributed optimizer overlaps its reduce-scatter with backward as the plain path's reducer does (not under
     # pipelining, not on XLA).
     optimizer = (DistributedOptimizer(model, optim=cfg.optim, group=ctx.dp_group, bucket_mb=cfg.parallel.grad_bucket_mb,

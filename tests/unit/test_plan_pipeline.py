@@ -379,3 +379,22 @@ def test_gpt3_175b_is_megatrons_example():
     assert p.num_parameters / 1e9 == pytest.approx(175, rel=0.01)
     with pytest.raises(PlanError, match="use --nodes a multiple of 16"):
         plan("gpt3_175b", 8, "p5")
+
+
+def test_plan_text_counts_small_plans_in_mib_and_large_ones_in_gib(capsys):
+    """Each part of the memory line is its --json breakdown in the line's unit; tenths of a GiB would show a CPU
+    demo's parts as 0.0."""
+    import json
+    import re
+
+    for recipe, unit, scale in (("tiny", "MiB", 1024), ("gpt3_6.7b", "GiB", 1)):
+        args = ["plan", "--recipe", recipe, "--set", "data.source=synthetic"]
+        assert main(args) == 0
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("memory"))
+        assert main([*args, "--json"]) == 0
+        breakdown = json.loads(capsys.readouterr().out)["memory_breakdown_gib"]
+        shown = dict(re.findall(r"(weights|grads|Adam|activations|logits) ([\d.]+)", line))
+        assert f"{unit} of" in line, line
+        assert set(shown) == {"weights", "grads", "Adam", "activations", "logits"}
+        assert float(shown["Adam"]) == pytest.approx(breakdown["optimizer"] * scale, abs=0.5 if unit == "MiB" else 0.05)
+        assert float(shown["weights"]) > 0, line
