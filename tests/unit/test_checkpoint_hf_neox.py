@@ -172,3 +172,11 @@ def test_bad_input_one_line_each() -> None:
         with pytest.raises(CheckpointError) as exc:
             call()
         assert needle in str(exc.value) and "\n" not in str(exc.value), str(exc.value)
+
+
+def test_gpt2_export_refuses_a_parallel_residual() -> None:
+    from megatron_hpc.checkpoint.tools import hf_blockers
+
+    gpt2_like = {"position_embedding": "learned", "tie_embeddings": True}
+    assert hf_blockers(gpt2_like) == []
+    assert any("parallel residual" in b for b in hf_blockers({**gpt2_like, "parallel_residual": True}))
