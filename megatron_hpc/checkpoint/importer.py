@@ -208,9 +208,6 @@ def model_config(src: ForeignCheckpoint, full: dict[str, torch.Tensor], *, vocab
     if rope and not (arg(state, "position_embedding_type") == "rope" or arg(state, "use_rotary_position_embeddings")):
         raise CheckpointError(f"{src.folder} has no position embeddings and does not say it uses rotary ones; "
                               "it cannot be converted")
-    base = arg(state, "rotary_base", 10000)
-    if rope and base != 10000:
-        raise CheckpointError(f"{src.folder} uses rotary base {base}; our GPT's rotary embeddings use 10000")
     max_pos = full["wpe.weight"].shape[0] if not rope else int(arg(state, "max_position_embeddings")
                                                                  or arg(state, "seq_length"))
     cfg = {"num_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
@@ -220,6 +217,7 @@ def model_config(src: ForeignCheckpoint, full: dict[str, torch.Tensor], *, vocab
            "make_vocab_size_divisible_by": int(arg(state, "make_vocab_size_divisible_by", 128) or 128),
            "position_embedding": "rope" if rope else "learned",
            "rotary_percent": float(arg(state, "rotary_percent", 1.0) or 1.0),
+           "rotary_base": float(arg(state, "rotary_base", 10000) or 10000),  # Megatron's --rotary-base
            "tie_embeddings": "lm_head.weight" not in full,
            "init_method_std": float(arg(state, "init_method_std", 0.02) or 0.02),
            "layernorm_epsilon": float(arg(state, "layernorm_epsilon", 1e-5) or 1e-5)}

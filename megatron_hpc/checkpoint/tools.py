@@ -43,6 +43,8 @@ def hf_blockers(model: dict[str, Any]) -> list[str]:
         found.append("rotary position embeddings (GPT-2 has learned positions)")
     if not model.get("tie_embeddings", True):
         found.append("an untied output layer (GPT-2 ties it to the word embeddings)")
+    if model.get("parallel_residual", False):
+        found.append("a parallel residual (GPT-2's blocks are sequential; GPTNeoXForCausalLM has it)")
     return found
 
 

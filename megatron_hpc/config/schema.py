@@ -43,7 +43,13 @@ class ModelConfig:
     position_embedding: PositionEmbedding = "learned"
     """learned (GPT-3) or rope (rotary)."""
     rotary_percent: float = 1.0
-    """Fraction of each head rotated when position_embedding is rope (Pythia: 0.25)."""
+    """Fraction of each head rotated when position_embedding is rope (Pythia: 0.25): the first
+    int(head_dim * rotary_percent) dims, in GPT-NeoX's rotate_half layout (model/rotary.py)."""
+    rotary_base: float = 10000.0
+    """Rotary frequency base theta (Megatron --rotary-base, NeoX rotary_emb_base; 10000 in GPT-NeoX and Pythia)."""
+    parallel_residual: bool = False
+    """GPT-NeoX's use_parallel_residual (GPT-J's layout): x + attn(ln_1(x)) + mlp(ln_2(x)), both branches reading
+    the block's input through their own LayerNorm. False is GPT's sequential block, mlp(ln_2(x + attn(ln_1(x))))."""
     tie_embeddings: bool = True
     """Share the input embedding with the output layer."""
     init_method_std: float = 0.02

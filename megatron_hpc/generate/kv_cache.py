@@ -98,8 +98,12 @@ def cached_forward(model: GPT, ids: torch.Tensor, cache: KVCache) -> torch.Tenso
         cache.values[layer][:, :, start:start + s] = v
         y = F.scaled_dot_product_attention(q, cache.keys[layer][:, :, :start + s],
                                            cache.values[layer][:, :, :start + s], attn_mask=mask)
-        x = x + attn.proj(y.transpose(1, 2).reshape(b, s, attn.local_heads * attn.head_dim))
-        x = x + block.mlp(block.ln_2(x))
+        y = attn.proj(y.transpose(1, 2).reshape(b, s, attn.local_heads * attn.head_dim))  # (B, S, H)
+        if block.parallel_residual:  # GPT-NeoX: the MLP reads the block input too, as in Block.forward
+            x = block.mlp(block.ln_2(x)) + y + x
+        else:
+            x = x + y
+            x = x + block.mlp(block.ln_2(x))
     cache.length = start + s
     x = model.ln_f(x[:, -1])  # (B, H): only the last column's logits are needed
     if model.lm_head is not None:

@@ -1,4 +1,5 @@
-"""GPT with Megatron tensor parallelism: learned or rotary positions, pre-LN blocks, GeLU MLP, tied embeddings.
+"""GPT with Megatron tensor parallelism: learned or rotary positions, pre-LN blocks, GeLU MLP, tied embeddings; with
+model.parallel_residual, rotary positions and an untied output layer it is GPT-NeoX / Pythia.
 
 Shape legend: B batch, S sequence, H hidden, V padded vocabulary, nh heads, hd head dim,
 tp the TP size; `/tp` marks the dim sharded across the TP group.
@@ -107,8 +108,13 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.hidden_size, eps=eps)
         self.mlp = MLP(cfg, ctx=ctx, seed=seed, prefix=f"h.{index}.mlp", sp=sp)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
+        self.parallel_residual = cfg.parallel_residual
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        if self.parallel_residual:
+            # GPT-NeoX's use_parallel_residual: both branches read the block input (each through its own LayerNorm),
+            # in the order HF's GPTNeoXLayer adds them. Under TP each branch still ends in its own all-reduce.
+            return self.dropout(self.mlp(self.ln_2(x))) + self.dropout(self.attn(self.ln_1(x), rope)) + x
         x = x + self.dropout(self.attn(self.ln_1(x), rope))
         return x + self.dropout(self.mlp(self.ln_2(x)))
 
@@ -160,7 +166,7 @@ class GPT(nn.Module):
             self.rope_cos = self.rope_sin = None
         else:
             rot = rotary_dims(h // cfg.num_attention_heads, rotary_percent=cfg.rotary_percent)
-            cos, sin = rotary_tables(rot, max_positions=cfg.max_position_embeddings)
+            cos, sin = rotary_tables(rot, max_positions=cfg.max_position_embeddings, base=cfg.rotary_base)
             # Not persistent: derived from the config, so checkpoints hold only trained weights.
             self.register_buffer("rope_cos", cos, persistent=False)  # (P, rot)
             self.register_buffer("rope_sin", sin, persistent=False)

@@ -3,7 +3,9 @@
 Megatron's RotaryEmbedding and apply_rotary_pos_emb (non-interleaved): the first
 rot = int(head_dim * rotary_percent) dims of each head are rotated, the rest pass through.
 Within the rotated part, dim i pairs with dim i + rot/2 and turns by position * base^(-2i/rot)
-(the "rotate_half" layout). Tables are built for max_position_embeddings once, in fp32.
+(the "rotate_half" layout). Tables are built for max_position_embeddings once, in fp32. This is also GPT-NeoX's and
+HF GPTNeoX's rotation (rotary_pct, rotary_emb_base = our rotary_percent, model.rotary_base): the logits of
+transformers' GPTNeoXForCausalLM are matched in tests/unit/test_checkpoint_hf_neox.py.
 
 Shape legend: B batch, nh heads (local to the TP rank), S sequence, hd head dim, rot rotated dims.
 """

@@ -35,6 +35,7 @@ def _rules() -> list[_Rule]:
                                                   "make_vocab_size_divisible_by")],
         ("model.ffn_hidden_size", lambda v: v is None or v >= 1, "at least 1 (or unset for 4 x hidden_size)"),
         ("model.rotary_percent", lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
+        ("model.rotary_base", *_POSITIVE),
         ("model.init_method_std", *_NOT_NEGATIVE),
         ("model.layernorm_epsilon", *_POSITIVE),
         ("model.attention_dropout", *_PROBABILITY),

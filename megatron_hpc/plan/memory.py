@@ -275,16 +275,18 @@ def layer_activations(model: ModelConfig, *, tensor_parallel: int, micro_batch: 
     """Bytes one layer keeps for its backward, Korthikanti et al.'s count: in 16-bit with dropout
     s*b*h*(10 + 24/t + 5*a*s/(h*t)).
 
-    In elements of s*b*h: 4 whole on every TP rank (the inputs of QKV, of the MLP and of the two LayerNorms) and 2
-    dropout masks (when hidden_dropout > 0), sharded with sequence parallelism; 12 split over TP (Q, K, V, the
-    attention output, the GeLU's input and output, 4h wide). The attention core keeps a*s*s*b/t elements of softmax
-    output, plus a mask and the dropout's output with attention dropout, unless `selective` recomputation or a
-    kernel that recomputes them (ActivationBytes.attention_scores). Left out: the LayerNorms' statistics and the
+    In elements of s*b*h: 4 whole on every TP rank (the inputs of QKV, of the MLP and of the two LayerNorms; 3 with
+    model.parallel_residual, whose two LayerNorms read the same tensor) and 2 dropout masks (when
+    hidden_dropout > 0), sharded with sequence parallelism; 12 split over TP (Q, K, V, the attention output, the
+    GeLU's input and output, 4h wide). The attention core keeps a*s*s*b/t elements of softmax output, plus a mask
+    and the dropout's output with attention dropout, unless `selective` recomputation or a kernel that recomputes
+    them (ActivationBytes.attention_scores). Left out: the LayerNorms' statistics and the
     log-sum-exp (2*s*b and a*s*b/t floats, under 1% from h = 64 on).
     """
     t, s, b, h, a = (tensor_parallel, model.seq_length, micro_batch, model.hidden_size, model.num_attention_heads)
     masks = 2 * act.mask if model.hidden_dropout > 0 else 0
-    whole = (4 * act.value + masks) / (t if sequence_parallel else 1)
+    inputs = 3 if model.parallel_residual else 4
+    whole = (inputs * act.value + masks) / (t if sequence_parallel else 1)
     core = 0.0
     if act.attention_scores and not selective:
         per_score = act.value + (act.mask + act.value if model.attention_dropout > 0 else 0)

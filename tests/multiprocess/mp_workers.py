@@ -300,6 +300,15 @@ def sequence_parallel(cfg: RunConfig) -> RunConfig:
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, sequence_parallel=True))
 
 
+def neox(cfg: RunConfig, **model: Any) -> RunConfig:
+    """`cfg` as GPT-NeoX / Pythia: parallel residual, rotary on a quarter of each head, untied output layer."""
+    import dataclasses
+
+    return dataclasses.replace(cfg, model=dataclasses.replace(
+        cfg.model, parallel_residual=True, position_embedding="rope", rotary_percent=0.25, tie_embeddings=False,
+        **model))
+
+
 def distributed_optimizer(cfg: RunConfig) -> RunConfig:
     """`cfg` with parallel.distributed_optimizer on."""
     import dataclasses

@@ -39,7 +39,9 @@ CASES = {
     2: {"distopt_dp2": _config(dist_opt=True), "tp2": _config(tp=2, dropout=0.1),
         "tp2_sp": _config(tp=2, sp=True, dropout=0.1), "tp2_sp_selective": _config(tp=2, sp=True, dropout=0.1,
                                                                                     **RECOMPUTE["selective"]),
-        "pp2": _config(pp=2, dropout=0.1)},
+        "pp2": _config(pp=2, dropout=0.1),
+        "tp2_neox": _config(tp=2, dropout=0.1, parallel_residual=True, position_embedding="rope",
+                            rotary_percent=0.25, tie_embeddings=False)},
     4: {"tp2_dp2_sp_distopt": _config(tp=2, sp=True, dist_opt=True, dropout=0.1),
         "pp2_dp2_distopt_uniform1": _config(pp=2, dist_opt=True, **RECOMPUTE["uniform1"])},
 }

@@ -20,11 +20,13 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
-    """Five real training runs of 20 steps over three spawns (world 1, 2 and 4)."""
+    """Seven real training runs of 20 steps over three spawns (world 1, 2 and 4); two of them GPT-NeoX."""
     root = tmp_path_factory.mktemp("runs")
     plan = {
-        1: {"dense": mp_workers.tiny_config(), "one_micro": mp_workers.tiny_config(micro_batch_size=8)},
-        2: {"tp2": mp_workers.tiny_config(tp=2), "dp2": mp_workers.tiny_config(tp=1)},
+        1: {"dense": mp_workers.tiny_config(), "one_micro": mp_workers.tiny_config(micro_batch_size=8),
+            "dense_neox": mp_workers.neox(mp_workers.tiny_config())},
+        2: {"tp2": mp_workers.tiny_config(tp=2), "dp2": mp_workers.tiny_config(tp=1),
+            "tp2_neox": mp_workers.neox(mp_workers.tiny_config(tp=2))},
         4: {"tp2dp2": mp_workers.tiny_config(tp=2)},
     }
     out: dict[str, list[dict]] = {}
@@ -57,6 +59,14 @@ def test_losses_match_single_process(runs: dict[str, list[dict]], name: str) -> 
 def test_grad_norm_matches_single_process(runs: dict[str, list[dict]], name: str) -> None:
     # With TP the replicated LayerNorms, biases and positions must be counted once.
     _assert_same(runs[name], runs["dense"], "grad_norm")
+
+
+@pytest.mark.parametrize("key", ["lm_loss", "grad_norm"])
+def test_neox_at_tp2_matches_single_process(runs: dict[str, list[dict]], key: str) -> None:
+    # Parallel residual: each branch ends in its own row-parallel all-reduce before the two are added.
+    _assert_same(runs["tp2_neox"], runs["dense_neox"], key)
+    assert runs["dense_neox"][-1]["lm_loss"] < 0.8 * runs["dense_neox"][0]["lm_loss"]
+    assert runs["dense_neox"][-1]["lm_loss"] != runs["dense"][-1]["lm_loss"]  # another model, really
 
 
 def test_samples_and_lr_identical(runs: dict[str, list[dict]]) -> None:

@@ -21,16 +21,19 @@ def _metrics(run_dir: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     """Real 20-step runs: dense references in one process, SP at TP=2 (and one with the TP grad all-reduce of
-    the replicated params removed), SP at TP=2 x DP=2 and at TP=2 x PP=2 (rotary, 4 layers)."""
+    the replicated params removed), SP at TP=2 x DP=2 and at TP=2 x PP=2 (rotary, 4 layers; and GPT-NeoX's parallel
+    residual, untied, with full recomputation)."""
     root = tmp_path_factory.mktemp("sp")
     sp = mp_workers.sequence_parallel
     plan = {
         1: {"dense": (mp_workers.tiny_config(), ""),
-            "dense_pp_ref": (mp_workers.pipeline_config(rope=True), "")},
+            "dense_pp_ref": (mp_workers.pipeline_config(rope=True), ""),
+            "dense_pp_neox": (mp_workers.neox(mp_workers.pipeline_config(), recompute=True), "")},
         2: {"sp_tp2": (sp(mp_workers.tiny_config(tp=2)), ""),
             "sp_tp2_no_allreduce": (sp(mp_workers.tiny_config(tp=2)), "no_sp_grad_allreduce")},
         4: {"sp_tp2dp2": (sp(mp_workers.tiny_config(tp=2)), ""),
-            "sp_tp2pp2": (sp(mp_workers.pipeline_config(tp=2, pp=2, rope=True)), "")},
+            "sp_tp2pp2": (sp(mp_workers.pipeline_config(tp=2, pp=2, rope=True)), ""),
+            "sp_tp2pp2_neox": (sp(mp_workers.neox(mp_workers.pipeline_config(tp=2, pp=2), recompute=True)), "")},
     }
     out: dict[str, list[dict]] = {}
     for world, entries in plan.items():
@@ -49,7 +52,8 @@ def _series(rows: list[dict], key: str) -> torch.Tensor:
     return torch.tensor([r[key] for r in rows], dtype=torch.float64)
 
 
-@pytest.mark.parametrize("name,ref", [("sp_tp2", "dense"), ("sp_tp2dp2", "dense"), ("sp_tp2pp2", "dense_pp_ref")])
+@pytest.mark.parametrize("name,ref", [("sp_tp2", "dense"), ("sp_tp2dp2", "dense"), ("sp_tp2pp2", "dense_pp_ref"),
+                                      ("sp_tp2pp2_neox", "dense_pp_neox")])
 @pytest.mark.parametrize("key", ["lm_loss", "grad_norm"])
 def test_sequence_parallel_matches_single_process(runs: dict[str, list[dict]], name: str, ref: str,
                                                   key: str) -> None:

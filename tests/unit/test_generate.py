@@ -23,8 +23,10 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [1, 2], [300]]
 
 def _cfg(position_embedding: str) -> ModelConfig:
     # a large init std makes the logits spread out, so argmax ties between the two paths are not a concern
+    neox = position_embedding == "neox"  # GPT-NeoX: parallel residual, partial rotary, untied output layer
     return ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, max_position_embeddings=32,
-                       vocab_size=VOCAB, init_method_std=0.2, position_embedding=position_embedding)
+                       vocab_size=VOCAB, init_method_std=0.2, position_embedding="rope" if neox else position_embedding,
+                       parallel_residual=neox, rotary_percent=0.25 if neox else 1.0, tie_embeddings=not neox)
 
 
 @pytest.fixture
@@ -45,7 +47,7 @@ def _full_forward_greedy(model: GPT, prompt: list[int], n: int) -> tuple[list[in
     return ids[len(prompt):], logps
 
 
-@pytest.mark.parametrize("position_embedding", ["learned", "rotary"])
+@pytest.mark.parametrize("position_embedding", ["learned", "rotary", "neox"])
 def test_cached_greedy_equals_full_forward_passes(ctx: ParallelContext, position_embedding: str) -> None:
     model = GPT(_cfg(position_embedding), ctx=ctx, padded_vocab=512, seed=1).eval()
     out = generate(model, PROMPTS, SamplingParams(max_new_tokens=12))  # one batch, three lengths (left-padded)

@@ -359,7 +359,7 @@ def test_runtime_check_refuses_only_pipelines_on_xla():
 
 # --- the two example recipes ---------------------------------------------------------------------------------------
 
-def test_neox_20b_has_the_published_shape_and_says_it_is_a_stand_in(capsys):
+def test_neox_20b_has_the_published_shape_and_architecture(capsys):
     p = plan("neox_20b", 16, "trn1")
     assert (p.tensor_parallel, p.pipeline_parallel, p.data_parallel) == (8, 4, 16)
     assert p.padded_vocab_size == 50432  # the 20B checkpoint's rows, unpadded at TP 8
@@ -368,7 +368,9 @@ def test_neox_20b_has_the_published_shape_and_says_it_is_a_stand_in(capsys):
     assert main(["plan", "--recipe", "neox_20b", "--nodes", "4", "--platform", "p5",
                  "--set", "data.source=synthetic"]) == 0
     err = capsys.readouterr().err
-    assert "neox_20b has GPT-NeoX 20B's shape but this toolkit's GPT layers" in err
+    assert "neox_20b" not in err  # no stand-in caveat: the recipe is NeoX's architecture
+    model = load_recipe("neox_20b").model
+    assert (model.parallel_residual, model.tie_embeddings, model.rotary_percent) == (True, False, 0.25)
 
 
 def test_gpt3_175b_is_megatrons_example():

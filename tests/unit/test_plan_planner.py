@@ -172,3 +172,15 @@ def test_checkpoint_size_and_lr_schedule_are_planned():
     assert p.lr_warmup == pytest.approx(0.00125 * 123977)
     s = plan("tiny", 1, "cpu", ["optim.lr_warmup_iters=0", "optim.lr_warmup_samples=80"])
     assert (s.lr_schedule_unit, s.lr_warmup, s.lr_decay, s.lr_schedule.per_step) == ("samples", 80, 800, 8)
+
+
+
+def test_pythia_6_9b_plans_at_tp_8_with_the_published_parameter_count():
+    p = plan("pythia_6.9b", 4)
+    assert (p.tensor_parallel, p.pipeline_parallel, p.data_parallel) == (8, 1, 16)
+    assert p.padded_vocab_size == 50432  # the shipped rows, unpadded at TP 8
+    # Pythia's model card and paper: 6,857,302,016 parameters (untied input and output embeddings over 50432 rows).
+    assert p.num_parameters == 6_857_302_016
+    cfg = load_recipe("pythia_6.9b")
+    assert cfg.warning is None
+    assert (cfg.model.parallel_residual, cfg.model.tie_embeddings, cfg.model.rotary_percent) == (True, False, 0.25)
