@@ -3,8 +3,9 @@ the CPU (the reshard tool's merge and vocabulary re-padding), with the run's tok
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,8 @@ class LoadedModel:
     tokenizer: GPT2BPETokenizer | None
     no_tokenizer: str
     """Why there is no tokenizer (empty when there is one)."""
+    resolved_config: dict[str, Any] = field(default_factory=dict)
+    """The run's resolved config as the checkpoint stores it (JSON sections: model, train, data, ...)."""
 
 
 def _single_process_context() -> ParallelContext:
@@ -75,4 +78,5 @@ def load_for_generation(path: Path, *, iteration: int | None = None, vocab_file:
         raise GenerationError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                               f"{cfg.vocab_size}; pass the run's {TOKENIZER_FLAGS}")
     return LoadedModel(model=model.eval(), iteration=whole.iteration, source_tp=whole.tensor_parallel,
-                       source_pp=whole.pipeline_parallel, tokenizer=tokenizer, no_tokenizer=why)
+                       source_pp=whole.pipeline_parallel, tokenizer=tokenizer, no_tokenizer=why,
+                       resolved_config=whole.first["resolved_config"])
