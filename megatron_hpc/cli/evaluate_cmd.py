@@ -1,6 +1,8 @@
 """`megatron-hpc evaluate CKPT`: loss and perplexity of a checkpoint on its run's valid and test splits (the
 samples Megatron evaluates), or a zero-shot task on a local file (--task wikitext|lambada --file F). Runs in
-this process on the CPU, the checkpoint's TP x PP shards merged to TP 1."""
+this process on the CPU, the checkpoint's TP x PP shards merged to TP 1. The vocabulary keeps the padding of the
+checkpoint's TP size: Megatron's loss takes the softmax over the padded vocabulary, so other padding would give
+another loss than the run's."""
 
 from __future__ import annotations
 
@@ -63,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
 
     _check_args(args)
     loaded = load_for_generation(args.path, iteration=args.iteration, vocab_file=args.vocab_file,
-                                 merge_file=args.merge_file)
+                                 merge_file=args.merge_file, keep_padded_vocab=True)
     resolved = loaded.resolved_config
     model_cfg = from_dict(ModelConfig, resolved["model"], where="model")
     train = from_dict(TrainConfig, resolved["train"], where="train")
