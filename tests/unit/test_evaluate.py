@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from megatron_hpc.cli.main import main
 from megatron_hpc.config.schema import (
@@ -133,7 +134,7 @@ def test_split_losses_equal_a_direct_computation(run: Path, capsys: pytest.Captu
 def test_training_prints_the_test_block_and_the_switch_turns_it_off(run: Path, tmp_path: Path,
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
     data = DataConfig(source="indexed", path=str(run / "corpus"), split=SPLIT, cache_path=str(run / "cache"))
-    assert run_training(plan_for_torchrun(_cfg(tmp_path, data, num_steps=2, eval_interval=0)),
+    assert run_training(plan_for_torchrun(_cfg(tmp_path, data, num_steps=2, eval_interval=0, tensorboard=True)),
                         run_dir=tmp_path / "on") == 0
     out = capsys.readouterr().out.splitlines()
     rows = [json.loads(x) for x in (tmp_path / "on" / "metrics.jsonl").read_text().splitlines()]
@@ -142,6 +143,11 @@ def test_training_prints_the_test_block_and_the_switch_turns_it_off(run: Path, t
     line = f" validation loss at iteration 2 on test set | lm loss value: {test[0]['lm_loss']:.6E} |"
     at = [i for i, x in enumerate(out) if x.startswith(line)]
     assert len(at) == 1 and set(out[at[0] - 1]) == {"-"}
+    acc = EventAccumulator(str(tmp_path / "on" / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("lm loss test")] == [(2, pytest.approx(test[0]["lm_loss"]))]
+    assert acc.Scalars("lm loss test ppl")[0].value == pytest.approx(math.exp(test[0]["lm_loss"]), rel=1e-6)
+    assert "lm loss validation" not in acc.Tags()["scalars"]  # validation is off; the test loss has its own tags
     shutil.rmtree(tmp_path / "ckpt")
     assert run_training(plan_for_torchrun(_cfg(tmp_path, data, num_steps=2, eval_interval=0, eval_test=False)),
                         run_dir=tmp_path / "off") == 0
