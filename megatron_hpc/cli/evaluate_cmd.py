@@ -1,6 +1,7 @@
 """`megatron-hpc evaluate CKPT`: loss and perplexity of a checkpoint on its run's valid and test splits (the
 samples Megatron evaluates), or a zero-shot task on a local file (--task wikitext|lambada --file F). Runs in
-this process on the CPU, the checkpoint's TP x PP shards merged to TP 1. The vocabulary keeps the padding of the
+this process on the CPU, the checkpoint's TP x PP shards merged to TP 1; under torchrun with as many processes as
+the checkpoint's TP size (PP 1), each process evaluates its own shard (gloo). The vocabulary keeps the padding of the
 checkpoint's TP size: Megatron's loss takes the softmax over the padded vocabulary, so other padding would give
 another loss than the run's."""
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -57,18 +59,29 @@ def _split_names(args: argparse.Namespace) -> tuple[str, ...]:
 def run(args: argparse.Namespace) -> int:
     from megatron_hpc.config.loader import from_dict
     from megatron_hpc.config.schema import DataConfig, ModelConfig, TrainConfig
-    from megatron_hpc.errors import GenerationError
+    from megatron_hpc.errors import DataError, GenerationError
+    from megatron_hpc.evaluate.sharded import ShardRank, load_shard
     from megatron_hpc.evaluate.splits import evaluate_split, split_requests
     from megatron_hpc.evaluate.zeroshot import evaluate_lambada, evaluate_wikitext
     from megatron_hpc.generate.loading import TOKENIZER_FLAGS, load_for_generation
     from megatron_hpc.train.metrics import validation_ppl
 
     _check_args(args)
-    loaded = load_for_generation(args.path, iteration=args.iteration, vocab_file=args.vocab_file,
-                                 merge_file=args.merge_file, keep_padded_vocab=True)
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun: one TP shard per process
+    if world > 1:
+        loaded = load_shard(args.path, ShardRank(rank=int(os.environ["RANK"]), world_size=world),
+                            iteration=args.iteration, vocab_file=args.vocab_file, merge_file=args.merge_file)
+    else:
+        loaded = load_for_generation(args.path, iteration=args.iteration, vocab_file=args.vocab_file,
+                                     merge_file=args.merge_file, keep_padded_vocab=True)
     resolved = loaded.resolved_config
     model_cfg = from_dict(ModelConfig, resolved["model"], where="model")
-    train = from_dict(TrainConfig, resolved["train"], where="train")
+    names = _split_names(args)
+    if "train" not in resolved and names:
+        raise DataError(f"{args.path} records no train config (an imported checkpoint), so its splits are "
+                        f"unknown; evaluate a --task, or convert a checkpoint of a megatron-hpc run")
+    train = from_dict(TrainConfig, resolved.get("train", {"num_steps": 1, "micro_batch_size": 4,
+                                                           "global_batch_size": 4}), where="train")
     data = from_dict(DataConfig, resolved.get("data", {}), where="data")
     if args.data_path:
         data = dataclasses.replace(data, path=args.data_path, source="indexed")
@@ -76,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
                               "tensor_parallel": loaded.source_tp, "pipeline_parallel": loaded.source_pp,
                               "splits": {}, "tasks": {}}
     seq, mbs = model_cfg.seq_length, train.micro_batch_size
-    requests = split_requests(train, data, splits=_split_names(args),  # type: ignore[arg-type]
+    requests = split_requests(train, data, splits=names,  # type: ignore[arg-type]
                               eval_iters=train.eval_iters if args.eval_iters is None else args.eval_iters)
     for request in requests:
         res = evaluate_split(loaded.model, request, data, seed=train.seed, seq_length=seq, batch_size=mbs)
@@ -97,13 +110,15 @@ def run(args: argparse.Namespace) -> int:
                                    batch_size=mbs)
             report["tasks"]["lambada"] = {"accuracy": lam.accuracy, "correct": lam.correct, "total": lam.total,
                                           "strict": lam.strict}
-    print(json.dumps(report, indent=1) if args.json else _text(report))
+    if int(os.environ.get("RANK", "0")) == 0:
+        tp = "" if world > 1 else ", evaluated at tp 1 on the cpu"
+        print(json.dumps(report, indent=1) if args.json else _text(report, where=tp))
     return 0
 
 
-def _text(report: dict[str, Any]) -> str:
+def _text(report: dict[str, Any], *, where: str) -> str:
     lines = [f"checkpoint {report['checkpoint']} iteration {report['iteration']} "
-             f"(tp {report['tensor_parallel']} pp {report['pipeline_parallel']}, evaluated at tp 1 on the cpu)"]
+             f"(tp {report['tensor_parallel']} pp {report['pipeline_parallel']}{where})"]
     for split, r in report["splits"].items():
         lines.append(f" {split:<5} | lm loss value: {r['loss']:.6E} | lm loss PPL: {r['ppl']:.6E} | "
                      f"samples: {r['samples']}")

@@ -1,5 +1,6 @@
-"""Forward passes that score evaluation inputs with a whole (TP 1) GPT, as Megatron's evaluation does: the
-cross entropy over the model's padded vocabulary, the argmax over it for the cloze task.
+"""Forward passes that score evaluation inputs with a GPT at any TP size, as Megatron's evaluation does: the
+vocab-parallel cross entropy over the model's padded vocabulary, the argmax over it for the cloze task. Every rank
+of the TP group passes the same inputs and gets the same figures.
 
 Rows of a batch are padded at the end to the longest row; the model is causal, so a padded position never
 changes the logits of an earlier one, and padded targets are never scored.
@@ -10,10 +11,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import torch
-import torch.nn.functional as F
-from torch import nn
+import torch.distributed as dist
 
 from megatron_hpc.evaluate.tasks import ClozeExample, Window
+from megatron_hpc.model.gpt import GPT
+from megatron_hpc.parallel.cross_entropy import vocab_parallel_cross_entropy
 
 PAD_ID = 0
 """Any valid id does: a padded position is after every scored one (causal attention) and is never scored."""
@@ -29,21 +31,36 @@ def _chunks(items: Sequence, size: int) -> Iterable[Sequence]:
         yield items[i:i + size]
 
 
-def token_losses(model: nn.Module, rows: Sequence[list[int]]) -> torch.Tensor:
+def token_losses(model: GPT, rows: Sequence[list[int]]) -> torch.Tensor:
     """Per-target cross entropy (B, W - 1) of each row predicting its own next tokens (W: longest row)."""
     tokens = _padded(rows)
     with torch.no_grad():
-        logits = model(tokens[:, :-1]).float()  # (B, W-1, V_padded)
-    return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten(), reduction="none").view(len(rows), -1)
+        logits = model(tokens[:, :-1]).float()  # (B, W-1, V_padded/tp)
+        return vocab_parallel_cross_entropy(logits, tokens[:, 1:], group=model.group)
 
 
-def sample_losses(model: nn.Module, samples: torch.Tensor, *, batch_size: int) -> torch.Tensor:
+def global_argmax(logits: torch.Tensor, *, group: dist.ProcessGroup) -> torch.Tensor:
+    """Argmax ids (...) over the whole padded vocabulary from vocab-sharded logits (..., V/tp); on a tie the lowest
+    id wins, as torch.argmax on the gathered logits."""
+    best, ids = logits.max(dim=-1)
+    size = dist.get_world_size(group)
+    if size == 1:
+        return ids
+    ids = ids + dist.get_rank(group) * logits.shape[-1]
+    values, indices = [torch.empty_like(best) for _ in range(size)], [torch.empty_like(ids) for _ in range(size)]
+    dist.all_gather(values, best.contiguous(), group=group)
+    dist.all_gather(indices, ids.contiguous(), group=group)
+    owner = torch.stack(values).argmax(dim=0, keepdim=True)  # the first shard holding the maximum
+    return torch.stack(indices).gather(0, owner).squeeze(0)
+
+
+def sample_losses(model: GPT, samples: torch.Tensor, *, batch_size: int) -> torch.Tensor:
     """Mean token loss of each (seq_length + 1)-token sample, as the training loss reads it, in float64."""
     means = [token_losses(model, chunk.tolist()).double().mean(dim=1) for chunk in samples.split(batch_size)]
     return torch.cat(means)
 
 
-def windowed_loss_sum(model: nn.Module, tokens: list[int], windows: Sequence[Window], *,
+def windowed_loss_sum(model: GPT, tokens: list[int], windows: Sequence[Window], *,
                       batch_size: int) -> tuple[float, int]:
     """Sum of the loss over every scored target of `windows`, and their count (Megatron's _LMDataset)."""
     total, scored = 0.0, 0
@@ -56,13 +73,13 @@ def windowed_loss_sum(model: nn.Module, tokens: list[int], windows: Sequence[Win
     return total, scored
 
 
-def cloze_hits(model: nn.Module, examples: Sequence[ClozeExample], *, batch_size: int) -> list[bool]:
+def cloze_hits(model: GPT, examples: Sequence[ClozeExample], *, batch_size: int) -> list[bool]:
     """Whether the greedy prediction at every target position equals the target token (all of them)."""
     hits = []
     for chunk in _chunks(examples, batch_size):
         tokens = _padded([e.context + e.target for e in chunk])
         with torch.no_grad():
-            predicted = model(tokens[:, :-1]).argmax(dim=-1)  # (B, W-1)
+            predicted = global_argmax(model(tokens[:, :-1]), group=model.group)  # (B, W-1)
         for row, e in zip(predicted, chunk):
             first = len(e.context) - 1  # the position whose next token is the target's first
             hits.append(row[first:first + len(e.target)].tolist() == e.target)

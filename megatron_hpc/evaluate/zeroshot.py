@@ -11,12 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from torch import nn
-
 from megatron_hpc.data.tokenizer import GPT2BPETokenizer
 from megatron_hpc.evaluate.detokenize import wikitext_detokenize
 from megatron_hpc.evaluate.scoring import cloze_hits, windowed_loss_sum
 from megatron_hpc.evaluate.tasks import lm_windows, read_cloze_examples, read_lm_document
+from megatron_hpc.model.gpt import GPT
 from megatron_hpc.train.metrics import validation_ppl
 
 
@@ -58,7 +57,7 @@ class LambadaResult:
         return self.correct / self.total
 
 
-def evaluate_wikitext(model: nn.Module, tokenizer: GPT2BPETokenizer, path: Path, *, seq_length: int,
+def evaluate_wikitext(model: GPT, tokenizer: GPT2BPETokenizer, path: Path, *, seq_length: int,
                       stride: int | None, batch_size: int) -> WikitextResult:
     """Windowed perplexity of a WikiText-style file; `stride` None is seq_length (Megatron's default)."""
     stride = seq_length if stride is None else stride
@@ -69,7 +68,7 @@ def evaluate_wikitext(model: nn.Module, tokenizer: GPT2BPETokenizer, path: Path,
     return WikitextResult(loss_sum=loss_sum, tokens=len(doc.tokens), words=doc.num_words, stride=stride)
 
 
-def evaluate_lambada(model: nn.Module, tokenizer: GPT2BPETokenizer, path: Path, *, seq_length: int, strict: bool,
+def evaluate_lambada(model: GPT, tokenizer: GPT2BPETokenizer, path: Path, *, seq_length: int, strict: bool,
                      batch_size: int) -> LambadaResult:
     """Last-word accuracy over a LAMBADA-style JSON lines file."""
     examples = read_cloze_examples(path, encode=tokenizer.encode, strict=strict, seq_length=seq_length)
