@@ -14,6 +14,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+DEFAULT_BATCH = 4
+"""Rows per forward pass of a task when the checkpoint records no train.micro_batch_size."""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("path", type=Path, help="checkpoint folder (the tracker picks the iteration) or iter_XXXXXXX")
@@ -56,63 +59,73 @@ def _split_names(args: argparse.Namespace) -> tuple[str, ...]:
     return () if split is None else ("valid", "test") if split == "both" else (split,)
 
 
+def _load(args: argparse.Namespace, *, world: int) -> Any:
+    from megatron_hpc.evaluate.sharded import ShardRank, load_shard
+    from megatron_hpc.generate.loading import load_for_generation
+
+    if world > 1:  # under torchrun: one TP shard per process
+        return load_shard(args.path, ShardRank(rank=int(os.environ["RANK"]), world_size=world),
+                          iteration=args.iteration, vocab_file=args.vocab_file, merge_file=args.merge_file)
+    return load_for_generation(args.path, iteration=args.iteration, vocab_file=args.vocab_file,
+                               merge_file=args.merge_file, keep_padded_vocab=True)
+
+
+def _task(args: argparse.Namespace, loaded: Any, *, seq_length: int, batch_size: int) -> dict[str, Any]:
+    from megatron_hpc.errors import GenerationError
+    from megatron_hpc.evaluate.zeroshot import evaluate_lambada, evaluate_wikitext
+    from megatron_hpc.generate.loading import TOKENIZER_FLAGS
+
+    tok = loaded.tokenizer
+    if tok is None:
+        raise GenerationError(f"--task {args.task} needs the run's tokenizer and {args.path} has none "
+                              f"({loaded.no_tokenizer}); pass {TOKENIZER_FLAGS}")
+    if args.task == "wikitext":
+        wiki = evaluate_wikitext(loaded.model, tok, args.file, seq_length=seq_length, stride=args.overlapping_eval,
+                                 batch_size=batch_size)
+        return {"loss": wiki.avg_loss, "token_ppl": wiki.token_ppl, "word_loss": wiki.word_loss,
+                "word_ppl": wiki.word_ppl, "tokens": wiki.tokens, "words": wiki.words, "stride": wiki.stride}
+    lam = evaluate_lambada(loaded.model, tok, args.file, seq_length=seq_length, strict=args.strict_lambada,
+                           batch_size=batch_size)
+    return {"accuracy": lam.accuracy, "correct": lam.correct, "total": lam.total, "strict": lam.strict}
+
+
 def run(args: argparse.Namespace) -> int:
     from megatron_hpc.config.loader import from_dict
     from megatron_hpc.config.schema import DataConfig, ModelConfig, TrainConfig
-    from megatron_hpc.errors import DataError, GenerationError
-    from megatron_hpc.evaluate.sharded import ShardRank, load_shard
+    from megatron_hpc.errors import DataError
     from megatron_hpc.evaluate.splits import evaluate_split, split_requests
-    from megatron_hpc.evaluate.zeroshot import evaluate_lambada, evaluate_wikitext
-    from megatron_hpc.generate.loading import TOKENIZER_FLAGS, load_for_generation
     from megatron_hpc.train.metrics import validation_ppl
 
     _check_args(args)
-    world = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun: one TP shard per process
-    if world > 1:
-        loaded = load_shard(args.path, ShardRank(rank=int(os.environ["RANK"]), world_size=world),
-                            iteration=args.iteration, vocab_file=args.vocab_file, merge_file=args.merge_file)
-    else:
-        loaded = load_for_generation(args.path, iteration=args.iteration, vocab_file=args.vocab_file,
-                                     merge_file=args.merge_file, keep_padded_vocab=True)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    loaded = _load(args, world=world)
     resolved = loaded.resolved_config
-    model_cfg = from_dict(ModelConfig, resolved["model"], where="model")
-    names = _split_names(args)
-    if "train" not in resolved and names:
-        raise DataError(f"{args.path} records no train config (an imported checkpoint), so its splits are "
-                        f"unknown; evaluate a --task, or convert a checkpoint of a megatron-hpc run")
-    train = from_dict(TrainConfig, resolved.get("train", {"num_steps": 1, "micro_batch_size": 4,
-                                                           "global_batch_size": 4}), where="train")
-    data = from_dict(DataConfig, resolved.get("data", {}), where="data")
-    if args.data_path:
-        data = dataclasses.replace(data, path=args.data_path, source="indexed")
+    seq = from_dict(ModelConfig, resolved["model"], where="model").seq_length
     report: dict[str, Any] = {"checkpoint": str(args.path), "iteration": loaded.iteration,
                               "tensor_parallel": loaded.source_tp, "pipeline_parallel": loaded.source_pp,
                               "splits": {}, "tasks": {}}
-    seq, mbs = model_cfg.seq_length, train.micro_batch_size
-    requests = split_requests(train, data, splits=names,  # type: ignore[arg-type]
-                              eval_iters=train.eval_iters if args.eval_iters is None else args.eval_iters)
-    for request in requests:
-        res = evaluate_split(loaded.model, request, data, seed=train.seed, seq_length=seq, batch_size=mbs)
-        report["splits"][res.split] = {"loss": res.loss, "ppl": validation_ppl(res.loss), "samples": res.num_samples}
+    names, batch_size = _split_names(args), DEFAULT_BATCH
+    if names:
+        if "train" not in resolved:
+            raise DataError(f"{args.path} records no train config (an imported checkpoint), so its splits are "
+                            f"unknown; evaluate a --task, or a checkpoint of a megatron-hpc run")
+        train = from_dict(TrainConfig, resolved["train"], where="train")
+        data = from_dict(DataConfig, resolved.get("data", {}), where="data")
+        if args.data_path:
+            data = dataclasses.replace(data, path=args.data_path, source="indexed")
+        batch_size = train.micro_batch_size
+        eval_iters = train.eval_iters if args.eval_iters is None else args.eval_iters
+        for request in split_requests(train, data, splits=names, eval_iters=eval_iters):  # type: ignore[arg-type]
+            res = evaluate_split(loaded.model, request, data, seed=train.seed, seq_length=seq, batch_size=batch_size)
+            report["splits"][res.split] = {"loss": res.loss, "ppl": validation_ppl(res.loss),
+                                           "samples": res.num_samples}
+    elif "train" in resolved:
+        batch_size = from_dict(TrainConfig, resolved["train"], where="train").micro_batch_size
     if args.task is not None:
-        tok = loaded.tokenizer
-        if tok is None:
-            raise GenerationError(f"--task {args.task} needs the run's tokenizer and {args.path} has none "
-                                  f"({loaded.no_tokenizer}); pass {TOKENIZER_FLAGS}")
-        if args.task == "wikitext":
-            wiki = evaluate_wikitext(loaded.model, tok, args.file, seq_length=seq, stride=args.overlapping_eval,
-                                     batch_size=mbs)
-            report["tasks"]["wikitext"] = {"loss": wiki.avg_loss, "token_ppl": wiki.token_ppl,
-                                           "word_loss": wiki.word_loss, "word_ppl": wiki.word_ppl,
-                                           "tokens": wiki.tokens, "words": wiki.words, "stride": wiki.stride}
-        else:
-            lam = evaluate_lambada(loaded.model, tok, args.file, seq_length=seq, strict=args.strict_lambada,
-                                   batch_size=mbs)
-            report["tasks"]["lambada"] = {"accuracy": lam.accuracy, "correct": lam.correct, "total": lam.total,
-                                          "strict": lam.strict}
+        report["tasks"][args.task] = _task(args, loaded, seq_length=seq, batch_size=batch_size)
     if int(os.environ.get("RANK", "0")) == 0:
-        tp = "" if world > 1 else ", evaluated at tp 1 on the cpu"
-        print(json.dumps(report, indent=1) if args.json else _text(report, where=tp))
+        where = "" if world > 1 else ", evaluated at tp 1 on the cpu"
+        print(json.dumps(report, indent=1) if args.json else _text(report, where=where))
     return 0
 
 
