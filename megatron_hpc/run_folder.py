@@ -145,7 +145,7 @@ class IterationRecord:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ValidationRecord:
-    """One validation: a metrics.jsonl row of phase valid."""
+    """One evaluation: a metrics.jsonl row of phase valid, or test (the test split, after the last step)."""
 
     iteration: int
     consumed_samples: int
@@ -171,7 +171,7 @@ def _row(data: Any) -> IterationRecord | ValidationRecord | None:
     """A parsed line as its record; None for a line that is not one."""
     if not isinstance(data, dict) or not {"iteration", "phase", "lm_loss"} <= data.keys():
         return None
-    cls: type = ValidationRecord if data["phase"] == "valid" else IterationRecord
+    cls: type = ValidationRecord if data["phase"] in ("valid", "test") else IterationRecord
     names = {f.name for f in dataclasses.fields(cls)}
     values = {k: v for k, v in {**_ROW_DEFAULTS, **data}.items() if k in names}
     try:

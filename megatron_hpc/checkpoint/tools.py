@@ -119,8 +119,13 @@ def export_hf(whole: WholeCheckpoint, out: Path, *, eos_token_id: int | None = N
 def tokenizer_files(whole: WholeCheckpoint) -> tuple[Path, Path] | str:
     """The run's GPT-2 vocab.json and merges.txt (its resolved data.vocab_file, data.merge_file), or why there
     are none to export."""
+    return resolved_tokenizer_files(whole.first.get("resolved_config") if isinstance(whole.first, dict) else None)
+
+
+def resolved_tokenizer_files(resolved: Any) -> tuple[Path, Path] | str:
+    """tokenizer_files from a checkpoint's resolved config (one shard's "resolved_config")."""
     try:
-        data = whole.first["resolved_config"]["data"]
+        data = resolved["data"]
     except (KeyError, TypeError):
         return "the checkpoint has no resolved data config"
     if data.get("source") == "synthetic":

@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("megatron_hpc.cli.train_cmd", "per-rank training entry point (what torchrun starts)"),
     "ckpt": ("megatron_hpc.cli.ckpt_cmd", "inspect checkpoints"),
     "generate": ("megatron_hpc.cli.generate_cmd", "continue prompts with a checkpoint (greedy or sampled, CPU)"),
+    "evaluate": ("megatron_hpc.cli.evaluate_cmd", "valid/test split loss, zero-shot WikiText and LAMBADA (CPU)"),
     "data": ("megatron_hpc.cli.data_cmd", "preprocess, inspect and sample Megatron .bin/.idx datasets"),
 }
 

@@ -37,7 +37,8 @@ def read_series(path: Path) -> RunSeries:
     if not train:
         raise MegatronHpcError(f"{path} has no iteration rows yet; wait for the first log interval "
                                f"(train.log_interval) and run report again")
-    valid = {r.iteration: r for r in rows if isinstance(r, ValidationRecord) and r.train_phase == phase}
+    valid = {r.iteration: r for r in rows if isinstance(r, ValidationRecord) and r.phase == "valid"
+             and r.train_phase == phase}
     series = RunSeries(phase=phase)
     for it in sorted(train):
         row = train[it]

@@ -142,6 +142,9 @@ class TrainConfig:
     """Run validation every this many steps (and at the end); 0 disables it."""
     eval_iters: int = 10
     """Validation batches per evaluation (Megatron --eval-iters)."""
+    eval_test: bool = True
+    """After the last step, evaluate eval_iters global batches of the test split (Megatron's do_test); only when
+    data.split gives the test split weight (indexed data; synthetic tokens have no test split)."""
     tensorboard: bool = True
     """Write TensorBoard event files to <run folder>/tensorboard from the last rank."""
 

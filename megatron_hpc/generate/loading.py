@@ -3,8 +3,9 @@ the CPU (the reshard tool's merge and vocabulary re-padding), with the run's tok
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,8 @@ class LoadedModel:
     tokenizer: GPT2BPETokenizer | None
     no_tokenizer: str
     """Why there is no tokenizer (empty when there is one)."""
+    resolved_config: dict[str, Any] = field(default_factory=dict)
+    """The run's resolved config as the checkpoint stores it (JSON sections: model, train, data, ...)."""
 
 
 def _single_process_context() -> ParallelContext:
@@ -54,7 +57,9 @@ def load_tokenizer(whole_reason: tuple[Path, Path] | str, *, vocab_file: Path | 
 
 
 def load_for_generation(path: Path, *, iteration: int | None = None, vocab_file: Path | None = None,
-                        merge_file: Path | None = None) -> LoadedModel:
+                        merge_file: Path | None = None, keep_padded_vocab: bool = False) -> LoadedModel:
+    """The whole model at TP 1. keep_padded_vocab keeps the checkpoint's own padded vocabulary (padded for its TP
+    size) instead of TP 1's: the dummy rows take part in the softmax, so a loss is the one the run computed."""
     whole = read_whole(path, iteration=iteration)
     try:
         raw = whole.first["resolved_config"]["model"]
@@ -62,7 +67,8 @@ def load_for_generation(path: Path, *, iteration: int | None = None, vocab_file:
         raise CheckpointError(f"{whole.found.folder} has no resolved_config (not written by megatron-hpc); "
                               "convert it first: megatron-hpc ckpt convert SRC --to torch OUT") from None
     cfg = from_dict(ModelConfig, raw, where="model")
-    padded = padded_vocab_size(cfg.vocab_size, divisible_by=cfg.make_vocab_size_divisible_by, tensor_parallel=1)
+    padded = padded_vocab_size(cfg.vocab_size, divisible_by=cfg.make_vocab_size_divisible_by,
+                               tensor_parallel=whole.tensor_parallel if keep_padded_vocab else 1)
     full = pp_layout.merge_grid([[s["model"] for s in row] for row in whole.grid], num_layers=cfg.num_layers)
     for name in ("wte.weight", "lm_head.weight"):
         if name in full:
@@ -75,4 +81,5 @@ def load_for_generation(path: Path, *, iteration: int | None = None, vocab_file:
         raise GenerationError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                               f"{cfg.vocab_size}; pass the run's {TOKENIZER_FLAGS}")
     return LoadedModel(model=model.eval(), iteration=whole.iteration, source_tp=whole.tensor_parallel,
-                       source_pp=whole.pipeline_parallel, tokenizer=tokenizer, no_tokenizer=why)
+                       source_pp=whole.pipeline_parallel, tokenizer=tokenizer, no_tokenizer=why,
+                       resolved_config=whole.first["resolved_config"])

@@ -12,6 +12,11 @@ over micro-batches and DP ranks as training splits its batches. Indexed data rea
 built for Megatron's count (train_iters // eval_interval + 1) * eval_iters * global_batch_size
 (get_train_valid_test_num_samples), so its index cache matches a Megatron run's. Synthetic data reads
 sample ids offset by VALID_SAMPLE_OFFSET, a range training never reaches.
+
+Test: after the last step of the run phase, eval_iters global batches from the start of the test split,
+built for Megatron's count eval_iters * global_batch_size (Megatron's do_test), printed as "validation loss at
+iteration N on test set". On when train.eval_test and eval_iters are set and data.split gives the test split
+weight; synthetic data has no test split.
 """
 
 from __future__ import annotations
@@ -58,11 +63,16 @@ class _OffsetSynthetic:
 
 
 @dataclass(frozen=True, slots=True)
-class _ValidSplit:
+class _SplitSamples:
     dataset: GPTDataset | BlendedDataset
 
     def batch(self, indices: Sequence[int]) -> torch.Tensor:
         return torch.from_numpy(np.stack([self.dataset.text(i) for i in indices]))
+
+
+def num_test_samples(*, eval_iters: int, global_batch_size: int) -> int:
+    """Megatron's test sample count: one evaluation, after training."""
+    return eval_iters * global_batch_size
 
 
 def num_valid_samples(*, train_iters: int, eval_interval: int, eval_iters: int, global_batch_size: int) -> int:
@@ -86,6 +96,8 @@ class Evaluator:
     metrics: MetricsLogger
     pipeline: PipelineRunner | None = None
     """This rank's pipeline stages and schedule (forward only here); None runs the whole model."""
+    test_data: _Batches | None = None
+    """Test batches, or None when the test split is not evaluated."""
 
     def should_evaluate(self, iteration: int) -> bool:
         if self.data is None:
@@ -102,9 +114,23 @@ class Evaluator:
         self.metrics.exclude_time(time.perf_counter() - began)
         return loss
 
+    def evaluate_test(self, iteration: int, model: nn.Module) -> float | None:
+        """After the last step: the test split's loss (all ranks), logged; None when it is not evaluated."""
+        if self.test_data is None:
+            return None
+        began = time.perf_counter()
+        loss = self._mean_loss(model, self.test_data, first_batch=0)
+        self.metrics.log_validation(iteration, lm_loss=loss, split="test")
+        self.metrics.exclude_time(time.perf_counter() - began)
+        return loss
+
     def evaluate(self, model: nn.Module, *, index: int) -> float:
         """Mean lm loss of evaluation `index`, averaged over eval_iters, micro-batches and DP."""
         assert self.data is not None, "evaluate() needs validation data"
+        return self._mean_loss(model, self.data, first_batch=index * self.eval_iters)
+
+    def _mean_loss(self, model: nn.Module, data: _Batches, *, first_batch: int) -> float:
+        """Mean lm loss of global batches [first_batch, first_batch + eval_iters) of `data`."""
         ctx, dev = self.ctx, self.device.device
         num_micro = self.layout.num_micro_batches
         was_training = model.training
@@ -114,8 +140,8 @@ class Evaluator:
                 else contextlib.nullcontext())
         with torch.no_grad():
             for j in range(self.eval_iters):
-                micro = [self.data.batch(ids).to(dev)
-                         for ids in self.layout.rank_indices(index * self.eval_iters + j, dp_rank=ctx.dp_rank)]
+                micro = [data.batch(ids).to(dev)
+                         for ids in self.layout.rank_indices(first_batch + j, dp_rank=ctx.dp_rank)]
                 if self.pipeline is not None:  # the last stage's losses; the others add 0
                     total += self.pipeline.eval_losses(micro, autocast=cast)
                 for tokens in micro if self.pipeline is None else ():
@@ -147,15 +173,32 @@ def _valid_data(tcfg: TrainConfig, data: DataConfig, *, vocab_size: int, plan: P
     if len(dataset) < count:
         raise DataError(f"the valid split of {data.path} gives {len(dataset)} samples, {count} are needed; "
                         f"this is a bug in the index build")
-    return _ValidSplit(dataset)
+    return _SplitSamples(dataset)
+
+
+def _test_data(tcfg: TrainConfig, data: DataConfig, *, plan: Plan) -> _Batches | None:
+    if not (tcfg.eval_test and tcfg.eval_iters > 0) or plan.data_source == "synthetic" or not data.path:
+        return None
+    if split_matrix(data.split)[2] is None:
+        return None  # no test split, as Megatron's do_test is off without one
+    count = num_test_samples(eval_iters=tcfg.eval_iters, global_batch_size=plan.global_batch_size)
+    config = GPTIndexConfig(seed=tcfg.seed, seq_length=plan.seq_length, split=data.split, cache_path=data.cache_path)
+    try:
+        dataset = build_split_dataset(data.path, split_name="test", num_samples=count, config=config)
+    except DataError as exc:  # a small corpus's test split may hold no sample; training goes on without it
+        warnings.warn(f"the test split is not evaluated at the end: {exc}; or set train.eval_test=false",
+                      stacklevel=3)
+        return None
+    return _SplitSamples(dataset)
 
 
 def build_evaluator(tcfg: TrainConfig, data: DataConfig, *, vocab_size: int, plan: Plan, ctx: ParallelContext,
                     device: DeviceInfo, autocast_dtype: torch.dtype | None, train_iters: int,
                     metrics: MetricsLogger, pipeline: PipelineRunner | None = None) -> Evaluator:
-    """The evaluator of this phase; it does nothing when train.eval_interval or eval_iters is 0."""
+    """The evaluator of this phase; it does nothing when train.eval_interval or eval_iters is 0 (and, for the
+    test split, when train.eval_test is off or data.split gives it no weight)."""
     enabled = tcfg.eval_interval > 0 and tcfg.eval_iters > 0
     return Evaluator(data=_valid_data(tcfg, data, vocab_size=vocab_size, plan=plan) if enabled else None,
                      interval=max(1, tcfg.eval_interval), eval_iters=tcfg.eval_iters, train_iters=train_iters,
                      layout=plan.batch, ctx=ctx, device=device, autocast_dtype=autocast_dtype, metrics=metrics,
-                     pipeline=pipeline)
+                     pipeline=pipeline, test_data=_test_data(tcfg, data, plan=plan))

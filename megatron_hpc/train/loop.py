@@ -195,6 +195,8 @@ def train(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, phase: Pha
                 break
         else:
             skips.settle()  # XLA: the last step's flag, which no later step reads
+            if phase == "run":  # Megatron's do_test: the test split once, after training (not after an early stop)
+                evaluator.evaluate_test(state.step, model)
         ckpt.wait_for_save()  # checkpoint.async_save: the last save is complete (tracker written) before we return
     finally:  # on an error too: the signal handlers go back and the event files are flushed
         ckpt.abandon_save()  # an error path: this rank's writer finishes its files, uncommitted (no collective)

@@ -49,9 +49,11 @@ def validation_ppl(lm_loss: float) -> float:
     return math.exp(min(20.0, lm_loss)) if not math.isnan(lm_loss) else math.nan
 
 
-def format_validation_block(iteration: int, *, lm_loss: float) -> str:
-    """Dashes, the validation line, dashes (evaluate_and_print_results; the dash line is one longer)."""
-    line = (f" validation loss at iteration {iteration} | lm loss value: {lm_loss:.6E} |"
+def format_validation_block(iteration: int, *, lm_loss: float, split: str = "valid") -> str:
+    """Dashes, the validation line, dashes (evaluate_and_print_results; the dash line is one longer). The test
+    split's prefix is Megatron's "iteration N on test set"."""
+    where = f"iteration {iteration}" + (" on test set" if split == "test" else "")
+    line = (f" validation loss at {where} | lm loss value: {lm_loss:.6E} |"
             f" lm loss PPL: {validation_ppl(lm_loss):.6E} | ")
     dashes = "-" * (len(line) + 1)
     return f"{dashes}\n{line}\n{dashes}"
@@ -130,16 +132,18 @@ class MetricsLogger:
         """Leave `seconds` (an evaluation) out of the current interval, as Megatron stops interval-time."""
         self.last_time += seconds
 
-    def log_validation(self, iteration: int, *, lm_loss: float) -> float:
-        """Print Megatron's validation block, append a phase "valid" row; returns the perplexity."""
+    def log_validation(self, iteration: int, *, lm_loss: float, split: str = "valid") -> float:
+        """Print Megatron's validation block, append a row of phase `split` (valid or test); returns the
+        perplexity."""
         ppl = validation_ppl(lm_loss)
         if self.enabled:
-            print(format_validation_block(iteration, lm_loss=lm_loss), file=self.out, flush=True)
+            print(format_validation_block(iteration, lm_loss=lm_loss, split=split), file=self.out, flush=True)
             self._append_jsonl(ValidationRecord(iteration=iteration, consumed_samples=iteration * self.gbs,
-                                                lm_loss=lm_loss, lm_loss_ppl=ppl, train_phase=self.phase).jsonl())
+                                                lm_loss=lm_loss, lm_loss_ppl=ppl, train_phase=self.phase,
+                                                phase=split).jsonl())
             if self.tensorboard is not None:
                 self.tensorboard.validation(iteration, consumed_samples=iteration * self.gbs, lm_loss=lm_loss,
-                                            ppl=ppl)
+                                            ppl=ppl, split=split)
         return ppl
 
     def close(self) -> None:

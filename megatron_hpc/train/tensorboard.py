@@ -70,8 +70,12 @@ class TensorBoardWriter:
             self._add(memory[0], float(memory[1]), it)
         self._writer.flush()
 
-    def validation(self, iteration: int, *, consumed_samples: int, lm_loss: float, ppl: float) -> None:
-        for tag, value in (("lm loss validation", lm_loss), ("lm loss validation ppl", ppl)):
+    def validation(self, iteration: int, *, consumed_samples: int, lm_loss: float, ppl: float,
+                   split: str = "valid") -> None:
+        # Megatron writes its test loss under the validation tags, at the same step as the last validation; a tag
+        # of its own keeps the two curves apart.
+        name = "validation" if split == "valid" else split
+        for tag, value in ((f"lm loss {name}", lm_loss), (f"lm loss {name} ppl", ppl)):
             self._add(tag, value, iteration)
             self._add(f"{tag} vs samples", value, consumed_samples)
         self._writer.flush()
