@@ -26,9 +26,10 @@ _TO_HF_ACTIVATION = {"gelu": "gelu", "gelu_tanh": "gelu_new"}
 _UNSUPPORTED = (("scale_attn_weights", True, "attention without 1/sqrt(head dim) scaling"),
                 ("scale_attn_by_inverse_layer_idx", False, "attention scaled by 1/layer index"),
                 ("add_cross_attention", False, "cross-attention layers"))
-# ModelConfig fields that do not change what GPT2LMHeadModel computes (training or memory settings only).
+# ModelConfig fields that do not change what GPT2LMHeadModel computes (training or memory settings only;
+# rotary_percent matters only with rotary positions, which GPT-2 refuses anyway).
 _NO_EFFECT = {"seq_length", "make_vocab_size_divisible_by", "init_method_std", "attention_dropout", "hidden_dropout",
-              "recompute", "recompute_granularity", "recompute_method", "recompute_num_layers"}
+              "recompute", "recompute_granularity", "recompute_method", "recompute_num_layers", "rotary_percent"}
 _EXPRESSED = {"num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings", "vocab_size",
               "ffn_hidden_size", "position_embedding", "tie_embeddings", "layernorm_epsilon", "activation"}
 # Buffers older transformers versions saved with the weights (the causal mask), not weights.
@@ -139,30 +140,37 @@ def state_from_hf(hf: dict[str, torch.Tensor], model: dict[str, Any]) -> dict[st
     naming a missing or unexpected weight."""
     # Folders of GPT2Model (and the original gpt2 upload) have no `transformer.` prefix.
     named = {k.removeprefix("transformer."): v for k, v in hf.items() if not k.endswith(_BUFFERS)}
-    heads, vocab = model["num_attention_heads"], model["vocab_size"]
+    heads, h = model["num_attention_heads"], model["hidden_size"]
+    f = model.get("ffn_hidden_size") or 4 * h
     used: set[str] = set()
 
-    def take(name: str) -> torch.Tensor:
+    def take(name: str, *shape: int) -> torch.Tensor:
+        shown = name if name == "lm_head.weight" else f"transformer.{name}"
         if name not in named:
-            raise CheckpointError(f"the weights have no {name} (a GPT2LMHeadModel with {model['num_layers']} layers "
+            raise CheckpointError(f"the weights have no {shown} (a GPT2LMHeadModel with {model['num_layers']} layers "
                                   "has one); the files are incomplete or of another model")
+        if tuple(named[name].shape) != shape:
+            raise CheckpointError(f"{shown} is {tuple(named[name].shape)}, but config.json makes it {shape}; "
+                                  "config.json does not match the weights")
         used.add(name)
         return named[name].detach().to(torch.float32)
 
-    full = {"wte.weight": take("wte.weight"), "wpe.weight": take("wpe.weight")}
+    full = {"wte.weight": take("wte.weight", model["vocab_size"], h),
+            "wpe.weight": take("wpe.weight", model["max_position_embeddings"], h)}
+    sizes = {"attn.c_proj": (h, h), "mlp.c_fc": (h, f), "mlp.c_proj": (f, h)}  # Conv1D: [in, out]
     for i in range(model["num_layers"]):
         theirs, ours = f"h.{i}.", f"h.{i}."
         for ln in ("ln_1", "ln_2"):
             for p in ("weight", "bias"):
-                full[f"{ours}{ln}.{p}"] = take(f"{theirs}{ln}.{p}")
-        full[f"{ours}attn.qkv.weight"] = _qkv_from_hf(take(f"{theirs}attn.c_attn.weight").t(), heads=heads)
-        full[f"{ours}attn.qkv.bias"] = _qkv_from_hf(take(f"{theirs}attn.c_attn.bias"), heads=heads)
+                full[f"{ours}{ln}.{p}"] = take(f"{theirs}{ln}.{p}", h)
+        full[f"{ours}attn.qkv.weight"] = _qkv_from_hf(take(f"{theirs}attn.c_attn.weight", h, 3 * h).t(), heads=heads)
+        full[f"{ours}attn.qkv.bias"] = _qkv_from_hf(take(f"{theirs}attn.c_attn.bias", 3 * h), heads=heads)
         for dst, src in _LINEARS:
-            full[f"{ours}{dst}.weight"] = take(f"{theirs}{src}.weight").t()
-            full[f"{ours}{dst}.bias"] = take(f"{theirs}{src}.bias")
-    full["ln_f.weight"], full["ln_f.bias"] = take("ln_f.weight"), take("ln_f.bias")
+            full[f"{ours}{dst}.weight"] = take(f"{theirs}{src}.weight", *sizes[src]).t()
+            full[f"{ours}{dst}.bias"] = take(f"{theirs}{src}.bias", sizes[src][1])
+    full["ln_f.weight"], full["ln_f.bias"] = take("ln_f.weight", h), take("ln_f.bias", h)
     if not model.get("tie_embeddings", True):
-        full["lm_head.weight"] = take("lm_head.weight")
+        full["lm_head.weight"] = take("lm_head.weight", model["vocab_size"], h)
     elif "lm_head.weight" in named:  # a tied head saved anyway (pytorch_model.bin does): the same table
         used.add("lm_head.weight")
     extra = sorted(set(named) - used)
@@ -170,7 +178,4 @@ def state_from_hf(hf: dict[str, torch.Tensor], model: dict[str, Any]) -> dict[st
         raise CheckpointError(f"the weights hold {', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}, which a "
                               f"GPT2LMHeadModel with {model['num_layers']} layers does not have; config.json does not "
                               "match the weights")
-    if full["wte.weight"].shape[0] != vocab:
-        raise CheckpointError(f"transformer.wte.weight has {full['wte.weight'].shape[0]} rows but config.json says "
-                              f"vocab_size {vocab}; config.json does not match the weights")
     return {k: v.contiguous() for k, v in full.items()}

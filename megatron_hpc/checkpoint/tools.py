@@ -77,6 +77,23 @@ def tokenizer_files(whole: WholeCheckpoint) -> tuple[Path, Path] | str:
     return found
 
 
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def hf_tokenizer_files(whole: WholeCheckpoint) -> list[Path]:
+    """The run's Hugging Face tokenizer files (data.tokenizer_type HuggingFaceTokenizer: tokenizer.json and the
+    settings beside it in data.tokenizer_model), to copy as they are; empty when the run names none."""
+    data = (whole.first.get("resolved_config") or {}).get("data") or {}
+    if data.get("tokenizer_type") != "HuggingFaceTokenizer" or not data.get("tokenizer_model"):
+        return []
+    given = Path(data["tokenizer_model"]).expanduser()
+    folder = given if given.is_dir() else given.parent
+    main = folder / HF_TOKENIZER_FILES[0] if given.is_dir() else given
+    if not main.is_file() or not os.access(main, os.R_OK):
+        return []
+    return [main, *(folder / n for n in HF_TOKENIZER_FILES[1:] if given.is_dir() and (folder / n).is_file())]
+
+
 # ---------------------------------------------------------------------------------------------- reshard
 
 @dataclass(frozen=True, kw_only=True, slots=True)

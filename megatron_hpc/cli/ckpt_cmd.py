@@ -221,7 +221,7 @@ def _import_hf(args: argparse.Namespace, out: Path) -> int:
 def _export_hf(whole: Any, out: Path) -> tuple[Path, list[str] | None]:
     """The model, and the run's tokenizer when it has one (else a note on stderr): the weights file and the
     tokenizer files written (None without a tokenizer)."""
-    from megatron_hpc.checkpoint.tools import export_hf, tokenizer_files
+    from megatron_hpc.checkpoint.tools import export_hf, hf_tokenizer_files, tokenizer_files
     from megatron_hpc.data.tokenizer import EOD_TOKEN, GPT2BPETokenizer
     from megatron_hpc.errors import DataError
 
@@ -236,12 +236,39 @@ def _export_hf(whole: Any, out: Path) -> tuple[Path, list[str] | None]:
         else:
             if tok.vocab_size > model["vocab_size"]:
                 files = f"{files[0]} has {tok.vocab_size} tokens but the model only {model['vocab_size']}"
+    if isinstance(files, str) and hf_tokenizer_files(whole):
+        return _export_hf_with_tokenizer_json(whole, out)
     if isinstance(files, str) or tok is None:
         print(f"megatron-hpc: note: no tokenizer files written: {files}; {out} holds the model only (add GPT-2 "
               "vocab.json and merges.txt to it for transformers.AutoTokenizer)", file=sys.stderr)
         return export_hf(whole, out), None
     written = export_hf(whole, out, eos_token_id=tok.vocab.get(EOD_TOKEN))
     return written, [str(p) for p in tok.save_hf(out, model_max_length=model["max_position_embeddings"])]
+
+
+def _export_hf_with_tokenizer_json(whole: Any, out: Path) -> tuple[Path, list[str]]:
+    """The model with the run's tokenizer.json (HuggingFaceTokenizer) and its settings, copied as they are."""
+    import shutil
+
+    from megatron_hpc.checkpoint.tools import export_hf, hf_tokenizer_files
+    from megatron_hpc.data.hf_tokenizer import HuggingFaceTokenizer
+    from megatron_hpc.errors import CheckpointError, DataError
+
+    files = hf_tokenizer_files(whole)
+    model = whole.first["resolved_config"]["model"]
+    try:
+        tok = HuggingFaceTokenizer(files[0].parent if len(files) > 1 else files[0])
+    except DataError as exc:
+        raise CheckpointError(f"the run's tokenizer cannot be exported ({exc})") from None
+    try:
+        eod: int | None = tok.eod
+    except DataError:  # no EOS token: config.json then names the last id, as without a tokenizer
+        eod = None
+    if tok.vocab_size > model["vocab_size"]:
+        raise CheckpointError(f"the run's {files[0]} has {tok.vocab_size} tokens but the model only "
+                              f"{model['vocab_size']}; it is not this model's tokenizer")
+    written = export_hf(whole, out, eos_token_id=eod)
+    return written, [shutil.copyfile(p, out / p.name) for p in files]
 
 
 def _reshard(args: argparse.Namespace) -> int:

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import transformers  # the real library (the `test` extra installs it)
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 from hf_models import SEQ, TOKENS, VOCAB, hf_logits, hf_model, save
@@ -89,6 +89,25 @@ def test_imported_gpt2_gives_transformers_logits(how: str, tmp_path: Path, token
     assert merges.read_bytes() == (tokenizer / "merges.txt").read_bytes()
 
 
+def test_generate_continues_like_transformers_with_the_copied_tokenizer(tmp_path: Path, tokenizer: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    theirs = hf_model()
+    folder = save(theirs, tmp_path / "hf", "safetensors", tokenizer)
+    ids = transformers.AutoTokenizer.from_pretrained(folder)("the quick", return_tensors="pt").input_ids
+    want = theirs.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=VOCAB - 1)[0, ids.shape[1]:].tolist()
+    assert convert(str(folder), "--to", "xser", "--out", str(tmp_path / "ours")) == 0
+    capsys.readouterr()
+    # No --vocab-file / --merge-file: generate finds the tokenizer the import copied.
+    try:
+        assert main(["generate", str(tmp_path / "ours"), "--prompt", "the quick", "--max-new-tokens", "6",
+                     "--ignore-eos", "--json"]) == 0
+    finally:  # generate makes a one-rank process group in this process, as its CLI does
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    result = json.loads(capsys.readouterr().out)["results"][0]
+    assert result["prompt_ids"] == ids[0].tolist() and result["tokens"] == want
+
+
 def test_the_activation_option_is_what_makes_gpt2_match(tmp_path: Path, ctx: ParallelContext) -> None:
     for act, ours in (("gelu_new", "gelu_tanh"), ("gelu", "gelu")):
         theirs = hf_model(act)
@@ -124,6 +143,21 @@ def test_export_of_an_import_at_tp2_pp2_gives_back_the_same_tensors(tied: bool, 
     assert config["tie_word_embeddings"] is tied
     again = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "back").eval()
     torch.testing.assert_close(hf_logits(again), hf_logits(theirs), rtol=0, atol=1e-5)
+
+
+def test_a_tokenizer_json_alone_travels_through_import_and_export(tmp_path: Path, tokenizer: Path) -> None:
+    folder = save(hf_model(), tmp_path / "hf", "safetensors", tokenizer)
+    transformers.AutoTokenizer.from_pretrained(folder).save_pretrained(folder)
+    for name in ("vocab.json", "merges.txt"):  # as NeoX-style folders ship it: tokenizer.json only
+        (folder / name).unlink(missing_ok=True)
+    want = transformers.AutoTokenizer.from_pretrained(folder)("the quick brown fox").input_ids
+    assert convert(str(folder), "--to", "torch", "--out", str(tmp_path / "ours")) == 0
+    data = read_whole(tmp_path / "ours").first["resolved_config"]["data"]
+    assert data == {"tokenizer_type": "HuggingFaceTokenizer",
+                    "tokenizer_model": str((tmp_path / "ours" / "tokenizer").absolute())}
+    assert convert(str(tmp_path / "ours"), "--to", "hf", "--out", str(tmp_path / "back")) == 0
+    assert (tmp_path / "back" / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "back")("the quick brown fox").input_ids == want
 
 
 def _one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
@@ -170,6 +204,21 @@ def test_bad_folders_fail_in_one_line_and_write_nothing(tmp_path: Path, tokenize
     assert convert(str(tmp_path / "small"), "--to", "xser", "--out", str(out)) == 1
     err = _one_line_error(capsys)
     assert f"{tokens} tokens" in err and f"vocab_size is {tokens - 5}" in err and not out.exists()
+
+    wider = save(hf_model(), tmp_path / "wider", "safetensors")
+    config = json.loads((wider / "config.json").read_text())
+    (wider / "config.json").write_text(json.dumps({**config, "n_inner": 64}))  # the weights' MLP is 4 x 32 = 128
+    assert convert(str(wider), "--to", "xser", "--out", str(out)) == 1
+    err = _one_line_error(capsys)
+    assert "transformer.h.0.mlp.c_fc.weight is (32, 128), but config.json makes it (32, 64)" in err
+    assert not out.exists()
+
+    holed = save(hf_model(), tmp_path / "holed", "safetensors")
+    weights = load_file(str(holed / "model.safetensors"))
+    del weights["transformer.h.1.ln_2.bias"]
+    save_file(weights, str(holed / "model.safetensors"))
+    assert convert(str(holed), "--to", "xser", "--out", str(out)) == 1
+    assert "have no transformer.h.1.ln_2.bias" in _one_line_error(capsys) and not out.exists()
 
     ok = save(hf_model(), tmp_path / "ok", "safetensors")
     assert convert(str(ok), "--to", "xser", "--tp", "3", "--out", str(out)) == 1
