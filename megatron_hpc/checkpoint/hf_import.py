@@ -162,7 +162,8 @@ def import_hf(folder: Path, *, out: Path, fmt: str) -> HfImport:
     will be written, recorded in its config). Reads and checks everything; writes nothing."""
     config = read_config(folder)
     hf = hf_formats.for_config(config, where=folder / CONFIG)
-    model = hf.model_config_from_hf(config)
+    # Recorded even at its default: the printed --set list must pin it, as a recipe may pad otherwise.
+    model = {"make_vocab_size_divisible_by": 128, **hf.model_config_from_hf(config)}
     tokenizer = tokenizer_files(folder)
     data = data_config(tokenizer, out)
     notes = []
@@ -179,7 +180,7 @@ def import_hf(folder: Path, *, out: Path, fmt: str) -> HfImport:
         "num_attention_heads": model["num_attention_heads"], "tensor_model_parallel_size": 1,
         "pipeline_model_parallel_size": 1, "consumed_train_samples": 0, "consumed_valid_samples": 0,
         "max_position_embeddings": model["max_position_embeddings"],
-        "make_vocab_size_divisible_by": model.get("make_vocab_size_divisible_by", 128),
+        "make_vocab_size_divisible_by": model["make_vocab_size_divisible_by"],
         "padded_vocab_size": model["vocab_size"],
         "tokenizer_type": data.get("tokenizer_type"), "checkpoint_version": 3.0, "iteration": 0,
         "model": {n: full[n] for n in pp_layout.model_order(full)},

@@ -23,14 +23,9 @@ from megatron_hpc.checkpoint import pp_layout
 from megatron_hpc.checkpoint.tools import tokenizer_files
 from megatron_hpc.checkpoint.whole import read_whole
 from megatron_hpc.cli.main import main
-from megatron_hpc.config.loader import from_dict
+from megatron_hpc.config.loader import from_dict, load_recipe
 from megatron_hpc.config.schema import (
-    CheckpointConfig,
-    CompilePhaseConfig,
     ModelConfig,
-    OptimConfig,
-    RunConfig,
-    TrainConfig,
 )
 from megatron_hpc.data.synthetic import SyntheticTokens
 from megatron_hpc.data.tokenizer import train_tokenizer
@@ -252,28 +247,29 @@ def _train_hf(model: transformers.GPT2LMHeadModel, steps: int) -> None:
     model.eval()
 
 
-def _run(run_dir: Path, model: ModelConfig, **ckpt: object) -> list[dict[str, object]]:
-    cfg = RunConfig(name="tiny", model=model, optim=OptimConfig(lr=1e-3, lr_decay_iters=10),
-                    train=TrainConfig(num_steps=2, micro_batch_size=8, global_batch_size=8, log_interval=1,
-                                      tensorboard=False),
-                    checkpoint=CheckpointConfig(**ckpt), compile=CompilePhaseConfig(num_steps=1))
+def _run(run_dir: Path, sets: list[str]) -> list[dict[str, object]]:
+    """The tiny recipe with `sets`, on synthetic tokens, in this process."""
+    cfg = load_recipe("tiny", [*sets, "data.source=synthetic", "train.num_steps=2", "train.micro_batch_size=8",
+                               "train.global_batch_size=8", "train.log_interval=1", "train.tensorboard=false",
+                               "optim.lr=1e-3", f"checkpoint.save={run_dir / 'ckpt'}"])
     assert run_training(plan_for_torchrun(cfg), run_dir=run_dir) == 0
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_a_run_fine_tunes_from_imported_gpt2_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_run_fine_tunes_from_imported_gpt2_weights_with_the_printed_settings(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
     theirs = hf_model()
     _train_hf(theirs, 60)
     folder = save(theirs, tmp_path / "hf", "safetensors")
     assert convert(str(folder), "--to", "xser", "--out", str(tmp_path / "ours")) == 0
-    assert "checkpoint.finetune=true" in capsys.readouterr().out
-    model = from_dict(ModelConfig, read_whole(tmp_path / "ours").first["resolved_config"]["model"], where="model")
-    fresh = _run(tmp_path / "fresh", model, save=str(tmp_path / "fresh-ckpt"))
-    tuned = _run(tmp_path / "tuned", model, load=str(tmp_path / "ours"), save=str(tmp_path / "tuned-ckpt"),
-                 finetune=True)
+    # What the command tells the user to run with, taken as printed.
+    sets = capsys.readouterr().out.strip().split("fine-tune from it with ", 1)[1].split()
+    assert f"checkpoint.load={tmp_path / 'ours'}" in sets and "checkpoint.finetune=true" in sets
+    model_sets = [s for s in sets if s.startswith(("model.", "parallel."))]
+    fresh = _run(tmp_path / "fresh", model_sets)
+    tuned = _run(tmp_path / "tuned", sets)
     assert "weights only, starting at iteration 0: checkpoint.finetune" in capsys.readouterr().out
     assert [r["iteration"] for r in tuned] == [1, 2]
     # The same first batch: a random init is near log(320) = 5.8, the imported model knows the progressions.
