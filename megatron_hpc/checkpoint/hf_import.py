@@ -46,12 +46,18 @@ class HfImport:
 
 
 def is_hf_folder(path: Path) -> bool:
-    """A folder with config.json and no checkpoint tracker of Megatron's layout (False when it cannot be looked into:
-    the checkpoint readers then name the file they cannot read)."""
+    """A folder with config.json that is a model's (weights beside it, or it names an architecture or model type),
+    not a run folder's resolved config, and no checkpoint tracker. False when it cannot be looked into: the
+    checkpoint readers then name the file they cannot read."""
     try:
-        return path.is_dir() and (path / CONFIG).is_file() and not paths.tracker_file(path).is_file()
-    except PermissionError:
+        if not path.is_dir() or not (path / CONFIG).is_file() or paths.tracker_file(path).is_file():
+            return False
+        if any((path / n).is_file() for w in (SAFETENSORS, BIN) for n in (w, f"{w}.index.json")):
+            return True
+        config = json.loads((path / CONFIG).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):  # PermissionError included
         return False
+    return isinstance(config, dict) and ("architectures" in config or "model_type" in config)
 
 
 def read_config(folder: Path) -> dict[str, Any]:

@@ -111,8 +111,13 @@ def run(args: argparse.Namespace) -> int:
         return _convert(args)
     if args.ckpt_command == "reshard":
         return _reshard(args)
+    from megatron_hpc.checkpoint.hf_import import is_hf_folder
     from megatron_hpc.checkpoint.summary import summarize
+    from megatron_hpc.errors import CheckpointError
 
+    if is_hf_folder(args.path):
+        raise CheckpointError(f"{args.path} is a Hugging Face model folder, not a Megatron checkpoint; make it one with"
+                              f" megatron-hpc ckpt convert {args.path} --to xser --out DIR")
     summary = summarize(args.path, verify=args.verify)
     print(json.dumps(summary, indent=1) if args.json else format_summary(summary))
     return 0

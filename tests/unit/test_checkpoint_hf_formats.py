@@ -3,6 +3,8 @@ of our models on export."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from megatron_hpc.checkpoint import hf_formats, hf_gpt2
@@ -53,3 +55,14 @@ def test_gpt2_variants_our_gpt_does_not_have_are_refused(key: str, value: object
     config = hf_gpt2.hf_config_from_model(GPT2)
     with pytest.raises(CheckpointError, match=key if key != "activation_function" else "'relu' is not a GeLU"):
         hf_gpt2.model_config_from_hf({**config, key: value})
+
+
+def test_a_run_folder_with_its_config_json_is_not_taken_for_a_model_folder(tmp_path) -> None:
+    from megatron_hpc.checkpoint.hf_import import is_hf_folder
+
+    (tmp_path / "config.json").write_text(json.dumps({"name": "tiny", "model": {"num_layers": 2}}))
+    assert not is_hf_folder(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))  # a model's, weights missing
+    assert is_hf_folder(tmp_path)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("3")
+    assert not is_hf_folder(tmp_path)

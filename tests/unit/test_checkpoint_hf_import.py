@@ -216,6 +216,8 @@ def test_bad_folders_fail_in_one_line_and_write_nothing(tmp_path: Path, tokenize
     assert "have no transformer.h.1.ln_2.bias" in _one_line_error(capsys) and not out.exists()
 
     ok = save(hf_model(), tmp_path / "ok", "safetensors")
+    assert main(["ckpt", "inspect", str(ok)]) == 1
+    assert f"ckpt convert {ok} --to xser --out DIR" in _one_line_error(capsys)
     assert convert(str(ok), "--to", "xser", "--tp", "3", "--out", str(out)) == 1
     assert "--tp 3" in _one_line_error(capsys) and not out.exists()
 
