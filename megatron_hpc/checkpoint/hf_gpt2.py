@@ -26,10 +26,11 @@ _TO_HF_ACTIVATION = {"gelu": "gelu", "gelu_tanh": "gelu_new"}
 _UNSUPPORTED = (("scale_attn_weights", True, "attention without 1/sqrt(head dim) scaling"),
                 ("scale_attn_by_inverse_layer_idx", False, "attention scaled by 1/layer index"),
                 ("add_cross_attention", False, "cross-attention layers"))
-# ModelConfig fields that do not change what GPT2LMHeadModel computes (training or memory settings only;
-# rotary_percent matters only with rotary positions, which GPT-2 refuses anyway).
+# ModelConfig fields that do not change what GPT2LMHeadModel computes (training or memory settings only; the rotary
+# ones matter only with rotary positions, which GPT-2 refuses anyway).
 _NO_EFFECT = {"seq_length", "make_vocab_size_divisible_by", "init_method_std", "attention_dropout", "hidden_dropout",
-              "recompute", "recompute_granularity", "recompute_method", "recompute_num_layers", "rotary_percent"}
+              "recompute", "recompute_granularity", "recompute_method", "recompute_num_layers", "rotary_percent",
+              "rotary_base"}
 _EXPRESSED = {"num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings", "vocab_size",
               "ffn_hidden_size", "position_embedding", "tie_embeddings", "layernorm_epsilon", "activation"}
 # Buffers older transformers versions saved with the weights (the causal mask), not weights.
