@@ -2,11 +2,12 @@
 same model (issue 17).
 
 One process builds our GPT (random init, fp32), maps its weights into a GPT2LMHeadModel exactly as `ckpt convert
---to hf` does (checkpoint/tools.py: hf_config, hf_state_dict), and checks that both produce the same greedy tokens
-before timing anything. Then, for batch 1 and batch 8, each of `--rounds` rounds times one full generation of
-`--new-tokens` tokens (prefill of a `--prompt-len`-token prompt included) with each implementation, alternating
-ours / theirs so machine drift hits both. Tokens/s = batch x new tokens / seconds; the median round and the best
-round (the least disturbed on a shared machine) are printed, with the ratios ours / transformers. Goal: 1.2x.
+--to hf` does (checkpoint/hf_gpt2.py: hf_config_from_model, state_to_hf), and checks that both produce the same
+greedy tokens before timing anything. Then, for batch 1 and batch 8, each of `--rounds` rounds times one full
+generation of `--new-tokens` tokens (prefill of a `--prompt-len`-token prompt included) with each implementation,
+alternating ours / theirs so machine drift hits both. Tokens/s = batch x new tokens / seconds; the median round
+and the best round (the least disturbed on a shared machine) are printed, with the ratios ours / transformers.
+Goal: 1.2x.
 
     python benchmarks/generate_cpu.py --rounds 3
 """
@@ -70,7 +71,7 @@ def _models(args: argparse.Namespace):
     import torch.distributed as dist
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from megatron_hpc.checkpoint.tools import hf_config, hf_state_dict
+    from megatron_hpc.checkpoint.hf_gpt2 import hf_config_from_model, state_to_hf
     from megatron_hpc.config.schema import ModelConfig
     from megatron_hpc.model.gpt import GPT
     from megatron_hpc.parallel.context import ParallelContext
@@ -85,10 +86,10 @@ def _models(args: argparse.Namespace):
     ours = GPT(cfg, ctx=ctx, padded_vocab=padded, seed=1234).eval()
     model = {"vocab_size": args.vocab, "max_position_embeddings": args.context, "hidden_size": args.hidden,
              "num_layers": args.layers, "num_attention_heads": args.heads, "layernorm_epsilon": cfg.layernorm_epsilon}
-    config = GPT2Config(**hf_config(model))
+    config = GPT2Config(**hf_config_from_model(model))
     config._attn_implementation = "sdpa"
     theirs = GPT2LMHeadModel(config)
-    missing, unexpected = theirs.load_state_dict(hf_state_dict(ours.state_dict(), model), strict=False)
+    missing, unexpected = theirs.load_state_dict(state_to_hf(ours.state_dict(), model), strict=False)
     assert not unexpected and all("lm_head" in k or "attn.bias" in k for k in missing), (missing, unexpected)
     theirs.tie_weights()
     return ours, theirs.eval(), torch

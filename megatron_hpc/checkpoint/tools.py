@@ -1,10 +1,6 @@
-"""`ckpt convert` and `ckpt reshard`: a checkpoint to a Hugging Face GPT-2 folder, to another format, or
-to another TP x PP size. Offline, one process, CPU.
-
-HF mapping (megatron-and-launchers.md 3.5): word embeddings without the padding rows become
-`transformer.wte` (tied to `lm_head`), learned positions `transformer.wpe`; each block's LayerNorms map
-one to one; QKV goes from Megatron's per-head rows [heads, (q, k, v), head dim] to HF's [q | k | v] and,
-like every linear, is transposed because HF's GPT-2 uses Conv1D ([in, out]) weights.
+"""`ckpt convert` and `ckpt reshard`: a checkpoint to a Hugging Face folder (the mapping of each architecture is
+in hf_gpt2.py and its siblings, chosen by hf_formats.py), to another format, or to another TP x PP size. Offline,
+one process, CPU.
 """
 
 from __future__ import annotations
@@ -19,7 +15,7 @@ from typing import Any
 
 import torch
 
-from megatron_hpc.checkpoint import optim_layout, pp_layout, tp_layout
+from megatron_hpc.checkpoint import hf_formats, optim_layout, pp_layout, tp_layout
 from megatron_hpc.checkpoint.compat import PipelineLayout
 from megatron_hpc.checkpoint.whole import WholeCheckpoint, write_whole
 from megatron_hpc.errors import CheckpointError, PlanError
@@ -36,72 +32,16 @@ def _model_config(whole: WholeCheckpoint) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------- HF export
 
-def hf_blockers(model: dict[str, Any]) -> list[str]:
-    """What GPT2LMHeadModel cannot express about this model (empty when it can)."""
-    found = []
-    if model.get("position_embedding", "learned") != "learned":
-        found.append("rotary position embeddings (GPT-2 has learned positions)")
-    if not model.get("tie_embeddings", True):
-        found.append("an untied output layer (GPT-2 ties it to the word embeddings)")
-    if model.get("parallel_residual", False):
-        found.append("a parallel residual (GPT-2's blocks are sequential; GPTNeoXForCausalLM has it)")
-    return found
-
-
-def hf_config(model: dict[str, Any], *, eos_token_id: int | None = None) -> dict[str, Any]:
-    """`eos_token_id`: the tokenizer's <|endoftext|> id; without a tokenizer, the last id (where GPT-2 style
-    vocabularies keep it)."""
-    h = model["hidden_size"]
-    eos = model["vocab_size"] - 1 if eos_token_id is None else eos_token_id
-    return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-        "vocab_size": model["vocab_size"], "n_positions": model["max_position_embeddings"],
-        "n_embd": h, "n_layer": model["num_layers"], "n_head": model["num_attention_heads"],
-        "n_inner": model.get("ffn_hidden_size") or 4 * h,
-        "activation_function": "gelu",  # our MLP uses the exact (erf) GeLU
-        "layer_norm_epsilon": model.get("layernorm_epsilon", 1e-5),
-        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-        "tie_word_embeddings": True, "bos_token_id": eos, "eos_token_id": eos,
-        "torch_dtype": "float32",
-    }
-
-
-def _qkv_to_hf(t: torch.Tensor, *, heads: int) -> torch.Tensor:
-    """[heads * (q, k, v) * hd, ...] rows -> [q (all heads) | k | v] rows."""
-    head_dim = t.shape[0] // (3 * heads)
-    rest = t.shape[1:]
-    return t.reshape(heads, 3, head_dim, *rest).transpose(0, 1).reshape(3 * heads * head_dim, *rest)
-
-
-def hf_state_dict(full: dict[str, torch.Tensor], model: dict[str, Any]) -> dict[str, torch.Tensor]:
-    heads, vocab = model["num_attention_heads"], model["vocab_size"]
-    sd = {"transformer.wte.weight": full["wte.weight"][:vocab], "transformer.wpe.weight": full["wpe.weight"],
-          "transformer.ln_f.weight": full["ln_f.weight"], "transformer.ln_f.bias": full["ln_f.bias"]}
-    for i in range(model["num_layers"]):
-        ours, theirs = f"h.{i}.", f"transformer.h.{i}."
-        for ln in ("ln_1", "ln_2"):
-            for p in ("weight", "bias"):
-                sd[f"{theirs}{ln}.{p}"] = full[f"{ours}{ln}.{p}"]
-        sd[f"{theirs}attn.c_attn.weight"] = _qkv_to_hf(full[f"{ours}attn.qkv.weight"], heads=heads).t()
-        sd[f"{theirs}attn.c_attn.bias"] = _qkv_to_hf(full[f"{ours}attn.qkv.bias"], heads=heads)
-        for src, dst in (("attn.proj", "attn.c_proj"), ("mlp.fc", "mlp.c_fc"), ("mlp.proj", "mlp.c_proj")):
-            sd[f"{theirs}{dst}.weight"] = full[f"{ours}{src}.weight"].t()
-            sd[f"{theirs}{dst}.bias"] = full[f"{ours}{src}.bias"]
-    return {k: v.detach().to(torch.float32).contiguous().clone() for k, v in sd.items()}
-
-
 def export_hf(whole: WholeCheckpoint, out: Path, *, eos_token_id: int | None = None) -> Path:
-    """Write config.json and the weights (model.safetensors, or pytorch_model.bin without safetensors)."""
+    """Write config.json and the weights (model.safetensors, or pytorch_model.bin without safetensors) of the first
+    Hugging Face architecture (hf_formats.py) that can express the model."""
     model = _model_config(whole)
-    blockers = hf_blockers(model)
-    if blockers:
-        raise CheckpointError(f"{whole.found.folder} cannot become a GPT2LMHeadModel: it uses "
-                              f"{' and '.join(blockers)}; keep it in Megatron's format")
+    fmt, hf_config = hf_formats.for_model(model, eos_token_id=eos_token_id, where=whole.found.folder)
     full = pp_layout.merge_grid([[s["model"] for s in row] for row in whole.grid], num_layers=model["num_layers"])
-    sd = hf_state_dict(full, model)
+    sd = fmt.state_to_hf(full, model)
     out.mkdir(parents=True, exist_ok=True)
     config = out / "config.json"
-    config.write_text(json.dumps(hf_config(model, eos_token_id=eos_token_id), indent=2) + "\n")
+    config.write_text(json.dumps(hf_config, indent=2) + "\n")
     try:
         from safetensors.torch import save_file
     except ImportError:
@@ -140,6 +80,23 @@ def resolved_tokenizer_files(resolved: Any) -> tuple[Path, Path] | str:
             why = "not readable" if path.exists() else "gone"
             return f"the run's {key} {path} is {why}"
     return found
+
+
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def hf_tokenizer_files(whole: WholeCheckpoint) -> list[Path]:
+    """The run's Hugging Face tokenizer files (data.tokenizer_type HuggingFaceTokenizer: tokenizer.json and the
+    settings beside it in data.tokenizer_model), to copy as they are; empty when the run names none."""
+    data = (whole.first.get("resolved_config") or {}).get("data") or {}
+    if data.get("tokenizer_type") != "HuggingFaceTokenizer" or not data.get("tokenizer_model"):
+        return []
+    given = Path(data["tokenizer_model"]).expanduser()
+    folder = given if given.is_dir() else given.parent
+    main = folder / HF_TOKENIZER_FILES[0] if given.is_dir() else given
+    if not main.is_file() or not os.access(main, os.R_OK):
+        return []
+    return [main, *(folder / n for n in HF_TOKENIZER_FILES[1:] if given.is_dir() and (folder / n).is_file())]
 
 
 # ---------------------------------------------------------------------------------------------- reshard

@@ -37,9 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON")
 
     c = sub.add_parser("convert", help="a checkpoint of ours or of the Neuron reference / Megatron-LM / megatron-core "
-                                       "as ours (--to torch|xser, optionally at --tp N --pp M), or a Hugging Face "
-                                       "GPT2LMHeadModel folder (--to hf)")
-    c.add_argument("path", type=Path, help="checkpoint folder (the tracker picks the iteration) or iter_XXXXXXX folder")
+                                       "as ours (--to torch|xser, optionally at --tp N --pp M), to a Hugging Face "
+                                       "folder (--to hf), or a Hugging Face folder (config.json and weights) as ours")
+    c.add_argument("path", type=Path, help="checkpoint folder (the tracker picks the iteration), iter_XXXXXXX folder, "
+                                           "or a local Hugging Face model folder (config.json and weights)")
     c.add_argument("--to", required=True, choices=("hf", "torch", "xser"), help="what to write")
     c.add_argument("out", type=Path, nargs="?", help="output folder (or --out)")
     c.add_argument("--out", dest="out_option", type=Path, metavar="OUT", help="output folder")
@@ -110,8 +111,13 @@ def run(args: argparse.Namespace) -> int:
         return _convert(args)
     if args.ckpt_command == "reshard":
         return _reshard(args)
+    from megatron_hpc.checkpoint.hf_import import is_hf_folder
     from megatron_hpc.checkpoint.summary import summarize
+    from megatron_hpc.errors import CheckpointError
 
+    if is_hf_folder(args.path):
+        raise CheckpointError(f"{args.path} is a Hugging Face model folder, not a Megatron checkpoint; make it one with"
+                              f" megatron-hpc ckpt convert {args.path} --to xser --out DIR")
     summary = summarize(args.path, verify=args.verify)
     print(json.dumps(summary, indent=1) if args.json else format_summary(summary))
     return 0
@@ -137,6 +143,10 @@ def _convert(args: argparse.Namespace) -> int:
     if args.to == "hf" and (args.tp is not None or args.pp is not None):
         raise CheckpointError("--tp and --pp choose the layout of a Megatron checkpoint; a Hugging Face folder has "
                               "none, drop them")
+    from megatron_hpc.checkpoint.hf_import import is_hf_folder
+
+    if is_hf_folder(source):
+        return _import_hf(args, out)
     folder = foreign_folder(source if args.iteration is None else iteration_dir(source, args.iteration))
     notes: list[str] = []
     family = "megatron-hpc"
@@ -179,10 +189,44 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _import_hf(args: argparse.Namespace, out: Path) -> int:
+    """A Hugging Face model folder as our checkpoint at --tp x --pp (default 1 x 1), weights only, iteration 0."""
+    from megatron_hpc.checkpoint.hf_import import copy_tokenizer, import_hf
+    from megatron_hpc.checkpoint.tools import reshard
+    from megatron_hpc.errors import CheckpointError
+
+    source = args.path
+    if args.to == "hf":
+        raise CheckpointError(f"{source} is already a Hugging Face folder; convert it --to xser or --to torch")
+    for flag, value in (("--iteration", args.iteration), ("--vocab-size", args.vocab_size)):
+        if value is not None:
+            raise CheckpointError(f"{flag} is for Megatron checkpoints; {source} is a Hugging Face folder, whose "
+                                  "config.json says both, drop it")
+    imported = import_hf(source, out=out, fmt=args.to)
+    tp, pp = (1 if v is None else v for v in (args.tp, args.pp))
+    result = reshard(imported.whole, tp=tp, pp=pp, out=out, fmt=args.to)
+    tokenizer = copy_tokenizer(imported.tokenizer, out)
+    model = imported.whole.first["resolved_config"]["model"]
+    sets = " ".join(f"model.{k}={v}" for k, v in model.items() if v is not None)
+    report = {"source": str(source), "family": "huggingface", "architecture": imported.architecture, "iteration": 0,
+              "to": args.to, "out": str(out), "tensor_parallel": tp, "pipeline_parallel": pp,
+              "written": str(result.folder), "weights": [str(p) for p in imported.weights],
+              "tokenizer": [str(p) for p in tokenizer] or None, "model": model, "notes": imported.notes}
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print(f"imported {source} ({imported.architecture}) to {args.to} at tp {tp} x pp {pp}: {result.folder}; "
+              f"fine-tune from it with checkpoint.load={out} checkpoint.finetune=true parallel.tensor={tp} "
+              f"parallel.pipeline={pp} {sets}")
+    for note in imported.notes:
+        print(f"megatron-hpc: warning: {note}", file=sys.stderr)
+    return 0
+
+
 def _export_hf(whole: Any, out: Path) -> tuple[Path, list[str] | None]:
     """The model, and the run's tokenizer when it has one (else a note on stderr): the weights file and the
     tokenizer files written (None without a tokenizer)."""
-    from megatron_hpc.checkpoint.tools import export_hf, tokenizer_files
+    from megatron_hpc.checkpoint.tools import export_hf, hf_tokenizer_files, tokenizer_files
     from megatron_hpc.data.tokenizer import EOD_TOKEN, GPT2BPETokenizer
     from megatron_hpc.errors import DataError
 
@@ -197,12 +241,39 @@ def _export_hf(whole: Any, out: Path) -> tuple[Path, list[str] | None]:
         else:
             if tok.vocab_size > model["vocab_size"]:
                 files = f"{files[0]} has {tok.vocab_size} tokens but the model only {model['vocab_size']}"
+    if isinstance(files, str) and hf_tokenizer_files(whole):
+        return _export_hf_with_tokenizer_json(whole, out)
     if isinstance(files, str) or tok is None:
         print(f"megatron-hpc: note: no tokenizer files written: {files}; {out} holds the model only (add GPT-2 "
               "vocab.json and merges.txt to it for transformers.AutoTokenizer)", file=sys.stderr)
         return export_hf(whole, out), None
     written = export_hf(whole, out, eos_token_id=tok.vocab.get(EOD_TOKEN))
     return written, [str(p) for p in tok.save_hf(out, model_max_length=model["max_position_embeddings"])]
+
+
+def _export_hf_with_tokenizer_json(whole: Any, out: Path) -> tuple[Path, list[str]]:
+    """The model with the run's tokenizer.json (HuggingFaceTokenizer) and its settings, copied as they are."""
+    import shutil
+
+    from megatron_hpc.checkpoint.tools import export_hf, hf_tokenizer_files
+    from megatron_hpc.data.hf_tokenizer import HuggingFaceTokenizer
+    from megatron_hpc.errors import CheckpointError, DataError
+
+    files = hf_tokenizer_files(whole)
+    model = whole.first["resolved_config"]["model"]
+    try:
+        tok = HuggingFaceTokenizer(files[0].parent if len(files) > 1 else files[0])
+    except DataError as exc:
+        raise CheckpointError(f"the run's tokenizer cannot be exported ({exc})") from None
+    try:
+        eod: int | None = tok.eod
+    except DataError:  # no EOS token: config.json then names the last id, as without a tokenizer
+        eod = None
+    if tok.vocab_size > model["vocab_size"]:
+        raise CheckpointError(f"the run's {files[0]} has {tok.vocab_size} tokens but the model only "
+                              f"{model['vocab_size']}; it is not this model's tokenizer")
+    written = export_hf(whole, out, eos_token_id=eod)
+    return written, [shutil.copyfile(p, out / p.name) for p in files]
 
 
 def _reshard(args: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ from typing import Literal
 Precision = Literal["fp32", "bf16", "fp16"]
 DecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"]
 PositionEmbedding = Literal["learned", "rope"]
+Activation = Literal["gelu", "gelu_tanh"]
 DataSource = Literal["synthetic", "indexed"]
 CheckpointFormat = Literal["xser", "torch"]
 SaveFailure = Literal["stop", "continue"]
@@ -60,6 +61,9 @@ class ModelConfig:
     """Dropout on residual branches (0 in the Neuron reference)."""
     layernorm_epsilon: float = 1e-5
     """LayerNorm epsilon."""
+    activation: Activation = "gelu"
+    """The MLP's GeLU: gelu is the exact (erf) one, as Megatron's; gelu_tanh is the tanh approximation that GPT-2
+    was trained with (Hugging Face's gelu_new), for imported GPT-2 weights."""
     recompute: bool = False
     """Alias of recompute_granularity=full with recompute_method=uniform and recompute_num_layers=1 (every layer
     checkpointed on its own); contradicting recompute_granularity=selective is an error."""

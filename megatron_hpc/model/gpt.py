@@ -94,9 +94,10 @@ class MLP(nn.Module):
                                        key=prefix + ".fc", sequence_parallel=sp)
         self.proj = RowParallelLinear(f, h, ctx=ctx, init_std=_out_std(cfg), seed=seed, key=prefix + ".proj",
                                       sequence_parallel=sp)
+        self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"  # GPT-2's gelu_new is the tanh one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))  # (B, S, F/tp) inside, (B, S, H) out
+        return self.proj(F.gelu(self.fc(x), approximate=self.approximate))  # (B, S, F/tp) inside, (B, S, H) out
 
 
 class Block(nn.Module):

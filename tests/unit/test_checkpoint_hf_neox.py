@@ -175,8 +175,8 @@ def test_bad_input_one_line_each() -> None:
 
 
 def test_gpt2_export_refuses_a_parallel_residual() -> None:
-    from megatron_hpc.checkpoint.tools import hf_blockers
+    from megatron_hpc.checkpoint.hf_gpt2 import blockers
 
     gpt2_like = {"position_embedding": "learned", "tie_embeddings": True}
-    assert hf_blockers(gpt2_like) == []
-    assert any("parallel residual" in b for b in hf_blockers({**gpt2_like, "parallel_residual": True}))
+    assert blockers(gpt2_like) == []
+    assert any("parallel_residual" in b for b in blockers({**gpt2_like, "parallel_residual": True}))
