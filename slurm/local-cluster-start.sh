@@ -67,8 +67,11 @@ install_packages() {
         printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod 755 /usr/sbin/policy-rc.d
     fi
     local aptlog=${TMPDIR:-/tmp}/megatron-hpc-slurm-apt.log
-    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-        --no-install-recommends $missing; } >"$aptlog" 2>&1 || { tail -n 30 "$aptlog" >&2; die "apt-get failed"; }
+    # apt's own locks fail at once when another install holds them (the test suite installs kubectl beside
+    # this): both take /tmp/megatron-hpc-apt.lock first, and wait for each other.
+    { flock 9; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+        --no-install-recommends $missing; } 9>/tmp/megatron-hpc-apt.lock >"$aptlog" 2>&1 \
+        || { tail -n 30 "$aptlog" >&2; die "apt-get failed"; }
     say "packages installed"
 }
 

@@ -4,10 +4,16 @@
 # build when pip finds its wheel locally, else install it from PyTorch's CPU wheel index first, as the
 # README says: the default index gives the CUDA build on Linux), this package with its test extras, and
 # (through the slurm fixture) Debian's Slurm and MariaDB.
-# The SLURM tests run on a real local cluster that tests/slurm/conftest.py starts and stops.
-# Then the xla tier (tests/xla/run.sh): real torch-xla 2.9 on XLA:CPU, in its own environment that it
-# builds once and caches (torch 2.9 with its CUDA libraries, about 4 GB). Arguments go to the main
-# suite's pytest; the xla tier always runs whole. Fails if either tier fails.
+#
+# Three tiers, each its own pytest session (own --basetemp), the first two side by side:
+# - the SLURM tier (tests marked slurm) on a real local cluster that tests/slurm/conftest.py starts and
+#   stops. Its tests mostly wait on the scheduler, on job start-up and on requeues, so it runs in the
+#   background while the rest of the main suite uses the CPU; its output is printed when it ends.
+# - the rest of the main suite (unit and multiprocess tests), in the foreground.
+# - the xla tier (tests/xla/run.sh): real torch-xla 2.9 on XLA:CPU, in its own environment that it builds
+#   once and caches (torch 2.9 with its CUDA libraries, about 4 GB). The build, mostly a download, starts
+#   first in the background; the tier runs when the main suite is done.
+# Arguments go to both main-suite sessions' pytest; the xla tier always runs whole. Fails if any tier fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -16,16 +22,37 @@ PY=${PYTHON:-python3}
 "$PY" -m pip install -q --disable-pip-version-check -e '.[test]'
 
 "$PY" -m ruff check .
+
+work=$(mktemp -d "${TMPDIR:-/tmp}/megatron-hpc-tests.XXXXXX")
+bash tests/xla/env.sh > "$work/xla-env.log" 2>&1 &
+xla_env=$!
+
 set +e
-"$PY" -m pytest -m "not gpu and not neuron and not xla" "$@"
+"$PY" -m pytest -m "slurm and not gpu and not neuron and not xla" --basetemp "$work/slurm" "$@" \
+    > "$work/slurm.log" 2>&1 &
+slurm_pid=$!
+"$PY" -m pytest -m "not slurm and not gpu and not neuron and not xla" --basetemp "$work/main" "$@"
 main=$?
-# exit 5 means no test ran at all: a broken suite, not a pass
-[ "$main" -eq 5 ] && echo "no tests were collected" >&2
+wait "$slurm_pid"
+slurm=$?
+echo "--- SLURM tier (ran beside the tests above) ---"
+cat "$work/slurm.log"
+wait "$xla_env"
+env_code=$?
+if [ "$env_code" -ne 0 ]; then
+    cat "$work/xla-env.log" >&2
+fi
+# tests/xla/run.sh finds the environment built above in its cache (or says why it cannot build it)
 bash tests/xla/run.sh -q
 xla=$?
 set -e
-if [ "$main" -ne 0 ] || [ "$xla" -ne 0 ]; then
-    echo "tests/run.sh: FAILED (main suite exit $main, xla tier exit $xla)" >&2
+# exit 5 means no test ran at all: a broken suite, not a pass
+[ "$main" -eq 5 ] && echo "no tests were collected in the main suite" >&2
+[ "$slurm" -eq 5 ] && echo "no tests were collected in the SLURM tier" >&2
+if [ "$main" -ne 0 ] || [ "$slurm" -ne 0 ] || [ "$xla" -ne 0 ]; then
+    echo "tests/run.sh: FAILED (main suite exit $main, SLURM tier exit $slurm, xla tier exit $xla)" >&2
     [ "$main" -ne 0 ] && exit "$main"
+    [ "$slurm" -ne 0 ] && exit "$slurm"
     exit "$xla"
 fi
+rm -rf "$work"
