@@ -22,6 +22,7 @@ weight; synthetic data has no test split.
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 import warnings
 from collections.abc import Sequence
@@ -176,7 +177,7 @@ def _valid_data(tcfg: TrainConfig, data: DataConfig, *, vocab_size: int, plan: P
     return _SplitSamples(dataset)
 
 
-def _test_data(tcfg: TrainConfig, data: DataConfig, *, plan: Plan) -> _Batches | None:
+def _test_data(tcfg: TrainConfig, data: DataConfig, *, plan: Plan, rank: int) -> _Batches | None:
     if not (tcfg.eval_test and tcfg.eval_iters > 0) or plan.data_source == "synthetic" or not data.path:
         return None
     if split_matrix(data.split)[2] is None:
@@ -186,8 +187,9 @@ def _test_data(tcfg: TrainConfig, data: DataConfig, *, plan: Plan) -> _Batches |
     try:
         dataset = build_split_dataset(data.path, split_name="test", num_samples=count, config=config)
     except DataError as exc:  # a small corpus's test split may hold no sample; training goes on without it
-        warnings.warn(f"the test split is not evaluated at the end: {exc}; or set train.eval_test=false",
-                      stacklevel=3)
+        if rank == 0:  # one line for the run, as the trainer's other warnings
+            print(f"megatron-hpc: warning: the test split is not evaluated at the end: {exc}; or set "
+                  "train.eval_test=false", file=sys.stderr, flush=True)
         return None
     return _SplitSamples(dataset)
 
@@ -201,4 +203,4 @@ def build_evaluator(tcfg: TrainConfig, data: DataConfig, *, vocab_size: int, pla
     return Evaluator(data=_valid_data(tcfg, data, vocab_size=vocab_size, plan=plan) if enabled else None,
                      interval=max(1, tcfg.eval_interval), eval_iters=tcfg.eval_iters, train_iters=train_iters,
                      layout=plan.batch, ctx=ctx, device=device, autocast_dtype=autocast_dtype, metrics=metrics,
-                     pipeline=pipeline, test_data=_test_data(tcfg, data, plan=plan))
+                     pipeline=pipeline, test_data=_test_data(tcfg, data, plan=plan, rank=ctx.rank))
