@@ -1,0 +1,308 @@
+"""`submit --cluster k8s`: check, write the run's Kubernetes objects as YAML, and apply them in order.
+
+A dry run writes configmap.yaml, preprocess-job.yaml (with k8s.preprocess_input), compile-pytorchjob.yaml
+(unless compile_left_out, or the shared cache holds the fingerprint) and pytorchjob.yaml to the run folder,
+with apply.sh: the same order with `kubectl apply` and `kubectl wait`. A real submit applies the same
+objects with the Kubernetes Python client to the current kube context, waits for the preprocessing Job and
+the compile PyTorchJob to succeed (Kubernetes has no afterok), then creates the run PyTorchJob.
+
+Never run against a cluster by our tests (README "Kubernetes"): the applying, waiting, status, logs and
+cancel calls below are the untested part, kept small.
+"""
+
+from __future__ import annotations
+
+import shlex
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from megatron_hpc.launch import k8s_objects as ko
+from megatron_hpc.launch.requeue import DEFAULT_MAX_REQUEUES
+from megatron_hpc.launch.scripts import render_node_script
+from megatron_hpc.launch.submit import RunFiles, SubmitRequest, decide_phases
+
+from megatron_hpc.config.instance_types import INSTANCE_TYPES, InstanceType, default_instance_type, get_instance_type
+from megatron_hpc.config.schema import RunConfig
+from megatron_hpc.errors import ConfigError, LaunchError
+from megatron_hpc.plan.planner import Plan
+from megatron_hpc.plan.spec import RunSpec
+from megatron_hpc.run_folder import (
+    SUBMISSION_FILE,
+    FingerprintRecord,
+    JobRecord,
+    SubmissionRecord,
+    read_json,
+    write_json,
+    write_script,
+    write_spec,
+)
+
+APPLY_SCRIPT = "apply.sh"
+CONFIGMAP_FILE = "configmap.yaml"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Stage:
+    """One object to apply; `wait_for` is the condition the next stage waits for (None: nothing waits)."""
+
+    phase: str
+    file: str
+    obj: Any
+    kind: str
+    """`job` (batch/v1) or `pytorchjob`, as kubectl names them."""
+
+    @property
+    def name(self) -> str:
+        return self.obj.metadata.name
+
+    @property
+    def job_id(self) -> str:
+        return f"{self.kind}/{self.name}"
+
+
+def resolve_instance(cfg: RunConfig, plan: Plan) -> InstanceType:
+    """The instance type the pods run on; refuses one the plan cannot use, with the fix."""
+    if cfg.k8s.instance_type is None:
+        found = default_instance_type(plan.platform)
+        if found is None:
+            raise ConfigError(f"--cluster k8s needs an accelerator platform, but the plan is for {plan.platform}; "
+                              "use --platform p5, trn1 or trn2 (or --set k8s.instance_type=NAME)")
+        instance = found
+    else:
+        instance = get_instance_type(cfg.k8s.instance_type)
+    if instance.platform != plan.platform:
+        fits = ", ".join(n for n, t in INSTANCE_TYPES.items() if t.platform == plan.platform) or "none"
+        raise ConfigError(f"k8s.instance_type={instance.name} runs the {instance.platform} plan, but this plan is for "
+                          f"{plan.platform}; use --platform {instance.platform}, or k8s.instance_type in {{{fits}}}")
+    tp, per_node = plan.tensor_parallel, instance.workers_per_node
+    if per_node % tp:
+        choices = [d for d in range(1, per_node + 1) if per_node % d == 0]
+        raise ConfigError(f"tp={tp} does not divide the {per_node} processes per node of {instance.ec2_name}; use "
+                          f"--set parallel.tensor=N with N in {{{', '.join(map(str, choices))}}}")
+    if plan.workers_per_node > per_node:
+        raise ConfigError(f"the plan runs {plan.workers_per_node} processes per node, but {instance.ec2_name} holds "
+                          f"{per_node}; use --set launch.workers_per_node={per_node} or a larger instance type")
+    return instance
+
+
+def pod_site(cfg: RunConfig, plan: Plan, *, run_id: str) -> ko.PodSite:
+    """Everything the objects need from the recipe's k8s section, checked before anything is written."""
+    k8s = cfg.k8s
+    if not k8s.volume_claim:
+        raise ConfigError("k8s.volume_claim is not set: the pods need a shared PersistentVolumeClaim for data, "
+                          "checkpoints and the compile cache; add --set k8s.volume_claim=NAME "
+                          f"(`kubectl get pvc -n {k8s.namespace}` lists them)")
+    if not k8s.image:
+        raise ConfigError("k8s.image is not set: the pods need an image with megatron-hpc installed; add "
+                          "--set k8s.image=REGISTRY/IMAGE:TAG")
+    if k8s.preprocess_input and not cfg.data.path:
+        raise ConfigError("k8s.preprocess_input is set but data.path is not: the preprocessing Job writes data.path; "
+                          "add --set data.path=PREFIX (on the claim)")
+    instance = resolve_instance(cfg, plan)
+    return ko.PodSite(k8s=k8s, image=k8s.image, volume_claim=k8s.volume_claim, instance=instance,
+                      run_name=ko.dns_name(f"{cfg.name}-{run_id}"),
+                      run_dir=ko.pod_run_dir(k8s, recipe=cfg.name, run_id=run_id))
+
+
+def build_stages(req: SubmitRequest, site: ko.PodSite, files: RunFiles) -> list[Stage]:
+    """The objects of the run in the order they are applied: preprocess, compile, run."""
+    stages: list[Stage] = []
+    if req.cfg.k8s.preprocess_input:
+        stages.append(Stage(phase="preprocess", file="preprocess-job.yaml", kind="job",
+                            obj=ko.preprocess_job(site, req.cfg.data)))
+    for spec in files.phases:
+        stages.append(Stage(phase=spec.phase, file="pytorchjob.yaml" if spec.phase == "run" else
+                            f"{spec.phase}-pytorchjob.yaml", kind="pytorchjob",
+                            obj=ko.pytorch_job(site, spec, backoff_limit=DEFAULT_MAX_REQUEUES)))
+    return stages
+
+
+def spec_files(req: SubmitRequest, site: ko.PodSite, files: RunFiles) -> dict[str, str]:
+    """The ConfigMap's files: node.sh rendered for the pods' paths, and the run folder's spec as written."""
+    node = render_node_script(files.phases[0], recipe=req.cfg.name, run_dir=site.run_dir, bin_dir=site.k8s.bin_dir,
+                              backend=req.platform.backend, shared_cache=str(req.cache_root))
+    out = {"node.sh": node}
+    for name in ko.SPEC_FILES:
+        out[name] = (req.run_dir / name).read_text()
+    return out
+
+
+def to_yaml(obj: Any) -> str:
+    """The API's JSON form of a client or SDK model (the client's own serializer), as YAML."""
+    from kubernetes.client import ApiClient
+
+    return yaml.safe_dump(ApiClient().sanitize_for_serialization(obj), sort_keys=False)
+
+
+def write_k8s_files(req: SubmitRequest) -> tuple[RunFiles, list[Stage], Any]:
+    """Check, then write the run spec, the YAML files and apply.sh to the run folder; nothing is applied."""
+    site = pod_site(req.cfg, req.plan, run_id=req.run_dir.name)
+    files = decide_phases(req)
+    write_spec(req.run_dir, RunSpec(config=req.cfg, plan=req.plan))
+    FingerprintRecord(sha256=files.fingerprint, inputs=files.fingerprint_inputs,
+                      cache_root=str(req.cache_root)).write(req.run_dir)
+    cmap = ko.config_map(site, files=spec_files(req, site, files))
+    stages = build_stages(req, site, files)
+    (req.run_dir / CONFIGMAP_FILE).write_text(to_yaml(cmap))
+    for stage in stages:
+        (req.run_dir / stage.file).write_text(to_yaml(stage.obj))
+    write_script(req.run_dir / APPLY_SCRIPT, render_apply_script(stages, namespace=site.k8s.namespace,
+                                                                 out_dir=str(req.run_dir)))
+    return files, stages, cmap
+
+
+def render_apply_script(stages: list[Stage], *, namespace: str, out_dir: str) -> str:
+    """kubectl lines that apply the objects in order, each waiting for the one before to succeed."""
+    ns = shlex.quote(namespace)
+    lines = ["#!/usr/bin/env bash", "# Apply what `megatron-hpc submit --cluster k8s --dry-run` wrote, as submit does.",
+             "set -euo pipefail", f"kubectl apply -n {ns} -f {shlex.quote(f'{out_dir}/{CONFIGMAP_FILE}')}"]
+    for i, stage in enumerate(stages):
+        lines.append(f"kubectl apply -n {ns} -f {shlex.quote(f'{out_dir}/{stage.file}')}")
+        if i < len(stages) - 1:
+            done = "complete" if stage.kind == "job" else "Succeeded"
+            lines.append(f"kubectl wait -n {ns} --for=condition={done} --timeout=-1s {stage.job_id}")
+    return "\n".join(lines) + "\n"
+
+
+def load_kube_config() -> None:
+    """The current kube context (or the pod's service account); LaunchError with the fix when there is none."""
+    from kubernetes import config
+
+    try:
+        config.load_kube_config()
+    except Exception as exc:  # ConfigException, or a missing/unreadable kubeconfig file
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            raise LaunchError(f"no kube context ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); "
+                              "run `aws eks update-kubeconfig --name CLUSTER` or set KUBECONFIG, or use --dry-run "
+                              "to write the YAML only") from None
+
+
+def submit_k8s(req: SubmitRequest, *, wait: bool,
+               echo: Callable[[str], None] | None = None) -> tuple[RunFiles, list[JobRecord]]:
+    """Check the kube context, write the files, apply them in order; records submission.json."""
+    load_kube_config()
+    files, stages, cmap = write_k8s_files(req)
+    from kubernetes import client
+
+    core, batch, custom = client.CoreV1Api(), client.BatchV1Api(), client.CustomObjectsApi()
+    ns = req.cfg.k8s.namespace
+    _create_or_replace_config_map(core, cmap, ns)
+    jobs: list[JobRecord] = []
+    for i, stage in enumerate(stages):
+        body = client.ApiClient().sanitize_for_serialization(stage.obj)
+        if stage.kind == "job":
+            batch.create_namespaced_job(ns, body)
+        else:
+            custom.create_namespaced_custom_object(ko.PYTORCHJOB_GROUP, ko.PYTORCHJOB_VERSION, ns,
+                                                   ko.PYTORCHJOB_PLURAL, body)
+        record = JobRecord(phase=stage.phase, job_id=stage.job_id, state="PENDING",
+                           depends_on=jobs[-1].job_id if jobs else None)
+        jobs.append(record)
+        _record(req, files, jobs)
+        if echo:
+            echo(f"{stage.phase:<10} {stage.job_id} created in namespace {ns}")
+        if i < len(stages) - 1 or wait:
+            record.state = wait_for(stage.kind, stage.name, namespace=ns)
+            _record(req, files, jobs)
+            if record.state != "COMPLETED":
+                raise LaunchError(f"{stage.phase} {stage.job_id} ended {record.state}; see `kubectl describe "
+                                  f"{stage.job_id} -n {ns}` and `megatron-hpc logs {req.run_dir}`")
+    return files, jobs
+
+
+def _create_or_replace_config_map(core: Any, cmap: Any, ns: str) -> None:
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        core.create_namespaced_config_map(ns, cmap)
+    except ApiException as exc:
+        if exc.status != 409:
+            raise LaunchError(f"creating ConfigMap {cmap.metadata.name} failed: {exc.reason}; check the namespace "
+                              f"{ns} exists and you may create objects there") from None
+        core.replace_namespaced_config_map(cmap.metadata.name, ns, cmap)
+
+
+def _record(req: SubmitRequest, files: RunFiles, jobs: list[JobRecord]) -> None:
+    write_json(req.run_dir / SUBMISSION_FILE, SubmissionRecord(
+        cluster="k8s", jobs=jobs, compile_skipped=files.compile_skipped_by is not None,
+        compile_left_out=files.compile_left_out, fingerprint=files.fingerprint).to_json())
+
+
+def job_state(job_id: str, *, namespace: str) -> str:
+    """A SLURM-like state (PENDING, RUNNING, COMPLETED, FAILED, CANCELLED) of `kind/name` from the API."""
+    from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
+
+    kind, _, name = job_id.partition("/")
+    try:
+        if kind == "job":
+            status = client.BatchV1Api().read_namespaced_job_status(name, namespace).to_dict().get("status") or {}
+        else:
+            status = client.CustomObjectsApi().get_namespaced_custom_object(
+                ko.PYTORCHJOB_GROUP, ko.PYTORCHJOB_VERSION, namespace, ko.PYTORCHJOB_PLURAL, name).get("status") or {}
+    except ApiException as exc:
+        return "CANCELLED" if exc.status == 404 else "UNKNOWN"
+    return state_from_conditions(status.get("conditions") or [])
+
+
+_CONDITION_STATE = {"Created": "PENDING", "Running": "RUNNING", "Restarting": "RUNNING", "Suspended": "PENDING",
+                    "Succeeded": "COMPLETED", "Complete": "COMPLETED", "Failed": "FAILED"}
+
+
+def state_from_conditions(conditions: list[dict[str, Any]]) -> str:
+    """The last true condition of a PyTorchJob or Job status as a SLURM-like state. Pure."""
+    state = "PENDING"
+    for cond in conditions:
+        if str(cond.get("status")) == "True" and cond.get("type") in _CONDITION_STATE:
+            state = _CONDITION_STATE[cond["type"]]
+    return state
+
+
+def wait_for(kind: str, name: str, *, namespace: str, poll_s: float = 10.0) -> str:
+    while True:
+        state = job_state(f"{kind}/{name}", namespace=namespace)
+        if state in ("COMPLETED", "FAILED", "CANCELLED"):
+            return state
+        time.sleep(poll_s)
+
+
+def run_namespace(run_dir: Path) -> str:
+    return ((read_json(run_dir / "config.json").get("k8s") or {}).get("namespace")) or "default"
+
+
+def cancel_jobs(job_ids: list[str], *, namespace: str) -> None:
+    """Delete the jobs (their pods go with them: Foreground propagation)."""
+    from kubernetes import client
+
+    load_kube_config()
+    for job_id in job_ids:
+        kind, _, name = job_id.partition("/")
+        if kind == "job":
+            client.BatchV1Api().delete_namespaced_job(name, namespace, propagation_policy="Foreground")
+        else:
+            client.CustomObjectsApi().delete_namespaced_custom_object(
+                ko.PYTORCHJOB_GROUP, ko.PYTORCHJOB_VERSION, namespace, ko.PYTORCHJOB_PLURAL, name,
+                propagation_policy="Foreground")
+
+
+def pod_log(job_id: str, *, namespace: str, node: int | None) -> str:
+    """The log of one node's pod: node 0 is the master, node i the worker i - 1 (the operator's pod names)."""
+    from kubernetes import client
+
+    load_kube_config()
+    kind, _, name = job_id.partition("/")
+    if kind == "job":
+        pods = client.CoreV1Api().list_namespaced_pod(namespace, label_selector=f"job-name={name}").items
+        if not pods:
+            raise LaunchError(f"no pod of {job_id} in namespace {namespace} yet; see `kubectl describe {job_id}`")
+        pod, container = pods[-1].metadata.name, "preprocess"
+    else:
+        pod = f"{name}-master-0" if not node else f"{name}-worker-{node - 1}"
+        container = ko.CONTAINER
+    return client.CoreV1Api().read_namespaced_pod_log(pod, namespace, container=container)
