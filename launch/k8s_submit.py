@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import shlex
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,6 @@ from megatron_hpc.run_folder import (
     FingerprintRecord,
     JobRecord,
     SubmissionRecord,
-    read_json,
     write_json,
     write_script,
     write_spec,
@@ -195,12 +194,7 @@ def submit_k8s(req: SubmitRequest, *, wait: bool,
     _create_or_replace_config_map(core, cmap, ns)
     jobs: list[JobRecord] = []
     for i, stage in enumerate(stages):
-        body = client.ApiClient().sanitize_for_serialization(stage.obj)
-        if stage.kind == "job":
-            batch.create_namespaced_job(ns, body)
-        else:
-            custom.create_namespaced_custom_object(ko.PYTORCHJOB_GROUP, ko.PYTORCHJOB_VERSION, ns,
-                                                   ko.PYTORCHJOB_PLURAL, body)
+        _create(stage, batch=batch, custom=custom, namespace=ns, run_dir=req.run_dir)
         record = JobRecord(phase=stage.phase, job_id=stage.job_id, state="PENDING",
                            depends_on=jobs[-1].job_id if jobs else None)
         jobs.append(record)
@@ -214,6 +208,25 @@ def submit_k8s(req: SubmitRequest, *, wait: bool,
                 raise LaunchError(f"{stage.phase} {stage.job_id} ended {record.state}; see `kubectl describe "
                                   f"{stage.job_id} -n {ns}` and `megatron-hpc logs {req.run_dir}`")
     return files, jobs
+
+
+def _create(stage: Stage, *, batch: Any, custom: Any, namespace: str, run_dir: Path) -> None:
+    from kubernetes.client import ApiClient
+    from kubernetes.client.exceptions import ApiException
+
+    body = ApiClient().sanitize_for_serialization(stage.obj)
+    try:
+        if stage.kind == "job":
+            batch.create_namespaced_job(namespace, body)
+        else:
+            custom.create_namespaced_custom_object(ko.PYTORCHJOB_GROUP, ko.PYTORCHJOB_VERSION, namespace,
+                                                   ko.PYTORCHJOB_PLURAL, body)
+    except ApiException as exc:
+        fix = (f"`megatron-hpc cancel {run_dir}` removes the earlier one" if exc.status == 409 else
+               "is the Kubeflow training operator installed (`kubectl get crd pytorchjobs.kubeflow.org`)?"
+               if exc.status == 404 else "check your permissions in the namespace")
+        raise LaunchError(f"creating {stage.job_id} in namespace {namespace} failed ({exc.status} {exc.reason}); "
+                          f"{fix}") from None
 
 
 def _create_or_replace_config_map(core: Any, cmap: Any, ns: str) -> None:
@@ -272,10 +285,6 @@ def wait_for(kind: str, name: str, *, namespace: str, poll_s: float = 10.0) -> s
         time.sleep(poll_s)
 
 
-def run_namespace(run_dir: Path) -> str:
-    return ((read_json(run_dir / "config.json").get("k8s") or {}).get("namespace")) or "default"
-
-
 def cancel_jobs(job_ids: list[str], *, namespace: str) -> None:
     """Delete the jobs (their pods go with them: Foreground propagation)."""
     from kubernetes import client
@@ -291,18 +300,25 @@ def cancel_jobs(job_ids: list[str], *, namespace: str) -> None:
                 propagation_policy="Foreground")
 
 
-def pod_log(job_id: str, *, namespace: str, node: int | None) -> str:
-    """The log of one node's pod: node 0 is the master, node i the worker i - 1 (the operator's pod names)."""
+def pod_log(job_id: str, *, namespace: str, node: int | None, follow: bool = False) -> Iterator[str]:
+    """The log of one node's pod: node 0 (the default) is the master, node i the worker i - 1 (the operator's pod
+    names); with `follow`, streamed until the container ends."""
     from kubernetes import client
 
     load_kube_config()
+    core = client.CoreV1Api()
     kind, _, name = job_id.partition("/")
     if kind == "job":
-        pods = client.CoreV1Api().list_namespaced_pod(namespace, label_selector=f"job-name={name}").items
+        pods = core.list_namespaced_pod(namespace, label_selector=f"job-name={name}").items
         if not pods:
             raise LaunchError(f"no pod of {job_id} in namespace {namespace} yet; see `kubectl describe {job_id}`")
         pod, container = pods[-1].metadata.name, "preprocess"
     else:
         pod = f"{name}-master-0" if not node else f"{name}-worker-{node - 1}"
         container = ko.CONTAINER
-    return client.CoreV1Api().read_namespaced_pod_log(pod, namespace, container=container)
+    if not follow:
+        yield core.read_namespaced_pod_log(pod, namespace, container=container)
+        return
+    stream = core.read_namespaced_pod_log(pod, namespace, container=container, follow=True, _preload_content=False)
+    for chunk in stream.stream():
+        yield chunk.decode(errors="replace")
