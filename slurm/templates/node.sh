@@ -116,6 +116,7 @@ fi
 [ -n "${REMOVE_LOCAL_CACHE:-}" ] && rm -rf "$LOCAL_CACHE"
 
 # Finish, fail, or requeue the job to resume from its checkpoint (launch/requeue.py says which).
-python -m megatron_hpc.launch.requeue --run-dir "$RUN_DIR" --phase "$PHASE" --exit-code "$STATUS" 2>&1 \
+python -m megatron_hpc.launch.requeue --run-dir "$RUN_DIR" --phase "$PHASE" --exit-code "$STATUS" \
+  --node-rank "$NODE_RANK" 2>&1 \
   | tee -a "$LOG"
 exit "${PIPESTATUS[0]}"

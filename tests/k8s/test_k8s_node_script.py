@@ -19,32 +19,53 @@ printf '%s\\n' "$@" > "$TORCHRUN_ARGS"
 """
 
 
-def test_pod_node_script_starts_torchrun_with_the_operators_rank_and_master(tmp_path):
+def stub_bin(tmp_path: Path) -> Path:
+    """k8s.bin_dir of the pods: a stand-in torchrun, and this Python's python and megatron-hpc."""
     stub = tmp_path / "bin"
     stub.mkdir()
     (stub / "torchrun").write_text(FAKE_TORCHRUN)
     (stub / "torchrun").chmod(0o755)
-    for tool in ("python", "megatron-hpc"):
-        (stub / tool).symlink_to(Path(sys.executable).parent / tool)
+    # Wrappers, not symlinks: a symlinked python outside its venv folder would not find the venv.
+    for tool, argv in (("python", sys.executable), ("megatron-hpc", f"{sys.executable} -m megatron_hpc")):
+        (stub / tool).write_text(f'#!/usr/bin/env bash\nexec {argv} "$@"\n')
+        (stub / tool).chmod(0o755)
+    return stub
+
+
+def render_pods(tmp_path: Path, out: Path, *extra: str) -> tuple[Path, Path]:
+    """Render a 4-node gpt2_small run with the claim at tmp_path/claim; put the ConfigMap's spec into the run folder
+    on the claim as the pods' command does; returns (node.sh, run folder)."""
     shared = tmp_path / "claim"
-    out = tmp_path / "k"
     assert main(["submit", "--recipe", "gpt2_small", "--nodes", "4", "--cluster", "k8s", "--dry-run", "--out",
                  str(out), "--set", "data.source=synthetic", "--set", "k8s.volume_claim=c", "--set", "k8s.image=i",
-                 "--set", f"k8s.mount_path={shared}", "--set", f"k8s.bin_dir={stub}"]) == 0
+                 "--set", f"k8s.mount_path={shared}", "--set", f"k8s.bin_dir={tmp_path / 'bin'}", *extra]) == 0
     files = yaml.safe_load((out / "configmap.yaml").read_text())["data"]
-    run_dir = shared / "runs" / "gpt2_small" / "k"
-    run_dir.mkdir(parents=True)
-    for name in ("config.json", "plan.json", "compile-fingerprint.json"):  # what the pod's command copies in
+    run_dir = shared / "runs" / "gpt2_small" / out.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "plan.json", "compile-fingerprint.json"):
         (run_dir / name).write_text(files[name])
-    (tmp_path / "node.sh").write_text(files["node.sh"])
-    env = {"PATH": f"{stub}:/usr/bin:/bin", "HOME": str(tmp_path), "TORCHRUN_ARGS": str(tmp_path / "args"),
-           "RANK": "2", "MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "23456", "MEGATRON_HPC_K8S_NNODES": "4",
-           "HOSTNAME": "gpt2-small-k-run-worker-1", "MEGATRON_HPC_LOCAL_CACHE_DIR": str(tmp_path / "local")}
+    node_sh = out / "node-in-pod.sh"
+    node_sh.write_text(files["node.sh"])
+    return node_sh, run_dir
+
+
+def pod_env(tmp_path: Path, *, rank: int) -> dict[str, str]:
+    """What a pod's container sees: our env (NNODES, local cache folder) and the training operator's."""
+    return {"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path),
+            "TORCHRUN_ARGS": str(tmp_path / f"args{rank}"), "RANK": str(rank), "MASTER_ADDR": "10.1.2.3",
+            "MASTER_PORT": "23456", "MEGATRON_HPC_K8S_NNODES": "4", "HOSTNAME": f"pod-{rank}",
+            "MEGATRON_HPC_LOCAL_CACHE_DIR": str(tmp_path / f"local{rank}")}
+
+
+def test_pod_node_script_starts_torchrun_with_the_operators_rank_and_master(tmp_path):
+    stub_bin(tmp_path)
+    node_sh, run_dir = render_pods(tmp_path, tmp_path / "k")
+    env = pod_env(tmp_path, rank=2)
     assert "SLURM_JOB_ID" not in env
-    proc = subprocess.run(["bash", str(tmp_path / "node.sh"), "run"], env=env, capture_output=True, text=True,
+    proc = subprocess.run(["bash", str(node_sh), "run"], env=env, capture_output=True, text=True,
                           timeout=120, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    args = (tmp_path / "args").read_text().split()
+    args = (tmp_path / "args2").read_text().split()
     nproc = json.loads((run_dir / "plan.json").read_text())["workers_per_node"]
     for expected in ("--nnodes=4", "--node_rank=2", "--master_addr=10.1.2.3", "--master_port=23456",
                      f"--nproc_per_node={nproc}"):
@@ -53,6 +74,22 @@ def test_pod_node_script_starts_torchrun_with_the_operators_rank_and_master(tmp_
     log = (run_dir / "logs" / "run-node2.log").read_text()
     assert "node 2 of 4, master 10.1.2.3:23456" in log and "run phase finished" in log
     assert "MEGATRON_HPC_K8S_NNODES" not in os.environ
+
+
+def test_a_compile_job_on_every_pod_records_the_fingerprint_and_the_next_submit_skips_it(tmp_path):
+    stub_bin(tmp_path)
+    compile_on = ("--set", "train.compile=true")
+    node_sh, run_dir = render_pods(tmp_path, tmp_path / "first", *compile_on)
+    assert (tmp_path / "first" / "compile-pytorchjob.yaml").exists()
+    pods = [subprocess.Popen(["bash", str(node_sh), "compile"], env=pod_env(tmp_path, rank=rank), cwd=tmp_path,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(4)]
+    said = [pod.communicate(timeout=300)[0] for pod in pods]
+    assert [pod.returncode for pod in pods] == [0, 0, 0, 0], said
+    assert any("recorded compile fingerprint" in text for text in said), said
+    assert sorted(p.name for p in (run_dir / "logs").iterdir()) == [f"compile-node{n}.log" for n in range(4)]
+    render_pods(tmp_path, tmp_path / "second", *compile_on)
+    assert not (tmp_path / "second" / "compile-pytorchjob.yaml").exists()
+    assert (tmp_path / "second" / "pytorchjob.yaml").exists()
 
 
 def test_job_states_from_conditions():
