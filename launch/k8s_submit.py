@@ -46,7 +46,7 @@ CONFIGMAP_FILE = "configmap.yaml"
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Stage:
-    """One object to apply; `wait_for` is the condition the next stage waits for (None: nothing waits)."""
+    """One object to apply, in the order of the run: the next stage waits for this one to succeed."""
 
     phase: str
     file: str

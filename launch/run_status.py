@@ -205,9 +205,11 @@ def read_status(run_dir: Path) -> RunStatus:
         elif status.cluster == "k8s":
             _refresh_from_k8s(entry, namespace=(config.get("k8s") or {}).get("namespace") or "default")
         status.jobs.append(entry)
-    status.progress = read_progress(run_dir, train_iters=config.get("train", {}).get("num_steps"))
+    # A k8s run's folder is on the claim; readable here where the claim is mounted at the pods' path.
+    trained_in = _k8s_run_folder(run_dir, config) if status.cluster == "k8s" else run_dir
+    status.progress = read_progress(trained_in, train_iters=config.get("train", {}).get("num_steps"))
     save = (config.get("checkpoint") or {}).get("save")
-    status.last_checkpoint = last_checkpoint(Path(save).expanduser() if save else run_dir / CHECKPOINT_DIR)
+    status.last_checkpoint = last_checkpoint(Path(save).expanduser() if save else trained_in / CHECKPOINT_DIR)
     return status
 
 
@@ -301,6 +303,16 @@ def _refresh_from_slurm(entry: JobStatus) -> None:
         entry.state, entry.nodes, entry.source = state.split()[0], nodes, "sacct"
         return
     entry.source = "submit (SLURM did not answer)"
+
+
+def _k8s_run_folder(run_dir: Path, config: dict[str, Any]) -> Path:
+    from megatron_hpc.launch.k8s_objects import pod_run_dir
+
+    from megatron_hpc.config.loader import from_dict
+    from megatron_hpc.config.schema import K8sConfig
+
+    k8s = from_dict(K8sConfig, config.get("k8s") or {}, where="k8s")
+    return Path(pod_run_dir(k8s, recipe=str(config.get("name", "?")), run_id=run_dir.name))
 
 
 def _refresh_from_k8s(entry: JobStatus, *, namespace: str) -> None:

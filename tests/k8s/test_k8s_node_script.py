@@ -102,3 +102,24 @@ def test_job_states_from_conditions():
     assert state_from_conditions([created, running, {"type": "Restarting", "status": "True"}]) == "RUNNING"
     assert state_from_conditions([created, {"type": "Failed", "status": "True"}]) == "FAILED"
     assert state_from_conditions([{"type": "Complete", "status": "True"}]) == "COMPLETED"  # a batch/v1 Job
+
+
+def test_status_of_a_k8s_run_reads_progress_on_the_claim_and_says_without_a_context(tmp_path, monkeypatch, capsys):
+    """submission.json as a real submit writes it; no cluster, so the states are the recorded ones."""
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "none"))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    stub_bin(tmp_path)
+    out = tmp_path / "runs" / "gpt2_small" / "r1"
+    _, run_dir = render_pods(tmp_path, out)
+    (out / "submission.json").write_text(json.dumps({"cluster": "k8s", "ok": True, "reason": "", "jobs": [
+        {"phase": "run", "job_id": "pytorchjob/gpt2-small-r1-run", "state": "PENDING", "depends_on": None}]}))
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"iteration": 7, "phase": "run", "lm_loss": 4.5,
+                                                       "elapsed_ms": 100.0, "tokens_per_s": 10.0}) + "\n")
+    capsys.readouterr()
+    assert main(["status", str(out), "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["cluster"] == "k8s" and status["progress"]["iteration"] == 7
+    assert status["jobs"] == [{"phase": "run", "job_id": "pytorchjob/gpt2-small-r1-run", "state": "PENDING",
+                               "nodes": "", "restarts": 0, "source": "submit (no kube context)"}]
+    assert main(["cancel", str(out)]) == 1
+    assert "no kube context" in capsys.readouterr().err
