@@ -159,7 +159,8 @@ def node_pod_template(site: PodSite, spec: PhaseSpec) -> V1PodTemplateSpec:
 
 def pytorch_job(site: PodSite, spec: PhaseSpec, *, backoff_limit: int) -> KubeflowOrgV1PyTorchJob:
     """A phase as a PyTorchJob: one Master and num_nodes - 1 Workers, each restarted in place on failure (the
-    trainer resumes from the newest complete checkpoint, as after a SLURM requeue), at most backoff_limit times."""
+    trainer resumes from the newest complete checkpoint, as after a SLURM requeue), until the pods' restarts add up
+    to backoff_limit."""
     template = node_pod_template(site, spec)
     replicas = {"Master": KubeflowOrgV1ReplicaSpec(replicas=1, restart_policy="OnFailure", template=template)}
     if spec.num_nodes > 1:

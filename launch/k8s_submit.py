@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 from megatron_hpc.launch import k8s_objects as ko
-from megatron_hpc.launch.requeue import DEFAULT_MAX_REQUEUES
+from megatron_hpc.launch.requeue import DEFAULT_MAX_REQUEUES, MAX_REQUEUES_ENV
 from megatron_hpc.launch.scripts import render_node_script
 from megatron_hpc.launch.submit import RunFiles, SubmitRequest, decide_phases
 
@@ -114,9 +114,13 @@ def build_stages(req: SubmitRequest, site: ko.PodSite, files: RunFiles) -> list[
         stages.append(Stage(phase="preprocess", file="preprocess-job.yaml", kind="job",
                             obj=ko.preprocess_job(site, req.cfg.data)))
     for spec in files.phases:
+        # The operator sums the restarts of every pod against backoffLimit, and one failure restarts every node's
+        # torchrun: the SLURM requeue cap (the cluster profile's max_requeues), counted per node.
+        cap = spec.env.get(MAX_REQUEUES_ENV, "")
+        limit = (int(cap) if cap.isdigit() else DEFAULT_MAX_REQUEUES) * spec.num_nodes
         stages.append(Stage(phase=spec.phase, file="pytorchjob.yaml" if spec.phase == "run" else
                             f"{spec.phase}-pytorchjob.yaml", kind="pytorchjob",
-                            obj=ko.pytorch_job(site, spec, backoff_limit=DEFAULT_MAX_REQUEUES)))
+                            obj=ko.pytorch_job(site, spec, backoff_limit=limit)))
     return stages
 
 

@@ -15,6 +15,7 @@ import pytest
 import yaml
 from kubeflow.training.api_client import ApiClient as KubeflowApiClient
 from kubernetes.client import ApiClient
+from megatron_hpc.launch.requeue import DEFAULT_MAX_REQUEUES
 
 from megatron_hpc.cli.main import main
 from megatron_hpc.config.loader import known_recipes, load_recipe
@@ -131,6 +132,8 @@ def test_recipe_renders_valid_objects_that_carry_the_plan(recipe, nodes, tmp_pat
         assert specs["Master"]["replicas"] + (specs["Worker"]["replicas"] if "Worker" in specs else 0) == nodes
         assert ("Worker" in specs) == (nodes > 1)
         assert job["spec"]["nprocPerNode"] == str(plan["workers_per_node"])
+        # the operator sums every pod's restarts; one failure restarts all nodes: the requeue cap per node
+        assert job["spec"]["runPolicy"]["backoffLimit"] == DEFAULT_MAX_REQUEUES * nodes
         for replica, spec in specs.items():
             assert spec["restartPolicy"] == "OnFailure"
             pod = spec["template"]["spec"]
