@@ -159,15 +159,28 @@ def write_k8s_files(req: SubmitRequest) -> tuple[RunFiles, list[Stage], Any]:
 
 
 def render_apply_script(stages: list[Stage], *, namespace: str, out_dir: str) -> str:
-    """kubectl lines that apply the objects in order, each waiting for the one before to succeed."""
+    """kubectl lines that apply the objects in order, each after the one before succeeded; a failed one stops the
+    script (`kubectl wait --for=condition=Succeeded` would wait for ever on a failed job)."""
     ns = shlex.quote(namespace)
     lines = ["#!/usr/bin/env bash", "# Apply what `megatron-hpc submit --cluster k8s --dry-run` wrote, as submit does.",
-             "set -euo pipefail", f"kubectl apply -n {ns} -f {shlex.quote(f'{out_dir}/{CONFIGMAP_FILE}')}"]
+             "set -euo pipefail",
+             "wait_for() {  # KIND/NAME: returns once its last true condition is Succeeded/Complete; fails on Failed",
+             "  local state",
+             "  while :; do",
+             f"    state=$(kubectl get -n {ns} \"$1\" -o jsonpath='{{range .status.conditions[?(@.status==\"True\")]}}"
+             "{.type}{\"\\n\"}{end}' | tail -n 1)",
+             '    case "$state" in',
+             "      Succeeded|Complete) return 0 ;;",
+             f'      Failed) echo "$1 failed; see: kubectl describe -n {namespace} $1" >&2; return 1 ;;',
+             "    esac",
+             "    sleep 10",
+             "  done",
+             "}",
+             f"kubectl apply -n {ns} -f {shlex.quote(f'{out_dir}/{CONFIGMAP_FILE}')}"]
     for i, stage in enumerate(stages):
         lines.append(f"kubectl apply -n {ns} -f {shlex.quote(f'{out_dir}/{stage.file}')}")
         if i < len(stages) - 1:
-            done = "complete" if stage.kind == "job" else "Succeeded"
-            lines.append(f"kubectl wait -n {ns} --for=condition={done} --timeout=-1s {stage.job_id}")
+            lines.append(f"wait_for {stage.job_id}")
     return "\n".join(lines) + "\n"
 
 

@@ -265,3 +265,47 @@ def test_refuses_a_real_submit_without_a_kube_context(tmp_path, capsys, monkeypa
                           "--out", str(tmp_path / "k"), *SYNTHETIC, *K8S)
     assert "no kube context" in err and "aws eks update-kubeconfig" in err and "--dry-run" in err
     assert not (tmp_path / "k").exists()
+
+
+FAKE_KUBECTL = """#!/usr/bin/env bash
+echo "$*" >> "$KUBECTL_CALLS"
+if [ "$1" = get ]; then printf '%b' "$FAKE_CONDITIONS"; fi
+"""
+
+
+def _apply_with_stub(tmp_path: Path, out: Path, conditions: str) -> tuple[int, list[str]]:
+    stub = tmp_path / "stub"
+    stub.mkdir(exist_ok=True)
+    (stub / "kubectl").write_text(FAKE_KUBECTL)
+    (stub / "kubectl").chmod(0o755)
+    calls = tmp_path / f"calls-{len(list(tmp_path.glob('calls-*')))}"
+    env = {"PATH": f"{stub}:/usr/bin:/bin", "KUBECTL_CALLS": str(calls), "FAKE_CONDITIONS": conditions}
+    proc = subprocess.run(["bash", str(out / "apply.sh")], env=env, capture_output=True, text=True, timeout=60)
+    return proc.returncode, calls.read_text().splitlines()
+
+
+def test_apply_script_applies_in_order_and_stops_at_a_failed_job(tmp_path, kubectl):
+    out = tmp_path / "k"
+    assert render(out, "--recipe", "gpt3_6.7b", "--nodes", "2", *K8S, "--set", "data.path=d/x",
+                  "--set", "k8s.preprocess_input=raw.jsonl", "--set", "k8s.namespace=team-a") == 0
+    code, calls = _apply_with_stub(tmp_path, out, "Created\\nRunning\\nSucceeded\\n")
+    assert code == 0
+    applied = [c.split()[-1].rsplit("/", 1)[-1] for c in calls if c.startswith("apply")]
+    assert applied == ["configmap.yaml", "preprocess-job.yaml", "compile-pytorchjob.yaml", "pytorchjob.yaml"]
+    assert all(" -n team-a " in f" {c} " for c in calls)
+    assert [c.split()[3] for c in calls if c.startswith("get")] == [
+        "job/gpt3-6-7b-k-preprocess", "pytorchjob/gpt3-6-7b-k-compile"]
+    code, calls = _apply_with_stub(tmp_path, out, "Created\\nFailed\\n")
+    assert code == 1 and not any("compile-pytorchjob.yaml" in c for c in calls)
+    # the condition query kubectl runs, on a status as the operator writes it, read by the real kubectl offline
+    (line,) = [ln for ln in (out / "apply.sh").read_text().splitlines() if "jsonpath=" in ln]
+    jsonpath = shlex.split(line.split("-o ", 1)[1].split(" | ")[0])[0].removeprefix("jsonpath=")
+    job = yaml.safe_load((out / "compile-pytorchjob.yaml").read_text())
+    job["status"] = {"conditions": [{"type": "Created", "status": "True"}, {"type": "Running", "status": "False"},
+                                    {"type": "Succeeded", "status": "True"}]}
+    (tmp_path / "with-status.yaml").write_text(yaml.safe_dump(job))
+    proc = subprocess.run([kubectl, "label", "--local", "-f", str(tmp_path / "with-status.yaml"), "a=b",
+                           "--dry-run=client", "-o", f"jsonpath={jsonpath}"], capture_output=True, text=True,
+                          env={**os.environ, "KUBECONFIG": str(tmp_path / "none")}, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["Created", "Succeeded"]
