@@ -317,14 +317,14 @@ def _k8s_run_folder(run_dir: Path, config: dict[str, Any]) -> Path:
 
 def _refresh_from_k8s(entry: JobStatus, *, namespace: str) -> None:
     """The PyTorchJob's or Job's state from the API of the current kube context (never run against a cluster)."""
-    from megatron_hpc.launch import k8s_submit
+    from megatron_hpc.launch import k8s_api
 
     try:
-        k8s_submit.load_kube_config()
+        k8s_api.load_kube_config()
     except LaunchError:
         entry.source = "submit (no kube context)"
         return
-    entry.state, entry.source = k8s_submit.job_state(entry.job_id, namespace=namespace), "kubernetes"
+    entry.state, entry.source = k8s_api.job_state(entry.job_id, namespace=namespace), "kubernetes"
 
 
 def format_status(status: RunStatus) -> str:
@@ -359,10 +359,10 @@ def cancel_run(status: RunStatus) -> list[str]:
         raise LaunchError(f"{status.run_dir} ran with --cluster {status.cluster}; stop a local run with Ctrl-C")
     ids = [j.job_id for j in status.jobs if j.state not in ENDED_STATES]
     if status.cluster == "k8s":
-        from megatron_hpc.launch import k8s_submit
+        from megatron_hpc.launch import k8s_api
 
         config = _read_json(Path(status.run_dir) / CONFIG_FILE) or {}
-        k8s_submit.cancel_jobs(ids, namespace=(config.get("k8s") or {}).get("namespace") or "default")
+        k8s_api.cancel_jobs(ids, namespace=(config.get("k8s") or {}).get("namespace") or "default")
         return ids
     if ids:
         proc = subprocess.run(["scancel", *ids], capture_output=True, text=True, check=False)

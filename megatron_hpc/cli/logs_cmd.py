@@ -49,13 +49,13 @@ def run(args: argparse.Namespace) -> int:
     run_dir = find_run_dir(args.run)
     status = read_status(run_dir)
     if status.cluster == "k8s":  # node.sh logs to the run folder on the claim; the pods' logs hold the same lines
-        from megatron_hpc.launch import k8s_submit
+        from megatron_hpc.launch import k8s_api
 
         jobs = [j for j in status.jobs if args.phase in (None, j.phase)]
         if not jobs:
             raise LaunchError(f"no {args.phase or ''} job in {run_dir}; see `megatron-hpc status {run_dir}`")
         namespace = (read_json(run_dir / CONFIG_FILE).get("k8s") or {}).get("namespace") or "default"
-        for chunk in k8s_submit.pod_log(jobs[-1].job_id, namespace=namespace, node=args.node, follow=args.follow):
+        for chunk in k8s_api.pod_log(jobs[-1].job_id, namespace=namespace, node=args.node, follow=args.follow):
             sys.stdout.write(chunk)
         return 0
     log = pick_log(run_dir, phase=args.phase, node=args.node)

@@ -109,11 +109,11 @@ def run(args: argparse.Namespace) -> int:
         warnings.append(f"this run trains on SYNTHETIC tokens (data.source=synthetic), not real data, on "
                         f"{resolved.plan.num_nodes} x {resolved.plan.platform}; meant for benchmarks and smoke tests")
     if args.cluster == "k8s":  # the claim, image and instance type, and the kube context, before anything is written
-        from megatron_hpc.launch import k8s_submit
+        from megatron_hpc.launch import k8s_api, k8s_submit
 
         k8s_submit.pod_site(resolved.cfg, resolved.plan, run_id="check")
         if not args.dry_run:
-            k8s_submit.load_kube_config()
+            k8s_api.load_kube_config()
     if not args.dry_run and args.cluster != "k8s":
         check_cluster(args.cluster, num_nodes=resolved.plan.num_nodes, platform=resolved.platform)
         check_data(resolved.cfg.data, source=source)

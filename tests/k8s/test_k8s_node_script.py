@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import yaml
-from megatron_hpc.launch.k8s_submit import state_from_conditions
+from megatron_hpc.launch.k8s_api import state_from_conditions
 
 from megatron_hpc.cli.main import main
 

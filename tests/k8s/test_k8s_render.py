@@ -191,7 +191,7 @@ def test_compile_job_is_skipped_when_the_claims_cache_holds_the_fingerprint(tmp_
     compile_env = container(first["compile-pytorchjob.yaml"])["command"]
     assert compile_env[-1].endswith("node.sh compile")
     apply = (tmp_path / "a" / "apply.sh").read_text()
-    assert apply.index("compile-pytorchjob.yaml") < apply.index("--for=condition=Succeeded") < apply.index(
+    assert apply.index("compile-pytorchjob.yaml") < apply.index("wait_for pytorchjob/") < apply.index(
         "/pytorchjob.yaml")
     fp = json.loads((tmp_path / "a" / "compile-fingerprint.json").read_text())
     fingerprint.record(tmp_path / "compile-cache", fp, run_dir="earlier", job_id=None)
@@ -214,7 +214,7 @@ def test_preprocess_job_runs_the_data_preprocess_command(tmp_path):
     assert (args.input, args.output_prefix) == ("raw/corpus.jsonl", "data/corpus_text_document")
     assert only["workingDir"] == "/fsx"
     apply = (tmp_path / "k" / "apply.sh").read_text()
-    assert apply.index("preprocess-job.yaml") < apply.index("--for=condition=complete") < apply.index(
+    assert apply.index("preprocess-job.yaml") < apply.index("wait_for job/") < apply.index(
         "compile-pytorchjob.yaml")
 
 
