@@ -101,10 +101,14 @@ def decide(o: Outcome) -> Decision:
                                               f"(requeue {o.attempt + 1} of {o.max_requeues})")
 
 
-def read_outcome(run_dir: Path, *, phase: str, exit_code: int, environ: dict[str, str] | None = None) -> Outcome:
+def read_outcome(run_dir: Path, *, phase: str, exit_code: int, environ: dict[str, str] | None = None,
+                 node_rank: int | None = None) -> Outcome:
+    """`node_rank` is node.sh's NODE_RANK; None takes SLURM_NODEID (0 outside SLURM)."""
     env = dict(os.environ if environ is None else environ)
     limit = env.get(MAX_REQUEUES_ENV, "")
-    return Outcome(phase=phase, exit_code=exit_code, node_rank=int(env.get("SLURM_NODEID", "0") or 0),
+    if node_rank is None:
+        node_rank = int(env.get("SLURM_NODEID", "0") or 0)
+    return Outcome(phase=phase, exit_code=exit_code, node_rank=node_rank,
                    attempt=job_attempt(env)["attempt"],
                    max_requeues=int(limit) if limit.isdigit() else DEFAULT_MAX_REQUEUES,
                    on_slurm=bool(env.get("SLURM_JOB_ID")),
@@ -197,8 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--phase", required=True, choices=("compile", "run"))
     parser.add_argument("--exit-code", type=int, required=True, help="the phase's exit code on this node")
+    parser.add_argument("--node-rank", type=int, default=None,
+                        help="this node's rank (node.sh's NODE_RANK; a PyTorchJob pod has no SLURM_NODEID)")
     args = parser.parse_args(argv)
-    outcome = read_outcome(args.run_dir, phase=args.phase, exit_code=args.exit_code)
+    outcome = read_outcome(args.run_dir, phase=args.phase, exit_code=args.exit_code, node_rank=args.node_rank)
     decision = decide(outcome)
     requeued = False
     message = decision.message

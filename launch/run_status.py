@@ -202,10 +202,14 @@ def read_status(run_dir: Path) -> RunStatus:
             _refresh_from_slurm(entry)
             if entry.source.startswith("submit"):
                 _refresh_from_attempts(entry, attempts)
+        elif status.cluster == "k8s":
+            _refresh_from_k8s(entry, namespace=(config.get("k8s") or {}).get("namespace") or "default")
         status.jobs.append(entry)
-    status.progress = read_progress(run_dir, train_iters=config.get("train", {}).get("num_steps"))
+    # A k8s run's folder is on the claim; readable here where the claim is mounted at the pods' path.
+    trained_in = _k8s_run_folder(run_dir, config) if status.cluster == "k8s" else run_dir
+    status.progress = read_progress(trained_in, train_iters=config.get("train", {}).get("num_steps"))
     save = (config.get("checkpoint") or {}).get("save")
-    status.last_checkpoint = last_checkpoint(Path(save).expanduser() if save else run_dir / CHECKPOINT_DIR)
+    status.last_checkpoint = last_checkpoint(Path(save).expanduser() if save else trained_in / CHECKPOINT_DIR)
     return status
 
 
@@ -301,6 +305,28 @@ def _refresh_from_slurm(entry: JobStatus) -> None:
     entry.source = "submit (SLURM did not answer)"
 
 
+def _k8s_run_folder(run_dir: Path, config: dict[str, Any]) -> Path:
+    from megatron_hpc.launch.k8s_objects import pod_run_dir
+
+    from megatron_hpc.config.loader import from_dict
+    from megatron_hpc.config.schema import K8sConfig
+
+    k8s = from_dict(K8sConfig, config.get("k8s") or {}, where="k8s")
+    return Path(pod_run_dir(k8s, recipe=str(config.get("name", "?")), run_id=run_dir.name))
+
+
+def _refresh_from_k8s(entry: JobStatus, *, namespace: str) -> None:
+    """The PyTorchJob's or Job's state from the API of the current kube context (never run against a cluster)."""
+    from megatron_hpc.launch import k8s_api
+
+    try:
+        k8s_api.load_kube_config()
+    except LaunchError:
+        entry.source = "submit (no kube context)"
+        return
+    entry.state, entry.source = k8s_api.job_state(entry.job_id, namespace=namespace), "kubernetes"
+
+
 def format_status(status: RunStatus) -> str:
     plan = status.plan
     lines = [f"run       {status.run_dir}",
@@ -329,9 +355,15 @@ def _duration(seconds: float) -> str:
 
 def cancel_run(status: RunStatus) -> list[str]:
     """scancel every job of the run that has not ended; returns the ids cancelled."""
-    if status.cluster != "slurm":
+    if status.cluster not in ("slurm", "k8s"):
         raise LaunchError(f"{status.run_dir} ran with --cluster {status.cluster}; stop a local run with Ctrl-C")
     ids = [j.job_id for j in status.jobs if j.state not in ENDED_STATES]
+    if status.cluster == "k8s":
+        from megatron_hpc.launch import k8s_api
+
+        config = _read_json(Path(status.run_dir) / CONFIG_FILE) or {}
+        k8s_api.cancel_jobs(ids, namespace=(config.get("k8s") or {}).get("namespace") or "default")
+        return ids
     if ids:
         proc = subprocess.run(["scancel", *ids], capture_output=True, text=True, check=False)
         if proc.returncode:

@@ -59,7 +59,7 @@ from megatron_hpc.run_folder import (
     write_spec,
 )
 
-Cluster = Literal["local", "slurm"]
+Cluster = Literal["local", "slurm", "k8s"]
 _FINISHED_OK = "COMPLETED"
 SBATCH_TIMEOUT_S = 120
 
@@ -90,6 +90,8 @@ class RunFiles:
 
     phases: tuple[PhaseSpec, ...]
     fingerprint: str
+    fingerprint_inputs: dict = field(default_factory=dict)
+    """What the fingerprint hashes (compile_cache/fingerprint.py compute)."""
     compile_skipped_by: dict | None = None
     """The cache marker that made the compile phase unnecessary (None when it runs or has none to run)."""
     compile_left_out: str | None = None
@@ -166,6 +168,32 @@ def write_run_files(req: SubmitRequest) -> RunFiles:
     skipped when the shared cache holds this run's fingerprint (unless req.recompile): the run phase
     then has no dependency.
     """
+    files = decide_phases(req)
+    phases = files.phases
+    write_spec(req.run_dir, RunSpec(config=req.cfg, plan=req.plan))
+    if req.profile is not None:
+        write_json(req.run_dir / CLUSTER_FILE, req.profile)
+    FingerprintRecord(sha256=files.fingerprint, inputs=files.fingerprint_inputs,
+                      cache_root=str(req.cache_root)).write(req.run_dir)
+    node_script = req.run_dir / NODE_SCRIPT
+    write_script(node_script, render_node_script(phases[0], recipe=req.cfg.name, run_dir=str(req.run_dir),
+                                                 bin_dir=python_bin_dir(), backend=req.platform.backend,
+                                                 shared_cache=str(req.cache_root)))
+    previous = None
+    for spec in phases:
+        text = render_sbatch(spec, req.plan, node_script=str(node_script), log_dir=str(req.run_dir / LOG_DIR),
+                             out_dir=str(req.run_dir), workdir=str(req.workdir), options=req.options,
+                             depends_on=previous)
+        write_script(req.run_dir / sbatch_file(spec.phase), text)
+        previous = spec.phase
+    write_script(req.run_dir / SUBMIT_SCRIPT, render_submit_script(phases, out_dir=str(req.run_dir)))
+    return files
+
+
+def decide_phases(req: SubmitRequest) -> RunFiles:
+    """The phases to queue and the compile fingerprint, on any cluster: the compile phase is left out when the
+    run compiles nothing, and skipped when the shared cache at req.cache_root holds the fingerprint (unless
+    req.recompile). Reads only that cache marker."""
     # Where the caches are is decided on each node (node.sh: a node-local cache, synced and published);
     # only the switches that make torch.compile reuse them are fixed here.
     phases = make_phases(req.cfg, req.plan, req.platform,
@@ -180,23 +208,8 @@ def write_run_files(req: SubmitRequest) -> RunFiles:
     marker = fingerprint.find(req.cache_root, fp.sha256) if left_out is None and not req.recompile else None
     if marker is not None:
         phases = tuple(p for p in phases if p.phase != "compile")
-    write_spec(req.run_dir, RunSpec(config=req.cfg, plan=req.plan))
-    if req.profile is not None:
-        write_json(req.run_dir / CLUSTER_FILE, req.profile)
-    FingerprintRecord(sha256=fp.sha256, inputs=fp.inputs, cache_root=str(req.cache_root)).write(req.run_dir)
-    node_script = req.run_dir / NODE_SCRIPT
-    write_script(node_script, render_node_script(phases[0], recipe=req.cfg.name, run_dir=str(req.run_dir),
-                                                 bin_dir=python_bin_dir(), backend=req.platform.backend,
-                                                 shared_cache=str(req.cache_root)))
-    previous = None
-    for spec in phases:
-        text = render_sbatch(spec, req.plan, node_script=str(node_script), log_dir=str(req.run_dir / LOG_DIR),
-                             out_dir=str(req.run_dir), workdir=str(req.workdir), options=req.options,
-                             depends_on=previous)
-        write_script(req.run_dir / sbatch_file(spec.phase), text)
-        previous = spec.phase
-    write_script(req.run_dir / SUBMIT_SCRIPT, render_submit_script(phases, out_dir=str(req.run_dir)))
-    return RunFiles(phases=phases, fingerprint=fp.sha256, compile_skipped_by=marker, compile_left_out=left_out)
+    return RunFiles(phases=phases, fingerprint=fp.sha256, fingerprint_inputs=fp.inputs, compile_skipped_by=marker,
+                    compile_left_out=left_out)
 
 
 def submit(req: SubmitRequest, *, wait: bool, echo: Callable[[str], None] | None = None) -> SubmitResult:

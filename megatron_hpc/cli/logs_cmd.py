@@ -11,7 +11,7 @@ from pathlib import Path
 
 from megatron_hpc.errors import LaunchError
 from megatron_hpc.launch.run_status import ENDED_STATES, RunAccessError, find_run_dir, read_status
-from megatron_hpc.run_folder import LOG_DIR, node_log
+from megatron_hpc.run_folder import CONFIG_FILE, LOG_DIR, node_log, read_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,6 +47,17 @@ def pick_log(run_dir: Path, *, phase: str | None, node: int | None) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     run_dir = find_run_dir(args.run)
+    status = read_status(run_dir)
+    if status.cluster == "k8s":  # node.sh logs to the run folder on the claim; the pods' logs hold the same lines
+        from megatron_hpc.launch import k8s_api
+
+        jobs = [j for j in status.jobs if args.phase in (None, j.phase)]
+        if not jobs:
+            raise LaunchError(f"no {args.phase or ''} job in {run_dir}; see `megatron-hpc status {run_dir}`")
+        namespace = (read_json(run_dir / CONFIG_FILE).get("k8s") or {}).get("namespace") or "default"
+        for chunk in k8s_api.pod_log(jobs[-1].job_id, namespace=namespace, node=args.node, follow=args.follow):
+            sys.stdout.write(chunk)
+        return 0
     log = pick_log(run_dir, phase=args.phase, node=args.node)
     phase = log.stem.split("-node")[0]
     offset = 0

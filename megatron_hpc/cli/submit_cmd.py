@@ -31,8 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", metavar="RUN",
                         help="submit this run folder (or job id) again: it continues from its checkpoints; "
                              "instead of --recipe")
-    parser.add_argument("--cluster", choices=("slurm", "local"), default="slurm",
-                        help="slurm (default) queues with sbatch; local runs both phases on this machine")
+    parser.add_argument("--cluster", choices=("slurm", "local", "k8s"), default="slurm",
+                        help="slurm (default) queues with sbatch; local runs both phases on this machine; k8s applies "
+                             "Kubeflow PyTorchJobs to the current kube context (the recipe's k8s section)")
     parser.add_argument("--cluster-config", metavar="FILE", type=Path,
                         help="cluster profile YAML (partition, account, time limits, setup lines, env, container); "
                              "default $MEGATRON_HPC_CLUSTER_CONFIG, else ~/.config/megatron-hpc/cluster.yaml")
@@ -107,10 +108,16 @@ def run(args: argparse.Namespace) -> int:
     if source == "synthetic" and resolved.plan.platform != "cpu":
         warnings.append(f"this run trains on SYNTHETIC tokens (data.source=synthetic), not real data, on "
                         f"{resolved.plan.num_nodes} x {resolved.plan.platform}; meant for benchmarks and smoke tests")
-    if not args.dry_run:
+    if args.cluster == "k8s":  # the claim, image and instance type, and the kube context, before anything is written
+        from megatron_hpc.launch import k8s_api, k8s_submit
+
+        k8s_submit.pod_site(resolved.cfg, resolved.plan, run_id="check")
+        if not args.dry_run:
+            k8s_api.load_kube_config()
+    if not args.dry_run and args.cluster != "k8s":
         check_cluster(args.cluster, num_nodes=resolved.plan.num_nodes, platform=resolved.platform)
         check_data(resolved.cfg.data, source=source)
-    else:  # the scripts may be meant for another machine's files: say so, but write them
+    else:  # the scripts may be meant for another machine's files (k8s: the claim's): say so, but write them
         try:
             check_data(resolved.cfg.data, source=source)
         except DataError as exc:
@@ -133,8 +140,11 @@ def run(args: argparse.Namespace) -> int:
         cfg=resolved.cfg, plan=resolved.plan, platform=resolved.platform, cluster=args.cluster,
         run_dir=run_dir, options=options, recompile=args.recompile,
         extra_env=cluster_profile.profile_env(profile.profile), profile=cluster_profile.profile_to_json(profile),
+        **_k8s_cache_root(resolved, args.cluster),
     )
     data = data_summary(resolved)
+    if args.cluster == "k8s":
+        return _submit_k8s(req, resolved, args=args, data=data, warnings=warnings)
     if args.dry_run:
         files = write_run_files(req)
         skipped = files.compile_skipped_by is not None
@@ -165,6 +175,45 @@ def run(args: argparse.Namespace) -> int:
     _report(result, as_json=args.json, warnings=warnings, resumed=resumed_dir is not None,
             cluster_config=str(profile.path) if profile.path else None, data=data, resume_notes=resume_notes)
     return 0 if result.ok else 1
+
+
+def _k8s_cache_root(resolved: Resolved, cluster: str) -> dict:
+    """On k8s the shared compile cache is on the claim, at the path the pods see (launch/k8s_objects.py)."""
+    if cluster != "k8s":
+        return {}
+    from megatron_hpc.launch.k8s_objects import pod_cache_root
+
+    return {"cache_root": Path(pod_cache_root(resolved.cfg.k8s))}
+
+
+def _submit_k8s(req: SubmitRequest, resolved: Resolved, *, args: argparse.Namespace, data: DataSummary,
+                warnings: list[str]) -> int:
+    """Write the YAML (a dry run stops there) or apply it; the printed summary is the SLURM one's."""
+    from megatron_hpc.launch import k8s_submit
+
+    if not args.json:
+        print(format_plan(resolved, data=data))
+    if args.dry_run:
+        files, stages, _ = k8s_submit.write_k8s_files(req)
+        jobs = [{"phase": s.phase, "job_id": s.job_id, "file": s.file} for s in stages]
+    else:
+        echo = None if args.json else (lambda line: print(line, flush=True))
+        files, records = k8s_submit.submit_k8s(req, wait=args.wait, echo=echo)
+        jobs = [r.to_json() for r in records]
+    if args.json:
+        print(json.dumps({"run_dir": str(req.run_dir), "dry_run": args.dry_run, "cluster": "k8s",
+                          "plan": resolved.plan.to_json(), "compile_skipped": files.compile_skipped_by is not None,
+                          "compile_left_out": files.compile_left_out, "fingerprint": files.fingerprint,
+                          "jobs": jobs, "warnings": warnings}, indent=2))
+        return 0
+    note = files.compile_message(req.cache_root)
+    if note:
+        print(note)
+    if args.dry_run:
+        written = ", ".join([k8s_submit.CONFIGMAP_FILE, *(j["file"] for j in jobs)])
+        print(f"\nwrote {req.run_dir}: {written}, {k8s_submit.APPLY_SCRIPT} (nothing applied)")
+        print(f"apply by hand with: bash {req.run_dir}/{k8s_submit.APPLY_SCRIPT}")
+    return 0
 
 
 def check_checkpoint_to_load(resolved: Resolved, *, resumed_dir: Path | None) -> None:

@@ -280,6 +280,30 @@ class LaunchConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class K8sConfig:
+    """Where and how `submit --cluster k8s` runs the plan: Kubeflow PyTorchJobs (launch/k8s_objects.py)."""
+
+    namespace: str = "default"
+    """Kubernetes namespace of the PyTorchJobs, Jobs and ConfigMap."""
+    image: str | None = None
+    """Container image with megatron-hpc and its runtime (CUDA/NCCL or the Neuron SDK) installed; required."""
+    instance_type: str | None = None
+    """Instance type the pods run on (p5, p5e, p5en, p6-b200, trn1, trn2: config/instance_types.py); unset means
+    the one named like the platform."""
+    volume_claim: str | None = None
+    """PersistentVolumeClaim every pod mounts (an FSx for Lustre claim, say) for data, checkpoints, the run folder
+    and the shared compile cache; required."""
+    mount_path: str = "/fsx"
+    """Where the claim is mounted in every pod; the run folders live under <mount_path>/runs."""
+    shm_gib: int = 64
+    """Size of the memory-backed /dev/shm of each pod (data loader workers and NCCL use it)."""
+    bin_dir: str = "/usr/local/bin"
+    """Folder of the image's python and megatron-hpc (the node script puts it first on PATH)."""
+    preprocess_input: str | None = None
+    """A corpus.jsonl on the claim: adds a preprocessing Job (`megatron-hpc data preprocess`) writing data.path."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RunConfig:
     name: str
     """Recipe name; names the run folder."""
@@ -293,3 +317,4 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     compile: CompilePhaseConfig = field(default_factory=CompilePhaseConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    k8s: K8sConfig = field(default_factory=K8sConfig)

@@ -16,14 +16,22 @@ if [ -n "${SLURM_JOB_ID:-}" ]; then
   NNODES=${SLURM_JOB_NUM_NODES:-$SLURM_NNODES}
   NODE_RANK=$SLURM_NODEID
   JOB_ID=$SLURM_JOB_ID
+elif [ -n "${MEGATRON_HPC_K8S_NNODES:-}" ]; then
+  # A Kubeflow PyTorchJob pod (launch/k8s_objects.py): the training operator sets MASTER_ADDR and MASTER_PORT
+  # (the master pod's service and port) and RANK, this pod's replica index (master 0, worker i is i + 1).
+  NNODES=$MEGATRON_HPC_K8S_NNODES
+  NODE_RANK=${RANK:?the training operator sets RANK in a PyTorchJob pod}
+  JOB_ID=${HOSTNAME:-k8s}
 else
   MASTER_ADDR=127.0.0.1
   NNODES=1
   NODE_RANK=0
   JOB_ID=${SUBMITIT_LOCAL_JOB_ID:-$$}  # the local executor's job id, as `submit` reports it
 fi
-# Derived from the job id (two jobs on one first node must not collide); clear of 62182 and 8547.
-MASTER_PORT=$(( {{port_base}} + JOB_ID % {{port_span}} ))
+if [ -z "${MEGATRON_HPC_K8S_NNODES:-}" ]; then
+  # Derived from the job id (two jobs on one first node must not collide); clear of 62182 and 8547.
+  MASTER_PORT=$(( {{port_base}} + JOB_ID % {{port_span}} ))
+fi
 export MASTER_ADDR MASTER_PORT
 
 mkdir -p "$RUN_DIR/{{log_dir}}"
@@ -108,6 +116,7 @@ fi
 [ -n "${REMOVE_LOCAL_CACHE:-}" ] && rm -rf "$LOCAL_CACHE"
 
 # Finish, fail, or requeue the job to resume from its checkpoint (launch/requeue.py says which).
-python -m megatron_hpc.launch.requeue --run-dir "$RUN_DIR" --phase "$PHASE" --exit-code "$STATUS" 2>&1 \
+python -m megatron_hpc.launch.requeue --run-dir "$RUN_DIR" --phase "$PHASE" --exit-code "$STATUS" \
+  --node-rank "$NODE_RANK" 2>&1 \
   | tee -a "$LOG"
 exit "${PIPESTATUS[0]}"
