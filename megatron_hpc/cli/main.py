@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("megatron_hpc.cli.train_cmd", "per-rank training entry point (what torchrun starts)"),
     "ckpt": ("megatron_hpc.cli.ckpt_cmd", "inspect checkpoints"),
     "generate": ("megatron_hpc.cli.generate_cmd", "continue prompts with a checkpoint (greedy or sampled, CPU)"),
+    "serve": ("megatron_hpc.cli.serve_cmd", "serve Megatron's text generation API (PUT /api) on a checkpoint"),
     "data": ("megatron_hpc.cli.data_cmd", "preprocess, inspect and sample Megatron .bin/.idx datasets"),
 }
 
