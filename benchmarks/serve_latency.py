@@ -6,7 +6,8 @@ real CLI in a subprocess (`megatron-hpc serve CKPT --port P`, the checkpoint mer
 torch threads), and loaded in this process too. Each round times one HTTP round trip (urllib: JSON encode, PUT,
 Flask, parse, tokenize, queue lock, generate, detokenize, JSON back) and one in-process `generate` of the same
 token ids with the same SamplingParams, alternating so machine drift hits both. The overhead is median(server) -
-median(in-process); the script checks first that both gave the same tokens.
+median(in-process); the script checks first that both gave the same tokens. A third row times a request the
+server refuses (a misspelt field) before generating: the fixed cost of HTTP, Flask and JSON alone.
 
     python benchmarks/serve_latency.py --rounds 50
 """
@@ -23,7 +24,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.error import URLError
+from urllib.error import HTTPError, URLError
 from urllib.request import Request, urlopen
 
 GOAL_MS = 10.0
@@ -39,6 +40,8 @@ TINY = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads
 class Timings:
     server_ms: list[float]
     engine_ms: list[float]
+    refused_ms: list[float]
+    """Round trips of a request the server refuses before generating: HTTP, Flask and JSON alone."""
 
     @property
     def overhead_ms(self) -> float:
@@ -69,6 +72,7 @@ def table(t: Timings) -> str:
     verdict = "met" if t.overhead_ms < GOAL_MS else "missed"
     return "\n".join([f"{'path':<28} {'median ms':>9} {'min ms':>9} {'p90 ms':>9}",
                       row("server round trip (HTTP)", t.server_ms), row("in-process engine.generate", t.engine_ms),
+                      row("server 400, no generation", t.refused_ms),
                       f"overhead (median - median): {t.overhead_ms:.2f} ms; goal < {GOAL_MS:.0f} ms: {verdict}"])
 
 
@@ -97,8 +101,11 @@ def _free_port() -> int:
 
 def _put(url: str, body: dict) -> dict:
     req = Request(url, data=json.dumps(body).encode(), method="PUT", headers={"Content-Type": "application/json"})
-    with urlopen(req, timeout=60) as resp:
-        return json.loads(resp.read())
+    try:
+        with urlopen(req, timeout=60) as resp:
+            return json.loads(resp.read())
+    except HTTPError as exc:
+        return json.loads(exc.read())
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -134,7 +141,9 @@ def main(argv: list[str] | None = None) -> None:
             mine = generate(loaded.model, [ids], params)[0]
             assert served["tokens"][0] == ids + mine.tokens, (served["tokens"], ids + mine.tokens)
             print(f"same tokens from both paths: {len(mine.tokens)} new of {args.tokens} asked", flush=True)
-            server_ms, engine_ms = [], []
+            server_ms, engine_ms, refused_ms = [], [], []
+            refused = {**body, "tokens_to_generat": 1}  # a typo: refused with a did-you-mean
+            assert "did you mean" in _put(url, refused)["message"]
             for _ in range(args.rounds):
                 start = time.perf_counter()
                 _put(url, body)
@@ -142,13 +151,16 @@ def main(argv: list[str] | None = None) -> None:
                 start = time.perf_counter()
                 generate(loaded.model, [ids], params)
                 engine_ms.append((time.perf_counter() - start) * 1e3)
+                start = time.perf_counter()
+                _put(url, refused)
+                refused_ms.append((time.perf_counter() - start) * 1e3)
         finally:
             server.terminate()
             server.wait(timeout=60)
     print(f"request: 1 prompt of {len(ids)} tokens, {args.tokens} new (greedy), {args.threads} torch thread(s) "
           f"each side, {args.rounds} rounds, model 2 layers hidden 64" if args.ckpt is None else
           f"request: 1 prompt of {len(ids)} tokens, {args.tokens} new (greedy), {args.rounds} rounds, {ckpt}")
-    print(table(Timings(server_ms=server_ms, engine_ms=engine_ms)))
+    print(table(Timings(server_ms=server_ms, engine_ms=engine_ms, refused_ms=refused_ms)))
 
 
 if __name__ == "__main__":

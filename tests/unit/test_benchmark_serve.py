@@ -30,10 +30,11 @@ def test_defaults_are_a_tiny_greedy_request_and_bad_counts_are_refused():
 
 def test_overhead_is_the_difference_of_medians_and_the_table_says_whether_the_goal_is_met():
     bench = _bench()
-    met = bench.Timings(server_ms=[12.0, 14.0, 13.0], engine_ms=[10.0, 9.0, 11.0])
+    met = bench.Timings(server_ms=[12.0, 14.0, 13.0], engine_ms=[10.0, 9.0, 11.0],
+                         refused_ms=[2.0, 1.5, 2.5])
     assert met.overhead_ms == pytest.approx(3.0)
     text = bench.table(met)
-    assert "13.00" in text and "10.00" in text and "overhead (median - median): 3.00 ms" in text
+    assert "13.00" in text and "10.00" in text and "2.00" in text and "overhead (median - median): 3.00 ms" in text
     assert text.endswith("met") and "missed" not in text
-    missed = bench.Timings(server_ms=[40.0], engine_ms=[10.0])
+    missed = bench.Timings(server_ms=[40.0], engine_ms=[10.0], refused_ms=[1.0])
     assert missed.overhead_ms == pytest.approx(30.0) and bench.table(missed).endswith("missed")
