@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab-file", type=Path, help="GPT-2 vocab.json, when the run's is missing or gone")
     parser.add_argument("--merge-file", type=Path, help="GPT-2 merges.txt, with --vocab-file")
     parser.add_argument("--iteration", type=int, help="use this iteration instead of the tracker's")
-    parser.add_argument("--quiet", action="store_true", help="do not log each request to stderr")
+    parser.add_argument("--quiet", action="store_true", help="do not log requests to stderr (ours and Werkzeug's)")
     client = parser.add_argument_group("client (instead of serving)")
     client.add_argument("--client", metavar="URL", help="send one request to a running server, e.g. "
                         "http://node:5000/api, and print the JSON response")
@@ -104,15 +104,18 @@ def run(args: argparse.Namespace) -> int:
         return 0
     tok = loaded.tokenizer
     service = Service(model=loaded.model, tokenizer=tok, eod=tok.vocab.get("<|endoftext|>"), log=not args.quiet)
+    if args.quiet:
+        import logging
+
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)
     server = start(service, host=args.host, port=args.port)
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     print(f"megatron-hpc serve: iteration {loaded.iteration} at TP {loaded.model.tp_size}, "
           f"PUT http://{args.host}:{server.server_port}/api", file=sys.stderr, flush=True)
     try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        print("megatron-hpc serve: stopping", file=sys.stderr)
+        server.serve_forever()  # Werkzeug's returns on KeyboardInterrupt (Ctrl-C, or SIGTERM above)
     finally:
+        print("megatron-hpc serve: stopping", file=sys.stderr)
         server.server_close()
         service.stop_followers()
     return 0
