@@ -2,7 +2,9 @@
 # Serve Megatron's text generation API (PUT /api) from a checkpoint on one cluster node (issue 17).
 #
 #   sbatch [--partition P] [--time 8:00:00] slurm/serve.sh CKPT [PORT] [more `megatron-hpc serve` flags]
-#   SERVE_TP=2 sbatch --gpus-per-node 2 slurm/serve.sh CKPT      # at TP 2: rank 0 serves, rank 1 follows
+#   SERVE_TP=2 sbatch --cpus-per-task 8 slurm/serve.sh CKPT      # at TP 2: rank 0 serves, rank 1 follows
+#
+# Generation runs on the node's CPUs (the checkpoint is loaded on the CPU, as `megatron-hpc generate` does).
 #
 # The job's output names the URL (http://NODE:PORT/api); ask it with
 #   megatron-hpc serve --client http://NODE:PORT/api --prompt "Hello" --request '{"top_k": 1}'
