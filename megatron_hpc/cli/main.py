@@ -30,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "ckpt": ("megatron_hpc.cli.ckpt_cmd", "inspect checkpoints"),
     "generate": ("megatron_hpc.cli.generate_cmd", "continue prompts with a checkpoint (greedy or sampled, CPU)"),
     "evaluate": ("megatron_hpc.cli.evaluate_cmd", "valid/test split loss, zero-shot WikiText and LAMBADA (CPU)"),
+    "serve": ("megatron_hpc.cli.serve_cmd", "serve Megatron's text generation API (PUT /api) on a checkpoint"),
     "data": ("megatron_hpc.cli.data_cmd", "preprocess, inspect and sample Megatron .bin/.idx datasets"),
 }
 

@@ -10,7 +10,7 @@ import torch
 
 from megatron_hpc.errors import GenerationError
 from megatron_hpc.generate.kv_cache import KVCache, cached_forward, check_generation_model, context_length
-from megatron_hpc.generate.sampling import SamplingParams, VocabShard, next_tokens
+from megatron_hpc.generate.sampling import SamplingParams, VocabShard, next_tokens, token_logprobs
 from megatron_hpc.model.gpt import GPT
 
 PAD_ID = 0
@@ -84,6 +84,22 @@ def generate(model: GPT, prompts: Sequence[Sequence[int]], params: SamplingParam
         logits = cached_forward(model, tokens.unsqueeze(1), cache)
     return _results(prompts, torch.stack(new, dim=1).tolist(), torch.stack(logps, dim=1).tolist(),
                     set(params.stop_tokens))
+
+
+@torch.no_grad()
+def prompt_logprobs(model: GPT, prompts: Sequence[Sequence[int]]) -> list[list[float]]:
+    """log p(token | the tokens before it) of every prompt token after the first (what Megatron's server puts
+    before the new tokens' log-probs): one full forward per prompt, so that no padding is involved."""
+    check_generation_model(model)
+    shard = vocab_shard(model)
+    check_prompts(prompts, context=context_length(model), max_new_tokens=0, vocab_size=shard.vocab_size)
+    device = model.ln_f.weight.device
+    out = []
+    for p in prompts:
+        ids = torch.tensor([list(p)], device=device)
+        logits = model(ids)[0, :-1]  # (S - 1, V/tp): each position predicts the next token
+        out.append(token_logprobs(logits, ids[0, 1:], shard).tolist())
+    return out
 
 
 def _results(prompts: Sequence[Sequence[int]], tokens: list[list[int]], logps: list[list[float]],

@@ -57,9 +57,12 @@ def load_tokenizer(whole_reason: tuple[Path, Path] | str, *, vocab_file: Path | 
 
 
 def load_for_generation(path: Path, *, iteration: int | None = None, vocab_file: Path | None = None,
-                        merge_file: Path | None = None, keep_padded_vocab: bool = False) -> LoadedModel:
-    """The whole model at TP 1. keep_padded_vocab keeps the checkpoint's own padded vocabulary (padded for its TP
-    size) instead of TP 1's: the dummy rows take part in the softmax, so a loss is the one the run computed."""
+                        merge_file: Path | None = None, ctx: ParallelContext | None = None,
+                        keep_padded_vocab: bool = False) -> LoadedModel:
+    """The checkpoint at TP 1 in this process, or, given `ctx` (every rank of its TP group calls this), this
+    rank's shard at ctx's TP size: merged whole first, then split, so any saved TP x PP loads at any TP.
+    keep_padded_vocab (TP 1 only) keeps the checkpoint's own padded vocabulary (padded for its TP size) instead of
+    TP 1's: the dummy rows take part in the softmax, so a loss is the one the run computed."""
     whole = read_whole(path, iteration=iteration)
     try:
         raw = whole.first["resolved_config"]["model"]
@@ -67,15 +70,19 @@ def load_for_generation(path: Path, *, iteration: int | None = None, vocab_file:
         raise CheckpointError(f"{whole.found.folder} has no resolved_config (not written by megatron-hpc); "
                               "convert it first: megatron-hpc ckpt convert SRC --to torch OUT") from None
     cfg = from_dict(ModelConfig, raw, where="model")
+    tp = 1 if ctx is None else ctx.tp_size
+    if keep_padded_vocab and tp != 1:
+        raise ValueError("keep_padded_vocab is for the merged TP 1 model; a sharded load pads for its own TP")
     padded = padded_vocab_size(cfg.vocab_size, divisible_by=cfg.make_vocab_size_divisible_by,
-                               tensor_parallel=whole.tensor_parallel if keep_padded_vocab else 1)
+                               tensor_parallel=whole.tensor_parallel if keep_padded_vocab else tp)
     full = pp_layout.merge_grid([[s["model"] for s in row] for row in whole.grid], num_layers=cfg.num_layers)
     for name in ("wte.weight", "lm_head.weight"):
         if name in full:
             full[name] = tp_layout.repad_vocab(full[name], vocab_size=cfg.vocab_size, padded=padded)
     with skip_random_init(True):
-        model = GPT(cfg, ctx=_single_process_context(), padded_vocab=padded, seed=0)
-    model.load_state_dict({k: v.to(torch.float32) for k, v in full.items()})
+        model = GPT(cfg, ctx=_single_process_context() if ctx is None else ctx, padded_vocab=padded, seed=0)
+    mine = full if tp == 1 else tp_layout.split_model(full, tp)[model.tp_rank]
+    model.load_state_dict({k: v.to(torch.float32) for k, v in mine.items()})
     tokenizer, why = load_tokenizer(tokenizer_files(whole), vocab_file=vocab_file, merge_file=merge_file)
     if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
         raise GenerationError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "

@@ -132,7 +132,9 @@ def _draw(logits: torch.Tensor, params: SamplingParams, shard: VocabShard,
         values, pick = values.topk(min(params.top_k, values.shape[-1]), dim=-1)
         ids = ids.gather(-1, pick)
     else:
-        values = _gather(scaled, shard)  # (B, V): top-p needs the whole distribution
+        # (B, V): top-p needs the whole distribution. The padding columns go: the draw then depends on the real
+        # vocabulary only, not on the padded size (which grows with TP), so TP 2 draws what TP 1 draws.
+        values = _gather(scaled, shard)[:, :shard.vocab_size]
         ids = torch.arange(values.shape[-1], device=values.device).expand_as(values)
     probs = _truncate(values, top_p=params.top_p).softmax(dim=-1)
     chosen = torch.multinomial(probs, 1, generator=generator)  # (B, 1)
@@ -151,3 +153,8 @@ def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, shard: VocabShard) -> 
     if shard.size > 1:
         dist.all_reduce(picked, group=shard.group)  # exactly one shard holds each token
     return picked - lse
+
+
+def token_logprobs(local: torch.Tensor, tokens: torch.Tensor, shard: VocabShard) -> torch.Tensor:
+    """log p(tokens) (N,) under this rank's logits (N, V/tp) of N positions, the same on every rank."""
+    return _logprobs(_masked(local, shard), tokens, shard)

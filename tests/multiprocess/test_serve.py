@@ -1,0 +1,253 @@
+"""`megatron-hpc serve`: Megatron's `PUT /api` over real HTTP on a checkpoint trained at TP=2 (the generate
+tests' fixture). Greedy answers equal `megatron-hpc generate`'s; log-probs equal a direct forward; bad requests
+get a one-line 400 and the server goes on; concurrent clients get what they would get alone; at TP=2 (real gloo
+processes, rank 0 serving and rank 1 following) the answers equal TP=1's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+from urllib.error import HTTPError, URLError
+from urllib.request import Request, urlopen
+
+import mp_workers
+import pytest
+import torch
+from test_generate_cli import FIXTURE, _cli, tp2_checkpoint  # noqa: F401  (the module-scoped fixture)
+
+pytestmark = pytest.mark.multiprocess
+
+TOKENIZER = ["--vocab-file", str(FIXTURE / "vocab.json"), "--merge-file", str(FIXTURE / "merges.txt")]
+PROMPTS = ["The quick brown", "fox", "the weather today"]
+
+
+def put(url: str, body: Any, *, raw: bytes | None = None) -> tuple[int, Any]:
+    data = raw if raw is not None else json.dumps(body).encode()
+    req = Request(url, data=data, method="PUT", headers={"Content-Type": "application/json"})
+    try:
+        with urlopen(req, timeout=120) as resp:
+            return resp.status, json.loads(resp.read())
+    except HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+@pytest.fixture(scope="module")
+def server(tp2_checkpoint: Path) -> Any:  # noqa: F811
+    port = mp_workers.free_ports(1)[0]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_hpc", "serve", str(tp2_checkpoint), "--host",
+                             "127.0.0.1", "--port", str(port), *TOKENIZER], env=env, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}/api"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            put(url, {"prompts": ["x"], "tokens_to_generate": 1})
+            break
+        except URLError:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
+            time.sleep(0.2)
+    yield url
+    proc.terminate()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err  # SIGTERM stops it cleanly
+
+
+def _generate_cli(ckpt: Path, prompt: str, n: int) -> dict[str, Any]:
+    proc = _cli("generate", str(ckpt), "--prompt", prompt, "--max-new-tokens", str(n), "--json", *TOKENIZER)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)["results"][0]
+
+
+def test_greedy_equals_generate_and_logprobs_a_direct_forward(server, tp2_checkpoint):  # noqa: F811
+    from megatron_hpc.generate.loading import load_for_generation
+
+    status, out = put(server, {"prompts": PROMPTS, "tokens_to_generate": 6, "top_k": 1, "logprobs": True})
+    assert status == 200, out
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    try:  # the loader makes a one-rank gloo world in this process; the tests after this one need none
+        loaded = load_for_generation(tp2_checkpoint, vocab_file=FIXTURE / "vocab.json",
+                                     merge_file=FIXTURE / "merges.txt")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    tok = loaded.tokenizer
+    for i, prompt in enumerate(PROMPTS):
+        ref = _generate_cli(tp2_checkpoint, prompt, 6)
+        assert out["tokens"][i] == ref["prompt_ids"] + ref["tokens"]
+        assert out["text"][i] == prompt + ref["text"]
+        assert out["segments"][i] == [tok.decode([t]) for t in out["tokens"][i]]
+        ids = torch.tensor([out["tokens"][i]])
+        with torch.no_grad():  # log p of every token after the first, from one plain forward of the whole row
+            logp = loaded.model(ids)[0, :-1, :tok.vocab_size].float().log_softmax(-1)
+        direct = logp.gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)
+        torch.testing.assert_close(torch.tensor(out["logprobs"][i]), direct, rtol=0, atol=1e-4)
+    status, plain = put(server, {"prompts": PROMPTS[:1], "tokens_to_generate": 6, "top_k": 1})
+    assert status == 200 and plain["logprobs"] is None and plain["tokens"][0] == out["tokens"][0]
+    status, only = put(server, {"prompts": PROMPTS[:1], "tokens_to_generate": 0, "logprobs": True})
+    assert status == 200 and only["tokens"][0] == out["tokens"][0][:len(only["tokens"][0])]
+    assert only["logprobs"][0] == pytest.approx(out["logprobs"][0][:len(only["tokens"][0]) - 1], abs=1e-5)
+
+
+def test_sampling_fields(server):
+    body = {"prompts": PROMPTS, "tokens_to_generate": 8, "temperature": 1.5, "top_k": 40, "random_seed": 3}
+    a, b = put(server, body), put(server, body)
+    assert a[0] == 200 and a == b  # seeded: the same draws
+    other = put(server, {**body, "random_seed": 4})[1]
+    greedy = put(server, {**body, "top_k": 1})[1]
+    assert other["tokens"] != a[1]["tokens"] and greedy["tokens"] != a[1]["tokens"]
+    status, out = put(server, {"prompts": ["", "fox"], "tokens_to_generate": 2, "add_BOS": True, "top_k": 1})
+    eod = json.loads((FIXTURE / "vocab.json").read_text())["<|endoftext|>"]
+    assert status == 200 and out["tokens"][0][0] == eod and out["tokens"][1][0] == eod
+    assert out["text"][0].startswith("<|endoftext|>") and out["text"][1].startswith("<|endoftext|>fox")
+
+
+def test_bad_requests_get_400_and_the_server_goes_on(server):
+    good = {"prompts": ["fox"], "tokens_to_generate": 4, "top_k": 1}
+    expected = put(server, good)
+    cases = [  # (body, words of the reason)
+        ({"tokens_to_generate": 4}, "prompts argument required"),
+        ({"prompts": "fox"}, "prompts is not a list of strings"),
+        ({"prompts": []}, "prompts is empty"),
+        ({"prompts": ["fox"], "top_p": 1.5}, "top_p must be in (0, 1]"),
+        ({"prompts": ["fox"], "top_p": -0.1}, "top_p must be in (0, 1]"),
+        ({"prompts": ["fox"], "tokens_to_generate": 40}, "exceeds the model's context of 32 by"),
+        ({"prompts": ["fox " * 40], "tokens_to_generate": 1}, "more than the model's context of 32"),
+        ({"prompts": ["fox"], "topk": 3}, "unknown field 'topk'; did you mean 'top_k'?"),
+        ({"prompts": ["fox"], "temperature": 0}, "temperature must be a positive number"),
+        ({"prompts": ["fox"], "tokens_to_generate": "4"}, "tokens_to_generate must be an integer"),
+        ({"prompts": ["fox"], "tokens_to_generate": 0}, "tokens_to_generate=0 implies logprobs should be True"),
+        ({"prompts": [""]}, "Empty prompts require add_BOS=true"),
+        ({"prompts": ["fox"], "beam_width": 2}, "beam search is not supported"),
+        ({"prompts": ["fox"], "max_len": 2}, "Replace with tokens_to_generate"),
+        ([1, 2], "must be a JSON object"),
+    ]
+    for body, words in cases:
+        status, out = put(server, body)
+        assert status == 400 and words in out["message"], (body, out)
+        assert "\n" not in out["message"]
+        assert put(server, good) == expected
+    status, out = put(server, None, raw=b"{not json")
+    assert status == 400 and "send a JSON body" in out["message"]
+    assert put(server, good) == expected
+
+
+def test_concurrent_clients_get_what_they_get_alone(server):
+    bodies = [{"prompts": [p], "tokens_to_generate": n, "top_k": 1} for p in PROMPTS for n in (3, 7)]
+    alone = [put(server, b) for b in bodies]
+    got: dict[int, Any] = {}
+
+    def client(i: int) -> None:
+        got[i] = put(server, bodies[i])
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(bodies)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [got[i] for i in range(len(bodies))] == alone
+    assert all(status == 200 for status, _ in alone)
+
+
+def test_cli_client(server):
+    proc = _cli("serve", "--client", server, "--prompt", "fox", "--tokens-to-generate", "3",
+                "--request", '{"top_k": 1}')
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == put(server, {"prompts": ["fox"], "tokens_to_generate": 3, "top_k": 1})[1]
+    proc = _cli("serve", "--client", server, "--prompt", "fox", "--request", '{"top_p": 2.0}')
+    assert proc.returncode == 1 and "refused the request (400): top_p must be in (0, 1]" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+REQUESTS = [{"prompts": PROMPTS, "tokens_to_generate": 6, "top_k": 1, "logprobs": True},
+            {"prompts": ["fox"], "tokens_to_generate": 40},  # refused before rank 1 hears of it
+            {"prompts": PROMPTS, "tokens_to_generate": 6, "temperature": 0.9, "top_k": 30, "random_seed": 5},
+            {"prompts": PROMPTS[:2], "tokens_to_generate": 5, "temperature": 1.2, "top_p": 0.8, "random_seed": 6}]
+
+
+def serve_at_tp(rank: int, world: int, ports: list[int], ckpt: str) -> Any:
+    """Rank 0 serves real HTTP on a free port and sends REQUESTS to itself; the other ranks follow."""
+    import torch.distributed as dist
+
+    from megatron_hpc.generate.loading import load_for_generation
+    from megatron_hpc.generate.serving import Service, follow, start
+    from megatron_hpc.parallel.context import ParallelContext
+    from megatron_hpc.plan.mesh import Mesh
+
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{ports[0]}")
+    ctx = ParallelContext.build(Mesh(num_nodes=1, workers_per_node=world, tensor_parallel=world), rank=rank)
+    loaded = load_for_generation(Path(ckpt), vocab_file=FIXTURE / "vocab.json", merge_file=FIXTURE / "merges.txt",
+                                 ctx=ctx if world > 1 else None)
+    assert loaded.model.tp_size == world
+    if rank > 0:
+        out: Any = follow(loaded.model)
+    else:
+        tok = loaded.tokenizer
+        service = Service(model=loaded.model, tokenizer=tok, eod=tok.vocab["<|endoftext|>"], log=False)
+        httpd = start(service, host="127.0.0.1", port=0)
+        thread = threading.Thread(target=httpd.serve_forever)
+        thread.start()
+        out = [put(f"http://127.0.0.1:{httpd.server_port}/api", body) for body in REQUESTS]
+        httpd.shutdown()
+        thread.join()
+        service.stop_followers()
+    dist.destroy_process_group()
+    return out
+
+
+def test_tp2_serving_equals_tp1(tmp_path, tp2_checkpoint):  # noqa: F811
+    one = mp_workers.spawn(serve_at_tp, world=1, out_dir=tmp_path / "tp1", args=(str(tp2_checkpoint),))[0]
+    two = mp_workers.spawn(serve_at_tp, world=2, out_dir=tmp_path / "tp2", args=(str(tp2_checkpoint),))
+    assert two[1] == len(REQUESTS) - 1  # rank 1 ran every accepted request, then the stop message ended it
+    assert [status for status, _ in two[0]] == [200, 400, 200, 200]
+    for (s1, r1), (s2, r2) in zip(one, two[0]):
+        assert s1 == s2
+        if s1 != 200:
+            assert r1 == r2
+            continue
+        assert (r2["tokens"], r2["text"], r2["segments"]) == (r1["tokens"], r1["text"], r1["segments"])
+        if r1["logprobs"] is not None:
+            for a, b in zip(r1["logprobs"], r2["logprobs"]):
+                assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+    assert one[0][1]["tokens"] != one[2][1]["tokens"]  # the sampled requests are not greedy in disguise
+
+
+def test_torchrun_tp2_cli_serves_what_tp1_serves(server, tp2_checkpoint):  # noqa: F811
+    """The real `torchrun -m megatron_hpc serve` at TP 2; SIGTERM (what scancel and torchrun send) stops every rank."""
+    port, master = mp_workers.free_ports(2)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
+                             str(master), "-m", "megatron_hpc", "serve", str(tp2_checkpoint), "--host", "127.0.0.1",
+                             "--port", str(port), *TOKENIZER], env={**env, "OMP_NUM_THREADS": "1"},
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    url = f"http://127.0.0.1:{port}/api"
+    body = {"prompts": PROMPTS, "tokens_to_generate": 6, "top_k": 1, "logprobs": True}
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            status, out = put(url, body)
+            break
+        except URLError:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
+            time.sleep(0.5)
+    try:
+        assert status == 200, out
+        ref = put(server, body)[1]
+        assert (out["tokens"], out["text"]) == (ref["tokens"], ref["text"])
+        for a, b in zip(out["logprobs"], ref["logprobs"]):
+            assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+        assert put(url, {"prompts": ["fox"], "top_p": 2.0})[0] == 400
+        assert put(url, body)[1]["tokens"] == out["tokens"]
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+    # torchrun itself reports the signal with a traceback; the ranks (whose lines it prefixes) print none
+    assert "at TP 2" in err and "megatron-hpc serve: stopping" in err, err[-3000:]
+    assert "[rank0]: Traceback" not in err and "[rank1]: Traceback" not in err, err[-3000:]
