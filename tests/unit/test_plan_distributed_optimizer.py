@@ -66,6 +66,20 @@ def test_only_the_optimizer_state_is_divided_by_dp(precision, backend, adam, dp)
     assert sharded.activations_gib == plain.activations_gib and sharded.logits_gib == plain.logits_gib
 
 
+@pytest.mark.parametrize("precision,model_bytes", [("bf16", 2), ("fp32", 4)])
+@pytest.mark.parametrize("dp", [1, 2, 8])
+def test_fp32_masters_on_xla_count_model_weights_and_grads_whole_and_master_and_adam_over_dp(precision, model_bytes,
+                                                                                            dp):
+    m = load_recipe("gpt3_1.7b").model
+    args = dict(padded_vocab=51200, tensor_parallel=2, micro_batch=1, precision=precision)
+    reference = estimate_memory(m, padded_vocab=51200, tensor_parallel=2, micro_batch=1, precision="fp32",
+                                backend="cuda")
+    params_per_rank = reference.weights_and_optimizer_gib * GIB / 16  # fp32 off XLA: 16 bytes a parameter
+    masters = estimate_memory(m, **args, backend="xla", optimizer_shards=dp, fp32_master=True)
+    assert masters.weights_and_optimizer_gib * GIB == pytest.approx(
+        params_per_rank * (2 * model_bytes + 12 / dp), rel=1e-6)
+
+
 def test_plan_records_it_and_sizes_with_it():
     over = ["parallel.tensor=1", "parallel.pipeline=1"]
     plain = make_plan(load_recipe("gpt3_1.7b", over), num_nodes=2, platform=get_platform("p5"))
