@@ -13,8 +13,9 @@ recipes pin them) so that a feature can show up as a smaller mesh. Marks against
 TP x PP or node count, `^` a larger one (possible: the planner takes the smallest PP first, then the smallest TP,
 so a feature can trade TP 1 x PP 2 for TP 8 x PP 1), `+` plans where "off" is refused. A refusal is shown by its
 kind (refusal_kind). `!` after a mesh: `plan` sizes it but `submit` refuses it (pipeline parallelism does not run
-on XLA in this release: planner.check_pipeline_runtime). The distributed optimizer is left out on XLA platforms,
-which refuse it in this release.
+on XLA in this release: planner.check_pipeline_runtime). The distributed optimizer is left out on XLA platforms:
+there it is not only a memory feature but a precision change (bf16 weights with fp32 masters, 4 + 12/d bytes a
+parameter, instead of pure bf16's 8: more memory below DP 3; train/xla_zero.py).
 
     python benchmarks/plan_fits.py > /tmp/fits.md
 """
@@ -60,7 +61,7 @@ class Setting:
     overrides: tuple[str, ...]
     """On top of FREE_MESH and every feature off (OFF)."""
     distributed_optimizer: bool = False
-    """Refused on XLA platforms (check_distributed_optimizer), so left out there."""
+    """Left out on XLA platforms, where it changes the precision too (the module docstring)."""
 
 
 OFF = ("model.recompute=false", "parallel.sequence_parallel=false", "parallel.distributed_optimizer=false")

@@ -111,8 +111,9 @@ class ParallelConfig:
     distributed_optimizer: bool = False
     """Megatron --use-distributed-optimizer (ZeRO-1): each data-parallel rank keeps Adam's moments for 1/DP of
     the parameters; gradients are reduce-scattered and the updated weights all-gathered
-    (train/distributed_optimizer.py). Checkpoints keep the plain layout, so they load at any DP size. Not on XLA
-    yet."""
+    (train/distributed_optimizer.py). Checkpoints keep the plain layout, so they load at any DP size. On XLA it is
+    torch_xla's ZeroRedundancyOptimizer with fp32 master weights, and bf16 runs keep bf16 weights instead of pure
+    bf16 (train/xla_zero.py)."""
     overlap_grad_reduce: bool = True
     """Start each gradient bucket's data-parallel all-reduce during the last micro-batch's backward
     (Megatron --overlap-grad-reduce); ignored on XLA and when data-parallel size is 1."""

@@ -133,9 +133,8 @@ def check_sequence_parallel(cfg: RunConfig, *, tensor_parallel: int) -> None:
 
 
 def check_distributed_optimizer(cfg: RunConfig, *, backend: str) -> None:
-    """PlanError when parallel.distributed_optimizer is asked of a backend it does not run on yet (XLA)."""
-    if cfg.parallel.distributed_optimizer and backend == "xla":
-        raise PlanError("parallel.distributed_optimizer does not run on XLA in this release (the sharded update and "
-                        "its gathers are built on torch.distributed for CPU and CUDA); drop it (--set "
-                        "parallel.distributed_optimizer=false), or use model.recompute or a larger parallel.tensor "
-                        "to save memory")
+    """PlanError when parallel.distributed_optimizer is asked of what it cannot follow: on XLA (torch_xla's
+    ZeroRedundancyOptimizer, train/xla_zero.py) train.precision fp16, which XLA refuses anyway."""
+    if cfg.parallel.distributed_optimizer and backend == "xla" and cfg.train.precision == "fp16":
+        raise PlanError("parallel.distributed_optimizer on XLA keeps fp32 master weights for bf16 or fp32 weights, "
+                        "and XLA has no fp16 path; use --set train.precision=bf16")

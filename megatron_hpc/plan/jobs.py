@@ -19,6 +19,7 @@ from typing import Literal
 
 from megatron_hpc.config.platforms import Platform
 from megatron_hpc.config.schema import RunConfig
+from megatron_hpc.plan.memory import xla_fp32_master
 from megatron_hpc.plan.planner import Plan
 
 PhaseName = Literal["compile", "run"]
@@ -59,7 +60,9 @@ def phase_env(cfg: RunConfig, platform: Platform, *, extra: dict[str, str]) -> d
     """Environment of both phases; `extra` (the compile-cache location) comes from the launcher."""
     env = dict(COMMON_ENV)
     env.update(platform.env)
-    if cfg.train.precision == "bf16":
+    # Not with fp32 master weights: XLA_USE_BF16 would make the masters bf16 too (train/xla_zero.py).
+    if cfg.train.precision == "bf16" and not xla_fp32_master(backend=platform.backend,
+                                                             distributed_optimizer=cfg.parallel.distributed_optimizer):
         env.update(platform.bf16_env)
     env.update(extra)
     return env

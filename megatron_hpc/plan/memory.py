@@ -8,9 +8,11 @@ Bytes per parameter (weights, grads and Adam's two moments together):
   18 in all (the same count as Megatron's mixed precision with fp32 main grads).
 The distributed optimizer (ZeRO-1) divides the optimizer part (Adam's 8 bytes; 4 in pure bf16) by the DP size:
 4 + 4 + 8/d for fp32 (Megatron's table says 6 + 12/d for its 16-bit weights with an fp32 main copy; here autocast
-keeps the weights in fp32, so they are the main copy). Without it, the estimate gives table 1 of Narayanan et al.
-2021 (80 GB A100s, 16-bit training) on p5: 1.7B at TP 1, 3.6B at TP 2, 7.5B at TP 4, 18.4B at TP 8, then
-39.1B..310.1B at TP 8 and PP 2, 4, 8, 16.
+keeps the weights in fp32, so they are the main copy). bf16 on XLA with the distributed optimizer is not pure bf16
+but Megatron's layout (`xla_fp32_master`, train/xla_zero.py): bf16 weights and grads (2 + 2) and an fp32 master
+with fp32 Adam moments over DP (12/d), 4 + 12/d, the table's 6 + 12/d less its fp32 gradient buffer. Without it,
+the estimate gives table 1 of Narayanan et al. 2021 (80 GB A100s, 16-bit training) on p5: 1.7B at TP 1, 3.6B at
+TP 2, 7.5B at TP 4, 18.4B at TP 8, then 39.1B..310.1B at TP 8 and PP 2, 4, 8, 16.
 
 Activations per layer and micro-batch follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models") without sequence parallelism: s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes in 16-bit (doubled for
@@ -116,7 +118,18 @@ class ParameterBytes:
         return self.weights + self.grads + self.optimizer / optimizer_shards
 
 
-def parameter_bytes(*, precision: str, backend: str) -> ParameterBytes:
+def xla_fp32_master(*, backend: str, distributed_optimizer: bool) -> bool:
+    """Whether the run keeps fp32 master weights beside the model's (torch_xla's ZeRO-1, train/xla_zero.py): the
+    distributed optimizer on XLA. With train.precision=bf16 the model weights are then bf16, not pure bf16's
+    XLA_USE_BF16 floats: the pairing the Neuron stack uses."""
+    return backend == "xla" and distributed_optimizer
+
+
+def parameter_bytes(*, precision: str, backend: str, fp32_master: bool = False) -> ParameterBytes:
+    """`fp32_master`: see xla_fp32_master (the master counts with the optimizer state, which the DP ranks split)."""
+    if fp32_master:
+        model = 2 if precision == "bf16" else 4
+        return ParameterBytes(weights=model, grads=model, optimizer=4 + 8)
     if precision == "bf16" and backend == "xla":
         return ParameterBytes(weights=2, grads=2, optimizer=4)
     if precision in ("bf16", "fp16"):
@@ -153,11 +166,13 @@ def estimate_memory(
     pipeline: PipelineShape | None = None,
     sequence_parallel: bool = False,
     optimizer_shards: int = 1,
+    fp32_master: bool = False,
 ) -> MemoryEstimate:
     """The estimate of the pipeline rank that needs the most memory (rank 0 without pipelining)."""
     ranks = estimate_ranks(model, padded_vocab=padded_vocab, tensor_parallel=tensor_parallel,
                            micro_batch=micro_batch, precision=precision, backend=backend, pipeline=pipeline,
-                           sequence_parallel=sequence_parallel, optimizer_shards=optimizer_shards)
+                           sequence_parallel=sequence_parallel, optimizer_shards=optimizer_shards,
+                           fp32_master=fp32_master)
     return max(ranks, key=lambda e: e.total_gib)
 
 
@@ -172,29 +187,32 @@ def estimate_ranks(
     pipeline: PipelineShape | None = None,
     sequence_parallel: bool = False,
     optimizer_shards: int = 1,
+    fp32_master: bool = False,
 ) -> list[MemoryEstimate]:
     """The estimate of every pipeline rank, rank 0 first. `optimizer_shards` is the DP size with the distributed
-    optimizer (Adam's moments split over it), 1 without."""
+    optimizer (Adam's moments split over it), 1 without; `fp32_master` see xla_fp32_master."""
     pipe = pipeline or no_pipeline(model)
     return [_rank_memory(model, r, pipe=pipe, padded_vocab=padded_vocab, tensor_parallel=tensor_parallel,
                          micro_batch=micro_batch, precision=precision, backend=backend,
-                         sequence_parallel=sequence_parallel, optimizer_shards=optimizer_shards)
+                         sequence_parallel=sequence_parallel, optimizer_shards=optimizer_shards,
+                         fp32_master=fp32_master)
             for r in range(pipe.pipeline)]
 
 
 def _rank_memory(model: ModelConfig, pp_rank: int, *, pipe: PipelineShape, padded_vocab: int, tensor_parallel: int,
                  micro_batch: int, precision: str, backend: str, sequence_parallel: bool = False,
-                 optimizer_shards: int = 1) -> MemoryEstimate:
+                 optimizer_shards: int = 1, fp32_master: bool = False) -> MemoryEstimate:
     t, s, b, _h = tensor_parallel, model.seq_length, micro_batch, model.hidden_size
     stages = range(pp_rank, len(pipe.stage_layers), pipe.pipeline)  # virtual stage k runs on rank k % p
     first, last = 0 in stages, len(pipe.stage_layers) - 1 in stages
     layers = sum(pipe.stage_layers[k] for k in stages)
     params = rank_parameters(model, padded_vocab=padded_vocab, tensor_parallel=t, layers=layers, first=first,
                              last=last, pipeline=pipe.pipeline)
-    pb = parameter_bytes(precision=precision, backend=backend)
+    pb = parameter_bytes(precision=precision, backend=backend, fp32_master=fp32_master)
     # The distributed optimizer pads its flat buffers to whole slices (train/distributed_optimizer.py), so the
-    # weights and gradients it holds are the padded count and each rank's Adam state one slice.
-    flat = padded_parameters(params, optimizer_shards) if optimizer_shards > 1 else params
+    # weights and gradients it holds are the padded count and each rank's Adam state one slice. torch_xla's pads
+    # each parameter's shard (dim 0 to a multiple of DP): at most DP - 1 rows a parameter, left out.
+    flat = padded_parameters(params, optimizer_shards) if optimizer_shards > 1 and not fp32_master else params
     weights, grads = flat * pb.weights, flat * pb.grads
     optimizer = flat // optimizer_shards * pb.optimizer
 

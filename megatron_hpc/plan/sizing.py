@@ -30,7 +30,7 @@ from megatron_hpc.config.platforms import Platform
 from megatron_hpc.config.schema import ModelConfig, RunConfig
 from megatron_hpc.errors import PlanError
 from megatron_hpc.plan.batch import num_micro_batches
-from megatron_hpc.plan.memory import MemoryEstimate, PipelineShape, estimate_memory
+from megatron_hpc.plan.memory import MemoryEstimate, PipelineShape, estimate_memory, xla_fp32_master
 from megatron_hpc.plan.mesh import Mesh
 from megatron_hpc.plan.recompute import FULL_UNIFORM_1, resolve_recompute
 from megatron_hpc.plan.stages import split_layers
@@ -70,6 +70,7 @@ def memory_for(cfg: RunConfig, platform: Platform, *, tp: int, pp: int, micro_ba
     """The heaviest pipeline rank's estimate at TP tp x PP pp x DP data_parallel (the layers must split: see
     stage_ranges). `recompute` and `distributed_optimizer` true try that setting instead of the recipe's."""
     model = cfg.model if not recompute else full_recompute(cfg.model)
+    sharded = distributed_optimizer or (distributed_optimizer is None and cfg.parallel.distributed_optimizer)
     shape = PipelineShape(stage_layers=tuple(len(s) for s in stage_ranges(cfg, pp=pp)), pipeline=pp,
                           virtual=cfg.parallel.virtual_pipeline, schedule=cfg.parallel.pipeline_schedule,
                           num_micro_batches=micro_batches)
@@ -77,8 +78,8 @@ def memory_for(cfg: RunConfig, platform: Platform, *, tp: int, pp: int, micro_ba
                            micro_batch=cfg.train.micro_batch_size, precision=cfg.train.precision,
                            backend=platform.backend, pipeline=shape,
                            sequence_parallel=cfg.parallel.sequence_parallel and tp > 1,
-                           optimizer_shards=data_parallel if distributed_optimizer or (
-                               distributed_optimizer is None and cfg.parallel.distributed_optimizer) else 1)
+                           optimizer_shards=data_parallel if sharded else 1,
+                           fp32_master=xla_fp32_master(backend=platform.backend, distributed_optimizer=sharded))
 
 
 def full_recompute(model: ModelConfig) -> ModelConfig:
@@ -278,7 +279,7 @@ def _nothing_fits(cfg: RunConfig, platform: Platform, *, num_nodes: int, per_nod
     free = _free_choice(cfg, platform, num_nodes=num_nodes, per_node=per_node)
     fixes = [free] if free else []
     candidates = []
-    if not cfg.parallel.distributed_optimizer and platform.backend != "xla":
+    if not cfg.parallel.distributed_optimizer:
         candidates.append(("--set parallel.distributed_optimizer=true", dataclasses.replace(
             cfg, parallel=dataclasses.replace(cfg.parallel, distributed_optimizer=True))))
     fix = recompute_fix(cfg.model)
@@ -342,7 +343,7 @@ def memory_advice(cfg: RunConfig, platform: Platform, *, num_nodes: int, per_nod
     world = num_nodes * per_node
     dp = world // (tp * pp)
     micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
-    if (not cfg.parallel.distributed_optimizer and dp > 1 and platform.backend != "xla"
+    if (not cfg.parallel.distributed_optimizer and dp > 1
             and memory_for(cfg, platform, tp=tp, pp=pp, micro_batches=micro, data_parallel=dp,
                            distributed_optimizer=True).total_gib <= usable_gib(platform)):
         options.append("--set parallel.distributed_optimizer=true")

@@ -222,8 +222,8 @@ class Checkpointer:
             progress=Progress(iteration=state.step, consumed_samples=state.consumed_samples, lr_steps=state.lr_steps),
             rng_per_dp_rank=self._rng_per_dp_rank(rng),
             grad_scaler=state.scaler.state_dict() if state.scaler is not None else None,
-            precision={"train_precision": self.precision, "weights_hold": str(self.device.float_dtype).removeprefix(
-                "torch.")})
+            precision={"train_precision": self.precision, "weights_hold": str(_weights_hold(model, self.device))
+                       .removeprefix("torch.")})
 
     def _failed(self, exc: CheckpointError) -> None:
         if self.ckpt.on_save_failure != "continue":
@@ -291,3 +291,10 @@ class Checkpointer:
             if self.ctx.is_first_rank:
                 print(f"megatron-hpc: warning: checkpoint {pending.iteration} was not completed (the run failed "
                       "while it was written); the previous checkpoint is the newest", file=sys.stderr, flush=True)
+
+
+def _weights_hold(model: nn.Module, device: DeviceInfo) -> torch.dtype:
+    """What the weights' values are: their own dtype when it is not float32 (bf16 weights beside fp32 masters,
+    train/xla_zero.py), else what the device holds a float32 as (bfloat16 under XLA_USE_BF16)."""
+    dtype = next(model.parameters()).dtype
+    return dtype if dtype != torch.float32 else device.float_dtype

@@ -19,6 +19,7 @@ from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.parallel.device import DeviceFeed, DeviceInfo, seed_everything, step_barrier, when_step_done
 from megatron_hpc.parallel.grads import build_grad_reducer
 from megatron_hpc.parallel.pipeline import PipelineRunner, to_all_stages
+from megatron_hpc.plan.memory import xla_fp32_master
 from megatron_hpc.plan.model_math import num_parameters
 from megatron_hpc.plan.planner import Plan
 from megatron_hpc.plan.spec import RunSpec
@@ -35,6 +36,7 @@ from megatron_hpc.train.state import TrainState
 from megatron_hpc.train.step import SkipTracker, StepOutput, train_step
 from megatron_hpc.train.stop import StopDecision, StopWatch, record_stop
 from megatron_hpc.train.tensorboard import open_tensorboard
+from megatron_hpc.train.xla_zero import XlaZeroOptimizer
 
 Phase = Literal["compile", "run"]
 PP_SEED_STRIDE = 1_000_003
@@ -101,7 +103,9 @@ def train(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, phase: Pha
     cfg, plan, tcfg = spec.config, spec.plan, spec.config.train
     num_steps = tcfg.num_steps if phase == "run" else cfg.compile.num_steps
     data = _build_data(spec, ctx)  # before the model: data errors surface first
-    autocast_dtype = autocast_dtype_for(tcfg.precision, device_kind=device.kind, float_dtype=device.float_dtype)
+    fp32_master = xla_fp32_master(backend=device.kind, distributed_optimizer=cfg.parallel.distributed_optimizer)
+    autocast_dtype = autocast_dtype_for(tcfg.precision, device_kind=device.kind, float_dtype=device.float_dtype,
+                                        fp32_master=fp32_master)
     # Dropout masks: the same across TP, different across DP and across pipeline stages (Megatron offsets the seed
     # by 100 per pipeline rank; a larger stride here keeps the offsets clear of DP's). With sequence parallelism
     # every dropout acts on a TP shard (sequence or heads), so TP ranks take their own seeds too: the same seed
@@ -115,6 +119,8 @@ def train(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, phase: Pha
     model = build_model(cfg.model, ctx, padded_vocab=plan.padded_vocab_size, seed=tcfg.seed, device=device.device,
                         from_checkpoint=resuming, stages=pipeline_stages(plan, ctx),
                         sequence_parallel=cfg.parallel.sequence_parallel)
+    if fp32_master and tcfg.precision == "bf16":
+        model.to(torch.bfloat16)  # bf16 weights, fp32 masters in the optimizer (train/xla_zero.py)
     if ctx.is_first_rank:
         print(_banner(spec, ctx, model=model, device=device, phase=phase, num_steps=num_steps,
                       autocast_dtype=autocast_dtype), file=out, flush=True)
@@ -127,11 +133,16 @@ def train(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, phase: Pha
     compiled = tcfg.compile and device.kind != "xla" and pipeline is None
     step_model = torch.compile(model, backend=tcfg.compile_backend) if compiled else model
     # The distributed optimizer overlaps its reduce-scatter with backward as the plain path's reducer does (not under
-    # pipelining, not on XLA).
-    optimizer = (DistributedOptimizer(model, optim=cfg.optim, group=ctx.dp_group, bucket_mb=cfg.parallel.grad_bucket_mb,
-                                      overlap=cfg.parallel.overlap_grad_reduce and pipeline is None
-                                      and device.kind != "xla")
-                 if cfg.parallel.distributed_optimizer else build_optimizer(model, optim=cfg.optim))
+    # pipelining); on XLA it is torch_xla's ZeRO-1 with fp32 masters (train/xla_zero.py), which reduces after it.
+    optimizer: torch.optim.Optimizer | DistributedOptimizer | XlaZeroOptimizer
+    if fp32_master:  # on XLA: torch_xla's ZeRO-1
+        optimizer = XlaZeroOptimizer(model, optim=cfg.optim, ctx=ctx)
+    elif cfg.parallel.distributed_optimizer:
+        optimizer = DistributedOptimizer(model, optim=cfg.optim, group=ctx.dp_group,
+                                         bucket_mb=cfg.parallel.grad_bucket_mb,
+                                         overlap=cfg.parallel.overlap_grad_reduce and pipeline is None)
+    else:
+        optimizer = build_optimizer(model, optim=cfg.optim)
     state = ckpt.restore(model, optimizer, TrainState(scaler=build_loss_scaler(tcfg.precision)))
     start = state.step
     metrics = MetricsLogger(model=cfg.model, padded_vocab=plan.padded_vocab_size, world_size=ctx.world_size,
@@ -215,7 +226,9 @@ def _host_batches(data: SyntheticTokens | IndexedBatches, step: int, *, plan: Pl
 def _banner(spec: RunSpec, ctx: ParallelContext, *, model: GPT, device: DeviceInfo, phase: Phase,
             num_steps: int, autocast_dtype: torch.dtype | None) -> str:
     plan, vocab = spec.plan, spec.config.model.vocab_size
-    label = compute_label(spec.config.train.precision, float_dtype=device.float_dtype, autocast_dtype=autocast_dtype)
+    label = compute_label(spec.config.train.precision, float_dtype=device.float_dtype, autocast_dtype=autocast_dtype,
+                          fp32_master=xla_fp32_master(backend=device.kind,
+                                                      distributed_optimizer=plan.distributed_optimizer))
     data = "indexed data"
     if plan.data_source == "synthetic":  # loudly where hours are spent: never real data, whatever the loss says
         data = "synthetic tokens" if plan.platform == "cpu" else "SYNTHETIC TOKENS, NOT REAL DATA (data.source)"

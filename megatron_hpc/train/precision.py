@@ -65,16 +65,19 @@ class DynamicGradScaler:
 XLA_PURE_BF16_ENV = ("XLA_USE_BF16", "XLA_DOWNCAST_BF16")
 
 
-def set_xla_precision_env(precision: str, *, environ: MutableMapping[str, str] | None = None) -> str | None:
+def set_xla_precision_env(precision: str, *, fp32_master: bool = False,
+                          environ: MutableMapping[str, str] | None = None) -> str | None:
     """Make the XLA variables say what train.precision says; call before torch_xla reads them (its first tensor).
 
     bf16: XLA_USE_BF16=1 unless one of the two is on already, the reference's pure bf16 with the Neuron runtime's
-    stochastic rounding (neuron-xla.md 4.6). fp32: both cleared, since either one silently makes every float bf16
-    while the tensors still report float32. Returns a warning when it overrode what the environment said.
+    stochastic rounding (neuron-xla.md 4.6). fp32, or bf16 with `fp32_master` (the distributed optimizer,
+    plan/memory.py xla_fp32_master): both cleared, since either one silently makes every float bf16 while the tensors
+    still report float32, the fp32 masters and Adam moments included; with fp32_master the trainer casts the model
+    weights to bf16 itself (train/xla_zero.py). Returns a warning when it overrode what the environment said.
     """
     env = os.environ if environ is None else environ
     on = {k: env[k] for k in XLA_PURE_BF16_ENV if env.get(k, "0") not in ("", "0")}
-    if precision == "bf16":
+    if precision == "bf16" and not fp32_master:
         if not on:
             env["XLA_USE_BF16"] = "1"
         return None
@@ -83,20 +86,28 @@ def set_xla_precision_env(precision: str, *, environ: MutableMapping[str, str] |
     if not on:
         return None
     settings = " and ".join(f"{k}={v}" for k, v in on.items())
-    return (f"{settings} ignored: train.precision is {precision} and {'they' if len(on) > 1 else 'it'} would make "
-            f"every float bf16 on the device, so the trainer cleared {'them' if len(on) > 1 else 'it'}; "
+    they, them = ("they", "them") if len(on) > 1 else ("it", "it")
+    if fp32_master:
+        return (f"{settings} ignored: parallel.distributed_optimizer keeps fp32 master weights, which {they} would "
+                f"make bf16 on the device, so the trainer cleared {them}; the model weights are bf16 all the same")
+    return (f"{settings} ignored: train.precision is {precision} and {they} would make "
+            f"every float bf16 on the device, so the trainer cleared {them}; "
             f"set train.precision=bf16 to train in bf16")
 
 
-def autocast_dtype_for(precision: str, *, device_kind: str,
-                       float_dtype: torch.dtype = torch.float32) -> torch.dtype | None:
-    """The autocast dtype for train.precision on this device; None means none (fp32, or pure bf16 on XLA).
+def autocast_dtype_for(precision: str, *, device_kind: str, float_dtype: torch.dtype = torch.float32,
+                       fp32_master: bool = False) -> torch.dtype | None:
+    """The autocast dtype for train.precision on this device; None means none (fp32, or bf16 weights on XLA).
 
     float_dtype is what the device really holds a float32 tensor as (DeviceInfo.float_dtype).
     """
     if precision == "fp32":
         return None
     if precision == "bf16":
+        if device_kind == "xla" and fp32_master:
+            # The model weights are bf16 tensors (train/xla_zero.py): the forward computes in bf16 as pure bf16's
+            # does, so the two differ only in the masters and Adam state.
+            return None
         if device_kind == "xla" and float_dtype == torch.bfloat16:
             # XLA_USE_BF16=1 made every float bf16, with the Neuron runtime's stochastic rounding (the reference's
             # pure bf16, neuron-xla.md 4.6): autocast would only add casts. A torch-xla that ignores the variable
@@ -111,8 +122,12 @@ def autocast_dtype_for(precision: str, *, device_kind: str,
     raise TrainingError(f"train.precision {precision!r} is unknown; use fp32, bf16 or fp16")
 
 
-def compute_label(precision: str, *, float_dtype: torch.dtype, autocast_dtype: torch.dtype | None) -> str:
+def compute_label(precision: str, *, float_dtype: torch.dtype, autocast_dtype: torch.dtype | None,
+                  fp32_master: bool = False) -> str:
     """What the device computes, for the banner: 'fp32', 'bf16 (pure: ...)', 'bf16 (autocast, fp32 weights)'."""
+    if fp32_master:
+        weights = "bf16" if precision == "bf16" else "fp32"
+        return f"{weights} ({weights} weights, fp32 master weights and Adam state)"
     if float_dtype == torch.bfloat16:
         return "bf16 (pure: every float is bf16 on the device, weights and Adam state included)"
     if autocast_dtype is not None:

@@ -26,6 +26,7 @@ from megatron_hpc.parallel.pipeline import PipelineRunner
 from megatron_hpc.train.distributed_optimizer import DistributedOptimizer
 from megatron_hpc.train.precision import DynamicGradScaler
 from megatron_hpc.train.state import TrainState
+from megatron_hpc.train.xla_zero import XlaZeroOptimizer
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +46,7 @@ class StepOutput:
     """Loss scale after this step's update (1.0 without a scaler), for the iteration line."""
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | DistributedOptimizer,
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | DistributedOptimizer | XlaZeroOptimizer,
                micro_batches: Sequence[torch.Tensor], *,
                ctx: ParallelContext, clip_grad: float, autocast_dtype: torch.dtype | None,
                device_type: str, scaler: DynamicGradScaler | None = None,
@@ -62,7 +63,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | DistributedO
     select keeps the old weights and Adam state when it is not finite (`_step_where`), and
     SkipTracker reads the flag one step later.
     With a DistributedOptimizer (ZeRO-1) the gradients are reduce-scattered instead, and the norm, clip and update
-    act on this DP rank's slice (train/distributed_optimizer.py).
+    act on this DP rank's slice (train/distributed_optimizer.py). With an XlaZeroOptimizer (the same on XLA) they act
+    on this DP rank's fp32 master shards (train/xla_zero.py).
     With `pipeline` the micro-batches go through this rank's pipeline stages by its schedule (forward and
     backward interleaved across stages); the loss is then the last stage's, 0 on the others.
     """
@@ -101,6 +103,12 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | DistributedO
         optimizer.reduce_gradients()
         all_reduce_sum_(optimizer.sequence_parallel_grads(), group=ctx.tp_group)
         norm = optimizer.clip_grad_norm_(max_norm=clip_grad, ctx=ctx, unscale=1.0 / scale)
+    elif isinstance(optimizer, XlaZeroOptimizer):
+        # The TP sum of the sequence-parallel grads on the whole bf16 gradients, then the DP reduce-scatter into the
+        # fp32 shards, where the norm, the clip and the update act (sums commute, as above).
+        all_reduce_sequence_parallel_grads(params, group=ctx.tp_group)
+        optimizer.reduce_gradients()
+        norm = optimizer.clip_grad_norm_(max_norm=clip_grad, ctx=ctx, unscale=1.0 / scale)
     else:
         if grad_reducer is not None:
             grad_reducer.finish()
@@ -116,7 +124,10 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | DistributedO
     # The norm is the same on every rank (it was all-reduced), so all ranks skip together.
     finite = torch.isfinite(norm)
     if device_type == "xla":
-        _step_where(optimizer, finite)
+        if isinstance(optimizer, XlaZeroOptimizer):
+            optimizer.step_where(finite)
+        else:
+            _step_where(optimizer, finite)
         return StepOutput(loss=total / len(micro_batches), grad_norm=norm, finite=finite, skipped=None)
     skipped = not bool(finite.item())  # host sync: the skip decision
     overflow = False

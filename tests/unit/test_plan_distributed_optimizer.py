@@ -14,6 +14,7 @@ import pytest
 from megatron_hpc.config.loader import load_recipe
 from megatron_hpc.config.platforms import get_platform
 from megatron_hpc.errors import PlanError
+from megatron_hpc.plan.jobs import phase_env
 from megatron_hpc.plan.memory import GIB, SHARD_ALIGN, estimate_memory
 from megatron_hpc.plan.planner import distributed_optimizer_warning, make_plan
 from megatron_hpc.train.distributed_optimizer import shard_layout
@@ -65,6 +66,20 @@ def test_only_the_optimizer_state_is_divided_by_dp(precision, backend, adam, dp)
     assert sharded.activations_gib == plain.activations_gib and sharded.logits_gib == plain.logits_gib
 
 
+@pytest.mark.parametrize("precision,model_bytes", [("bf16", 2), ("fp32", 4)])
+@pytest.mark.parametrize("dp", [1, 2, 8])
+def test_fp32_masters_on_xla_count_model_weights_and_grads_whole_and_master_and_adam_over_dp(precision, model_bytes,
+                                                                                            dp):
+    m = load_recipe("gpt3_1.7b").model
+    args = dict(padded_vocab=51200, tensor_parallel=2, micro_batch=1, precision=precision)
+    reference = estimate_memory(m, padded_vocab=51200, tensor_parallel=2, micro_batch=1, precision="fp32",
+                                backend="cuda")
+    params_per_rank = reference.weights_and_optimizer_gib * GIB / 16  # fp32 off XLA: 16 bytes a parameter
+    masters = estimate_memory(m, **args, backend="xla", optimizer_shards=dp, fp32_master=True)
+    assert masters.weights_and_optimizer_gib * GIB == pytest.approx(
+        params_per_rank * (2 * model_bytes + 12 / dp), rel=1e-6)
+
+
 def test_plan_records_it_and_sizes_with_it():
     over = ["parallel.tensor=1", "parallel.pipeline=1"]
     plain = make_plan(load_recipe("gpt3_1.7b", over), num_nodes=2, platform=get_platform("p5"))
@@ -83,10 +98,36 @@ def test_tp1_that_only_fits_sharded_is_advised():
         make_plan(cfg, num_nodes=2, platform=get_platform("p5"))
 
 
-def test_refused_on_xla_before_anything_is_planned():
-    cfg = load_recipe("gpt3_6.7b", ["parallel.distributed_optimizer=true"])
-    with pytest.raises(PlanError, match=r"does not run on XLA .*parallel.distributed_optimizer=false"):
-        make_plan(cfg, num_nodes=4, platform=get_platform("trn1"))
+def test_planned_on_trn1_with_bf16_weights_and_fp32_masters():
+    """No longer refused on XLA (torch_xla's ZeRO-1, train/xla_zero.py): the estimate counts bf16 weights and grads
+    (2 + 2) and an fp32 master with fp32 Adam moments split over DP (12/d) instead of pure bf16's 8 bytes."""
+    over = ["parallel.tensor=8", "parallel.pipeline=1"]
+    plain = make_plan(load_recipe("gpt3_6.7b", over), num_nodes=16, platform=get_platform("trn1"))
+    sharded = make_plan(load_recipe("gpt3_6.7b", [*over, "parallel.distributed_optimizer=true"]), num_nodes=16,
+                        platform=get_platform("trn1"))
+    assert sharded.distributed_optimizer
+    dp = sharded.data_parallel
+    assert dp == plain.data_parallel and dp > 3
+    per_rank = plain.memory_breakdown_gib["weights"] * GIB / 2  # pure bf16: 2 bytes of weight a parameter
+    saved = (plain.memory_breakdown_gib["weights"] + plain.memory_breakdown_gib["grads"]
+             + plain.memory_breakdown_gib["optimizer"]) - (sharded.memory_breakdown_gib["weights"]
+                                                            + sharded.memory_breakdown_gib["grads"]
+                                                            + sharded.memory_breakdown_gib["optimizer"])
+    assert saved * GIB == pytest.approx(per_rank * (8 - (4 + 12 / dp)), rel=5e-3)
+
+
+def test_fp32_masters_keep_xla_use_bf16_out_of_the_job_environment():
+    trn1 = get_platform("trn1")
+    pure = load_recipe("gpt3_6.7b", ["train.precision=bf16"])
+    masters = load_recipe("gpt3_6.7b", ["train.precision=bf16", "parallel.distributed_optimizer=true"])
+    assert phase_env(pure, trn1, extra={}).get("XLA_USE_BF16") == "1"
+    assert "XLA_USE_BF16" not in phase_env(masters, trn1, extra={})
+
+
+def test_fp16_with_it_on_xla_is_refused_with_the_fix():
+    cfg = load_recipe("gpt3_6.7b", ["parallel.distributed_optimizer=true", "train.precision=fp16"])
+    with pytest.raises(PlanError, match=r"--set train.precision=bf16"):
+        make_plan(cfg, num_nodes=16, platform=get_platform("trn1"))
 
 
 def test_dp_1_works_and_says_it_is_pointless():

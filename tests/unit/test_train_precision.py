@@ -91,6 +91,20 @@ def test_the_configured_precision_sets_the_xla_variables() -> None:
     assert set_xla_precision_env("bf16", environ=env) is None and env == {"XLA_DOWNCAST_BF16": "1"}
 
 
+def test_fp32_masters_turn_pure_bf16_off() -> None:
+    """With the distributed optimizer on XLA the masters are fp32: XLA_USE_BF16 would make them bf16, so it goes,
+    and the bf16 model weights need no autocast."""
+    env = {"XLA_USE_BF16": "1", "PATH": "/bin"}
+    warning = set_xla_precision_env("bf16", fp32_master=True, environ=env)
+    assert env == {"PATH": "/bin"}
+    assert warning is not None and "parallel.distributed_optimizer keeps fp32 master weights" in warning
+    env = {}
+    assert set_xla_precision_env("bf16", fp32_master=True, environ=env) is None and env == {}
+    assert autocast_dtype_for("bf16", device_kind="xla", fp32_master=True) is None
+    assert compute_label("bf16", float_dtype=torch.float32, autocast_dtype=None, fp32_master=True) == \
+        "bf16 (bf16 weights, fp32 master weights and Adam state)"
+
+
 def test_the_banner_says_what_the_device_computes() -> None:
     assert compute_label("fp32", float_dtype=torch.float32, autocast_dtype=None) == "fp32"
     assert compute_label("bf16", float_dtype=torch.bfloat16, autocast_dtype=None).startswith("bf16 (pure:")

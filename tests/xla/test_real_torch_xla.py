@@ -30,7 +30,7 @@ import json, sys, warnings
 warnings.filterwarnings("error", message="Use torch_xla", category=DeprecationWarning, module="megatron_hpc")
 from pathlib import Path
 from megatron_hpc.config.schema import (CheckpointConfig, CompilePhaseConfig, DataConfig, LaunchConfig,
-                                         ModelConfig, OptimConfig, RunConfig, TrainConfig)
+                                         ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig)
 from megatron_hpc.errors import TrainingError
 from megatron_hpc.train.entry import plan_for_torchrun, run_training
 platform, run_dir, steps, opts = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
@@ -51,7 +51,8 @@ cfg = RunConfig(
                       max_position_embeddings=32, vocab_size=500, hidden_dropout=dropout, attention_dropout=dropout),
     train=TrainConfig(num_steps=steps, micro_batch_size=2, global_batch_size=4, log_interval=2,
                       precision=opts.get("precision", "fp32"), max_skipped_steps=opts.get("max_skipped_steps", 5)),
-    optim=OptimConfig(lr=3e-3, lr_warmup_iters=0, lr_decay_style="constant"),
+    optim=OptimConfig(lr=opts.get("lr", 3e-3), lr_warmup_iters=0, lr_decay_style="constant"),
+    parallel=ParallelConfig(distributed_optimizer=opts.get("distributed_optimizer", False)),
     compile=CompilePhaseConfig(num_steps=2),
     launch=LaunchConfig(platform=platform),
     data=DataConfig(source="synthetic"),
@@ -102,9 +103,10 @@ def _read(run_dir: Path, iteration: int) -> dict[str, Any]:
     out: dict[str, Any] = {"precision": state.get("precision"), "xla_rng_state": state.get("xla_rng_state"),
                            "tensors": {}}
     for name, t in iter_tensors({"model": state["model"], "optimizer": state["optimizer"]}):
-        t = t.float()
+        dtype, t = str(t.dtype).removeprefix("torch."), t.float()
         out["tensors"][name] = {"values": t.flatten().tolist(), "finite": bool(torch.isfinite(t).all()),
-                                "bf16_exact": bool(torch.equal(t, t.bfloat16().float()))}
+                                "bf16_exact": bool(torch.equal(t, t.bfloat16().float())), "dtype": dtype,
+                                "ndim": t.dim()}
     return out
 
 
@@ -129,9 +131,9 @@ def test_fp32_on_xla_trains_the_cpu_model_even_with_xla_use_bf16_set(env: dict[s
 
 @pytest.fixture(scope="module")
 def bf16_dropout_run(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
-    """8 uninterrupted steps in bf16 with dropout, saved at 4 and 8."""
+    """8 uninterrupted steps in bf16 with dropout, saved at 4 and 8 (at the LR of MASTERS, which compares with it)."""
     run_dir = tmp_path_factory.mktemp("straight")
-    return run_dir, _train(env, "trn1", run_dir, 8, precision="bf16", dropout=0.1)
+    return run_dir, _train(env, "trn1", run_dir, 8, precision="bf16", dropout=0.1, lr=MASTERS["lr"])
 
 
 def test_bf16_with_dropout_resumes_exactly(env: dict[str, str], tmp_path: Path,
@@ -144,7 +146,7 @@ def test_bf16_with_dropout_resumes_exactly(env: dict[str, str], tmp_path: Path,
     shutil.copytree(straight_dir / "checkpoints", tmp_path / "checkpoints")
     shutil.rmtree(paths.iteration_dir(tmp_path / "checkpoints", 8))
     paths.tracker_file(tmp_path / "checkpoints").write_text("4")
-    resumed = _train(env, "trn1", tmp_path, 8, precision="bf16", dropout=0.1)  # loads iter 4, runs 5..8
+    resumed = _train(env, "trn1", tmp_path, 8, precision="bf16", dropout=0.1, lr=MASTERS["lr"])  # iter 4, runs 5..8
     assert "loaded checkpoint" in resumed["stdout"] and "at iteration 4" in resumed["stdout"]
     assert [i for i, _ in resumed["losses"]] == [6, 8]
     assert resumed["losses"] == straight["losses"][-2:]  # exactly
@@ -202,3 +204,71 @@ print(len(real))
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert int(proc.stdout.strip().splitlines()[-1]) > 50  # weights, Adam moments, RNG states
+
+
+# fp32 master weights (parallel.distributed_optimizer on XLA: torch_xla's ZeRO-1, train/xla_zero.py). At lr 5e-4 an
+# Adam step moves a LayerNorm weight (1.0) by about 5e-4, under half of bf16's spacing there (2**-8 below 1.0): pure
+# bf16 rounds every such update away, fp32 masters keep them. Dropout as in bf16_dropout_run, the pure bf16 run it is
+# compared with.
+MASTERS = {"precision": "bf16", "distributed_optimizer": True, "lr": 5e-4, "save_interval": 2, "dropout": 0.1}
+
+
+@pytest.fixture(scope="module")
+def masters_run(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """4 uninterrupted steps with bf16 weights and fp32 masters, saved at 2 and 4."""
+    run_dir = tmp_path_factory.mktemp("masters")
+    return run_dir, _train(env, "trn1", run_dir, 4, **MASTERS)
+
+
+def _layernorm_weights(tensors: dict[str, Any]) -> list[str]:
+    return [k for k in tensors if k.startswith("model.") and ".ln_" in k and k.endswith(".weight")]
+
+
+def test_bf16_weights_with_fp32_masters_keep_updates_pure_bf16_loses(
+        masters_run: tuple[Path, dict[str, Any]], bf16_dropout_run: tuple[Path, dict[str, Any]]) -> None:
+    import torch
+
+    run_dir, run = masters_run
+    assert "| xla bf16 (bf16 weights, fp32 master weights and Adam state) |" in _banner(run["stdout"])
+    losses = [loss for _, loss in run["losses"]]
+    assert len(losses) == 2 and losses[-1] < losses[0]  # it trains
+    saved = _read(run_dir, 4)
+    assert saved["precision"] == {"train_precision": "bf16", "weights_hold": "bfloat16"}
+    tensors = saved["tensors"]
+    model = {k: t for k, t in tensors.items() if k.startswith("model.")}
+    assert {t["dtype"] for t in model.values()} == {"bfloat16"}  # the weights on the device, as saved
+    # The optimizer's state is in its own order (matrices, then 1-D tensors), the plain AdamW layout plus masters.
+    order = [k for k in model if model[k]["ndim"] >= 2] + [k for k in model if model[k]["ndim"] < 2]
+    state = [{key: tensors[f"optimizer.state.{i}.{key}"] for key in ("main_param", "exp_avg", "exp_avg_sq")}
+             for i in range(len(order))]
+    assert {t["dtype"] for entry in state for t in entry.values()} == {"float32"}
+    for name, entry in zip(order, state):
+        master = entry["main_param"]
+        # The weight is its master rounded to bf16; the master holds what bf16 cannot.
+        assert torch.tensor(master["values"]).bfloat16().float().tolist() == model[name]["values"], name
+        assert not master["bf16_exact"], name
+    # The LayerNorm weights start at 1.0. After 4 steps with masters every one has left 1.0 in its master, and some
+    # have moved in bf16 too (updates below bf16's resolution, accumulated); pure bf16 leaves every one at 1.0.
+    norms = [(name, entry["main_param"]) for name, entry in zip(order, state) if name in _layernorm_weights(model)]
+    assert len(norms) == 5 and all(v != 1.0 for _, m in norms for v in m["values"])
+    assert any(v != 1.0 for name, _ in norms for v in model[name]["values"])
+    pure = _read(bf16_dropout_run[0], 4)["tensors"]
+    assert len(_layernorm_weights(pure)) == 5
+    assert all(v == 1.0 for name in _layernorm_weights(pure) for v in pure[name]["values"])
+
+
+def test_fp32_masters_resume_exactly(env: dict[str, str], tmp_path: Path,
+                                     masters_run: tuple[Path, dict[str, Any]]) -> None:
+    """The checkpoint keeps the masters (main_param) beside the moments: a resume from iteration 2 is the same run."""
+    from megatron_hpc.checkpoint import paths
+
+    straight_dir, straight = masters_run
+    shutil.copytree(straight_dir / "checkpoints", tmp_path / "checkpoints")
+    shutil.rmtree(paths.iteration_dir(tmp_path / "checkpoints", 4))
+    paths.tracker_file(tmp_path / "checkpoints").write_text("2")
+    resumed = _train(env, "trn1", tmp_path, 4, **MASTERS)
+    assert "at iteration 2" in resumed["stdout"]
+    assert resumed["losses"] == straight["losses"][-1:]  # exactly
+    theirs, ours = _read(straight_dir, 4)["tensors"], _read(tmp_path, 4)["tensors"]
+    assert theirs.keys() == ours.keys() and any(k.endswith(".main_param") for k in ours)
+    assert [k for k in theirs if theirs[k]["values"] != ours[k]["values"]] == []
