@@ -126,7 +126,19 @@ def run(args: argparse.Namespace) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         where = "" if world > 1 else ", evaluated at tp 1 on the cpu"
         print(json.dumps(report, indent=1) if args.json else _text(report, where=where))
+    _leave_group()
     return 0
+
+
+def _leave_group() -> None:
+    """Under torchrun: every rank past its last collective before any rank exits. gloo completes a collective on one
+    rank while its last bytes may still be in flight to another; a rank whose peer's sockets close under it then
+    aborts (SIGABRT) and torchrun fails the whole evaluation."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _text(report: dict[str, Any], *, where: str) -> str:
