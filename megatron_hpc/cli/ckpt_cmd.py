@@ -171,7 +171,7 @@ def _convert(args: argparse.Namespace) -> int:
 
         tp = whole.tensor_parallel if args.tp is None else args.tp
         pp = whole.pipeline_parallel if args.pp is None else args.pp
-        result = reshard(whole, tp=tp, pp=pp, out=out, fmt=args.to)
+        result = reshard(whole, tp=tp, pp=pp, out=out, fmt=args.to, release=True)  # whole is not read again
         written, report["optimizer"] = result.folder, result.optimizer
         if result.note and not any("Adam" in n for n in notes):
             notes.append(result.note)
