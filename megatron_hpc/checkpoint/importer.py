@@ -18,6 +18,7 @@ import torch
 
 from megatron_hpc.checkpoint import foreign_keys, foreign_optim, optim_layout, pp_layout, tp_layout
 from megatron_hpc.checkpoint.foreign import OURS, ForeignCheckpoint, arg
+from megatron_hpc.checkpoint.host_memory import give_back_freed
 from megatron_hpc.checkpoint.loader import FoundCheckpoint
 from megatron_hpc.checkpoint.manifest import Manifest
 from megatron_hpc.checkpoint.whole import WholeCheckpoint
@@ -276,7 +277,10 @@ def _our_optimizer(opt: foreign_optim.ForeignOptimizer, model: dict[str, torch.T
 
 
 def import_foreign(src: ForeignCheckpoint, *, vocab_size: int | None = None) -> Imported:
-    """`src` as our WholeCheckpoint at its own TP x PP (in memory), with notes on what was not carried over."""
+    """`src` as our WholeCheckpoint at its own TP x PP (in memory), with notes on what was not carried over.
+
+    Consumes `src`'s model weights (its states lose their `model` keys): the model is held once, in fp32, not also
+    in the source's dtype."""
     where = src.files.mains[(0, 0)]
     if src.family == OURS:
         raise CheckpointError(f"{src.folder} holds megatron-hpc shards but no manifest.json: a copy that lost it or "
@@ -306,20 +310,24 @@ def import_foreign(src: ForeignCheckpoint, *, vocab_size: int | None = None) -> 
     ranks = _renamed(src, tied=not untied and not (pp == 1 and _has_output_layer(state)))
     iteration, consumed, lr_steps = _progress(src, notes)
     optimizers = _optimizers(src, ranks, version=version, heads_per_shard=heads // tp, notes=notes)
+    _drop_models(src)  # the weights live on in `ranks` alone, so each is freed once its fp32 copy is made
     models: list[list[dict[str, torch.Tensor]]] = []
     for p, row in enumerate(ranks):
         models.append([])
         for t, rank in enumerate(row):
             masters = optimizers[p][t].masters if optimizers else {}
             model = {}
-            for name, w in rank.items():
+            for name in list(rank):
+                w = rank.pop(name)
                 w = masters.get(name, foreign_keys.qkv_to_ours(w, version=version, heads=heads // tp)
                                 if foreign_keys.is_qkv(name) else w)
                 model[name] = w.detach().float().contiguous()
+                del w
             _check_layers(model, where=src.files.mains[(p, t)])
             models[-1].append(model)
         _check_tp_agree(models[-1], where=src.folder)
-    full = pp_layout.merge_grid(models)
+    give_back_freed()  # the source's copies, freed one by one above
+    full = pp_layout.merged_shapes(models)  # shapes only: a merged copy would hold the model twice
     cfg = model_config(src, full, vocab_size=vocab_size, notes=notes)
     rng = _rng(state, notes)
     scaler = optimizers[0][0].grad_scaler if optimizers else None
@@ -337,6 +345,15 @@ def import_foreign(src: ForeignCheckpoint, *, vocab_size: int | None = None) -> 
                         data_parallel=1, world_size=tp * pp)
     return Imported(whole=WholeCheckpoint(found=FoundCheckpoint(folder=src.folder, manifest=manifest), grid=grid),
                     family=src.family, notes=list(dict.fromkeys(notes)))
+
+
+def _drop_models(src: ForeignCheckpoint) -> None:
+    """Let go of the source's nested model dicts (everything else in its states is still read)."""
+    for row in src.grid:
+        for state in row:
+            for key in [k for k in state if isinstance(k, str) and (k == "model" or k[5:].isdigit())
+                        and k[:5] == "model"]:
+                del state[key]
 
 
 def _has_output_layer(state: dict[str, Any]) -> bool:

@@ -122,6 +122,14 @@ def merge_grid(grid: list[list[dict[str, torch.Tensor]]], *, num_layers: int | N
     return tp_layout.merge_model(per_tp)
 
 
+def merged_shapes(grid: list[list[dict[str, torch.Tensor]]], *,
+                  num_layers: int | None = None) -> dict[str, torch.Tensor]:
+    """merge_grid's names, order and shapes as meta tensors, with its checks, without building the whole model."""
+    tp = len(grid[0])
+    per_tp = [merge_stages([row[t] for row in grid], num_layers=num_layers) for t in range(tp)]
+    return tp_layout.merge_model([{n: w.to("meta") for n, w in m.items()} for m in per_tp])
+
+
 def split_grid(full: dict[str, torch.Tensor], *, tp: int, layout: PipelineLayout,
                num_layers: int) -> list[list[dict[str, torch.Tensor]]]:
     """A [pp_rank][tp_rank] grid of model dicts from the whole model (vocabulary already padded for `tp`)."""

@@ -17,6 +17,7 @@ import torch
 
 from megatron_hpc.checkpoint import hf_formats, optim_layout, pp_layout, tp_layout
 from megatron_hpc.checkpoint.compat import PipelineLayout
+from megatron_hpc.checkpoint.host_memory import give_back_freed
 from megatron_hpc.checkpoint.whole import WholeCheckpoint, write_whole
 from megatron_hpc.errors import CheckpointError, PlanError
 from megatron_hpc.plan.vocab import padded_vocab_size
@@ -185,10 +186,13 @@ def _resized(state: dict[str, Any], *, tp: int, layout: PipelineLayout, padded: 
 
 
 def reshard(whole: WholeCheckpoint, *, tp: int, pp: int = 1, virtual: int = 1, first_stage_layers: int = 0,
-            last_stage_layers: int = 0, out: Path, fmt: str | None = None) -> ReshardResult:
+            last_stage_layers: int = 0, out: Path, fmt: str | None = None, release: bool = False) -> ReshardResult:
     """Write `whole` at TP size `tp` and pipeline size `pp` (with `virtual` chunks per pipeline rank and optional
     uneven first/last stages, as parallel.* names them) into `out`: same iteration, the vocabulary re-padded for
-    `tp`, Adam's moments moved by name (dropped, with the reason in the result's note, when they cannot be)."""
+    `tp`, Adam's moments moved by name (dropped, with the reason in the result's note, when they cannot be).
+
+    `release`: let go of `whole`'s weights as their new pieces are made (they become meta tensors of their shape), so
+    the model is held about once instead of three times; `whole`'s weights are unusable afterwards."""
     model = _model_config(whole)
     layout = PipelineLayout(pipeline=pp, virtual=virtual, first_stage_layers=first_stage_layers,
                             last_stage_layers=last_stage_layers)
@@ -196,11 +200,8 @@ def reshard(whole: WholeCheckpoint, *, tp: int, pp: int = 1, virtual: int = 1, f
     check_pp(model, layout)
     vocab, layers = model["vocab_size"], model["num_layers"]
     padded = padded_vocab_size(vocab, divisible_by=model.get("make_vocab_size_divisible_by", 128), tensor_parallel=tp)
-    full = pp_layout.merge_grid([[s["model"] for s in row] for row in whole.grid], num_layers=layers)
-    for name in ("wte.weight", "lm_head.weight"):
-        if name in full:
-            full[name] = tp_layout.repad_vocab(full[name], vocab_size=vocab, padded=padded)
-    models = pp_layout.split_grid(full, tp=tp, layout=layout, num_layers=layers)
+    models = _split_models(whole, tp=tp, layout=layout, num_layers=layers, vocab=vocab, padded=padded,
+                           release=release)
     note, optimizers = "", None
     if not all("optimizer" in s for row in whole.grid for s in row):
         note = "the checkpoint holds no optimizer state; a resumed run starts Adam's moments at zero"
@@ -222,6 +223,40 @@ def reshard(whole: WholeCheckpoint, *, tp: int, pp: int = 1, virtual: int = 1, f
     folder = write_whole(out, whole.iteration, grid, fmt=fmt or whole.found.manifest.format, layout=layout)
     return ReshardResult(folder=folder, from_tp=whole.tensor_parallel, to_tp=tp, from_pp=whole.pipeline_parallel,
                          to_pp=pp, optimizer="dropped" if optimizers is None else "resharded", note=note)
+
+
+def _split_models(whole: WholeCheckpoint, *, tp: int, layout: PipelineLayout, num_layers: int, vocab: int,
+                  padded: int, release: bool) -> list[list[dict[str, torch.Tensor]]]:
+    """The new [pp_rank][tp_rank] grid of model dicts: pp_layout.split_grid of the merged, re-padded model, made one
+    weight at a time (merge, re-pad, split), so that only one merged weight exists at once and, with `release`, the
+    old weights go as their pieces are made."""
+    grid = [[s["model"] for s in row] for row in whole.grid]
+    per_tp = [pp_layout.merge_stages([row[t] for row in grid], num_layers=num_layers) for t in range(len(grid[0]))]
+    shapes = tp_layout.merge_model([{n: w.to("meta") for n, w in m.items()} for m in per_tp])  # the checks, no data
+    vocab_rows = ("wte.weight", "lm_head.weight")
+    for name in vocab_rows:
+        if name in shapes:
+            shapes[name] = tp_layout.repad_vocab(shapes[name], vocab_size=vocab, padded=padded)
+    stages = pp_layout.split_stages(shapes, layout=layout, num_layers=num_layers)
+    out: list[list[dict[str, torch.Tensor]]] = [[{} for _ in range(tp)] for _ in stages]
+    for name in shapes:
+        full = tp_layout.merge(name, [m.pop(name) for m in per_tp])
+        if release:
+            for row in grid:
+                for m in row:
+                    if name in m:
+                        m[name] = m[name].to("meta")  # the optimizer's reshard still reads names and shapes
+        if name in vocab_rows:
+            full = tp_layout.repad_vocab(full, vocab_size=vocab, padded=padded)
+        pieces = tp_layout.split(name, full, tp)
+        del full
+        if release:
+            give_back_freed()
+        for p, stage in enumerate(stages):
+            if name in stage:
+                for t in range(tp):
+                    out[p][t][name] = pieces[t]
+    return [[{n: out[p][t][n] for n in stage} for t in range(tp)] for p, stage in enumerate(stages)]
 
 
 def convert_format(whole: WholeCheckpoint, *, to: str, out: Path) -> Path:

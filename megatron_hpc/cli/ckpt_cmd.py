@@ -171,7 +171,7 @@ def _convert(args: argparse.Namespace) -> int:
 
         tp = whole.tensor_parallel if args.tp is None else args.tp
         pp = whole.pipeline_parallel if args.pp is None else args.pp
-        result = reshard(whole, tp=tp, pp=pp, out=out, fmt=args.to)
+        result = reshard(whole, tp=tp, pp=pp, out=out, fmt=args.to, release=True)  # whole is not read again
         written, report["optimizer"] = result.folder, result.optimizer
         if result.note and not any("Adam" in n for n in notes):
             notes.append(result.note)
@@ -204,7 +204,7 @@ def _import_hf(args: argparse.Namespace, out: Path) -> int:
                                   "config.json says both, drop it")
     imported = import_hf(source, out=out, fmt=args.to)
     tp, pp = (1 if v is None else v for v in (args.tp, args.pp))
-    result = reshard(imported.whole, tp=tp, pp=pp, out=out, fmt=args.to)
+    result = reshard(imported.whole, tp=tp, pp=pp, out=out, fmt=args.to, release=True)  # weights not read again
     tokenizer = copy_tokenizer(imported.tokenizer, out)
     model = imported.whole.first["resolved_config"]["model"]
     sets = " ".join(f"model.{k}={v}" for k, v in model.items() if v is not None)
@@ -294,7 +294,8 @@ def _reshard(args: argparse.Namespace) -> int:
     tp = whole.tensor_parallel if args.tp is None else args.tp
     out = args.out or reshard_out(whole.found.folder, tensor_parallel=tp, layout=layout)
     result = reshard(whole, tp=tp, pp=layout.pipeline, virtual=layout.virtual,
-                     first_stage_layers=layout.first_stage_layers, last_stage_layers=layout.last_stage_layers, out=out)
+                     first_stage_layers=layout.first_stage_layers, last_stage_layers=layout.last_stage_layers, out=out,
+                     release=True)  # whole's weights are not read again
     report = {"source": str(whole.found.folder), "iteration": whole.iteration, "from_tp": result.from_tp,
               "to_tp": result.to_tp, "from_pp": result.from_pp, "to_pp": result.to_pp,
               "virtual_pipeline": layout.virtual, "out": str(out), "optimizer": result.optimizer}
