@@ -24,6 +24,7 @@ from megatron_hpc.parallel.grads import (
 )
 from megatron_hpc.parallel.pipeline import PipelineRunner
 from megatron_hpc.train.distributed_optimizer import DistributedOptimizer
+from megatron_hpc.train.masked_step import step_where
 from megatron_hpc.train.precision import DynamicGradScaler
 from megatron_hpc.train.state import TrainState
 from megatron_hpc.train.xla_zero import XlaZeroOptimizer
@@ -60,7 +61,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | DistributedO
     instead of writing NaN into the weights and Adam moments (Megatron's "skipped iterations").
     With an fp16 `scaler` the same check is its overflow test. On XLA a host read would cut the
     graph and stall the device, so the flag stays on the device: the update always runs and a
-    select keeps the old weights and Adam state when it is not finite (`_step_where`), and
+    select keeps the old weights and Adam state when it is not finite (`step_where` (train/masked_step.py)), and
     SkipTracker reads the flag one step later.
     With a DistributedOptimizer (ZeRO-1) the gradients are reduce-scattered instead, and the norm, clip and update
     act on this DP rank's slice (train/distributed_optimizer.py). With an XlaZeroOptimizer (the same on XLA) they act
@@ -127,7 +128,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | DistributedO
         if isinstance(optimizer, XlaZeroOptimizer):
             optimizer.step_where(finite)
         else:
-            _step_where(optimizer, finite)
+            step_where(optimizer, finite)
         return StepOutput(loss=total / len(micro_batches), grad_norm=norm, finite=finite, skipped=None)
     skipped = not bool(finite.item())  # host sync: the skip decision
     overflow = False
@@ -140,34 +141,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | DistributedO
                       overflow=overflow, loss_scale=scaler.scale if scaler is not None else 1.0)
 
 
-@torch.no_grad()
-def _step_where(optimizer: torch.optim.Optimizer, finite: torch.Tensor) -> None:
-    """optimizer.step() where `finite` (a device flag) holds, a no-op elsewhere, with no branch in the graph.
-
-    The update always runs; a select then keeps each parameter's and each state tensor's old value when the flag
-    is false. On XLA the old values are buffers the step graph reads anyway, so keeping them costs no copy. State
-    created by this very step starts from zeros, as AdamW's does. AdamW's step count is left out: it stays on the
-    host (on the device it would be bf16 under XLA_USE_BF16, where 0.999 rounds to 1 and counts above 256 are
-    inexact), so it advances here and SkipTracker takes it back once the host has read the flag (`_unstep`).
-    """
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    old = [(p.detach().clone(), {k: v.detach().clone() for k, v in optimizer.state[p].items() if _selected(k, v)})
-           for p in params]
-    optimizer.step()
-    for p, (old_p, old_state) in zip(params, old):
-        p.copy_(torch.where(finite, p, old_p))
-        for key, value in optimizer.state[p].items():
-            if _selected(key, value):
-                before = old_state.get(key)
-                value.copy_(torch.where(finite, value, before if before is not None else torch.zeros_like(value)))
-
-
-def _selected(key: str, value: object) -> bool:
-    return key != "step" and torch.is_tensor(value)
-
-
 def _unstep(optimizer: torch.optim.Optimizer) -> None:
-    """Take back AdamW's step count of a step that `_step_where` did not apply."""
+    """Take back AdamW's step count of a step that `step_where` (train/masked_step.py) did not apply."""
     for state in optimizer.state.values():
         if torch.is_tensor(state.get("step")):
             state["step"] -= 1

@@ -35,6 +35,7 @@ from torch import nn
 from megatron_hpc.config.schema import OptimConfig
 from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.parallel.grads import reduce_norm_squares
+from megatron_hpc.train.masked_step import step_where
 from megatron_hpc.train.optim import param_groups
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -125,13 +126,11 @@ class XlaZeroOptimizer:
 
     @torch.no_grad()
     def step_where(self, finite: torch.Tensor) -> None:
-        """AdamW on the shards where `finite` (a device flag) holds (train/step.py `_step_where`), then the shards,
+        """AdamW on the shards where `finite` (a device flag) holds (train/masked_step.py), then the shards,
         cast to the weights' dtype, all-gathered into the weights."""
-        from megatron_hpc.train.step import _step_where
-
         base = self.base
         self.zero._sync_param_groups(self.zero.param_groups, base.param_groups)  # the LR the loop set
-        _step_where(base, finite)
+        step_where(base, finite)
         base.zero_grad(set_to_none=True)
         self.zero.allgather_weights_and_update_full_parameter()
 
@@ -192,7 +191,7 @@ class XlaZeroOptimizer:
             if "step" not in entry:
                 base.state.pop(shard, None)
                 continue
-            # AdamW's count stays a host tensor (train/step.py `_step_where` says why).
+            # AdamW's count stays a host tensor (train/masked_step.py says why).
             base.state[shard] = {"step": torch.as_tensor(entry["step"], dtype=torch.float32).cpu().clone(),
                                  **{key: self._shard_of(entry[key]) for key in MOMENTS}}
 
