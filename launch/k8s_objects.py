@@ -17,29 +17,37 @@ import re
 import shlex
 from dataclasses import dataclass
 
-from kubeflow.training.models import (
-    KubeflowOrgV1PyTorchJob,
-    KubeflowOrgV1PyTorchJobSpec,
-    KubeflowOrgV1ReplicaSpec,
-    KubeflowOrgV1RunPolicy,
-)
-from kubernetes.client import (
-    V1ConfigMap,
-    V1ConfigMapVolumeSource,
-    V1Container,
-    V1ContainerPort,
-    V1EmptyDirVolumeSource,
-    V1EnvVar,
-    V1Job,
-    V1JobSpec,
-    V1ObjectMeta,
-    V1PersistentVolumeClaimVolumeSource,
-    V1PodSpec,
-    V1PodTemplateSpec,
-    V1ResourceRequirements,
-    V1Volume,
-    V1VolumeMount,
-)
+# Every k8s path (submit, status, logs, cancel) comes through this module: a plain `pip install megatron-hpc` lacks
+# the two client packages, and gets the extra to install instead of a traceback.
+try:
+    from kubeflow.training.models import (
+        KubeflowOrgV1PyTorchJob,
+        KubeflowOrgV1PyTorchJobSpec,
+        KubeflowOrgV1ReplicaSpec,
+        KubeflowOrgV1RunPolicy,
+    )
+    from kubernetes.client import (
+        V1ConfigMap,
+        V1ConfigMapVolumeSource,
+        V1Container,
+        V1ContainerPort,
+        V1EmptyDirVolumeSource,
+        V1EnvVar,
+        V1Job,
+        V1JobSpec,
+        V1ObjectMeta,
+        V1PersistentVolumeClaimVolumeSource,
+        V1PodSpec,
+        V1PodTemplateSpec,
+        V1ResourceRequirements,
+        V1Volume,
+        V1VolumeMount,
+    )
+except ModuleNotFoundError as exc:
+    from megatron_hpc.errors import LaunchError
+
+    raise LaunchError(f"--cluster k8s needs the Kubernetes and Kubeflow client packages ({exc.name} is missing); "
+                      "pip install 'megatron-hpc[k8s]'") from None
 
 from megatron_hpc.config.instance_types import (
     EFA_RESOURCE,

@@ -9,6 +9,7 @@ import json
 import os
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -309,3 +310,16 @@ def test_apply_script_applies_in_order_and_stops_at_a_failed_job(tmp_path, kubec
                           env={**os.environ, "KUBECONFIG": str(tmp_path / "none")}, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["Created", "Succeeded"]
+
+
+def test_without_the_k8s_extra_submit_names_the_extra_in_one_line(tmp_path):
+    """A plain install has neither client package: one line with the extra to install, nothing written."""
+    code = ("import sys; sys.modules['kubeflow'] = None; from megatron_hpc.cli.main import main; "
+            f"sys.exit(main(['submit', '--recipe', 'tiny', '--cluster', 'k8s', '--dry-run', '--out', "
+            f"{str(tmp_path / 'never')!r}, '--set', 'data.source=synthetic']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("megatron-hpc: error:")]
+    assert "kubeflow" in line and "pip install 'megatron-hpc[k8s]'" in line, line
+    assert not (tmp_path / "never").exists()
