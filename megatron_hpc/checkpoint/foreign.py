@@ -172,18 +172,28 @@ def family_of(state: Any, *, where: object) -> str:
                           "Megatron-LM (language_model) and megatron-core (decoder.layers) GPT layouts are read")
 
 
-def read_rank(main: Path) -> dict[str, Any]:
-    state = read_xser(main)
+def read_rank(main: Path, *, mmap: bool = False) -> dict[str, Any]:
+    """One shard's state; with `mmap` its tensors map the files (read when touched, no checksum: foreign files have
+    no manifest) where torch can map them (zip files), else they are read."""
+    state = None
+    if mmap:
+        try:
+            state = read_xser(main, mmap=True)
+        except CheckpointError:  # torch's legacy (non-zip) format cannot be mapped; the plain read says what is wrong
+            state = None
+    if state is None:
+        state = read_xser(main)
     if not isinstance(state, dict):
         raise CheckpointError(f"{main} holds a {type(state).__name__}, not a Megatron state dict; pass a "
                               "Megatron-family checkpoint")
     return state
 
 
-def read_foreign(folder: Path) -> ForeignCheckpoint:
-    """Every shard of the foreign checkpoint in `folder` (an iteration folder), read into memory."""
+def read_foreign(folder: Path, *, mmap: bool = False) -> ForeignCheckpoint:
+    """Every shard of the foreign checkpoint in `folder` (an iteration folder), read into memory (with `mmap`:
+    mapped, each tensor read when touched)."""
     files = rank_files(folder)
-    grid = [[read_rank(files.mains[(p, t)]) for t in range(files.tensor_parallel)]
+    grid = [[read_rank(files.mains[(p, t)], mmap=mmap) for t in range(files.tensor_parallel)]
             for p in range(files.pipeline_parallel)]
     families = {family_of(s, where=files.mains[(p, t)]) for p, row in enumerate(grid) for t, s in enumerate(row)}
     if len(families) > 1:

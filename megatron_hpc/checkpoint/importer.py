@@ -11,12 +11,13 @@ the global batch after every applied update), so applied steps = num_steps / glo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from megatron_hpc.checkpoint import foreign_keys, foreign_optim, optim_layout, pp_layout, tp_layout
+from megatron_hpc.checkpoint import foreign_keys, foreign_optim, optim_layout, pp_layout, stream, tp_layout
 from megatron_hpc.checkpoint.foreign import OURS, ForeignCheckpoint, arg
 from megatron_hpc.checkpoint.host_memory import give_back_freed
 from megatron_hpc.checkpoint.loader import FoundCheckpoint
@@ -41,6 +42,8 @@ class Imported:
     family: str
     notes: list[str] = field(default_factory=list)
     """What was not carried over, and why (one line each)."""
+    source: stream.Source | None = None
+    """With import_foreign(lazy=True): the weights' values, one at a time (the whole's model dicts are meta)."""
 
 
 def _check_architecture(state: dict[str, Any], *, where: object) -> None:
@@ -93,8 +96,11 @@ def _renamed(src: ForeignCheckpoint, *, tied: bool) -> list[list[dict[str, torch
               for name, t in chunk.items()} for chunks in row] for p, row in enumerate(local)]
 
 
-def _check_tp_agree(row: list[dict[str, torch.Tensor]], *, where: object) -> None:
-    """The TP shards of one pipeline rank are one model: the same weights, split shapes alike, copies equal."""
+def _check_tp_agree(row: list[dict[str, torch.Tensor]], *, where: object,
+                    value: Callable[[int, str], torch.Tensor] | None = None) -> None:
+    """The TP shards of one pipeline rank are one model: the same weights, split shapes alike, copies equal.
+
+    `value(tp_rank, name)`: a weight's values where `row` holds only shapes (default: `row`'s tensors)."""
     names = sorted(row[0])
     for t, shard in enumerate(row[1:], start=1):
         if sorted(shard) != names:
@@ -109,7 +115,8 @@ def _check_tp_agree(row: list[dict[str, torch.Tensor]], *, where: object) -> Non
                 raise CheckpointError(f"the TP shards of {where} disagree: {name} is {tuple(other.shape)} on tp rank "
                                       f"{t} and {tuple(first.shape)} on rank 0; they are not one model")
             if tp_layout.split_of(name) == "replicated":
-                a, b = first.float(), other.float()
+                a, b = (first.float(), other.float()) if value is None else (value(0, name).float(),
+                                                                             value(t, name).float())
                 diff = (a - b).abs().max().item() if a.numel() else 0.0
                 if not diff <= 1e-3 * (1.0 + a.abs().max().item()):
                     raise CheckpointError(f"the TP shards of {where} disagree: {name}, a copy every TP rank holds, "
@@ -276,11 +283,13 @@ def _our_optimizer(opt: foreign_optim.ForeignOptimizer, model: dict[str, torch.T
     return optim_layout.indexed(moments, model=model, groups=_adam_groups(opt.hyper))
 
 
-def import_foreign(src: ForeignCheckpoint, *, vocab_size: int | None = None) -> Imported:
+def import_foreign(src: ForeignCheckpoint, *, vocab_size: int | None = None, lazy: bool = False) -> Imported:
     """`src` as our WholeCheckpoint at its own TP x PP (in memory), with notes on what was not carried over.
 
     Consumes `src`'s model weights (its states lose their `model` keys): the model is held once, in fp32, not also
-    in the source's dtype."""
+    in the source's dtype. `lazy`: the whole's model dicts hold fp32 meta tensors instead, and the result's `source`
+    fetches each weight from `src`'s tensors when stream.reshard needs it (read `src` with mmap for that to save
+    memory)."""
     where = src.files.mains[(0, 0)]
     if src.family == OURS:
         raise CheckpointError(f"{src.folder} holds megatron-hpc shards but no manifest.json: a copy that lost it or "
@@ -311,23 +320,13 @@ def import_foreign(src: ForeignCheckpoint, *, vocab_size: int | None = None) -> 
     iteration, consumed, lr_steps = _progress(src, notes)
     optimizers = _optimizers(src, ranks, version=version, heads_per_shard=heads // tp, notes=notes)
     _drop_models(src)  # the weights live on in `ranks` alone, so each is freed once its fp32 copy is made
-    models: list[list[dict[str, torch.Tensor]]] = []
-    for p, row in enumerate(ranks):
-        models.append([])
-        for t, rank in enumerate(row):
-            masters = optimizers[p][t].masters if optimizers else {}
-            model = {}
-            for name in list(rank):
-                w = rank.pop(name)
-                w = masters.get(name, foreign_keys.qkv_to_ours(w, version=version, heads=heads // tp)
-                                if foreign_keys.is_qkv(name) else w)
-                model[name] = w.detach().float().contiguous()
-                del w
-            _check_layers(model, where=src.files.mains[(p, t)])
-            models[-1].append(model)
-        _check_tp_agree(models[-1], where=src.folder)
-    give_back_freed()  # the source's copies, freed one by one above
-    full = pp_layout.merged_shapes(models)  # shapes only: a merged copy would hold the model twice
+    source = None
+    if lazy:
+        models, weight, release = _lazy_models(src, ranks, optimizers, version=version, heads_per_shard=heads // tp)
+        full = stream.merged_shapes(models, weight)  # the tied copies compared by value, the rest by shape
+    else:
+        models = _fp32_models(src, ranks, optimizers, version=version, heads_per_shard=heads // tp)
+        full = pp_layout.merged_shapes(models)  # shapes only: a merged copy would hold the model twice
     cfg = model_config(src, full, vocab_size=vocab_size, notes=notes)
     rng = _rng(state, notes)
     scaler = optimizers[0][0].grad_scaler if optimizers else None
@@ -343,8 +342,65 @@ def import_foreign(src: ForeignCheckpoint, *, vocab_size: int | None = None) -> 
             grid[-1].append(s)
     manifest = Manifest(iteration=iteration, format=src.files.format, tensor_parallel=tp, pipeline_parallel=pp,
                         data_parallel=1, world_size=tp * pp)
-    return Imported(whole=WholeCheckpoint(found=FoundCheckpoint(folder=src.folder, manifest=manifest), grid=grid),
-                    family=src.family, notes=list(dict.fromkeys(notes)))
+    whole = WholeCheckpoint(found=FoundCheckpoint(folder=src.folder, manifest=manifest), grid=grid)
+    if lazy:
+        source = stream.Source(whole=whole, weight=weight, release=release)
+    return Imported(whole=whole, family=src.family, notes=list(dict.fromkeys(notes)), source=source)
+
+
+def _fp32_models(src: ForeignCheckpoint, ranks: list[list[dict[str, torch.Tensor]]],
+                 optimizers: list[list[foreign_optim.ForeignOptimizer]] | None, *, version: float,
+                 heads_per_shard: int) -> list[list[dict[str, torch.Tensor]]]:
+    """Every rank's weights in fp32 (the masters where kept), QKV rows in our order; `ranks` is emptied."""
+    models: list[list[dict[str, torch.Tensor]]] = []
+    for p, row in enumerate(ranks):
+        models.append([])
+        for t, rank in enumerate(row):
+            masters = optimizers[p][t].masters if optimizers else {}
+            model = {}
+            for name in list(rank):
+                w = rank.pop(name)
+                w = masters.get(name, foreign_keys.qkv_to_ours(w, version=version, heads=heads_per_shard)
+                                if foreign_keys.is_qkv(name) else w)
+                model[name] = w.detach().float().contiguous()
+                del w
+            _check_layers(model, where=src.files.mains[(p, t)])
+            models[-1].append(model)
+        _check_tp_agree(models[-1], where=src.folder)
+    give_back_freed()  # the source's copies, freed one by one above
+    return models
+
+
+def _lazy_models(src: ForeignCheckpoint, ranks: list[list[dict[str, torch.Tensor]]],
+                 optimizers: list[list[foreign_optim.ForeignOptimizer]] | None, *, version: float,
+                 heads_per_shard: int) -> tuple[list[list[dict[str, torch.Tensor]]], stream.Fetch,
+                                                Callable[[int, int, str], None]]:
+    """_fp32_models as fp32 meta tensors, and how to fetch and let go of each weight's values: the source's tensor
+    (or its master), QKV rows put in our order when fetched, the cast to fp32 left to the copy into the output."""
+    table: dict[tuple[int, int], dict[str, tuple[torch.Tensor, bool]]] = {}
+    models: list[list[dict[str, torch.Tensor]]] = []
+
+    def weight(p: int, t: int, name: str) -> torch.Tensor:
+        w, qkv = table[(p, t)][name]
+        return foreign_keys.qkv_to_ours(w, version=version, heads=heads_per_shard) if qkv else w
+
+    def release(p: int, t: int, name: str) -> None:
+        table[(p, t)].pop(name, None)
+
+    for p, row in enumerate(ranks):
+        models.append([])
+        for t, rank in enumerate(row):
+            masters = optimizers[p][t].masters if optimizers else {}
+            mine, model = table.setdefault((p, t), {}), {}
+            for name in list(rank):
+                w = rank.pop(name)
+                kept = name in masters
+                mine[name] = (masters[name] if kept else w.detach(), foreign_keys.is_qkv(name) and not kept)
+                model[name] = torch.empty(mine[name][0].shape, dtype=torch.float32, device="meta")
+            _check_layers(model, where=src.files.mains[(p, t)])
+            models[-1].append(model)
+        _check_tp_agree(models[-1], where=src.folder, value=lambda t, name, p=p: weight(p, t, name))
+    return models, weight, release
 
 
 def _drop_models(src: ForeignCheckpoint) -> None:

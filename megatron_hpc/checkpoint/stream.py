@@ -1,0 +1,296 @@
+"""`ckpt convert` and `ckpt reshard` one output rank at a time (issue 16), instead of tools.reshard's whole grid.
+
+Each output rank (pp, tp) is made from only the source shards that hold its pieces, written by the saver's own
+per-rank writer, and dropped before the next rank is made; the manifest, the rename and the tracker come last, as
+write_whole does them. Each split output tensor is allocated once at its final size and filled by copying (and
+casting) the overlapping slices of the source shards straight into it: no merged whole tensor, no clones. A source
+weight is fetched through `Source.weight` when an output tensor needs it and let go through `Source.release` right
+after its last use, so with lazily read sources (torch.load mmap, xser's per-tensor files) the peak is one output
+rank's tensors plus the source pieces of the tensor being made.
+
+What it writes equals tools.reshard's output (merge over TP and PP, re-pad the vocabulary, split) tensor for tensor;
+tests/unit/test_checkpoint_stream.py holds the two to that.
+"""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_hpc.checkpoint import optim_layout, paths, pp_layout, tp_layout
+from megatron_hpc.checkpoint.compat import PipelineLayout
+from megatron_hpc.checkpoint.host_memory import give_back_freed
+from megatron_hpc.checkpoint.ranks import RankInfo
+from megatron_hpc.checkpoint.saver import _finish, _write_rank
+from megatron_hpc.checkpoint.tools import ReshardResult, _model_config, _resized, check_pp, check_tp
+from megatron_hpc.checkpoint.whole import WholeCheckpoint
+from megatron_hpc.errors import CheckpointError
+from megatron_hpc.plan.vocab import padded_vocab_size
+
+Fetch = Callable[[int, int, str], torch.Tensor]
+"""(pp_rank, tp_rank, name) -> that source rank's weight; any dtype (the copy into the output casts)."""
+_VOCAB_ROWS = ("wte.weight", "lm_head.weight")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Source:
+    """A checkpoint at its own TP x PP whose weights are fetched one at a time.
+
+    `whole`'s model dicts give each weight's name, order, shape and output dtype (meta tensors will do); `weight`
+    gives its values; `release` lets one go for good."""
+
+    whole: WholeCheckpoint
+    weight: Fetch
+    release: Callable[[int, int, str], None]
+
+
+def in_memory(whole: WholeCheckpoint) -> Source:
+    """A Source over a checkpoint already read; releasing a weight leaves a meta tensor of its shape behind."""
+    def weight(p: int, t: int, name: str) -> torch.Tensor:
+        return whole.grid[p][t]["model"][name]
+
+    def release(p: int, t: int, name: str) -> None:
+        model = whole.grid[p][t]["model"]
+        model[name] = model[name].to("meta")
+
+    return Source(whole=whole, weight=weight, release=release)
+
+
+def merged_shapes(grid: list[list[dict[str, torch.Tensor]]], weight: Fetch, *,
+                  num_layers: int | None = None) -> dict[str, torch.Tensor]:
+    """pp_layout.merged_shapes of a grid whose tensors may be meta: the tied embedding copies of later stages are
+    compared by value (fetched), then left out of the merge of shapes."""
+    tp = len(grid[0])
+    per_tp = []
+    for t in range(tp):
+        stages = [row[t] for row in grid]
+        holders = [p for p, stage in enumerate(stages) if pp_layout.SHARED in stage]
+        for p in holders[1:]:
+            placed: list[dict[str, torch.Tensor]] = [{} for _ in range(p + 1)]
+            placed[holders[0]] = {pp_layout.SHARED: weight(holders[0], t, pp_layout.SHARED).float()}
+            placed[p] = {pp_layout.SHARED: weight(p, t, pp_layout.SHARED).float()}
+            pp_layout.merge_stages(placed)  # its check and its message: the copies must be equal
+        meta = [{n: w.to("meta") for n, w in stage.items() if not (n == pp_layout.SHARED and holders
+                                                                      and p != holders[0])}
+                for p, stage in enumerate(stages)]
+        per_tp.append(pp_layout.merge_stages(meta, num_layers=num_layers))
+    return tp_layout.merge_model(per_tp)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Plan:
+    """Where each output tensor comes from: the pipeline rank holding it in the source and each source TP shard's
+    length along the split dim."""
+
+    stages: list[dict[str, torch.Tensor]]
+    """Each output pipeline rank's weights (meta, full size, vocabulary re-padded) in model order."""
+    full: dict[str, torch.Size]
+    """Each output tensor's whole shape (vocabulary re-padded)."""
+    holder: dict[str, int]
+    shards: dict[str, list[torch.Size]]
+    tp: int
+    vocab: int
+
+
+def _span(name: str, shape: torch.Size, tp: int, rank: int) -> tuple[int, int, int]:
+    """(split dim, first, end) of output TP rank `rank`'s piece of the full tensor; dim -1 when replicated."""
+    how = tp_layout.split_of(name)
+    if how == "replicated":
+        return -1, 0, 0
+    dim = 1 if how == "columns" else 0
+    size = shape[dim] // tp
+    return dim, rank * size, (rank + 1) * size
+
+
+def _sources(plan: _Plan, name: str, rank: int) -> list[int]:
+    """The source TP shards output TP rank `rank`'s piece of `name` reads."""
+    dim, first, end = _span(name, plan.full[name], plan.tp, rank)
+    if dim < 0:
+        return [0]
+    out, start = [], 0
+    lengths = [s[dim] for s in plan.shards[name]]
+    total = sum(lengths)
+    for k, length in enumerate(lengths):
+        if max(first, start) < min(end, start + length, total):
+            out.append(k)
+        start += length
+    if end > total:  # rows grown by re-padding repeat the last real token's row
+        out.append(_row_owner(lengths, plan.vocab - 1)[0])
+    return sorted(set(out))
+
+
+def _row_owner(lengths: list[int], row: int) -> tuple[int, int]:
+    """(shard, offset in it) of the merged tensor's row `row`."""
+    start = 0
+    for k, length in enumerate(lengths):
+        if row < start + length:
+            return k, row - start
+        start += length
+    raise IndexError(row)
+
+
+def _piece(plan: _Plan, name: str, rank: int, like: torch.Tensor, fetch: Callable[[int], torch.Tensor]) -> Any:
+    """Output TP rank `rank`'s piece of `name` (or of one of its moments: `fetch(k)` gives source shard k's), in
+    `like`'s dtype; tp_layout.split(repad_vocab(merge(...))) without the merged tensor."""
+    shape = plan.full[name]
+    dim, first, end = _span(name, shape, plan.tp, rank)
+    if dim < 0:
+        value = fetch(0)
+        return value if value.dtype == like.dtype else value.to(like.dtype)
+    lengths = [s[dim] for s in plan.shards[name]]
+    total = sum(lengths)
+    out_shape = list(shape)
+    out_shape[dim] = end - first
+    out = torch.empty(out_shape, dtype=like.dtype)
+    start = 0
+    for k, length in enumerate(lengths):
+        lo, hi = max(first, start), min(end, start + length, total)
+        if lo < hi:
+            out.narrow(dim, lo - first, hi - lo).copy_(fetch(k).narrow(dim, lo - start, hi - lo))
+        start += length
+    if end > total:  # tp_layout.repad_vocab: grown rows repeat the last real token's row
+        k, offset = _row_owner(lengths, plan.vocab - 1)
+        lo = max(first, total)
+        out.narrow(0, lo - first, end - lo).copy_(fetch(k).narrow(0, offset, 1).expand(end - lo, -1))
+    return out
+
+
+def _plan(whole: WholeCheckpoint, weight: Fetch, *, tp: int, layout: PipelineLayout, num_layers: int, vocab: int,
+          padded: int) -> _Plan:
+    """Every check tools.reshard makes before writing, on shapes (and the tied copies' values)."""
+    grid = [[s["model"] for s in row] for row in whole.grid]
+    shapes = merged_shapes(grid, weight, num_layers=num_layers)
+    for name in _VOCAB_ROWS:
+        if name in shapes:
+            shapes[name] = tp_layout.repad_vocab(shapes[name], vocab_size=vocab, padded=padded)
+    for name, meta in shapes.items():
+        tp_layout.split(name, meta, tp)  # its divisibility check and message
+    stages = pp_layout.split_stages(shapes, layout=layout, num_layers=num_layers)
+    holder = {n: next(p for p, row in enumerate(grid) if n in row[0]) for n in shapes}
+    shards = {n: [row[holder[n]][n].shape for row in zip(*grid)] for n in shapes}
+    return _Plan(stages=stages, full={n: w.shape for n, w in shapes.items()}, holder=holder, shards=shards, tp=tp,
+                 vocab=vocab)
+
+
+def _optimizer_plan(whole: WholeCheckpoint, plan: _Plan) -> tuple[list[dict[str, optim_layout.Moments]],
+                                                                  list[dict[str, Any]]]:
+    """Each source TP rank's moments by name (pipeline rank order: the first holder's, as for the weights) and the
+    param groups' settings; KeyError, ValueError or TypeError when the state is not the trainer's AdamW of this model
+    (tools._reshard_optimizer's cases, checked before anything is written)."""
+    per_tp: list[dict[str, optim_layout.Moments]] = []
+    for t in range(whole.tensor_parallel):
+        merged: dict[str, optim_layout.Moments] = {}
+        for row in whole.grid:
+            for name, moments in optim_layout.by_name(row[t]["model"], row[t]["optimizer"]).items():
+                merged.setdefault(name, moments)
+        per_tp.append(merged)
+    for t, merged in enumerate(per_tp):
+        for name, moments in merged.items():
+            want = plan.shards[name][t]
+            for key, value in moments.items():
+                if torch.is_tensor(value) and value.ndim and value.shape != want:
+                    raise ValueError(f"{name}'s {key} on tp rank {t} is {tuple(value.shape)}, its weight "
+                                     f"{tuple(want)}")
+    groups = optim_layout.group_template(whole.first["optimizer"], whole.first["model"])
+    return per_tp, groups
+
+
+def _last_uses(plan: _Plan, ranks: list[tuple[int, int]]) -> dict[tuple[int, int, str], int]:
+    """For each source (pp_rank, tp_rank, name): the index in `ranks` of the last output rank that reads it."""
+    last: dict[tuple[int, int, str], int] = {}
+    for i, (p, t) in enumerate(ranks):
+        for name in plan.stages[p]:
+            for k in _sources(plan, name, t):
+                last[(plan.holder[name], k, name)] = i
+    return last
+
+
+def _moments_piece(plan: _Plan, name: str, rank: int, per_tp: list[dict[str, optim_layout.Moments]]) -> dict[str, Any]:
+    """tools._reshard_optimizer's moments of `name` for output TP rank `rank`."""
+    out = {}
+    for key, first in per_tp[0][name].items():
+        if not torch.is_tensor(first) or first.ndim == 0:
+            out[key] = first  # the step count, the same on every rank
+        else:
+            out[key] = _piece(plan, name, rank, first, lambda k, key=key: per_tp[k][name][key])
+    return out
+
+
+def _release_moments(moments: optim_layout.Moments) -> None:
+    for key, value in moments.items():
+        if torch.is_tensor(value) and value.ndim:
+            moments[key] = value.to("meta")
+
+
+def reshard(source: Source, *, tp: int, pp: int = 1, virtual: int = 1, first_stage_layers: int = 0,
+            last_stage_layers: int = 0, out: Path, fmt: str | None = None) -> ReshardResult:
+    """tools.reshard(source.whole, ..., release=True), written one output rank at a time: same arguments, same
+    checks and refusals before anything is written, the same files. `source`'s weights and moments are released
+    as they are used (the checkpoint is unusable afterwards)."""
+    whole = source.whole
+    model = _model_config(whole)
+    layout = PipelineLayout(pipeline=pp, virtual=virtual, first_stage_layers=first_stage_layers,
+                            last_stage_layers=last_stage_layers)
+    check_tp(model, tp)
+    check_pp(model, layout)
+    fmt = fmt or whole.found.manifest.format
+    if fmt not in ("xser", "torch"):
+        raise CheckpointError(f"format {fmt!r} is not supported; use xser or torch")
+    vocab, layers = model["vocab_size"], model["num_layers"]
+    padded = padded_vocab_size(vocab, divisible_by=model.get("make_vocab_size_divisible_by", 128), tensor_parallel=tp)
+    plan = _plan(whole, source.weight, tp=tp, layout=layout, num_layers=layers, vocab=vocab, padded=padded)
+    note, per_tp, groups = "", None, None
+    if not all("optimizer" in s for row in whole.grid for s in row):
+        note = "the checkpoint holds no optimizer state; a resumed run starts Adam's moments at zero"
+    else:
+        try:
+            per_tp, groups = _optimizer_plan(whole, plan)
+        except (KeyError, ValueError, TypeError, IndexError, CheckpointError) as exc:
+            note = f"the optimizer state could not be resharded ({exc}); a resumed run starts Adam's moments at zero"
+    ranks = [(p, t) for p in range(pp) for t in range(tp)]
+    last = _last_uses(plan, ranks)
+    for row_p, row in enumerate(whole.grid):  # what no output rank reads (other TP ranks' replicated copies, ...)
+        for t, state in enumerate(row):
+            for name in list(state["model"]):
+                if (row_p, t, name) not in last:
+                    source.release(row_p, t, name)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = paths.temp_dir(out, whole.iteration, secrets.token_hex(4))
+    tmp.mkdir()
+    try:
+        for i, (p, t) in enumerate(ranks):
+            state = _resized(whole.first, tp=tp, layout=layout, padded=padded)
+            weights: dict[str, torch.Tensor] = {}
+            moments: dict[str, optim_layout.Moments] = {}
+            for name, meta in plan.stages[p].items():
+                h = plan.holder[name]
+                weights[name] = _piece(plan, name, t, meta, lambda k, n=name, h=h: source.weight(h, k, n))
+                if per_tp is not None and all(name in m for m in per_tp):
+                    moments[name] = _moments_piece(plan, name, t, per_tp)
+                for k in _sources(plan, name, t):
+                    if last[(h, k, name)] == i:
+                        source.release(h, k, name)
+                        if per_tp is not None and name in per_tp[k]:
+                            _release_moments(per_tp[k][name])
+            state["model"] = weights
+            if per_tp is not None:
+                state["optimizer"] = optim_layout.indexed(moments, model=weights, groups=groups)
+            _write_rank(state, tmp, tp_rank=t, pp_rank=p, pp_size=pp, fmt=fmt)
+            del state, weights, moments
+            give_back_freed()
+        folder = _finish(tmp, out, whole.iteration, ranks=RankInfo(world_size=tp * pp, tp_size=tp, pp_size=pp),
+                         fmt=fmt, layout=layout)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"writing {out} failed ({exc}); nothing was left behind") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ReshardResult(folder=folder, from_tp=whole.tensor_parallel, to_tp=tp, from_pp=whole.pipeline_parallel,
+                         to_pp=pp, optimizer="dropped" if per_tp is None else "resharded", note=note)
