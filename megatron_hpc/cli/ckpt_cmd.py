@@ -196,8 +196,8 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _import_hf(args: argparse.Namespace, out: Path) -> int:
     """A Hugging Face model folder as our checkpoint at --tp x --pp (default 1 x 1), weights only, iteration 0."""
+    from megatron_hpc.checkpoint import stream
     from megatron_hpc.checkpoint.hf_import import copy_tokenizer, import_hf
-    from megatron_hpc.checkpoint.tools import reshard
     from megatron_hpc.errors import CheckpointError
 
     source = args.path
@@ -209,7 +209,8 @@ def _import_hf(args: argparse.Namespace, out: Path) -> int:
                                   "config.json says both, drop it")
     imported = import_hf(source, out=out, fmt=args.to)
     tp, pp = (1 if v is None else v for v in (args.tp, args.pp))
-    result = reshard(imported.whole, tp=tp, pp=pp, out=out, fmt=args.to, release=True)  # weights not read again
+    # One output rank at a time; the weights are released as they are used (not read again).
+    result = stream.reshard(stream.in_memory(imported.whole), tp=tp, pp=pp, out=out, fmt=args.to)
     tokenizer = copy_tokenizer(imported.tokenizer, out)
     model = imported.whole.first["resolved_config"]["model"]
     sets = " ".join(f"model.{k}={v}" for k, v in model.items() if v is not None)
@@ -282,8 +283,8 @@ def _export_hf_with_tokenizer_json(whole: Any, out: Path) -> tuple[Path, list[st
 
 
 def _reshard(args: argparse.Namespace) -> int:
+    from megatron_hpc.checkpoint import stream
     from megatron_hpc.checkpoint.compat import PipelineLayout, reshard_out
-    from megatron_hpc.checkpoint.tools import reshard
     from megatron_hpc.checkpoint.whole import read_whole
     from megatron_hpc.errors import CheckpointError
 
@@ -298,9 +299,10 @@ def _reshard(args: argparse.Namespace) -> int:
     layout = PipelineLayout(pipeline=keep.pipeline, virtual=virtual, first_stage_layers=first, last_stage_layers=last)
     tp = whole.tensor_parallel if args.tp is None else args.tp
     out = args.out or reshard_out(whole.found.folder, tensor_parallel=tp, layout=layout)
-    result = reshard(whole, tp=tp, pp=layout.pipeline, virtual=layout.virtual,
-                     first_stage_layers=layout.first_stage_layers, last_stage_layers=layout.last_stage_layers, out=out,
-                     release=True)  # whole's weights are not read again
+    # One output rank at a time; whole's weights are released as they are used (not read again).
+    result = stream.reshard(stream.in_memory(whole), tp=tp, pp=layout.pipeline, virtual=layout.virtual,
+                            first_stage_layers=layout.first_stage_layers, last_stage_layers=layout.last_stage_layers,
+                            out=out)
     report = {"source": str(whole.found.folder), "iteration": whole.iteration, "from_tp": result.from_tp,
               "to_tp": result.to_tp, "from_pp": result.from_pp, "to_pp": result.to_pp,
               "virtual_pipeline": layout.virtual, "out": str(out), "optimizer": result.optimizer}
