@@ -150,13 +150,13 @@ def _convert(args: argparse.Namespace) -> int:
     folder = foreign_folder(source if args.iteration is None else iteration_dir(source, args.iteration))
     notes: list[str] = []
     family = "megatron-hpc"
-    source = None
+    streamed = None
     if folder is not None:
         # Except for --to hf (which needs the whole model), the source is mapped and its weights are read one
         # output rank at a time by stream.reshard.
         lazy = args.to != "hf"
         imported = import_foreign(read_foreign(folder, mmap=lazy), vocab_size=args.vocab_size, lazy=lazy)
-        whole, family, notes, source = imported.whole, imported.family, list(imported.notes), imported.source
+        whole, family, notes, streamed = imported.whole, imported.family, list(imported.notes), imported.source
     else:
         if args.vocab_size is not None:
             raise CheckpointError("--vocab-size is for checkpoints of other trainers; ours record their vocabulary")
@@ -176,7 +176,7 @@ def _convert(args: argparse.Namespace) -> int:
         tp = whole.tensor_parallel if args.tp is None else args.tp
         pp = whole.pipeline_parallel if args.pp is None else args.pp
         # One output rank at a time; whole is not read again (its weights are released as they are used).
-        result = stream.reshard(source or stream.in_memory(whole), tp=tp, pp=pp, out=out, fmt=args.to)
+        result = stream.reshard(streamed or stream.in_memory(whole), tp=tp, pp=pp, out=out, fmt=args.to)
         written, report["optimizer"] = result.folder, result.optimizer
         if result.note and not any("Adam" in n for n in notes):
             notes.append(result.note)
