@@ -80,7 +80,27 @@ def merged_shapes(grid: list[list[dict[str, torch.Tensor]]], weight: Fetch, *,
                                                                       and p != holders[0])}
                 for p, stage in enumerate(stages)]
         per_tp.append(pp_layout.merge_stages(meta, num_layers=num_layers))
-    return tp_layout.merge_model(per_tp)
+    names = list(per_tp[0])
+    for r, shard in enumerate(per_tp[1:], start=1):
+        if list(shard) != names:  # tp_layout.merge_model's check
+            raise CheckpointError(f"TP rank {r} holds other weights than rank 0; the checkpoint is not one model")
+    return {name: _merged_meta(name, [m[name] for m in per_tp]) for name in names}
+
+
+def _meta(shape: list[int], like: torch.Tensor) -> torch.Tensor:
+    # Built, not computed: torch.cat of meta tensors imports torch._dynamo, seconds of a convert's time.
+    return torch.empty(shape, dtype=like.dtype, device="meta")
+
+
+def _merged_meta(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+    """tp_layout.merge's result, as a meta tensor."""
+    how = tp_layout.split_of(name)
+    if how == "replicated" or len(shards) == 1:
+        return shards[0]
+    dim = 1 if how == "columns" else 0
+    shape = list(shards[0].shape)
+    shape[dim] = sum(s.shape[dim] for s in shards)
+    return _meta(shape, shards[0])
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -135,7 +155,8 @@ def _row_owner(lengths: list[int], row: int) -> tuple[int, int]:
     raise IndexError(row)
 
 
-def _piece(plan: _Plan, name: str, rank: int, like: torch.Tensor, fetch: Callable[[int], torch.Tensor]) -> Any:
+def _piece(plan: _Plan, name: str, rank: int, like: torch.Tensor, fetch: Callable[[int], torch.Tensor],
+           buffers: _Buffers) -> Any:
     """Output TP rank `rank`'s piece of `name` (or of one of its moments: `fetch(k)` gives source shard k's), in
     `like`'s dtype; tp_layout.split(repad_vocab(merge(...))) without the merged tensor."""
     shape = plan.full[name]
@@ -147,7 +168,7 @@ def _piece(plan: _Plan, name: str, rank: int, like: torch.Tensor, fetch: Callabl
     total = sum(lengths)
     out_shape = list(shape)
     out_shape[dim] = end - first
-    out = torch.empty(out_shape, dtype=like.dtype)
+    out = buffers.take(out_shape, like.dtype)
     start = 0
     for k, length in enumerate(lengths):
         lo, hi = max(first, start), min(end, start + length, total)
@@ -167,10 +188,13 @@ def _plan(whole: WholeCheckpoint, weight: Fetch, *, tp: int, layout: PipelineLay
     grid = [[s["model"] for s in row] for row in whole.grid]
     shapes = merged_shapes(grid, weight, num_layers=num_layers)
     for name in _VOCAB_ROWS:
-        if name in shapes:
-            shapes[name] = tp_layout.repad_vocab(shapes[name], vocab_size=vocab, padded=padded)
+        if name in shapes:  # tp_layout.repad_vocab: `padded` rows
+            shapes[name] = _meta([padded, *shapes[name].shape[1:]], shapes[name])
     for name, meta in shapes.items():
-        tp_layout.split(name, meta, tp)  # its divisibility check and message
+        dim, _, _ = _span(name, meta.shape, tp, 0)
+        if dim >= 0 and meta.shape[dim] % tp:  # tp_layout.split's check and message
+            raise CheckpointError(f"{name} has {meta.shape[dim]} {'columns' if dim else 'rows'}, not divisible by "
+                                  f"tp={tp}; pick a TP size that divides the heads and the FFN size")
     stages = pp_layout.split_stages(shapes, layout=layout, num_layers=num_layers)
     holder = {n: next(p for p, row in enumerate(grid) if n in row[0]) for n in shapes}
     shards = {n: [row[holder[n]][n].shape for row in zip(*grid)] for n in shapes}
@@ -201,6 +225,56 @@ def _optimizer_plan(whole: WholeCheckpoint, plan: _Plan) -> tuple[list[dict[str,
     return per_tp, groups
 
 
+class _Buffers:
+    """Output tensors handed from one written rank to the next of the same shapes: fresh memory costs a page fault
+    and the kernel's zeroing per 4 KiB, more than the copy that fills it (about 2x on the benchmark's VM)."""
+
+    def __init__(self) -> None:
+        self._made: list[torch.Tensor] = []
+        self._free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+        self._budget: dict[tuple[tuple[int, ...], torch.dtype], int] = {}
+
+    def take(self, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+        free = self._free.get((tuple(shape), dtype))
+        out = free.pop() if free else torch.empty(shape, dtype=dtype)
+        self._made.append(out)
+        return out
+
+    def keep_only(self, wanted: list[tuple[tuple[int, ...], torch.dtype]]) -> None:
+        """Drop what the next rank will not take, so the peak stays one rank (pipeline stages differ)."""
+        counts: dict[tuple[tuple[int, ...], torch.dtype], int] = {}
+        for key in wanted:
+            counts[key] = counts.get(key, 0) + 1
+        self._free = {k: v[:counts[k]] for k, v in self._free.items() if k in counts}
+        self._budget = counts
+
+    def recycle(self) -> None:
+        """The written rank's tensors become free (the writer has returned: nothing reads them any more)."""
+        for t in self._made:
+            key = (tuple(t.shape), t.dtype)
+            free = self._free.setdefault(key, [])
+            if len(free) < self._budget.get(key, 0):
+                free.append(t)
+        self._made = []
+
+
+def _pieces_of(rank: tuple[int, int], plan: _Plan, per_tp: list[dict[str, optim_layout.Moments]] | None
+               ) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """(shape, dtype) of every tensor _piece allocates for output rank (pp_rank, tp_rank)."""
+    p, t = rank
+    out = []
+    for name, meta in plan.stages[p].items():
+        dim, first, end = _span(name, meta.shape, plan.tp, t)
+        if dim < 0:
+            continue
+        shape = list(meta.shape)
+        shape[dim] = end - first
+        out.append((tuple(shape), meta.dtype))
+        if per_tp is not None and all(name in m for m in per_tp):
+            out += [(tuple(shape), v.dtype) for v in per_tp[0][name].values() if torch.is_tensor(v) and v.ndim]
+    return out
+
+
 def _last_uses(plan: _Plan, ranks: list[tuple[int, int]]) -> dict[tuple[int, int, str], int]:
     """For each source (pp_rank, tp_rank, name): the index in `ranks` of the last output rank that reads it."""
     last: dict[tuple[int, int, str], int] = {}
@@ -211,14 +285,16 @@ def _last_uses(plan: _Plan, ranks: list[tuple[int, int]]) -> dict[tuple[int, int
     return last
 
 
-def _moments_piece(plan: _Plan, name: str, rank: int, per_tp: list[dict[str, optim_layout.Moments]]) -> dict[str, Any]:
+def _moments_piece(plan: _Plan, name: str, rank: int, per_tp: list[dict[str, optim_layout.Moments]],
+                   buffers: _Buffers) -> dict[str, Any]:
     """tools._reshard_optimizer's moments of `name` for output TP rank `rank`."""
     out = {}
     for key, first in per_tp[0][name].items():
         if not torch.is_tensor(first) or first.ndim == 0:
             out[key] = first  # the step count, the same on every rank
         else:
-            out[key] = _piece(plan, name, rank, first, lambda k, key=key: per_tp[k][name][key])
+            out[key] = _piece(plan, name, rank, first, lambda k, key=key: per_tp[k][name][key],
+                              buffers)
     return out
 
 
@@ -260,6 +336,7 @@ def reshard(source: Source, *, tp: int, pp: int = 1, virtual: int = 1, first_sta
             for name in list(state["model"]):
                 if (row_p, t, name) not in last:
                     source.release(row_p, t, name)
+    buffers = _Buffers()
     out.mkdir(parents=True, exist_ok=True)
     tmp = paths.temp_dir(out, whole.iteration, secrets.token_hex(4))
     tmp.mkdir()
@@ -270,9 +347,10 @@ def reshard(source: Source, *, tp: int, pp: int = 1, virtual: int = 1, first_sta
             moments: dict[str, optim_layout.Moments] = {}
             for name, meta in plan.stages[p].items():
                 h = plan.holder[name]
-                weights[name] = _piece(plan, name, t, meta, lambda k, n=name, h=h: source.weight(h, k, n))
+                weights[name] = _piece(plan, name, t, meta, lambda k, n=name, h=h: source.weight(h, k, n),
+                                       buffers)
                 if per_tp is not None and all(name in m for m in per_tp):
-                    moments[name] = _moments_piece(plan, name, t, per_tp)
+                    moments[name] = _moments_piece(plan, name, t, per_tp, buffers)
                 for k in _sources(plan, name, t):
                     if last[(h, k, name)] == i:
                         source.release(h, k, name)
@@ -281,8 +359,10 @@ def reshard(source: Source, *, tp: int, pp: int = 1, virtual: int = 1, first_sta
             state["model"] = weights
             if per_tp is not None:
                 state["optimizer"] = optim_layout.indexed(moments, model=weights, groups=groups)
+            buffers.keep_only(_pieces_of(ranks[i + 1], plan, per_tp) if i + 1 < len(ranks) else [])
             _write_rank(state, tmp, tp_rank=t, pp_rank=p, pp_size=pp, fmt=fmt)
             del state, weights, moments
+            buffers.recycle()
             give_back_freed()
         folder = _finish(tmp, out, whole.iteration, ranks=RankInfo(world_size=tp * pp, tp_size=tp, pp_size=pp),
                          fmt=fmt, layout=layout)
