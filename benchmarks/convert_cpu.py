@@ -19,7 +19,7 @@ written by another child, so the parent, whose size a child's peak starts from, 
 
 Weights only (bf16, as the reference's model state of a bf16 run) is the default and the safe one on a shared
 24 GiB machine: `--optimizer` adds fp32 master weights and Adam's two moments (7x the bytes: about 18 GiB on disk
-at 1.3B, and the convert holds them all in memory today).
+at 1.3B; the convert holds one output rank's weights and moments, about 7.4 GiB at TP 2).
 
 Goals: convert within 2x of the copy's wall time; its peak memory below two output ranks' shards, not the whole
 model. At TP 2 two ranks' shards *are* the whole model, so the table gives one rank's shards too.
