@@ -1,5 +1,11 @@
-"""`megatron-hpc generate CKPT --prompt "..."`: continue prompts with a trained checkpoint, in this process on the
-CPU (the checkpoint's TP x PP shards merged to TP 1), greedy unless --temperature says otherwise."""
+"""`megatron-hpc generate CKPT --prompt "..."`: continue prompts with a trained checkpoint on the CPU, greedy
+unless --temperature says otherwise.
+
+Alone it runs in this process at TP 1 (the checkpoint's TP x PP shards merged). Under torchrun (`torchrun
+--nproc_per_node T -m megatron_hpc generate ...`) it runs at TP T, as `serve` does: every rank parses the same
+arguments, loads its shard, computes its heads and its vocabulary columns in the same `generate` call (the sampling
+exchanges only what the choice needs), and rank 0 alone prints.
+"""
 
 from __future__ import annotations
 
@@ -41,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from megatron_hpc.data.tokenizer import EOD_TOKEN
     from megatron_hpc.errors import GenerationError
     from megatron_hpc.generate.engine import generate
-    from megatron_hpc.generate.loading import TOKENIZER_FLAGS, load_for_generation
+    from megatron_hpc.generate.loading import TOKENIZER_FLAGS, leave_group, load_for_generation, torchrun_context
     from megatron_hpc.generate.sampling import SamplingParams
 
     if not args.prompt and not args.prompt_ids:
@@ -49,8 +55,9 @@ def run(args: argparse.Namespace) -> int:
     id_prompts = [_parse_ids(p) for p in args.prompt_ids]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)  # checked before the (slow) load
+    ctx = torchrun_context()
     loaded = load_for_generation(args.path, iteration=args.iteration, vocab_file=args.vocab_file,
-                                 merge_file=args.merge_file)
+                                 merge_file=args.merge_file, ctx=ctx)
     tok = loaded.tokenizer
     if args.prompt and tok is None:
         raise GenerationError(f"text prompts need a tokenizer and {args.path} has none ({loaded.no_tokenizer}); "
@@ -61,7 +68,10 @@ def run(args: argparse.Namespace) -> int:
         stops.append(tok.vocab[EOD_TOKEN])
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop_tokens=tuple(stops))
-    results = generate(loaded.model, prompts, params)
+    results = generate(loaded.model, prompts, params)  # under torchrun: every rank, the same call
+    leave_group()
+    if ctx is not None and ctx.rank != 0:
+        return 0
     rows: list[dict[str, Any]] = []
     for gen in results:
         row: dict[str, Any] = {"prompt_ids": gen.prompt, "tokens": gen.tokens, "logprobs": gen.logprobs,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import sys
 from pathlib import Path
@@ -66,20 +65,6 @@ def _client(args: argparse.Namespace) -> int:
                               "there, and is the URL http://HOST:PORT/api?") from None
 
 
-def _parallel_context() -> Any:
-    """Under torchrun: the gloo group of every rank, all of them one TP group (rank 0 serves)."""
-    import torch.distributed as dist
-
-    from megatron_hpc.parallel.context import ParallelContext
-    from megatron_hpc.plan.mesh import Mesh
-
-    world = int(os.environ["WORLD_SIZE"])
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    dist.init_process_group("gloo")
-    return ParallelContext.build(Mesh(num_nodes=world // local, workers_per_node=local, tensor_parallel=world),
-                                 rank=dist.get_rank())
-
-
 def _stop_on_sigterm(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt  # SLURM's scancel and torchrun send SIGTERM: stop the server and the followers cleanly
 
@@ -88,12 +73,12 @@ def run(args: argparse.Namespace) -> int:
     if args.client:
         return _client(args)
     from megatron_hpc.errors import GenerationError
-    from megatron_hpc.generate.loading import TOKENIZER_FLAGS, load_for_generation
+    from megatron_hpc.generate.loading import TOKENIZER_FLAGS, load_for_generation, torchrun_context
     from megatron_hpc.generate.serving import Service, follow, start
 
     if args.path is None:
         raise GenerationError("serve needs a checkpoint: megatron-hpc serve CKPT --port N (or --client URL)")
-    ctx = _parallel_context() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+    ctx = torchrun_context()
     loaded = load_for_generation(args.path, iteration=args.iteration, vocab_file=args.vocab_file,
                                  merge_file=args.merge_file, ctx=ctx)
     if loaded.tokenizer is None:

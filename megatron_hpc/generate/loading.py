@@ -3,6 +3,8 @@ the CPU (the reshard tool's merge and vocabulary re-padding), with the run's tok
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +48,39 @@ def _single_process_context() -> ParallelContext:
     return ParallelContext.build(Mesh(num_nodes=1, workers_per_node=1, tensor_parallel=1), rank=0)
 
 
+def torchrun_context() -> ParallelContext | None:
+    """Under torchrun (WORLD_SIZE > 1): joins the gloo world, all of whose ranks form one TP group (the contract of
+    `serve` and `generate`: T processes load the checkpoint at TP T). Alone: None (the merged TP 1 model)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return None
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return ParallelContext.build(Mesh(num_nodes=world // local, workers_per_node=local, tensor_parallel=world),
+                                 rank=dist.get_rank())
+
+
+def leave_group() -> None:
+    """Under torchrun: every rank past its last collective before any rank exits. gloo completes a collective on one
+    rank while its last bytes may still be in flight to another; a rank whose peer's sockets close under it then
+    aborts (SIGABRT) and torchrun fails the whole command."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def check_tp_size(cfg: ModelConfig, *, tp: int, source_tp: int) -> None:
+    """A TP size the model splits into: it must divide the attention heads and the MLP's hidden size."""
+    whole = math.gcd(cfg.num_attention_heads, cfg.ffn_size)
+    if whole % tp:
+        valid = [d for d in range(1, whole + 1) if whole % d == 0]
+        raise GenerationError(f"{tp} processes run the model at tp {tp}, which does not divide its "
+                              f"{cfg.num_attention_heads} attention heads and MLP size {cfg.ffn_size}; run "
+                              f"torchrun --nproc_per_node={source_tp} (the checkpoint's tp) or another of "
+                              f"{valid}, or no torchrun for tp 1")
+
+
 def load_tokenizer(whole_reason: tuple[Path, Path] | str, *, vocab_file: Path | None,
                    merge_file: Path | None) -> tuple[GPT2BPETokenizer | None, str]:
     if (vocab_file is None) != (merge_file is None):
@@ -71,6 +106,7 @@ def load_for_generation(path: Path, *, iteration: int | None = None, vocab_file:
                               "convert it first: megatron-hpc ckpt convert SRC --to torch OUT") from None
     cfg = from_dict(ModelConfig, raw, where="model")
     tp = 1 if ctx is None else ctx.tp_size
+    check_tp_size(cfg, tp=tp, source_tp=whole.tensor_parallel)
     if keep_padded_vocab and tp != 1:
         raise ValueError("keep_padded_vocab is for the merged TP 1 model; a sharded load pads for its own TP")
     padded = padded_vocab_size(cfg.vocab_size, divisible_by=cfg.make_vocab_size_divisible_by,
