@@ -15,6 +15,8 @@ from pathlib import Path
 import mp_workers
 import numpy as np
 import pytest
+import torch
+import torch.distributed as dist
 from test_evaluate_test_split import FIXTURE, LAMBADA, MODEL
 
 from megatron_hpc.data.indexed import IndexedDatasetWriter
@@ -81,3 +83,56 @@ def test_pp2_evaluation_equals_the_merged_one(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"saved at tp 1 x pp 2 and this evaluate has 3 processes; run it "
                                               r"with torchrun --nproc_per_node=2, or without torchrun"):
         load_shard(tmp_path / "ckpt", ShardRank(rank=0, world_size=3))
+
+
+ROWS = [list(range(3, 20)), [7, 8, 9], list(range(100, 133)), [1, 2, 3, 4, 5]]  # widths 17, 3, 33 (full), 5
+
+
+def score_at_pp(rank: int, world: int, ports: list[int], virtual: int) -> list[torch.Tensor]:
+    """Per-target losses and argmax ids of ROWS (a batch of 3, then of 1): a whole model alone, else through this
+    pipeline rank's stages; every rank returns the figures."""
+    from megatron_hpc.config.schema import ModelConfig
+    from megatron_hpc.evaluate.pipelined import PipelinedScorer
+    from megatron_hpc.evaluate.scoring import global_argmax, token_losses
+    from megatron_hpc.model.gpt import GPT
+    from megatron_hpc.parallel.context import ParallelContext
+    from megatron_hpc.plan.mesh import Mesh
+    from megatron_hpc.plan.stages import rank_stages, stage_layouts
+
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{ports[0]}")
+    ctx = ParallelContext.build(Mesh(num_nodes=1, workers_per_node=world, tensor_parallel=1,
+                                     pipeline_parallel=world), rank=rank)
+    cfg = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32,
+                      max_position_embeddings=32, vocab_size=500, init_method_std=0.2)
+    stages = None if world == 1 else rank_stages(stage_layouts(4, pipeline=world, virtual=virtual), ctx.pp_rank)
+    model = GPT(cfg, ctx=ctx, padded_vocab=512, seed=3, stages=stages).eval()  # the init is PP-invariant
+    scorer = model if world == 1 else PipelinedScorer(model, ctx, batch_size=3, seq_length=32)
+    out = []
+    for batch in (ROWS[:3], ROWS[3:]):
+        out.append(token_losses(scorer, batch))
+        width = max(len(r) for r in batch)
+        inputs = torch.tensor([r + [0] * (width - len(r)) for r in batch])[:, :-1]  # (B, W - 1), as scored
+        if world == 1:
+            with torch.no_grad():
+                out.append(model(inputs).argmax(dim=-1))
+        else:
+            out.append(scorer.apply(inputs, lambda logits: global_argmax(logits, group=model.group),
+                                    dtype=torch.long))
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("virtual", [1, 2])
+def test_pipelined_scorer_equals_the_whole_model(tmp_path: Path, virtual: int) -> None:
+    """Two pipeline ranks (two virtual stages each with virtual=2: ScheduleLoopedBFS) give the whole model's
+    losses and argmax ids, for a short batch padded to the fixed shape and a full-width row alike."""
+    whole = mp_workers.spawn(score_at_pp, world=1, out_dir=tmp_path / "pp1", args=(virtual,))[0]
+    staged = mp_workers.spawn(score_at_pp, world=2, out_dir=tmp_path / "pp2", args=(virtual,))
+    for got in staged:  # every rank has the last stage's figures
+        for a, b in zip(whole, got):
+            assert a.shape == b.shape
+            if a.is_floating_point():
+                torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+            else:
+                assert torch.equal(a, b)
+    assert len(set(whole[1].flatten().tolist())) > 3  # the argmax is not one constant id
