@@ -34,10 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _client(args: argparse.Namespace) -> int:
-    from urllib.error import HTTPError, URLError
-    from urllib.request import Request, urlopen
+    from urllib.error import URLError
 
     from megatron_hpc.errors import GenerationError
+    from megatron_hpc.generate.client import put_api
 
     if not args.prompt:
         raise GenerationError("nothing to send: pass --prompt TEXT with --client")
@@ -48,21 +48,15 @@ def _client(args: argparse.Namespace) -> int:
     if not isinstance(extra, dict):
         raise GenerationError(f"--request must be a JSON object, not {type(extra).__name__}; e.g. '{{\"top_k\": 1}}'")
     body: dict[str, Any] = {"prompts": args.prompt, "tokens_to_generate": args.tokens_to_generate, **extra}
-    req = Request(args.client, data=json.dumps(body).encode(), method="PUT",
-                  headers={"Content-Type": "application/json"})
     try:
-        with urlopen(req) as resp:
-            print(json.dumps(json.loads(resp.read()), indent=1))
-        return 0
-    except HTTPError as exc:
-        try:
-            why = json.loads(exc.read()).get("message", exc.reason)
-        except (json.JSONDecodeError, AttributeError):
-            why = exc.reason
-        raise GenerationError(f"the server refused the request ({exc.code}): {why}") from None
+        status, reply = put_api(args.client, body)
     except URLError as exc:
         raise GenerationError(f"cannot reach {args.client} ({exc.reason}); is `megatron-hpc serve` running "
                               "there, and is the URL http://HOST:PORT/api?") from None
+    if status != 200:
+        raise GenerationError(f"the server refused the request ({status}): {reply.get('message', reply)}")
+    print(json.dumps(reply, indent=1))
+    return 0
 
 
 def _stop_on_sigterm(signum: int, frame: Any) -> None:
