@@ -122,7 +122,7 @@ def test_adam_state_carries_over_as_megatron_core_kept_it(case: str, converted: 
                "exp_avg_sq": moments[ours]["exp_avg_sq"]}
         for key, tensor in got.items():
             for how, value in _summary(tensor).items():
-                want = sum(r[name][f"{key}_{how}"] for r in ranks)
+                want = sum(r[name][f"{key}:{how}"] for r in ranks)
                 assert value == pytest.approx(want, rel=1e-5, abs=1e-12), (name, key, how)
         assert float(moments[ours]["step"]) == 3.0
 
@@ -135,6 +135,21 @@ def test_the_bucketed_fixture_lays_parameters_out_otherwise() -> None:
     one, _ = distrib_optim.offsets(chunk, align=64, bucket_size=None)
     many, _ = distrib_optim.offsets(chunk, align=64, bucket_size=model["args"].ddp_bucket_size)
     assert one != many
+
+
+def test_the_flat_layout_follows_megatron_cores_padding_rules() -> None:
+    """Worked by hand from param_and_grad_buffer.py: reverse order, 64-aligned starts counted from each bucket's
+    start, bucket end padding cut off, a shared embedding alone in its bucket."""
+    shapes = {"a": torch.Size([3]), "b": torch.Size([7, 10]), "c": torch.Size([5])}
+    assert distrib_optim.offsets(distrib_optim.Chunk(params=shapes), align=64, bucket_size=None) == (
+        {"c": 0, "b": 64, "a": 192}, 195)
+    assert distrib_optim.offsets(distrib_optim.Chunk(params=shapes), align=1, bucket_size=None) == (
+        {"c": 0, "b": 5, "a": 75}, 78)
+    # Bucket of >= 60 elements: c and b fill the first (64 + 70 = 134 kept), a starts the second at 0.
+    assert distrib_optim.offsets(distrib_optim.Chunk(params=shapes), align=64, bucket_size=60) == (
+        {"c": 0, "b": 64, "a": 134}, 137)
+    alone = distrib_optim.Chunk(params={"emb": torch.Size([10]), "x": torch.Size([5])}, own_bucket=frozenset({"emb"}))
+    assert distrib_optim.offsets(alone, align=64, bucket_size=None) == ({"x": 0, "emb": 64}, 74)
 
 
 def _copy(case: str, tmp_path: Path) -> Path:
