@@ -4,9 +4,10 @@ source's TP x PP, ready for tools.reshard to write at any TP x PP (and re-pad th
 Per rank: the model (each virtual chunk) is renamed (foreign_keys.py), its stage-local layer numbers made global
 (chunks in Megatron's order: chunk 0 of every pipeline rank, then chunk 1, ...), QKV rows put in our order, and the
 weights made fp32 (the fp32 master copies of a 16-bit run when it kept them). The optimizer's positions become names
-(foreign_optim.py) and then our trainer's positions. Progress: iteration, consumed samples (the reference's flat
-keys or Megatron-LM's `args`), and the LR position: the scheduler's num_steps counts samples (Megatron steps it by
-the global batch after every applied update), so applied steps = num_steps / global batch.
+(foreign_optim.py), or, with Megatron's distributed optimizer, its flat buffers in distrib_optim.pt are cut back into
+parameters (distrib_optim.py); then they take our trainer's positions. Progress: iteration, consumed samples (the
+reference's flat keys or Megatron-LM's `args`), and the LR position: the scheduler's num_steps counts samples
+(Megatron steps it by the global batch after every applied update), so applied steps = num_steps / global batch.
 """
 
 from __future__ import annotations
