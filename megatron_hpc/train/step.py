@@ -70,6 +70,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | DistributedO
     backward interleaved across stages); the loss is then the last stage's, 0 on the others.
     """
     params = [p for p in model.parameters() if p.requires_grad]
+    if isinstance(optimizer, DistributedOptimizer):
+        optimizer.before_forward()  # parallel.overlap_param_gather without forward hooks: the last step's gathers
     # Off XLA the first backward assigns the gradients (no zero fill, no add); on XLA zero in
     # place so that the graph keeps one shape (neuron-xla.md 3.3).
     optimizer.zero_grad(set_to_none=device_type != "xla")
