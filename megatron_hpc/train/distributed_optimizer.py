@@ -152,8 +152,10 @@ class DistributedOptimizer:
     all-gather (the same numbers, faster there); a test turns it off to run the NCCL path's collectives on gloo.
 
     Takes the plain optimizer's place in the loop: `param_groups` (the LR), `zero_grad`, `step`, `state_dict` and
-    `load_state_dict` in the plain layout, `register_step_pre_hook`. The step itself calls `arm` before the last
-    micro-batch's backward, `reduce_gradients` after backward and `clip_grad_norm_` before `step` (train/step.py).
+    `load_state_dict` in the plain layout, `register_step_pre_hook`. The step itself calls `before_forward` first,
+    `arm` before the last micro-batch's backward, `reduce_gradients` after backward and `clip_grad_norm_` before
+    `step` (train/step.py). With overlap_param_gather the loop installs the forward hooks (`wait_in_forward`) and
+    calls `finish_param_gather` before anything else reads the weights (train/loop.py).
     """
 
     ALL_REDUCE_ON_GLOO = True

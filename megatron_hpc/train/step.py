@@ -64,8 +64,9 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | DistributedO
     select keeps the old weights and Adam state when it is not finite (`step_where` (train/masked_step.py)), and
     SkipTracker reads the flag one step later.
     With a DistributedOptimizer (ZeRO-1) the gradients are reduce-scattered instead, and the norm, clip and update
-    act on this DP rank's slice (train/distributed_optimizer.py). With an XlaZeroOptimizer (the same on XLA) they act
-    on this DP rank's fp32 master shards (train/xla_zero.py).
+    act on this DP rank's slice (train/distributed_optimizer.py); with parallel.overlap_param_gather its update
+    leaves the all-gathers in flight for the next step's forward to wait for. With an XlaZeroOptimizer (the same on
+    XLA) they act on this DP rank's fp32 master shards (train/xla_zero.py).
     With `pipeline` the micro-batches go through this rank's pipeline stages by its schedule (forward and
     backward interleaved across stages); the loss is then the last stage's, 0 on the others.
     """
