@@ -23,21 +23,23 @@ SAVE_INTERVAL = 4
 """Saves after step 4 (between log lines' collectives only) and after the last step."""
 
 
-def _config(*, tp: int = 1, overlap: bool, **parallel: object) -> RunConfig:
+def _config(*, tp: int = 1, overlap: bool, compiled: bool = False, **parallel: object) -> RunConfig:
     cfg = mp_workers.distributed_optimizer(mp_workers.tiny_config(tp=tp, num_steps=NUM_STEPS))
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, overlap_param_gather=overlap,
-                                                                 **parallel),
+    train = dataclasses.replace(cfg.train, compile=compiled, compile_backend="eager")  # eager: dynamo's trace only
+    return dataclasses.replace(cfg, train=train,
+                               parallel=dataclasses.replace(cfg.parallel, overlap_param_gather=overlap, **parallel),
                                checkpoint=CheckpointConfig(save_interval=SAVE_INTERVAL, keep_last=2))
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """DP 2: off, on, on with DP rank 1's gathers late, on with the NCCL path's all-gathers and a dozen buckets;
-    TP 2 x DP 2: off and on."""
+    """DP 2: off, on, on with DP rank 1's gathers late, on with the NCCL path's all-gathers and a dozen buckets, on
+    under train.compile with rank 1 late (no hooks: the step waits before its forward); TP 2 x DP 2: off and on."""
     root = tmp_path_factory.mktemp("param_gather")
     two = [(_config(overlap=False), "dp2_off", ""), (_config(overlap=True), "dp2_on", ""),
            (_config(overlap=True), "dp2_on_late", "late"),
-           (_config(overlap=True, grad_bucket_mb=workers.SMALL_BUCKETS), "dp2_on_scatter_buckets", "scatter")]
+           (_config(overlap=True, grad_bucket_mb=workers.SMALL_BUCKETS), "dp2_on_scatter_buckets", "scatter"),
+           (_config(overlap=True, compiled=True), "dp2_on_compiled_late", "late")]
     mp_workers.spawn(workers.training_runs, world=2, out_dir=root, num_ports=len(two), args=(two, str(root)))
     four = [(_config(tp=2, overlap=False), "tp2dp2_off", ""), (_config(tp=2, overlap=True), "tp2dp2_on", "")]
     mp_workers.spawn(workers.training_runs, world=4, out_dir=root, num_ports=len(four), args=(four, str(root)))
@@ -66,6 +68,14 @@ def test_losses_and_saved_weights_are_bit_identical(runs: Path, name: str, off: 
             assert got.keys() == want.keys()
             for key in want:
                 assert torch.equal(got[key], want[key]), (iteration, key)
+
+
+def test_under_torch_compile_the_step_waits_before_its_forward(runs: Path) -> None:
+    # dynamo's trace may reorder float sums against eager mode, so within float tolerance rather than bit for bit.
+    for key in ("lm_loss", "grad_norm"):
+        got = torch.tensor(_series(runs, "dp2_on_compiled_late", key), dtype=torch.float64)
+        want = torch.tensor(_series(runs, "dp2_off", key), dtype=torch.float64)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=0.0)
 
 
 def test_saved_weights_are_the_updated_ones(runs: Path) -> None:
