@@ -112,8 +112,9 @@ def load_checkpoint(root: Path, *, ranks: RankInfo, io_workers_per_node: int = 4
     """Every rank calls it: None when there is no checkpoint, else the checkpoint and this rank's state.
 
     `into`: state dicts of this rank's tensors that already exist, by the saved object's top-level key
-    (`{"model": model.state_dict()}`): those that fit are read straight into (xser.read_xser), and the state holds them in place of fresh tensors.
-    On an error they may hold part of the checkpoint: the caller must not go on with them.
+    (`{"model": model.state_dict()}`): those that fit are read straight into (xser.read_xser), and the state holds
+    them in place of fresh tensors. On an error they may hold part of the checkpoint: the caller must not go on
+    with them.
 
     Each rank reads its (TP, PP) file. `layout`: the run's pipeline layout (default: ranks.pp_size stages, split
     evenly); a checkpoint saved at another TP size or layout is refused with the reshard command. Every rank of a

@@ -254,8 +254,9 @@ def read_xser(main: Path, *, files: dict[Path, FileRecord] | None = None, mmap: 
     `files`: manifest records by absolute path; every file read must match its record.
     `mmap`: map tensor files instead of reading them (cheap shapes for inspect; no verification).
     `into`: state dicts of tensors that already exist, by the saved object's top-level key
-    (`{"model": model.state_dict()}`): each tensor is filled straight from its file and returned in place of a fresh tensor (no new memory, no second copy); see
-    plan_in_place for what is checked before the first byte is written.
+    (`{"model": model.state_dict()}`): each tensor is filled straight from its file and returned in place of a
+    fresh tensor (no new memory, no second copy); see plan_in_place for what is checked before the first byte is
+    written.
     """
     ref_data = _read(main, files, mmap=mmap)
     targets = {} if into is None or mmap else plan_in_place(main, ref_data, into, files=files, threads=IO_THREADS)
@@ -344,7 +345,8 @@ def _fillable(target: torch.Tensor) -> bool:
     return type(target) is torch.Tensor and target.device.type == "cpu" and target.is_contiguous()
 
 
-def plan_in_place(main: Path, ref_data: Any, into: dict[str, dict[str, torch.Tensor]], *, files: dict[Path, FileRecord] | None,
+def plan_in_place(main: Path, ref_data: Any, into: dict[str, dict[str, torch.Tensor]], *,
+                  files: dict[Path, FileRecord] | None,
                   threads: int = IO_THREADS) -> dict[int, tuple[torch.Tensor, TensorLayout]]:
     """tid -> (existing tensor, file layout) for the tensors of `into` that can be read in place.
 
