@@ -13,6 +13,10 @@ costs two copies and a slow hash per byte (benchmarks/RESULTS.md, issue 5). Here
   each piece checksummed right after it arrived. torch.load with mmap=True (weights only) gives the dtype, shape and
   strides without reading the data, and the result is a view of the fresh memory. Any other file (the main file, a
   file of several storages, a compressed or non-zip file) is read whole and loaded from memory, checksummed the same.
+- Reading into a tensor that already exists (a CPU resume's model weights: tensor_layout, then read_tensor_into): the
+  elements go from the page cache straight into it. Fresh memory costs a page fault per 4 KiB, 0.5 s/GiB on the CI
+  VM, more than the read itself (benchmarks/RESULTS.md, issue 15), and the trainer would copy a fresh tensor into
+  the model anyway.
 
 The checksum is zlib's crc32, computed by ISA-L (checksum.py: 3x faster, the same values). It and the reads and writes
 release the GIL, so the saver's and loader's threads overlap checksums with I/O.
