@@ -4,6 +4,10 @@ of the TP group passes the same inputs and gets the same figures.
 
 Rows of a batch are padded at the end to the longest row; the model is causal, so a padded position never
 changes the logits of an earlier one, and padded targets are never scored.
+
+The inputs go to the model's device (CPU, CUDA or XLA) and the figures come back to the CPU, where they are summed
+in float64 (which XLA devices may lack). On XLA each distinct batch shape compiles one graph: the split losses have
+one shape (plus a smaller last batch); the zero-shot tasks one per distinct longest row of a batch.
 """
 
 from __future__ import annotations
@@ -33,10 +37,10 @@ def _chunks(items: Sequence, size: int) -> Iterable[Sequence]:
 
 def token_losses(model: GPT, rows: Sequence[list[int]]) -> torch.Tensor:
     """Per-target cross entropy (B, W - 1) of each row predicting its own next tokens (W: longest row)."""
-    tokens = _padded(rows)
+    tokens = _padded(rows).to(model.ln_f.weight.device)
     with torch.no_grad():
         logits = model(tokens[:, :-1]).float()  # (B, W-1, V_padded/tp)
-        return vocab_parallel_cross_entropy(logits, tokens[:, 1:], group=model.group)
+        return vocab_parallel_cross_entropy(logits, tokens[:, 1:], group=model.group).cpu()
 
 
 def global_argmax(logits: torch.Tensor, *, group: dist.ProcessGroup) -> torch.Tensor:
@@ -77,9 +81,9 @@ def cloze_hits(model: GPT, examples: Sequence[ClozeExample], *, batch_size: int)
     """Whether the greedy prediction at every target position equals the target token (all of them)."""
     hits = []
     for chunk in _chunks(examples, batch_size):
-        tokens = _padded([e.context + e.target for e in chunk])
+        tokens = _padded([e.context + e.target for e in chunk]).to(model.ln_f.weight.device)
         with torch.no_grad():
-            predicted = global_argmax(model(tokens[:, :-1]), group=model.group)  # (B, W-1)
+            predicted = global_argmax(model(tokens[:, :-1]), group=model.group).cpu()  # (B, W-1)
         for row, e in zip(predicted, chunk):
             first = len(e.context) - 1  # the position whose next token is the target's first
             hits.append(row[first:first + len(e.target)].tolist() == e.target)
