@@ -1,9 +1,10 @@
 """`megatron-hpc evaluate CKPT`: loss and perplexity of a checkpoint on its run's valid and test splits (the
 samples Megatron evaluates), or a zero-shot task on a local file (--task wikitext|lambada --file F). Runs in
-this process on the CPU, the checkpoint's TP x PP shards merged to TP 1; under torchrun with as many processes as
-the checkpoint's TP x PP ranks, each process evaluates its own shard (gloo), its pipeline stages passing activations
-as the trainer's do. The vocabulary keeps the padding of the checkpoint's TP size: Megatron's loss takes the softmax
-over the padded vocabulary, so other padding would give another loss than the run's."""
+this process, the checkpoint's TP x PP shards merged to TP 1, on the device of --platform or the run's platform (CPU,
+CUDA or XLA; the CPU when this machine lacks the run's device); under torchrun with as many processes as the
+checkpoint's TP x PP ranks, each process evaluates its own shard on the CPU (gloo), its pipeline stages passing
+activations as the trainer's do. The vocabulary keeps the padding of the checkpoint's TP size: Megatron's loss
+takes the softmax over the padded vocabulary, so other padding would give another loss than the run's."""
 
 from __future__ import annotations
 
@@ -11,8 +12,11 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
+
+from megatron_hpc.config.platforms import PLATFORMS
 
 DEFAULT_BATCH = 4
 """Rows per forward pass of a task when the checkpoint records no train.micro_batch_size."""
@@ -38,6 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab-file", type=Path, help="GPT-2 vocab.json, when the run's is missing or gone")
     parser.add_argument("--merge-file", type=Path, help="GPT-2 merges.txt, with --vocab-file")
     parser.add_argument("--iteration", type=int, help="use this iteration instead of the tracker's")
+    parser.add_argument("--platform", choices=sorted(PLATFORMS),
+                        help="evaluate on this platform's device (default: the run's launch.platform)")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
 
 
@@ -52,6 +58,9 @@ def _check_args(args: argparse.Namespace) -> None:
         raise DataError("--strict-lambada applies to --task lambada only")
     if args.file is not None and not args.file.is_file():
         raise DataError(f"--file {args.file} does not exist; pass the {args.task} task's file")
+    if args.platform not in (None, "cpu") and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise DataError(f"--platform {args.platform} runs in one process; under torchrun each shard is evaluated on "
+                        f"the cpu (gloo), so drop --platform or run without torchrun")
 
 
 def _split_names(args: argparse.Namespace) -> tuple[str, ...]:
@@ -120,17 +129,25 @@ def run(args: argparse.Namespace) -> int:
     from megatron_hpc.config.schema import DataConfig, TrainConfig
     from megatron_hpc.errors import DataError
     from megatron_hpc.evaluate.splits import evaluate_split, split_requests
-    from megatron_hpc.generate.loading import leave_group
+    from megatron_hpc.generate.loading import choose_device, leave_group
     from megatron_hpc.train.metrics import validation_ppl
 
     _check_args(args)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    asked = choose_device(args.platform, {}) if args.platform and world == 1 else None  # checked before the load
     loaded, scorer = _load(args, world=world)
     resolved = loaded.resolved_config
+    kind = "cpu"
+    if world == 1:
+        chosen = asked or choose_device(None, resolved)
+        if chosen.note:
+            print(f"megatron-hpc: note: {chosen.note}", file=sys.stderr)
+        loaded.model.to(chosen.info.device)
+        kind = chosen.info.kind
     seq = _seq_length(resolved)
     report: dict[str, Any] = {"checkpoint": str(args.path), "iteration": loaded.iteration,
                               "tensor_parallel": loaded.source_tp, "pipeline_parallel": loaded.source_pp,
-                              "splits": {}, "tasks": {}}
+                              "device": kind, "splits": {}, "tasks": {}}
     names, batch_size = _split_names(args), _batch_size(resolved)
     if names:
         if "train" not in resolved:
@@ -148,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
     if args.task is not None:
         report["tasks"][args.task] = _task(args, loaded, scorer, seq_length=seq, batch_size=batch_size)
     if int(os.environ.get("RANK", "0")) == 0:
-        where = "" if world > 1 else ", evaluated at tp 1 on the cpu"
+        where = "" if world > 1 else f", evaluated at tp 1 on the {kind}"
         print(json.dumps(report, indent=1) if args.json else _text(report, where=where))
     leave_group()
     return 0

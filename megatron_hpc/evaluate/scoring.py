@@ -4,6 +4,10 @@ vocabulary, the argmax over it for the cloze task. Every rank passes the same in
 
 Rows of a batch are padded at the end to the longest row; the model is causal, so a padded position never
 changes the logits of an earlier one, and padded targets are never scored.
+
+The inputs go to the model's device (CPU, CUDA or XLA) and the figures come back to the CPU, where they are summed
+in float64 (which XLA devices may lack). On XLA each distinct batch shape compiles one graph: the split losses have
+one shape (plus a smaller last batch); the zero-shot tasks one per distinct longest row of a batch.
 """
 
 from __future__ import annotations
@@ -35,18 +39,23 @@ def _chunks(items: Sequence, size: int) -> Iterable[Sequence]:
 Scorer = GPT | PipelinedScorer
 
 
+def _device(model: Scorer) -> torch.device:
+    """Where the inputs go: the model's device; a pipeline's stages run on the CPU (gloo)."""
+    return torch.device("cpu") if isinstance(model, PipelinedScorer) else model.ln_f.weight.device
+
+
 def _per_position(model: Scorer, inputs: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor], *,
                   dtype: torch.dtype) -> torch.Tensor:
-    """reduce(logits (B, W, V/tp)) -> (B, W) for the input ids (B, W), on every rank."""
+    """reduce(logits (B, W, V/tp)) -> (B, W) for the input ids (B, W), on every rank, back on the CPU."""
     if isinstance(model, PipelinedScorer):
         return model.apply(inputs, reduce, dtype=dtype)
     with torch.no_grad():
-        return reduce(model(inputs)).to(dtype)
+        return reduce(model(inputs)).to(dtype).cpu()
 
 
 def token_losses(model: Scorer, rows: Sequence[list[int]]) -> torch.Tensor:
     """Per-target cross entropy (B, W - 1) of each row predicting its own next tokens (W: longest row)."""
-    tokens = _padded(rows)
+    tokens = _padded(rows).to(_device(model))
     targets = tokens[:, 1:]
     return _per_position(model, tokens[:, :-1], lambda logits: vocab_parallel_cross_entropy(
         logits.float(), targets, group=model.group), dtype=torch.float32)
@@ -90,7 +99,7 @@ def cloze_hits(model: Scorer, examples: Sequence[ClozeExample], *, batch_size: i
     """Whether the greedy prediction at every target position equals the target token (all of them)."""
     hits = []
     for chunk in _chunks(examples, batch_size):
-        tokens = _padded([e.context + e.target for e in chunk])
+        tokens = _padded([e.context + e.target for e in chunk]).to(_device(model))
         predicted = _per_position(model, tokens[:, :-1], lambda logits: global_argmax(logits, group=model.group),
                                   dtype=torch.long)  # (B, W-1)
         for row, e in zip(predicted, chunk):

@@ -1,5 +1,6 @@
 """A checkpoint of ours as one in-process GPT for generation: every TP x PP shard merged and loaded at TP 1 on
-the CPU (the reshard tool's merge and vocabulary re-padding), with the run's tokenizer when it has one."""
+the CPU (the reshard tool's merge and vocabulary re-padding), with the run's tokenizer when it has one; then moved to
+the device of the platform chosen as the trainer chooses it (choose_device)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ from megatron_hpc.checkpoint import pp_layout, tp_layout
 from megatron_hpc.checkpoint.tools import tokenizer_files
 from megatron_hpc.checkpoint.whole import read_whole
 from megatron_hpc.config.loader import from_dict
+from megatron_hpc.config.platforms import PLATFORMS, resolve_platform
 from megatron_hpc.config.schema import ModelConfig
 from megatron_hpc.data.tokenizer import GPT2BPETokenizer
-from megatron_hpc.errors import CheckpointError, GenerationError
+from megatron_hpc.errors import CheckpointError, GenerationError, TrainingError
 from megatron_hpc.model.gpt import GPT
 from megatron_hpc.parallel.context import ParallelContext
+from megatron_hpc.parallel.device import DeviceInfo, resolve_device
 from megatron_hpc.plan.mesh import Mesh
 from megatron_hpc.plan.vocab import padded_vocab_size
 from megatron_hpc.train.init_skip import skip_random_init
@@ -39,6 +42,33 @@ class LoadedModel:
     """Why there is no tokenizer (empty when there is one)."""
     resolved_config: dict[str, Any] = field(default_factory=dict)
     """The run's resolved config as the checkpoint stores it (JSON sections: model, train, data, ...)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ChosenDevice:
+    info: DeviceInfo
+    platform: str
+    note: str
+    """Why the checkpoint's own platform was not used (empty when it was, or when --platform chose)."""
+
+
+def choose_device(requested: str | None, resolved_config: dict[str, Any]) -> ChosenDevice:
+    """The device a single-process evaluate or generate runs on: the platform asked for (--platform), else the
+    run's launch.platform, as the trainer chooses (resolve_platform); its backend picks CPU, CUDA or XLA. A platform
+    asked for must be usable here. The run's own platform falls back to the CPU when this machine lacks its device
+    (a Trainium run evaluated on a laptop), with a note, as these commands always worked on the CPU."""
+    launch = resolved_config.get("launch") if isinstance(resolved_config.get("launch"), dict) else {}
+    default = launch.get("platform") if launch.get("platform") in PLATFORMS else "cpu"
+    platform = resolve_platform(requested, default=default)
+    try:
+        info = resolve_device(platform.backend, local_rank=0)
+    except TrainingError as exc:
+        if requested is not None:
+            raise GenerationError(f"--platform {platform.name}: {exc}") from None
+        info = resolve_device("gloo", local_rank=0)
+        return ChosenDevice(info=info, platform="cpu", note=f"the run's platform {platform.name} cannot run here "
+                                                            f"({exc}); using the cpu (pass --platform to choose)")
+    return ChosenDevice(info=info, platform=platform.name, note="")
 
 
 def _single_process_context() -> ParallelContext:
