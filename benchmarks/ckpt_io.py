@@ -116,6 +116,25 @@ def dd_read(path: Path) -> None:
     subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=16M"], check=True, capture_output=True)
 
 
+IN_PLACE_ROWS = ("resume, copy", "resume, in place", "into existing")
+"""Issue 15's resume rows: a CPU resume's model is allocated but never written (its random init is skipped), so
+`untouched` stands for it. `resume, copy` loads into fresh memory and copies the weights into the model (the
+trainer's restore before); `resume, in place` reads them straight into it; `into existing` reads them into memory
+already written once (the saved state's own tensors): the loader alone, no page faults for the weights."""
+
+
+def untouched(model: dict) -> dict:
+    """Memory for each weight, allocated and never written: its first write faults it in, as in a resumed model."""
+    return {k: torch.empty_like(t) for k, t in model.items()}
+
+
+def resume_by_copy(root: Path, model: dict) -> None:
+    """The trainer's resume before issue 15's change: fresh tensors, then copied into the model."""
+    _found, loaded = load_checkpoint(root, ranks=RankInfo())
+    for name, target in untouched(model).items():
+        target.copy_(loaded["model"][name])
+
+
 def torch_save(state: dict, path: Path) -> None:
     with open(path, "wb") as fh:
         torch.save(state, fh)
@@ -270,7 +289,7 @@ def main() -> int:
         print("\n".join(split_table(times, size=size)))
         return 0
     times: dict[str, list[float]] = {k: [] for k in ("dd write", "dd read", "torch.save", "torch.load",
-                                                     "ours save", "ours load")}
+                                                     "ours save", "ours load", *IN_PLACE_ROWS)}
     cpus: dict[str, list[float]] = {k: [] for k in times}
     ranks = RankInfo()
     for r in range(args.rounds):
@@ -284,6 +303,11 @@ def main() -> int:
             ("torch.load", lambda w=work: torch.load(w / "torch.pt", weights_only=True), False),
             ("ours save", lambda w=work: save_checkpoint(w / "ours", 10, state, ranks=ranks), True),
             ("ours load", lambda w=work: load_checkpoint(w / "ours", ranks=ranks), False),
+            ("resume, copy", lambda w=work: resume_by_copy(w / "ours", state["model"]), False),
+            ("resume, in place", lambda w=work: load_checkpoint(w / "ours", ranks=ranks,
+                                                                into={"model": untouched(state["model"])}), False),
+            ("into existing", lambda w=work: load_checkpoint(w / "ours", ranks=ranks,
+                                                             into={"model": state["model"]}), False),
         ]
         for name, fn, then_drop in steps:
             wall, cpu = timed_cpu(fn)
@@ -295,12 +319,16 @@ def main() -> int:
     rate = {k: size / GIB / statistics.median(v) for k, v in times.items()}
     for k, v in times.items():
         runs = ", ".join(f"{t:.2f}" for t in v)
-        print(f"{k:<11} median {statistics.median(v):6.2f} s  {rate[k]:5.2f} GiB/s  "
+        print(f"{k:<16} median {statistics.median(v):6.2f} s  {rate[k]:5.2f} GiB/s  "
               f"CPU {statistics.median(cpus[k]):5.2f} s   ({runs})")
     print(f"save: ours/torch.save {rate['ours save'] / rate['torch.save']:.2f}x (goal >= 2), "
           f"ours/dd {rate['ours save'] / rate['dd write']:.2f}x (goal >= 0.7)")
     print(f"load: ours/dd {rate['ours load'] / rate['dd read']:.2f}x (goal >= 0.8), "
           f"ours/torch.load {rate['ours load'] / rate['torch.load']:.2f}x")
+    print(f"resume: copy/dd {rate['resume, copy'] / rate['dd read']:.2f}x, in place/dd "
+          f"{rate['resume, in place'] / rate['dd read']:.2f}x, in place/copy "
+          f"{rate['resume, in place'] / rate['resume, copy']:.2f}x; weights into existing memory/dd "
+          f"{rate['into existing'] / rate['dd read']:.2f}x")
     return 0
 
 

@@ -27,7 +27,16 @@ reduce_gradients, AdamW over the slice, gather_params and zero_grad; and, on the
 collectives by themselves: an all-reduce of the gradient buffer, the reduce_scatter_tensor and the (cloned)
 all_gather_into_tensor that the distributed optimizer uses off gloo.
 
+With --overlap-blocks N, the same world then times the distributed optimizer with and without
+parallel.overlap_param_gather (DistributedOptimizer(..., overlap_param_gather=True) and its forward pre-hooks,
+`wait_in_forward`, as train/loop.py builds it): a third model, fresh from the same seed, runs blocks of
+--overlap-block-steps consecutive steps, alternating block by block with the no-overlap "dist" model (AB BA ...);
+each block ends with finish_param_gather() and a barrier, so the gathers still in flight count in their own block
+and not in the other mode's. Consecutive steps, because the overlap hides the gathers behind the next forward of the
+same model. The overlap model's losses are checked against the dist model's first steps (same weights, same batch).
+
     python benchmarks/dist_optim_cpu.py --steps 12
+    python benchmarks/dist_optim_cpu.py --dp 2 --steps 4 --part-reps 0 --overlap-blocks 6
 """
 
 from __future__ import annotations
@@ -54,6 +63,8 @@ PARTS = ("plain: all_reduce_gradients after backward", "plain: AdamW", "dist: re
          "dist: AdamW on the slice", "dist: gather_params", "dist: zero_grad", "raw: all_reduce of the gradient buffer",
          "raw: reduce_scatter_tensor of the gradient buffer", "raw: all_gather_into_tensor of the slice (cloned)")
 """What _time_parts times; the raw ones are the collectives by themselves on the distributed optimizer's buffers."""
+OVERLAP_MODES = ("dist", "dist_overlap")
+"""The no-overlap distributed optimizer and the one with parallel.overlap_param_gather (--overlap-blocks)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +159,24 @@ def _ms(median: float, best: float) -> str:
     return f"{median * 1000:.0f} ({best * 1000:.0f}) ms"
 
 
+def overlap_row(dp: int, overlap: dict[str, Any]) -> dict[str, float]:
+    """Medians of the blocks' seconds per step, the median of the paired (same round) ratios, the loss check."""
+    times = overlap["times"]
+    paired = statistics.median(o / d for d, o in zip(times["dist"], times["dist_overlap"], strict=True))
+    return {"dp": dp, "dist_s": statistics.median(times["dist"]), "overlap_s": statistics.median(times["dist_overlap"]),
+            "paired": paired, "loss_diff": overlap["loss_diff"], "steps": overlap["compared_steps"]}
+
+
+def overlap_table(rows: list[dict[str, float]]) -> str:
+    lines = ["| DP | dist: step median | dist + overlap_param_gather | overlap / dist: medians | paired | "
+             "loss vs dist (steps) |", "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['dp']} | {r['dist_s'] * 1000:.0f} ms | {r['overlap_s'] * 1000:.0f} ms | "
+                     f"{r['overlap_s'] / r['dist_s']:.3f} | {r['paired']:.3f} | {r['loss_diff']:.1e} "
+                     f"({r['steps']}) |")
+    return "\n".join(lines)
+
+
 def row_from(dp: int, results: list[dict[str, Any]]) -> Row:
     """A Row from the ranks' JSON results (rank 0 holds the times)."""
     times = results[0]["times"]
@@ -171,6 +200,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=12, help="timed steps per mode")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per mode first")
     parser.add_argument("--part-reps", type=int, default=5, help="timed repetitions of each part (0: skip)")
+    parser.add_argument("--overlap-blocks", type=int, default=0,
+                        help="timed blocks per mode of dist with and without overlap_param_gather (0: skip)")
+    parser.add_argument("--overlap-block-steps", type=int, default=3, help="consecutive steps per block")
     args = parser.parse_args(argv)
     if min(args.dp) < 2:
         parser.error(f"--dp {args.dp}: every DP size must be at least 2 (DP=1 has nothing to shard)")
@@ -240,9 +272,50 @@ def _worker(rank: int, world: int, port: int, shape: ModelShape, args: argparse.
             "times": times, "losses": losses,
             "parts": _time_parts(models, optimizers, ctx, reps=args.part_reps) if args.part_reps else {},
         }
+        if args.overlap_blocks:
+            del models["plain"], optimizers["plain"], reducers["plain"]  # memory for the third model
+            record["overlap"] = _time_overlap(models["dist"], optimizers["dist"], cfg, padded, optim, ctx, batch,
+                                              args=args, dist_losses=losses["dist"])
         Path(out, f"rank{rank}.json").write_text(json.dumps(record))
     finally:
         dist.destroy_process_group()
+
+
+def _time_overlap(dist_model: Any, dist_opt: Any, cfg: Any, padded: int, optim: Any, ctx: Any, batch: list,
+                  *, args: argparse.Namespace, dist_losses: list[float]) -> dict[str, Any]:
+    """Seconds per step of blocks of consecutive steps, dist and dist_overlap alternating block by block; and the
+    overlap model's largest relative loss difference from the dist model's first steps."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_hpc.train.distributed_optimizer import DistributedOptimizer
+    from megatron_hpc.train.loop import build_model
+    from megatron_hpc.train.step import train_step
+
+    model = build_model(cfg, ctx, padded_vocab=padded, seed=1234, device=torch.device("cpu"))
+    overlapped = DistributedOptimizer(model, optim=optim, group=ctx.dp_group, overlap=True, bucket_mb=128.0,
+                                      overlap_param_gather=True)
+    overlapped.wait_in_forward(model)
+    runs = {"dist": (dist_model, dist_opt), "dist_overlap": (model, overlapped)}
+    times: dict[str, list[float]] = {m: [] for m in OVERLAP_MODES}
+    losses: list[float] = []
+    n = args.overlap_block_steps
+    for block in range(1 + args.overlap_blocks):  # the first block of each mode warms up
+        for mode in (OVERLAP_MODES if block % 2 == 0 else OVERLAP_MODES[::-1]):
+            m, opt = runs[mode]
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(n):
+                result = train_step(m, opt, batch, ctx=ctx, clip_grad=1.0, autocast_dtype=None, device_type="cpu")
+                if mode == "dist_overlap":
+                    losses.append(float(result.loss))  # host read of the loss: the trainer's log line does one too
+            opt.finish_param_gather()
+            dist.barrier()
+            if block:
+                times[mode].append((time.perf_counter() - start) / n)
+    k = min(len(losses), len(dist_losses))
+    diff = max(abs(a - b) / abs(b) for a, b in zip(losses[:k], dist_losses[:k]))
+    return {"times": times, "loss_diff": diff, "compared_steps": k}
 
 
 def _time_parts(models: dict, optimizers: dict, ctx: Any, *, reps: int) -> dict[str, list[float]]:
@@ -306,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
                        micro_batch=args.micro_batch)
     print(f"model: {asdict(shape)}, fp32, 1 thread per process on {os.cpu_count()} cores; median of {args.steps} "
           f"steps (+{args.warmup} warm-up) per mode, modes alternating", flush=True)
-    rows = []
+    rows, overlap_rows = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for dp in args.dp:
             started = time.time()
@@ -325,7 +398,14 @@ def main(argv: list[str] | None = None) -> int:
             for name, t in results[0]["parts"].items():
                 print(f"  part {name}: median {statistics.median(t) * 1000:.0f} ms "
                       f"(best {min(t) * 1000:.0f})", flush=True)
+            if "overlap" in results[0]:
+                overlap_rows.append(overlap_row(dp, results[0]["overlap"]))
+                for mode in OVERLAP_MODES:
+                    per_step = " ".join(f"{t * 1000:.0f}" for t in results[0]["overlap"]["times"][mode])
+                    print(f"  {mode} ms/step per block: {per_step}", flush=True)
     print(table(rows))
+    if overlap_rows:
+        print(overlap_table(overlap_rows))
     return 0
 
 

@@ -15,7 +15,6 @@ server refuses (a misspelt field) before generating: the fixed cost of HTTP, Fla
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -24,8 +23,9 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.error import HTTPError, URLError
-from urllib.request import Request, urlopen
+from urllib.error import URLError
+
+from megatron_hpc.generate.client import put_api
 
 GOAL_MS = 10.0
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,12 +100,7 @@ def _free_port() -> int:
 
 
 def _put(url: str, body: dict) -> dict:
-    req = Request(url, data=json.dumps(body).encode(), method="PUT", headers={"Content-Type": "application/json"})
-    try:
-        with urlopen(req, timeout=60) as resp:
-            return json.loads(resp.read())
-    except HTTPError as exc:
-        return json.loads(exc.read())
+    return put_api(url, body)[1]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,15 +5,18 @@
 # README says: the default index gives the CUDA build on Linux), this package with its test extras, and
 # (through the slurm fixture) Debian's Slurm and MariaDB.
 #
-# Three tiers, each its own pytest session (own --basetemp), the first two side by side:
+# Four pytest sessions (each with its own --basetemp), the first three side by side:
 # - the SLURM tier (tests marked slurm) on a real local cluster that tests/slurm/conftest.py starts and
 #   stops. Its tests mostly wait on the scheduler, on job start-up and on requeues, so it runs in the
-#   background while the rest of the main suite uses the CPU; its output is printed when it ends.
-# - the rest of the main suite (unit and multiprocess tests), in the foreground.
+#   background; its output is printed when it ends.
+# - the multiprocess tier (tests marked multiprocess: gloo process groups, torchrun), in the background too.
+# - the rest of the main suite (unit and k8s tests), in the foreground. A unit test is one Python process
+#   that mostly keeps one core busy, so beside the multiprocess tier the machine's cores are used, not taken
+#   in turns.
 # - the xla tier (tests/xla/run.sh): real torch-xla 2.9 on XLA:CPU, in its own environment that it builds
 #   once and caches (torch 2.9 with its CUDA libraries, about 4 GB). The build, mostly a download, starts
-#   first in the background; the tier runs when the main suite is done.
-# Arguments go to both main-suite sessions' pytest; the xla tier always runs whole. Fails if any tier fails.
+#   first in the background; the tier runs when the others are done.
+# Arguments go to the first three sessions' pytest; the xla tier always runs whole. Fails if any tier fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -28,11 +31,17 @@ bash tests/xla/env.sh > "$work/xla-env.log" 2>&1 &
 xla_env=$!
 
 set +e
-"$PY" -m pytest -m "slurm and not gpu and not neuron and not xla" --basetemp "$work/slurm" "$@" \
-    > "$work/slurm.log" 2>&1 &
+skip="not gpu and not neuron and not xla"
+"$PY" -m pytest -m "slurm and $skip" --basetemp "$work/slurm" "$@" > "$work/slurm.log" 2>&1 &
 slurm_pid=$!
-"$PY" -m pytest -m "not slurm and not gpu and not neuron and not xla" --basetemp "$work/main" "$@"
+"$PY" -m pytest -m "multiprocess and not slurm and $skip" --basetemp "$work/mp" "$@" > "$work/mp.log" 2>&1 &
+mp_pid=$!
+"$PY" -m pytest -m "not multiprocess and not slurm and $skip" --basetemp "$work/main" "$@"
 main=$?
+wait "$mp_pid"
+mp=$?
+echo "--- multiprocess tier (ran beside the tests above) ---"
+cat "$work/mp.log"
 wait "$slurm_pid"
 slurm=$?
 echo "--- SLURM tier (ran beside the tests above) ---"
@@ -47,12 +56,15 @@ bash tests/xla/run.sh -q
 xla=$?
 set -e
 # exit 5 means no test ran at all: a broken suite, not a pass
-[ "$main" -eq 5 ] && echo "no tests were collected in the main suite" >&2
+[ "$main" -eq 5 ] && echo "no tests were collected in the unit tier" >&2
+[ "$mp" -eq 5 ] && echo "no tests were collected in the multiprocess tier" >&2
 [ "$slurm" -eq 5 ] && echo "no tests were collected in the SLURM tier" >&2
-if [ "$main" -ne 0 ] || [ "$slurm" -ne 0 ] || [ "$xla" -ne 0 ]; then
-    echo "tests/run.sh: FAILED (main suite exit $main, SLURM tier exit $slurm, xla tier exit $xla)" >&2
-    [ "$main" -ne 0 ] && exit "$main"
-    [ "$slurm" -ne 0 ] && exit "$slurm"
+if [ "$main" -ne 0 ] || [ "$mp" -ne 0 ] || [ "$slurm" -ne 0 ] || [ "$xla" -ne 0 ]; then
+    echo "tests/run.sh: FAILED (unit tier exit $main, multiprocess tier exit $mp, SLURM tier exit $slurm," \
+         "xla tier exit $xla)" >&2
+    for code in "$main" "$mp" "$slurm"; do
+        [ "$code" -ne 0 ] && exit "$code"
+    done
     exit "$xla"
 fi
 rm -rf "$work"

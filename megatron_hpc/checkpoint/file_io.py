@@ -13,6 +13,10 @@ costs two copies and a slow hash per byte (benchmarks/RESULTS.md, issue 5). Here
   each piece checksummed right after it arrived. torch.load with mmap=True (weights only) gives the dtype, shape and
   strides without reading the data, and the result is a view of the fresh memory. Any other file (the main file, a
   file of several storages, a compressed or non-zip file) is read whole and loaded from memory, checksummed the same.
+- Reading into a tensor that already exists (a CPU resume's model weights: tensor_layout, then read_tensor_into): the
+  elements go from the page cache straight into it. Fresh memory costs a page fault per 4 KiB, 0.5 s/GiB on the CI
+  VM, more than the read itself (benchmarks/RESULTS.md, issue 15), and the trainer would copy a fresh tensor into
+  the model anyway.
 
 The checksum is zlib's crc32, computed by ISA-L (checksum.py: 3x faster, the same values). It and the reads and writes
 release the GIL, so the saver's and loader's threads overlap checksums with I/O.
@@ -214,14 +218,92 @@ def _check(path: Path, *, size: int, crc: int, data: bytes | None, expected: Fil
                                   f"{expected.sha256[:16]}... (altered); load an earlier checkpoint")
 
 
-def read_torch_file(path: Path, *, expected: FileRecord | None = None, allowed: tuple[type, ...] = ()) -> Any:
-    """Load one torch file (CPU), checked against `expected` when given; see the module docstring."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TensorLayout:
+    """Where a one-tensor file keeps its elements: read from its zip directory and pickle, not yet checksummed."""
+
+    dtype: torch.dtype
+    shape: torch.Size
+    size: int
+    """The file's bytes."""
+    data: tuple[int, int]
+    """(offset, bytes) of the data record: the elements, contiguous, in native (little-endian) order."""
+
+
+def _open(path: Path) -> int:
     try:
-        fd = os.open(path, os.O_RDONLY)
+        return os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing; the checkpoint is incomplete, load an earlier one") from None
     except OSError as exc:  # permission, or the disk: the file is there, so nothing says it is damaged
         raise CheckpointAccessError(path, exc) from None
+
+
+def tensor_layout(path: Path, *, expected: FileRecord | None = None,
+                  allowed: tuple[type, ...] = ()) -> TensorLayout | None:
+    """The layout of a file holding one contiguous tensor that owns its whole storage (what xser writes per tensor),
+    without reading the elements; None for any other file (read_torch_file reads, checks and reports it).
+
+    A missing file, or one whose size is not the manifest's, raises here: before anything is read into memory that
+    matters. The checksum can only be checked by read_tensor_into, once the bytes have passed.
+    """
+    fd = _open(path)
+    try:
+        size = os.fstat(fd).st_size
+        _check_size(path, size, expected)
+        if expected is not None and expected.sha256 is not None:  # version 1: sha256 needs the whole file at once
+            return None
+        with os.fdopen(os.dup(fd), "rb") as fh:
+            record = _data_record(fh)
+    finally:
+        os.close(fd)
+    if record is None or record[0] + record[1] > size:
+        return None
+    try:
+        meta = safe_load(path, what=path, mmap=True, allowed=allowed)
+    except CheckpointError:  # damaged, or no mmap here: the whole-file path reads and reports it
+        return None
+    if (type(meta) is not torch.Tensor or not meta.is_contiguous() or meta.storage_offset() != 0
+            or meta.untyped_storage().nbytes() != record[1] or meta.numel() * meta.element_size() != record[1]):
+        return None
+    return TensorLayout(dtype=meta.dtype, shape=meta.shape, size=size, data=record)
+
+
+def read_tensor_into(path: Path, target: torch.Tensor, layout: TensorLayout, *,
+                     expected: FileRecord | None = None) -> None:
+    """Read the file's elements straight into `target` (a contiguous CPU tensor of layout's dtype and shape), the
+    crc32 computed on the same pass, then check the file against `expected`.
+
+    No other memory is touched: the kernel copies from the page cache into `target`. When the checksum or size turns
+    out wrong, CheckpointError names the file and `target` holds the damaged bytes: the caller must drop it (the
+    trainer's restore aborts the run).
+    """
+    if (target.device.type != "cpu" or not target.is_contiguous() or target.dtype != layout.dtype
+            or target.shape != layout.shape):
+        raise ValueError(f"cannot read {path} ({layout.dtype}, {tuple(layout.shape)}) into a {target.dtype} "
+                         f"{tuple(target.shape)} tensor on {target.device}")
+    offset, nbytes = layout.data
+    head, tail = bytearray(offset), bytearray(layout.size - offset - nbytes)
+    elements = target.detach().reshape(-1).view(torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+    fd = _open(path)
+    try:
+        size = os.fstat(fd).st_size
+        if size != layout.size:
+            raise CheckpointError(f"{path} changed while it was read ({size} bytes, {layout.size} before); "
+                                  "load it again")
+        crc = _read_into(fd, memoryview(head), 0, 0)
+        crc = _read_into(fd, memoryview(elements.numpy()), offset, crc)
+        crc = _read_into(fd, memoryview(tail), offset + nbytes, crc)
+    except EOFError as exc:
+        raise CheckpointError(f"{path} changed while it was read ({exc}); load it again") from None
+    finally:
+        os.close(fd)
+    _check(path, size=size, crc=crc, data=None, expected=expected)
+
+
+def read_torch_file(path: Path, *, expected: FileRecord | None = None, allowed: tuple[type, ...] = ()) -> Any:
+    """Load one torch file (CPU), checked against `expected` when given; see the module docstring."""
+    fd = _open(path)
     try:
         size = os.fstat(fd).st_size
         _check_size(path, size, expected)

@@ -5,7 +5,8 @@ What the files hold (shared/reference/neuron-xla.md 1.3; Megatron's optimizer/op
   'param_groups': [...]};
 - fp16 / bf16 (Float16OptimizerWithFloat16Params): {'optimizer': that state_dict, 'grad_scaler': {...},
   'fp32_from_fp16_params': [[fp32 master of each parameter of group 0], [... group 1]]};
-- the distributed optimizer keeps its moments in distrib_optim.pt, flattened by bucket: not read here.
+- the distributed optimizer keeps only its settings here and its moments in distrib_optim.pt, flattened by
+  bucket: read by distrib_optim.py.
 
 Positions follow Megatron's parameter groups: weights with weight decay (every matrix), then the LayerNorms and
 biases without, each in the model's parameter order (`_get_params_for_weight_decay_optimization`); megatron-core
@@ -40,14 +41,14 @@ def _parts(optimizer: Any) -> tuple[dict[str, Any], list[Any] | None, dict[str, 
     if not isinstance(optimizer, dict):
         raise ValueError(f"the optimizer state is a {type(optimizer).__name__}, not one of Megatron's")
     if "param_state_sharding_type" in optimizer or "per_bucket_numel" in optimizer:
-        raise ValueError("it is the distributed optimizer's (its moments are in distrib_optim.pt, which is not read)")
+        raise ValueError("it is the distributed optimizer's torch_dist form (param_state_sharding_type), whose "
+                         "moments are not in a distrib_optim.pt")
     if "state" in optimizer and "param_groups" in optimizer:
         return optimizer, None, None
     inner = optimizer.get("optimizer")
     if isinstance(inner, dict) and "param_groups" in inner:
         if "param_state_sharding_type" in inner or "state" not in inner:
-            raise ValueError("it is the distributed optimizer's (its moments are in distrib_optim.pt, "
-                             "which is not read)")
+            raise ValueError("it is the distributed optimizer's settings without its moments (distrib_optim.pt)")
         masters = optimizer.get("fp32_from_fp16_params")
         scaler = optimizer.get("grad_scaler")
         return inner, masters if isinstance(masters, list) else None, scaler if isinstance(scaler, dict) else None

@@ -4,9 +4,10 @@ source's TP x PP, ready for tools.reshard to write at any TP x PP (and re-pad th
 Per rank: the model (each virtual chunk) is renamed (foreign_keys.py), its stage-local layer numbers made global
 (chunks in Megatron's order: chunk 0 of every pipeline rank, then chunk 1, ...), QKV rows put in our order, and the
 weights made fp32 (the fp32 master copies of a 16-bit run when it kept them). The optimizer's positions become names
-(foreign_optim.py) and then our trainer's positions. Progress: iteration, consumed samples (the reference's flat
-keys or Megatron-LM's `args`), and the LR position: the scheduler's num_steps counts samples (Megatron steps it by
-the global batch after every applied update), so applied steps = num_steps / global batch.
+(foreign_optim.py), or, with Megatron's distributed optimizer, its flat buffers in distrib_optim.pt are cut back into
+parameters (distrib_optim.py); then they take our trainer's positions. Progress: iteration, consumed samples (the
+reference's flat keys or Megatron-LM's `args`), and the LR position: the scheduler's num_steps counts samples
+(Megatron steps it by the global batch after every applied update), so applied steps = num_steps / global batch.
 """
 
 from __future__ import annotations
@@ -17,8 +18,16 @@ from typing import Any
 
 import torch
 
-from megatron_hpc.checkpoint import foreign_keys, foreign_optim, optim_layout, pp_layout, stream, tp_layout
-from megatron_hpc.checkpoint.foreign import OURS, ForeignCheckpoint, arg
+from megatron_hpc.checkpoint import (
+    distrib_optim,
+    foreign_keys,
+    foreign_optim,
+    optim_layout,
+    pp_layout,
+    stream,
+    tp_layout,
+)
+from megatron_hpc.checkpoint.foreign import OURS, ForeignCheckpoint, arg, read_rank
 from megatron_hpc.checkpoint.host_memory import give_back_freed
 from megatron_hpc.checkpoint.loader import FoundCheckpoint
 from megatron_hpc.checkpoint.manifest import Manifest
@@ -69,8 +78,10 @@ def _chunks(state: dict[str, Any], *, where: object) -> list[dict[str, Any]]:
     return [state[f"model{i}"] for i in range(count)]
 
 
-def _renamed(src: ForeignCheckpoint, *, tied: bool) -> list[list[dict[str, torch.Tensor]]]:
-    """Every rank's weights under our names, layers numbered globally."""
+def _renamed(src: ForeignCheckpoint, *, tied: bool) -> tuple[list[list[dict[str, torch.Tensor]]],
+                                                               dict[tuple[int, int], int]]:
+    """Every rank's weights under our names, layers numbered globally; and the first global layer of each
+    (pipeline rank, chunk)."""
     files = src.files
     counts: dict[tuple[int, int], int] = {}
     local: list[list[list[dict[str, Any]]]] = []
@@ -93,7 +104,7 @@ def _renamed(src: ForeignCheckpoint, *, tied: bool) -> list[list[dict[str, torch
             offsets[(p, v)] = offset
             offset += counts.get((p, v), 0)
     return [[{foreign_keys.renumber(name, offsets[(p, v)]): t for v, chunk in enumerate(chunks)
-              for name, t in chunk.items()} for chunks in row] for p, row in enumerate(local)]
+              for name, t in chunk.items()} for chunks in row] for p, row in enumerate(local)], offsets
 
 
 def _check_tp_agree(row: list[dict[str, torch.Tensor]], *, where: object,
@@ -235,8 +246,71 @@ def model_config(src: ForeignCheckpoint, full: dict[str, torch.Tensor], *, vocab
     return cfg
 
 
+def _uses_distributed_optimizer(state: dict[str, Any]) -> bool:
+    """Saved with --use-distributed-optimizer (the args say so, or the optimizer entry holds settings only)."""
+    opt = state.get("optimizer")
+    inner = opt.get("optimizer") if isinstance(opt, dict) else None
+    settings_only = isinstance(inner, dict) and "param_groups" in inner and "state" not in inner
+    return "optimizer" in state and (bool(arg(state, "use_distributed_optimizer", False)) or settings_only)
+
+
+def _distributed(src: ForeignCheckpoint, *, tied: bool,
+                 layer_offsets: dict[tuple[int, int], int]) -> dict[tuple[int, int], foreign_optim.ForeignOptimizer]:
+    """Each rank's Adam state from its distrib_optim.pt, by our names (QKV rows still the source's); empty when the
+    checkpoint was not saved with the distributed optimizer. Every file's presence is checked before one is read."""
+    if not _uses_distributed_optimizer(src.first):
+        return {}
+    files = {key: main.parent / distrib_optim.FILE for key, main in src.files.mains.items()}
+    for key, path in sorted(files.items()):
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing: {src.files.mains[key]} was saved with Megatron's distributed "
+                                  "optimizer, which keeps Adam's state in that file; copy it from the run's save "
+                                  "folder beside model_optim_rng.pt")
+    bucket = arg(src.first, "ddp_bucket_size") if arg(src.first, "overlap_grad_reduce", False) else None
+    if arg(src.first, "overlap_grad_reduce", False) and bucket is None:
+        # megatron-core's default when --ddp-bucket-size is not given (distributed_data_parallel.py)
+        bucket = max(40_000_000, 1_000_000 * int(arg(src.first, "data_parallel_size", 1) or 1))
+    pp = src.files.pipeline_parallel
+    out = {}
+    for (p, t), path in sorted(files.items()):
+        state = src.grid[p][t]
+        chunks_raw = _chunks(state, where=src.files.mains[(p, t)])
+        chunks = []
+        for chunk in chunks_raw:
+            flat = {n: w for n, w in foreign_keys.flatten(chunk).items()
+                    if isinstance(w, torch.Tensor) and foreign_keys.our_name(n, family=src.family, tied=tied)}
+            # A pipelined tied model keeps each stage's copy of the shared embedding in a bucket of its own.
+            shared = {n for n in flat if pp > 1 and tied and n in _SHARED_EMBEDDING}
+            chunks.append(distrib_optim.Chunk(params={n: w.shape for n, w in flat.items()},
+                                              own_bucket=frozenset(shared)))
+        per_chunk = distrib_optim.unflatten(read_rank(path), chunks, bucket_size=bucket, path=path)
+        settings = state["optimizer"]
+        inner = settings.get("optimizer", {}) if isinstance(settings, dict) else {}
+        groups = inner.get("param_groups") or [{}]
+        step = groups[0].get("step")
+        moments: dict[str, foreign_optim.Moments] = {}
+        masters: dict[str, torch.Tensor] = {}
+        for v, named in enumerate(per_chunk):
+            for name, tensors in named.items():
+                ours = foreign_keys.renumber(foreign_keys.our_name(name, family=src.family, tied=tied) or name,
+                                             layer_offsets[(p, v)])
+                moments[ours] = {"step": step, "exp_avg": tensors["exp_avg"], "exp_avg_sq": tensors["exp_avg_sq"]}
+                masters[ours] = tensors["param"]
+        hyper = {k: groups[0][k] for k in ("lr", "betas", "eps", "weight_decay") if k in groups[0]}
+        scaler = settings.get("grad_scaler") if isinstance(settings, dict) else None
+        out[(p, t)] = foreign_optim.ForeignOptimizer(moments=moments, masters=masters, hyper=hyper,
+                                                     grad_scaler=scaler if isinstance(scaler, dict) else None)
+    return out
+
+
+_SHARED_EMBEDDING = ("embedding.word_embeddings.weight", "output_layer.weight",
+                     "language_model.embedding.word_embeddings.weight", "word_embeddings_for_head.weight")
+
+
 def _optimizers(src: ForeignCheckpoint, ranks: list[list[dict[str, torch.Tensor]]], *, version: float,
-                heads_per_shard: int, notes: list[str]) -> list[list[foreign_optim.ForeignOptimizer]] | None:
+                heads_per_shard: int, notes: list[str],
+                distributed: dict[tuple[int, int], foreign_optim.ForeignOptimizer],
+                ) -> list[list[foreign_optim.ForeignOptimizer]] | None:
     """Each rank's optimizer state by our names (QKV moments and masters in our row order); None, with a note, when
     any rank's cannot be carried over."""
     out = []
@@ -250,7 +324,8 @@ def _optimizers(src: ForeignCheckpoint, ranks: list[list[dict[str, torch.Tensor]
                 return None
             shapes = {n: w.shape for n, w in rank.items()}
             try:
-                opt = foreign_optim.by_name(state["optimizer"], names=list(rank), shapes=shapes)
+                opt = distributed.get((p, t)) or foreign_optim.by_name(state["optimizer"], names=list(rank),
+                                                                        shapes=shapes)
             except (ValueError, KeyError, TypeError, IndexError) as exc:
                 notes.append(f"the source's optimizer state was not carried over: {exc}; a resumed run starts "
                              "Adam's moments at zero")
@@ -318,9 +393,11 @@ def import_foreign(src: ForeignCheckpoint, *, vocab_size: int | None = None, laz
         raise CheckpointError(f"{where} records num_attention_heads={heads!r}, which tp {tp} does not divide; the "
                               "checkpoint's arguments do not fit its shards")
     untied = bool(arg(state, "untie_embeddings_and_output_weights", False))
-    ranks = _renamed(src, tied=not untied and not (pp == 1 and _has_output_layer(state)))
+    tied = not untied and not (pp == 1 and _has_output_layer(state))
+    ranks, layer_offsets = _renamed(src, tied=tied)
     iteration, consumed, lr_steps = _progress(src, notes)
-    optimizers = _optimizers(src, ranks, version=version, heads_per_shard=heads // tp, notes=notes)
+    optimizers = _optimizers(src, ranks, version=version, heads_per_shard=heads // tp, notes=notes,
+                             distributed=_distributed(src, tied=tied, layer_offsets=layer_offsets))
     _drop_models(src)  # the weights live on in `ranks` alone, so each is freed once its fp32 copy is made
     source = None
     if lazy:

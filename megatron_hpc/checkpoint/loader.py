@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_hpc.checkpoint import paths
 from megatron_hpc.checkpoint.compat import PipelineLayout, check_fits, foreign_message, is_foreign
@@ -19,6 +19,9 @@ from megatron_hpc.checkpoint.ranks import RankInfo
 from megatron_hpc.checkpoint.saver import complete_iterations
 from megatron_hpc.checkpoint.xser import read_xser
 from megatron_hpc.errors import CheckpointAccessError, CheckpointError
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -93,16 +96,25 @@ def check_mesh(found: FoundCheckpoint, *, tensor_parallel: int, layout: Pipeline
     check_fits(found.folder, found.manifest, tensor_parallel=tensor_parallel, layout=layout or PipelineLayout())
 
 
-def read_shard(found: FoundCheckpoint, *, tp_rank: int, pp_rank: int = 0, verify: bool = True) -> Any:
-    """The state of one TP x PP rank (CPU tensors), every file checked against the manifest."""
+def read_shard(found: FoundCheckpoint, *, tp_rank: int, pp_rank: int = 0, verify: bool = True,
+               into: dict[str, dict[str, torch.Tensor]] | None = None) -> Any:
+    """The state of one TP x PP rank (CPU tensors), every file checked against the manifest.
+
+    `into`: state dicts of existing tensors to read into, by top-level key (xser.read_xser)."""
     files = {found.folder / rel: rec for rel, rec in found.manifest.files.items()} if verify else None
     main = paths.main_file(found.folder, tp_rank, pp_rank, pp_size=found.manifest.pipeline_parallel)
-    return read_xser(main, files=files)
+    return read_xser(main, files=files, into=into)
 
 
 def load_checkpoint(root: Path, *, ranks: RankInfo, io_workers_per_node: int = 4,
-                    layout: PipelineLayout | None = None) -> tuple[FoundCheckpoint, Any] | None:
+                    layout: PipelineLayout | None = None,
+                    into: dict[str, dict[str, torch.Tensor]] | None = None) -> tuple[FoundCheckpoint, Any] | None:
     """Every rank calls it: None when there is no checkpoint, else the checkpoint and this rank's state.
+
+    `into`: state dicts of this rank's tensors that already exist, by the saved object's top-level key
+    (`{"model": model.state_dict()}`): those that fit are read straight into (xser.read_xser), and the state holds
+    them in place of fresh tensors. On an error they may hold part of the checkpoint: the caller must not go on
+    with them.
 
     Each rank reads its (TP, PP) file. `layout`: the run's pipeline layout (default: ranks.pp_size stages, split
     evenly); a checkpoint saved at another TP size or layout is refused with the reshard command. Every rank of a
@@ -124,7 +136,7 @@ def load_checkpoint(root: Path, *, ranks: RankInfo, io_workers_per_node: int = 4
     for phase in range(phases):
         if phase == my_phase:
             try:
-                state = read_shard(found, tp_rank=ranks.tp_rank, pp_rank=ranks.pp_rank)
+                state = read_shard(found, tp_rank=ranks.tp_rank, pp_rank=ranks.pp_rank, into=into)
             except CheckpointError as exc:
                 error = exc
         ranks.all_ok(True)  # barrier only: ends the phase

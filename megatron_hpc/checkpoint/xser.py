@@ -31,7 +31,15 @@ from typing import Any
 
 import torch
 
-from megatron_hpc.checkpoint.file_io import Written, read_torch_file, safe_load, write_torch_file
+from megatron_hpc.checkpoint.file_io import (
+    TensorLayout,
+    Written,
+    read_tensor_into,
+    read_torch_file,
+    safe_load,
+    tensor_layout,
+    write_torch_file,
+)
 from megatron_hpc.checkpoint.manifest import FileRecord
 from megatron_hpc.checkpoint.paths import tensor_file, tensors_dir
 from megatron_hpc.errors import CheckpointAccessError, CheckpointError
@@ -239,16 +247,26 @@ def resolve(ref_data: Any, load: Callable[[int], torch.Tensor]) -> Any:
     return walk(ref_data)
 
 
-def read_xser(main: Path, *, files: dict[Path, FileRecord] | None = None, mmap: bool = False) -> Any:
+def read_xser(main: Path, *, files: dict[Path, FileRecord] | None = None, mmap: bool = False,
+              into: dict[str, dict[str, torch.Tensor]] | None = None) -> Any:
     """Read an xser main file and its tensors (CPU), ours or torch_xla's; plain torch files too.
 
     `files`: manifest records by absolute path; every file read must match its record.
     `mmap`: map tensor files instead of reading them (cheap shapes for inspect; no verification).
+    `into`: state dicts of tensors that already exist, by the saved object's top-level key
+    (`{"model": model.state_dict()}`): each tensor is filled straight from its file and returned in place of a
+    fresh tensor (no new memory, no second copy); see plan_in_place for what is checked before the first byte is
+    written.
     """
     ref_data = _read(main, files, mmap=mmap)
+    targets = {} if into is None or mmap else plan_in_place(main, ref_data, into, files=files, threads=IO_THREADS)
 
     def load(tid: int) -> torch.Tensor:
         path = tensor_file(main, tid)
+        if tid in targets:
+            target, layout = targets[tid]
+            read_tensor_into(path, target, layout, expected=None if files is None else files[path])
+            return target
         tensor = _read(path, files, mmap=mmap)
         if type(tensor) is not torch.Tensor:
             raise CheckpointError(f"{path} holds a {type(tensor).__name__}, not one tensor; the checkpoint "
@@ -282,3 +300,90 @@ def iter_tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor
     elif isinstance(obj, (list, tuple)):
         for i, value in enumerate(obj):
             yield from iter_tensors(value, f"{prefix}.{i}" if prefix else str(i))
+
+
+def _targets(saved: Any, into: dict[str, dict[str, torch.Tensor]], *,
+             main: Path) -> dict[int, list[tuple[str, torch.Tensor]]]:
+    """tid -> the places of `into` it fills. Each state dict of `into` must have the saved one's keys
+    (load_state_dict's strict rule), so a checkpoint of another model is refused before anything is written."""
+    out: dict[int, list[tuple[str, torch.Tensor]]] = {}
+    for top, state in into.items():
+        held = saved.get(top) if isinstance(saved, dict) else None
+        keys = set(held) if isinstance(held, dict) else set()
+        if keys != set(state):
+            missing, extra = sorted(map(str, set(state) - keys)), sorted(map(str, keys - set(state)))
+            seen = ([f"lacks {len(missing)} of this run's tensors ({', '.join(missing[:3])})"] if missing else []) + (
+                [f"has {len(extra)} this run does not ({', '.join(extra[:3])})"] if extra else [])
+            raise CheckpointError(f"{main} does not fit this run: its {top!r} {' and '.join(seen)}; check model.* "
+                                  "against the checkpoint's resolved_config (nothing was loaded)")
+        for key, target in state.items():
+            ref = held[key]
+            if type(ref) is torch.Tensor:  # torch_xla leaves CPU tensors inline: read with the main file
+                continue
+            tid = ref.__dict__.get("tid") if type(ref) is TensorReference else None
+            if type(tid) is not int or tid < 0:
+                raise CheckpointError(f"{main} holds a {type(ref).__name__} at {top}.{key}, where this run has a "
+                                      "tensor; it is damaged or from another program")
+            out.setdefault(tid, []).append((f"{top}.{key}", target))
+    return out
+
+
+def _count_references(value: Any, counts: dict[int, int]) -> None:
+    if type(value) is TensorReference:
+        tid = value.__dict__.get("tid")
+        if type(tid) is int:
+            counts[tid] = counts.get(tid, 0) + 1
+    elif isinstance(value, dict):
+        for item in value.values():
+            _count_references(item, counts)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _count_references(item, counts)
+
+
+def _fillable(target: torch.Tensor) -> bool:
+    return type(target) is torch.Tensor and target.device.type == "cpu" and target.is_contiguous()
+
+
+def plan_in_place(main: Path, ref_data: Any, into: dict[str, dict[str, torch.Tensor]], *,
+                  files: dict[Path, FileRecord] | None,
+                  threads: int = IO_THREADS) -> dict[int, tuple[torch.Tensor, TensorLayout]]:
+    """tid -> (existing tensor, file layout) for the tensors of `into` that can be read in place.
+
+    Everything that can be checked without the elements is checked for every file here, before any is written:
+    the state dicts' keys, that each file exists, is listed in the manifest with its size, and holds a tensor of the
+    target's shape (CheckpointError naming the file and both shapes otherwise). A tensor of another dtype (fp32
+    saved, bf16 model), off the CPU, not contiguous, saved in an unusual layout, or referenced from more than one
+    place is left to the ordinary read, and the caller's copy converts or places it. The crc32 is checked as the
+    bytes pass (read_tensor_into): a damaged file is refused naming it, with the tensors read until then
+    overwritten, which is harmless to a caller that aborts on the error, as the trainer's restore does.
+    """
+    wanted = _targets(ref_data, into, main=main)
+    counts: dict[int, int] = {}
+    _count_references(ref_data, counts)
+    tids = [tid for tid, places in wanted.items() if counts.get(tid) == 1 and len(places) == 1
+            and _fillable(places[0][1])]
+
+    def layout(tid: int) -> TensorLayout | None:
+        path = tensor_file(main, tid)
+        record = None
+        if files is not None:
+            record = files.get(path)
+            if record is None:
+                raise CheckpointError(f"{path} is not listed in the checkpoint's manifest; the checkpoint is "
+                                      "damaged or was modified, load an earlier one")
+        return tensor_layout(path, expected=record, allowed=(TensorReference,))
+
+    layouts = _each(layout, tids, threads=threads)
+    plan: dict[int, tuple[torch.Tensor, TensorLayout]] = {}
+    for tid in tids:
+        (where, target), found = wanted[tid][0], layouts[tid]
+        if found is None:
+            continue
+        if found.shape != target.shape:
+            raise CheckpointError(f"{tensor_file(main, tid)} holds {where} of shape {tuple(found.shape)}, this run's "
+                                  f"is {tuple(target.shape)}; check model.* against the checkpoint's "
+                                  "resolved_config (nothing was loaded)")
+        if found.dtype == target.dtype:
+            plan[tid] = (target, found)
+    return plan

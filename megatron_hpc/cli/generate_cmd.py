@@ -1,12 +1,23 @@
-"""`megatron-hpc generate CKPT --prompt "..."`: continue prompts with a trained checkpoint, in this process on the
-CPU (the checkpoint's TP x PP shards merged to TP 1), greedy unless --temperature says otherwise."""
+"""`megatron-hpc generate CKPT --prompt "..."`: continue prompts with a trained checkpoint, greedy unless
+--temperature says otherwise.
+
+Alone it runs in this process at TP 1 (the checkpoint's TP x PP shards merged), on the device of --platform or the
+run's platform (CPU, CUDA or XLA; the CPU when this machine lacks the run's device). Under torchrun (`torchrun
+--nproc_per_node T -m megatron_hpc generate ...`) it runs at TP T on the CPU (gloo), as `serve` does: every rank
+parses the same arguments, loads its shard, computes its heads and its vocabulary columns in the same `generate`
+call (the sampling exchanges only what the choice needs), and rank 0 alone prints.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Any
+
+from megatron_hpc.config.platforms import PLATFORMS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab-file", type=Path, help="GPT-2 vocab.json, when the run's is missing or gone")
     parser.add_argument("--merge-file", type=Path, help="GPT-2 merges.txt, with --vocab-file")
     parser.add_argument("--iteration", type=int, help="use this iteration instead of the tracker's")
+    parser.add_argument("--platform", choices=sorted(PLATFORMS),
+                        help="generate on this platform's device (default: the run's launch.platform)")
     parser.add_argument("--json", action="store_true", help="print JSON: tokens, log-probs and text per prompt")
 
 
@@ -41,7 +54,13 @@ def run(args: argparse.Namespace) -> int:
     from megatron_hpc.data.tokenizer import EOD_TOKEN
     from megatron_hpc.errors import GenerationError
     from megatron_hpc.generate.engine import generate
-    from megatron_hpc.generate.loading import TOKENIZER_FLAGS, load_for_generation
+    from megatron_hpc.generate.loading import (
+        TOKENIZER_FLAGS,
+        choose_device,
+        leave_group,
+        load_for_generation,
+        torchrun_context,
+    )
     from megatron_hpc.generate.sampling import SamplingParams
 
     if not args.prompt and not args.prompt_ids:
@@ -49,8 +68,20 @@ def run(args: argparse.Namespace) -> int:
     id_prompts = [_parse_ids(p) for p in args.prompt_ids]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)  # checked before the (slow) load
+    asked = choose_device(args.platform, {}) if args.platform else None
+    if asked is not None and asked.info.kind != "cpu" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise GenerationError(f"--platform {args.platform} runs in one process; under torchrun every rank generates "
+                              "on the cpu (gloo), so drop --platform or run without torchrun")
+    ctx = torchrun_context()
     loaded = load_for_generation(args.path, iteration=args.iteration, vocab_file=args.vocab_file,
-                                 merge_file=args.merge_file)
+                                 merge_file=args.merge_file, ctx=ctx)
+    kind = "cpu"
+    if ctx is None:
+        chosen = asked or choose_device(None, loaded.resolved_config)
+        if chosen.note:
+            print(f"megatron-hpc: note: {chosen.note}", file=sys.stderr)
+        loaded.model.to(chosen.info.device)
+        kind = chosen.info.kind
     tok = loaded.tokenizer
     if args.prompt and tok is None:
         raise GenerationError(f"text prompts need a tokenizer and {args.path} has none ({loaded.no_tokenizer}); "
@@ -61,7 +92,10 @@ def run(args: argparse.Namespace) -> int:
         stops.append(tok.vocab[EOD_TOKEN])
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop_tokens=tuple(stops))
-    results = generate(loaded.model, prompts, params)
+    results = generate(loaded.model, prompts, params)  # under torchrun: every rank, the same call
+    leave_group()
+    if ctx is not None and ctx.rank != 0:
+        return 0
     rows: list[dict[str, Any]] = []
     for gen in results:
         row: dict[str, Any] = {"prompt_ids": gen.prompt, "tokens": gen.tokens, "logprobs": gen.logprobs,
@@ -71,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
         rows.append(row)
     if args.json:
         print(json.dumps({"checkpoint": str(args.path), "iteration": loaded.iteration,
-                          "tensor_parallel": loaded.source_tp, "results": rows}, indent=1))
+                          "tensor_parallel": loaded.source_tp, "device": kind, "results": rows},
+                         indent=1))
         return 0
     for row in rows:
         if tok is not None:

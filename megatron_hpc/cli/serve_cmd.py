@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import sys
 from pathlib import Path
@@ -35,10 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _client(args: argparse.Namespace) -> int:
-    from urllib.error import HTTPError, URLError
-    from urllib.request import Request, urlopen
+    from urllib.error import URLError
 
     from megatron_hpc.errors import GenerationError
+    from megatron_hpc.generate.client import put_api
 
     if not args.prompt:
         raise GenerationError("nothing to send: pass --prompt TEXT with --client")
@@ -49,35 +48,15 @@ def _client(args: argparse.Namespace) -> int:
     if not isinstance(extra, dict):
         raise GenerationError(f"--request must be a JSON object, not {type(extra).__name__}; e.g. '{{\"top_k\": 1}}'")
     body: dict[str, Any] = {"prompts": args.prompt, "tokens_to_generate": args.tokens_to_generate, **extra}
-    req = Request(args.client, data=json.dumps(body).encode(), method="PUT",
-                  headers={"Content-Type": "application/json"})
     try:
-        with urlopen(req) as resp:
-            print(json.dumps(json.loads(resp.read()), indent=1))
-        return 0
-    except HTTPError as exc:
-        try:
-            why = json.loads(exc.read()).get("message", exc.reason)
-        except (json.JSONDecodeError, AttributeError):
-            why = exc.reason
-        raise GenerationError(f"the server refused the request ({exc.code}): {why}") from None
+        status, reply = put_api(args.client, body)
     except URLError as exc:
         raise GenerationError(f"cannot reach {args.client} ({exc.reason}); is `megatron-hpc serve` running "
                               "there, and is the URL http://HOST:PORT/api?") from None
-
-
-def _parallel_context() -> Any:
-    """Under torchrun: the gloo group of every rank, all of them one TP group (rank 0 serves)."""
-    import torch.distributed as dist
-
-    from megatron_hpc.parallel.context import ParallelContext
-    from megatron_hpc.plan.mesh import Mesh
-
-    world = int(os.environ["WORLD_SIZE"])
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    dist.init_process_group("gloo")
-    return ParallelContext.build(Mesh(num_nodes=world // local, workers_per_node=local, tensor_parallel=world),
-                                 rank=dist.get_rank())
+    if status != 200:
+        raise GenerationError(f"the server refused the request ({status}): {reply.get('message', reply)}")
+    print(json.dumps(reply, indent=1))
+    return 0
 
 
 def _stop_on_sigterm(signum: int, frame: Any) -> None:
@@ -88,12 +67,12 @@ def run(args: argparse.Namespace) -> int:
     if args.client:
         return _client(args)
     from megatron_hpc.errors import GenerationError
-    from megatron_hpc.generate.loading import TOKENIZER_FLAGS, load_for_generation
+    from megatron_hpc.generate.loading import TOKENIZER_FLAGS, load_for_generation, torchrun_context
     from megatron_hpc.generate.serving import Service, follow, start
 
     if args.path is None:
         raise GenerationError("serve needs a checkpoint: megatron-hpc serve CKPT --port N (or --client URL)")
-    ctx = _parallel_context() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+    ctx = torchrun_context()
     loaded = load_for_generation(args.path, iteration=args.iteration, vocab_file=args.vocab_file,
                                  merge_file=args.merge_file, ctx=ctx)
     if loaded.tokenizer is None:

@@ -117,6 +117,12 @@ class ParallelConfig:
     overlap_grad_reduce: bool = True
     """Start each gradient bucket's data-parallel all-reduce during the last micro-batch's backward
     (Megatron --overlap-grad-reduce); ignored on XLA and when data-parallel size is 1."""
+    overlap_param_gather: bool = False
+    """Megatron --overlap-param-gather: after the distributed optimizer's step, each bucket's all-gather of the
+    updated weights starts asynchronously, and the next forward waits for a bucket just before the first layer
+    that uses one of its parameters (saves, evaluation and the run's end wait for all of them first). Needs
+    parallel.distributed_optimizer; refused under pipelining; ignored with a warning on XLA, whose ZeRO-1
+    gathers inside the step's graph. Under train.compile the gathers are waited before the forward instead."""
     grad_bucket_mb: float = 128.0
     """Size of a data-parallel gradient all-reduce bucket in MiB of fp32 (128: 32M elements; Megatron's
     --ddp-bucket-size counts elements). Smaller buckets start sooner in backward, larger ones make fewer calls."""

@@ -20,8 +20,7 @@ from megatron_hpc.config.schema import DataConfig, TrainConfig
 from megatron_hpc.data.blending import build_split_dataset
 from megatron_hpc.data.gpt_dataset import GPTIndexConfig, split_matrix
 from megatron_hpc.errors import DataError
-from megatron_hpc.evaluate.scoring import sample_losses
-from megatron_hpc.model.gpt import GPT
+from megatron_hpc.evaluate.scoring import Scorer, sample_losses
 from megatron_hpc.train.evaluate import num_test_samples, num_valid_samples
 
 EvalSplit = Literal["valid", "test"]
@@ -80,7 +79,7 @@ def split_samples(request: SplitRequest, data: DataConfig, *, seed: int, seq_len
     return torch.from_numpy(np.stack([dataset.text(i) for i in range(request.num_samples)]))
 
 
-def evaluate_split(model: GPT, request: SplitRequest, data: DataConfig, *, seed: int, seq_length: int,
+def evaluate_split(model: Scorer, request: SplitRequest, data: DataConfig, *, seed: int, seq_length: int,
                    batch_size: int) -> SplitResult:
     """The mean lm loss over the request's samples (Megatron's: every sample has seq_length targets, so the mean
     over micro-batches and eval iterations is the mean over samples)."""

@@ -13,9 +13,8 @@ from pathlib import Path
 
 from megatron_hpc.data.tokenizer import GPT2BPETokenizer
 from megatron_hpc.evaluate.detokenize import wikitext_detokenize
-from megatron_hpc.evaluate.scoring import cloze_hits, windowed_loss_sum
+from megatron_hpc.evaluate.scoring import Scorer, cloze_hits, windowed_loss_sum
 from megatron_hpc.evaluate.tasks import lm_windows, read_cloze_examples, read_lm_document
-from megatron_hpc.model.gpt import GPT
 from megatron_hpc.train.metrics import validation_ppl
 
 
@@ -57,7 +56,7 @@ class LambadaResult:
         return self.correct / self.total
 
 
-def evaluate_wikitext(model: GPT, tokenizer: GPT2BPETokenizer, path: Path, *, seq_length: int,
+def evaluate_wikitext(model: Scorer, tokenizer: GPT2BPETokenizer, path: Path, *, seq_length: int,
                       stride: int | None, batch_size: int) -> WikitextResult:
     """Windowed perplexity of a WikiText-style file; `stride` None is seq_length (Megatron's default)."""
     stride = seq_length if stride is None else stride
@@ -68,7 +67,7 @@ def evaluate_wikitext(model: GPT, tokenizer: GPT2BPETokenizer, path: Path, *, se
     return WikitextResult(loss_sum=loss_sum, tokens=len(doc.tokens), words=doc.num_words, stride=stride)
 
 
-def evaluate_lambada(model: GPT, tokenizer: GPT2BPETokenizer, path: Path, *, seq_length: int, strict: bool,
+def evaluate_lambada(model: Scorer, tokenizer: GPT2BPETokenizer, path: Path, *, seq_length: int, strict: bool,
                      batch_size: int) -> LambadaResult:
     """Last-word accuracy over a LAMBADA-style JSON lines file."""
     examples = read_cloze_examples(path, encode=tokenizer.encode, strict=strict, seq_length=seq_length)

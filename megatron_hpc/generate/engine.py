@@ -12,6 +12,7 @@ from megatron_hpc.errors import GenerationError
 from megatron_hpc.generate.kv_cache import KVCache, cached_forward, check_generation_model, context_length
 from megatron_hpc.generate.sampling import SamplingParams, VocabShard, next_tokens, token_logprobs
 from megatron_hpc.model.gpt import GPT
+from megatron_hpc.parallel.device import mark_step
 
 PAD_ID = 0
 """What fills the left padding: any real id does, the padding columns are masked out."""
@@ -63,22 +64,29 @@ def generate(model: GPT, prompts: Sequence[Sequence[int]], params: SamplingParam
     longest = max(len(p) for p in prompts)
     pad = torch.tensor([longest - len(p) for p in prompts], device=device)
     ids = torch.tensor([[PAD_ID] * (longest - len(p)) + list(p) for p in prompts], device=device)
-    cache = KVCache.allocate(model, pad=pad, capacity=longest + params.max_new_tokens)
+    # XLA: a cache as long as the context, so that its shape (and the decode graph) is the same for every request
+    # of this batch size, whatever its prompt lengths and max_new_tokens.
+    capacity = context_length(model) if device.type == "xla" else longest + params.max_new_tokens
+    cache = KVCache.allocate(model, pad=pad, capacity=capacity)
     generator = None
     if not params.greedy:
         # a seedless request still draws the same on every rank until the broadcast settles it
-        generator = torch.Generator(device=device).manual_seed(
+        generator = torch.Generator(device="cpu" if device.type == "xla" else device).manual_seed(
             params.seed if params.seed is not None else secrets.randbits(63))
-    stops = torch.tensor(params.stop_tokens or [-1], device=device)
-    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    # The stop test runs on the host, on each step's tokens copied there: no device graph depends on the step count.
+    stops = torch.tensor(params.stop_tokens or [-1])
+    done = torch.zeros(len(prompts), dtype=torch.bool)
     new: list[torch.Tensor] = []
     logps: list[torch.Tensor] = []
     logits = cached_forward(model, ids, cache)
     for step in range(params.max_new_tokens):
         tokens, logp = next_tokens(logits, params, shard, generator)
-        new.append(tokens)
-        logps.append(logp)
-        done |= torch.isin(tokens, stops)
+        # XLA: run this step's graph now. Without the cut, the cache's pending updates would chain into one graph
+        # that grows (and compiles again) every step; with it, every decode step is the same graph.
+        mark_step(device.type)
+        new.append(tokens.cpu())  # host sync (a no-op copy on the CPU)
+        logps.append(logp.cpu())
+        done |= torch.isin(new[-1], stops)
         if bool(done.all()) or step == params.max_new_tokens - 1:
             break
         logits = cached_forward(model, tokens.unsqueeze(1), cache)

@@ -9,6 +9,12 @@ column, and one step appends one column for all rows. A row's positions count fr
 column still attends to itself, so that its (unused) hidden states stay finite: a query with every key
 masked would give NaN, and NaN values times a zero attention weight would leak into the real rows.
 
+On XLA every step has the same shapes, so that the prefill compiles one graph and every decode step shares
+another, whatever the number of new tokens: the columns a step writes come in as device data (not as constants in
+the graph), the keys and values are written with index_copy_, and attention reads the whole preallocated cache with a
+mask over all of its columns (the unwritten ones are masked as future keys; they hold zeros, never garbage that
+could be NaN). Elsewhere a step reads only the filled columns, which is less work.
+
 Shape legend: B batch, S new tokens this step, L cached length (capacity), H hidden, nh/tp local heads,
 hd head dim, V/tp this rank's vocabulary shard.
 """
@@ -42,8 +48,10 @@ class KVCache:
         dtype = blocks[0].attn.qkv.weight.dtype
         device = blocks[0].attn.qkv.weight.device
         shape = (pad.shape[0], heads, capacity, hd)
-        return cls(keys=[torch.empty(shape, dtype=dtype, device=device) for _ in blocks],
-                   values=[torch.empty(shape, dtype=dtype, device=device) for _ in blocks], pad=pad.to(device))
+        # XLA attends over every column, written or not (module docstring): they must be finite.
+        alloc = torch.zeros if device.type == "xla" else torch.empty
+        return cls(keys=[alloc(shape, dtype=dtype, device=device) for _ in blocks],
+                   values=[alloc(shape, dtype=dtype, device=device) for _ in blocks], pad=pad.to(device))
 
     @property
     def capacity(self) -> int:
@@ -74,14 +82,17 @@ def cached_forward(model: GPT, ids: torch.Tensor, cache: KVCache) -> torch.Tenso
     start = cache.length
     if start + s > cache.capacity:
         raise ValueError(f"cache holds {cache.capacity} columns; {start} used, {s} more asked")
-    cols = torch.arange(start, start + s, device=ids.device)  # (S,)
+    fixed = ids.device.type == "xla"  # one graph for every decode step (module docstring)
+    span = cache.capacity if fixed else start + s  # K: the key columns attention reads
+    # On XLA made on the host and copied: device data, where an arange on the device would be a constant.
+    cols = torch.arange(start, start + s).to(ids.device) if fixed else torch.arange(start, start + s, device=ids.device)
     positions = (cols.unsqueeze(0) - cache.pad.unsqueeze(1)).clamp_min(0)  # (B, S)
-    keys = torch.arange(start + s, device=ids.device)  # (S + start,)
+    keys = torch.arange(span, device=ids.device)  # (K,)
     # Key j is visible to query column c when j <= c and j is a real token of the row (or j is c itself).
-    real = keys.unsqueeze(0) >= cache.pad.unsqueeze(1)  # (B, start + S)
-    causal = keys.unsqueeze(0) <= cols.unsqueeze(1)  # (S, start + S)
+    real = keys.unsqueeze(0) >= cache.pad.unsqueeze(1)  # (B, K)
+    causal = keys.unsqueeze(0) <= cols.unsqueeze(1)  # (S, K)
     mask = (real.unsqueeze(1) & causal.unsqueeze(0)) | (keys.unsqueeze(0) == cols.unsqueeze(1)).unsqueeze(0)
-    mask = mask.unsqueeze(1)  # (B, 1, S, start + S)
+    mask = mask.unsqueeze(1)  # (B, 1, S, K)
     rope = None
     if model.rope_cos is not None:
         rope = (model.rope_cos[positions].unsqueeze(1), model.rope_sin[positions].unsqueeze(1))  # (B, 1, S, rot)
@@ -94,10 +105,14 @@ def cached_forward(model: GPT, ids: torch.Tensor, cache: KVCache) -> torch.Tenso
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))  # (B, nh/tp, S, hd)
         if rope is not None:
             q, k = rotate(q, *rope), rotate(k, *rope)
-        cache.keys[layer][:, :, start:start + s] = k
-        cache.values[layer][:, :, start:start + s] = v
-        y = F.scaled_dot_product_attention(q, cache.keys[layer][:, :, :start + s],
-                                           cache.values[layer][:, :, :start + s], attn_mask=mask)
+        if fixed:
+            cache.keys[layer].index_copy_(2, cols, k)
+            cache.values[layer].index_copy_(2, cols, v)
+        else:
+            cache.keys[layer][:, :, start:start + s] = k
+            cache.values[layer][:, :, start:start + s] = v
+        y = F.scaled_dot_product_attention(q, cache.keys[layer][:, :, :span], cache.values[layer][:, :, :span],
+                                           attn_mask=mask)
         y = attn.proj(y.transpose(1, 2).reshape(b, s, attn.local_heads * attn.head_dim))  # (B, S, H)
         if block.parallel_residual:  # GPT-NeoX: the MLP reads the block input too, as in Block.forward
             x = block.mlp(block.ln_2(x)) + y + x

@@ -1,8 +1,11 @@
 """A checkpoint of ours as one in-process GPT for generation: every TP x PP shard merged and loaded at TP 1 on
-the CPU (the reshard tool's merge and vocabulary re-padding), with the run's tokenizer when it has one."""
+the CPU (the reshard tool's merge and vocabulary re-padding), with the run's tokenizer when it has one; then moved to
+the device of the platform chosen as the trainer chooses it (choose_device)."""
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,11 +17,13 @@ from megatron_hpc.checkpoint import pp_layout, tp_layout
 from megatron_hpc.checkpoint.tools import tokenizer_files
 from megatron_hpc.checkpoint.whole import read_whole
 from megatron_hpc.config.loader import from_dict
+from megatron_hpc.config.platforms import PLATFORMS, resolve_platform
 from megatron_hpc.config.schema import ModelConfig
 from megatron_hpc.data.tokenizer import GPT2BPETokenizer
-from megatron_hpc.errors import CheckpointError, GenerationError
+from megatron_hpc.errors import CheckpointError, GenerationError, TrainingError
 from megatron_hpc.model.gpt import GPT
 from megatron_hpc.parallel.context import ParallelContext
+from megatron_hpc.parallel.device import DeviceInfo, resolve_device
 from megatron_hpc.plan.mesh import Mesh
 from megatron_hpc.plan.vocab import padded_vocab_size
 from megatron_hpc.train.init_skip import skip_random_init
@@ -39,11 +44,71 @@ class LoadedModel:
     """The run's resolved config as the checkpoint stores it (JSON sections: model, train, data, ...)."""
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ChosenDevice:
+    info: DeviceInfo
+    platform: str
+    note: str
+    """Why the checkpoint's own platform was not used (empty when it was, or when --platform chose)."""
+
+
+def choose_device(requested: str | None, resolved_config: dict[str, Any]) -> ChosenDevice:
+    """The device a single-process evaluate or generate runs on: the platform asked for (--platform), else the
+    run's launch.platform, as the trainer chooses (resolve_platform); its backend picks CPU, CUDA or XLA. A platform
+    asked for must be usable here. The run's own platform falls back to the CPU when this machine lacks its device
+    (a Trainium run evaluated on a laptop), with a note, as these commands always worked on the CPU."""
+    launch = resolved_config.get("launch") if isinstance(resolved_config.get("launch"), dict) else {}
+    default = launch.get("platform") if launch.get("platform") in PLATFORMS else "cpu"
+    platform = resolve_platform(requested, default=default)
+    try:
+        info = resolve_device(platform.backend, local_rank=0)
+    except TrainingError as exc:
+        if requested is not None:
+            raise GenerationError(f"--platform {platform.name}: {exc}") from None
+        info = resolve_device("gloo", local_rank=0)
+        return ChosenDevice(info=info, platform="cpu", note=f"the run's platform {platform.name} cannot run here "
+                                                            f"({exc}); using the cpu (pass --platform to choose)")
+    return ChosenDevice(info=info, platform=platform.name, note="")
+
+
 def _single_process_context() -> ParallelContext:
     # The TP layers take their group from a ParallelContext: a one-rank gloo world gives it, in memory.
     if not dist.is_initialized():
         dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     return ParallelContext.build(Mesh(num_nodes=1, workers_per_node=1, tensor_parallel=1), rank=0)
+
+
+def torchrun_context() -> ParallelContext | None:
+    """Under torchrun (WORLD_SIZE > 1): joins the gloo world, all of whose ranks form one TP group (the contract of
+    `serve` and `generate`: T processes load the checkpoint at TP T). Alone: None (the merged TP 1 model)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return None
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return ParallelContext.build(Mesh(num_nodes=world // local, workers_per_node=local, tensor_parallel=world),
+                                 rank=dist.get_rank())
+
+
+def leave_group() -> None:
+    """Under torchrun: every rank past its last collective before any rank exits. gloo completes a collective on one
+    rank while its last bytes may still be in flight to another; a rank whose peer's sockets close under it then
+    aborts (SIGABRT) and torchrun fails the whole command."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def check_tp_size(cfg: ModelConfig, *, tp: int, source_tp: int) -> None:
+    """A TP size the model splits into: it must divide the attention heads and the MLP's hidden size."""
+    whole = math.gcd(cfg.num_attention_heads, cfg.ffn_size)
+    if whole % tp:
+        valid = [d for d in range(1, whole + 1) if whole % d == 0]
+        raise GenerationError(f"{tp} processes run the model at tp {tp}, which does not divide its "
+                              f"{cfg.num_attention_heads} attention heads and MLP size {cfg.ffn_size}; run "
+                              f"torchrun --nproc_per_node={source_tp} (the checkpoint's tp) or another of "
+                              f"{valid}, or no torchrun for tp 1")
 
 
 def load_tokenizer(whole_reason: tuple[Path, Path] | str, *, vocab_file: Path | None,
@@ -71,6 +136,7 @@ def load_for_generation(path: Path, *, iteration: int | None = None, vocab_file:
                               "convert it first: megatron-hpc ckpt convert SRC --to torch OUT") from None
     cfg = from_dict(ModelConfig, raw, where="model")
     tp = 1 if ctx is None else ctx.tp_size
+    check_tp_size(cfg, tp=tp, source_tp=whole.tensor_parallel)
     if keep_padded_vocab and tp != 1:
         raise ValueError("keep_padded_vocab is for the merged TP 1 model; a sharded load pads for its own TP")
     padded = padded_vocab_size(cfg.vocab_size, divisible_by=cfg.make_vocab_size_divisible_by,

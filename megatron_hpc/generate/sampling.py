@@ -137,7 +137,10 @@ def _draw(logits: torch.Tensor, params: SamplingParams, shard: VocabShard,
         values = _gather(scaled, shard)[:, :shard.vocab_size]
         ids = torch.arange(values.shape[-1], device=values.device).expand_as(values)
     probs = _truncate(values, top_p=params.top_p).softmax(dim=-1)
-    chosen = torch.multinomial(probs, 1, generator=generator)  # (B, 1)
+    if generator is not None and generator.device != probs.device:  # XLA: torch_xla has no Generator; draw on the host
+        chosen = torch.multinomial(probs.cpu(), 1, generator=generator).to(probs.device)  # host sync
+    else:
+        chosen = torch.multinomial(probs, 1, generator=generator)  # (B, 1)
     tokens = ids.gather(-1, chosen).squeeze(-1).long()
     if shard.size > 1:
         dist.broadcast(tokens, src=dist.get_global_rank(shard.group, 0), group=shard.group)

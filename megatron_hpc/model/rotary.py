@@ -6,6 +6,9 @@ Within the rotated part, dim i pairs with dim i + rot/2 and turns by position * 
 (the "rotate_half" layout). Tables are built for max_position_embeddings once, in fp32. This is also GPT-NeoX's and
 HF GPTNeoX's rotation (rotary_pct, rotary_emb_base = our rotary_percent, model.rotary_base): the logits of
 transformers' GPTNeoXForCausalLM are matched in tests/unit/test_checkpoint_hf_neox.py.
+Not ported: the Neuron NeMo fork's full-width rotary (aws-neuron/neuronx-nemo-megatron, rotary_pos_embedding.py: tables
+[freqs, freqs, zeros] over the whole head, rotate_half over the whole head). Below a full rotation it pairs dim i with
+i + hd/2 instead of i + rot/2 and turns some dims against unrotated ones, so it is another model, not this rotation.
 
 Shape legend: B batch, nh heads (local to the TP rank), S sequence, hd head dim, rot rotated dims.
 """

@@ -138,3 +138,19 @@ def check_distributed_optimizer(cfg: RunConfig, *, backend: str) -> None:
     if cfg.parallel.distributed_optimizer and backend == "xla" and cfg.train.precision == "fp16":
         raise PlanError("parallel.distributed_optimizer on XLA keeps fp32 master weights for bf16 or fp32 weights, "
                         "and XLA has no fp16 path; use --set train.precision=bf16")
+
+
+def check_overlap_param_gather(cfg: RunConfig, *, pipeline_parallel: int) -> None:
+    """PlanError when parallel.overlap_param_gather has no parameter all-gather to overlap (no distributed
+    optimizer) or runs under pipelining (`pipeline_parallel` above 1), where the schedule runs each stage's forwards
+    (compiled chunks under train.compile) and the wait in a forward pre-hook is not supported."""
+    if not cfg.parallel.overlap_param_gather:
+        return
+    if not cfg.parallel.distributed_optimizer:
+        raise PlanError("parallel.overlap_param_gather overlaps the distributed optimizer's parameter all-gather, "
+                        "but parallel.distributed_optimizer is false; --set parallel.distributed_optimizer=true or "
+                        "drop parallel.overlap_param_gather")
+    if pipeline_parallel > 1:
+        raise PlanError(f"parallel.overlap_param_gather is not supported with pipeline parallelism (pipeline size "
+                        f"{pipeline_parallel}): the stages' forwards run inside the pipeline schedule; "
+                        "--set parallel.overlap_param_gather=false or parallel.pipeline=1")

@@ -27,6 +27,7 @@ from megatron_hpc.plan.checks import (
     PIPELINE_SCHEDULES,
     check_distributed_optimizer,
     check_model_shape,
+    check_overlap_param_gather,
     check_sequence_parallel,
     check_values,
 )
@@ -336,6 +337,7 @@ def make_plan(cfg: RunConfig, *, num_nodes: int, platform: Platform) -> Plan:
         raise PlanError(f"--nodes {num_nodes}: a run needs at least 1 node; use --nodes 1 or more")
     check_values(cfg)
     check_distributed_optimizer(cfg, backend=platform.backend)
+    check_overlap_param_gather(cfg, pipeline_parallel=cfg.parallel.pipeline)  # 0: the planner chooses, below
     per_node = workers_per_node(cfg, platform)
     _check_tensor_parallel(cfg, platform, per_node=per_node)
     check_model_shape(cfg.model, tensor_parallel=cfg.parallel.tensor or 1)
@@ -347,6 +349,7 @@ def make_plan(cfg: RunConfig, *, num_nodes: int, platform: Platform) -> Plan:
     mesh, micro, vocab = sizes.mesh, sizes.num_micro_batches, sizes.padded_vocab
     check_recompute_stages(cfg.model, [len(r) for r in sizes.stage_layers])
     check_sequence_parallel(cfg, tensor_parallel=mesh.tensor_parallel)
+    check_overlap_param_gather(cfg, pipeline_parallel=mesh.pipeline_parallel)
     params = num_parameters(cfg.model, padded_vocab=vocab)
     sched = resolve_schedule(cfg.optim, num_steps=cfg.train.num_steps, global_batch_size=cfg.train.global_batch_size)
     return Plan(

@@ -112,8 +112,11 @@ class Checkpointer:
         source = self.source if self.source is not None else self._choose()
         if source is None:
             return state
+        # The weights are read straight into the model's own CPU tensors (no second copy of them in fresh memory);
+        # load_state_dict below then finds them in place and copies nothing. A checkpoint that does not fit is
+        # refused before the first weight is written; a damaged one after some were, and this run aborts on it.
         loaded = load_checkpoint(source, ranks=self.ranks, io_workers_per_node=self.ckpt.io_workers_per_node,
-                                 layout=self.layout)
+                                 layout=self.layout, into={"model": model.state_dict()})
         if loaded is None:
             if self.promised:  # the weights were never initialised: training on them would be garbage
                 raise CheckpointError(f"the checkpoint found in {source} at start-up disappeared before it "

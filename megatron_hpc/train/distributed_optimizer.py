@@ -16,6 +16,14 @@ starts inside the last micro-batch's backward as soon as its gradients are final
 plain path). The norm sums the slices' squares over DP (then TP and PP, as parallel/grads.py does); clipping and the
 update touch the slices; all-gathers of the slices, in place, refresh every rank's full weights.
 
+With parallel.overlap_param_gather (Megatron's --overlap-param-gather) the step only starts those all-gathers,
+asynchronously, in forward order (the buckets are in backward order, so the last bucket, which holds the embedding,
+goes first): a forward pre-hook on each module that holds parameters waits for its buckets just before that module
+runs, so the first layers compute while the later buckets are still in flight (`wait_in_forward`). Whatever reads the
+weights outside a forward (a save, evaluation, the run's end: train/loop.py) calls `finish_param_gather` first, and
+so does the next step, before its update writes the slices. Under torch.compile the hooks would be traced into the
+graph, so there `before_forward` waits for all of them before the forward instead.
+
 On gloo (the CPU backend) the same values come cheaper another way: its reduce_scatter_tensor returns exactly an
 all-reduce's values in 1.4-2.4x an all-reduce's time, and its all_gather_into_tensor takes 2.5-10x as long as one
 broadcast per rank (benchmarks/RESULTS.md, issue 15). So there each bucket is all-reduced in place (this rank's
@@ -39,7 +47,7 @@ torch.distributed's own and exist on gloo and NCCL.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,14 +152,16 @@ class DistributedOptimizer:
     all-gather (the same numbers, faster there); a test turns it off to run the NCCL path's collectives on gloo.
 
     Takes the plain optimizer's place in the loop: `param_groups` (the LR), `zero_grad`, `step`, `state_dict` and
-    `load_state_dict` in the plain layout, `register_step_pre_hook`. The step itself calls `arm` before the last
-    micro-batch's backward, `reduce_gradients` after backward and `clip_grad_norm_` before `step` (train/step.py).
+    `load_state_dict` in the plain layout, `register_step_pre_hook`. The step itself calls `before_forward` first,
+    `arm` before the last micro-batch's backward, `reduce_gradients` after backward and `clip_grad_norm_` before
+    `step` (train/step.py). With overlap_param_gather the loop installs the forward hooks (`wait_in_forward`) and
+    calls `finish_param_gather` before anything else reads the weights (train/loop.py).
     """
 
     ALL_REDUCE_ON_GLOO = True
 
     def __init__(self, model: nn.Module, *, optim: OptimConfig, group: ProcessGroup, overlap: bool = False,
-                 bucket_mb: float = BUCKET_MB):
+                 bucket_mb: float = BUCKET_MB, overlap_param_gather: bool = False):
         groups = param_groups(model, weight_decay=optim.weight_decay)
         self.params: list[nn.Parameter] = [p for g in groups for p in g["params"]]
         dtypes = {p.dtype for p in self.params}
@@ -203,11 +213,15 @@ class DistributedOptimizer:
         self._ready = [0] * len(self.layout.buckets)
         self._final: set[int] = set()
         self._in_flight: list[dist.Work | None] = []
-        bucket_of = {i: b for b, bucket in enumerate(self.layout.buckets) for i in bucket.members}
+        self._bucket_of = {i: b for b, bucket in enumerate(self.layout.buckets) for i in bucket.members}
         self._hooks = []
         if overlap and self.dp_size > 1:
-            self._hooks = [p.register_post_accumulate_grad_hook(self._hook_for(i, bucket_of[i]))
+            self._hooks = [p.register_post_accumulate_grad_hook(self._hook_for(i, self._bucket_of[i]))
                            for i, p in enumerate(self.params)]
+        self.overlap_param_gather = overlap_param_gather and self.dp_size > 1
+        self._gathers: dict[int, list[dist.Work | None]] = {}
+        """Bucket -> its all-gather (or broadcasts) in flight, started by the last step and not yet waited for."""
+        self._forward_hooks: list[Any] = []
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -314,27 +328,63 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
-        """Update this rank's slices, then gather every rank's slices into the full weights."""
+        """Update this rank's slices, then gather every rank's slices into the full weights (only started with
+        overlap_param_gather: the next forward waits for them)."""
+        self.finish_param_gather()  # a bucket no forward waited for (parameters the model did not use)
         self.optimizer.step()
         self.gather_params()
 
     @torch.no_grad()
     def gather_params(self) -> None:
-        """Every rank's updated slices into every rank's weights (all-gathers; on gloo a broadcast per slice)."""
+        """Every rank's updated slices into every rank's weights (all-gathers; on gloo a broadcast per slice): waited
+        for here, or left in flight with overlap_param_gather."""
         if self.dp_size == 1:
             return
-        works = []
-        for b, (lo, hi) in zip(self.layout.buckets, self._slices):
-            if self.all_reduce:
-                n = hi - lo
-                works += [dist.broadcast(self.param_buffer[b.start + r * n:b.start + (r + 1) * n], src=src,
-                                         group=self.group, async_op=True) for r, src in enumerate(self._ranks)]
-            else:
-                works.append(all_gather_single(self.param_buffer[b.start:b.start + b.padded],
-                                                         self.param_buffer[lo:hi], group=self.group, async_op=True))
-        for work in works:
-            if work is not None:
-                work.wait()
+        # Forward order: on NCCL's one stream the gathers run in the order they start, so the first layer's goes first.
+        for b in reversed(range(len(self.layout.buckets))):
+            self._gathers[b] = self._start_gather(b)
+        if not self.overlap_param_gather:
+            self.finish_param_gather()
+
+    def _start_gather(self, b: int) -> list[dist.Work | None]:
+        bucket, (lo, hi) = self.layout.buckets[b], self._slices[b]
+        if self.all_reduce:
+            n = hi - lo
+            return [dist.broadcast(self.param_buffer[bucket.start + r * n:bucket.start + (r + 1) * n], src=src,
+                                   group=self.group, async_op=True) for r, src in enumerate(self._ranks)]
+        return [all_gather_single(self.param_buffer[bucket.start:bucket.start + bucket.padded],
+                                  self.param_buffer[lo:hi], group=self.group, async_op=True)]
+
+    def finish_param_gather(self, buckets: Iterable[int] | None = None) -> None:
+        """Wait for the gathers in flight of `buckets` (default: all); their weights are then the updated ones (on
+        NCCL: ordered before what the current stream runs next)."""
+        for b in list(self._gathers) if buckets is None else buckets:
+            for work in self._gathers.pop(b, ()):
+                if work is not None:
+                    work.wait()
+
+    def wait_in_forward(self, model: nn.Module) -> None:
+        """With overlap_param_gather: each module of `model` that holds parameters waits for their buckets' gathers
+        in a forward pre-hook, just before it runs (not for a model under torch.compile, which would trace the
+        hooks: there `before_forward` waits). A no-op without overlap_param_gather."""
+        if not self.overlap_param_gather or self._forward_hooks:
+            return
+        index_of = {id(p): i for i, p in enumerate(self.params)}
+        for module in model.modules():
+            buckets = sorted({self._bucket_of[index_of[id(p)]] for p in module.parameters(recurse=False)
+                              if id(p) in index_of}, reverse=True)
+            if buckets:
+                self._forward_hooks.append(module.register_forward_pre_hook(self._waiter(tuple(buckets))))
+
+    def _waiter(self, buckets: tuple[int, ...]) -> Callable[..., None]:
+        def hook(_module: nn.Module, _args: Any) -> None:
+            self.finish_param_gather(buckets)
+        return hook
+
+    def before_forward(self) -> None:
+        """The step's forward is next: without forward hooks (`wait_in_forward`), wait for every gather now."""
+        if not self._forward_hooks:
+            self.finish_param_gather()
 
     def register_step_pre_hook(self, hook: Callable[..., None]) -> Any:
         return self.optimizer.register_step_pre_hook(hook)

@@ -140,9 +140,15 @@ def train(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, phase: Pha
     elif cfg.parallel.distributed_optimizer:
         optimizer = DistributedOptimizer(model, optim=cfg.optim, group=ctx.dp_group,
                                          bucket_mb=cfg.parallel.grad_bucket_mb,
-                                         overlap=cfg.parallel.overlap_grad_reduce and pipeline is None)
+                                         overlap=cfg.parallel.overlap_grad_reduce and pipeline is None,
+                                         overlap_param_gather=cfg.parallel.overlap_param_gather and pipeline is None)
+        if not compiled:  # a compiled model would trace the waits: train_step waits before its forward instead
+            optimizer.wait_in_forward(model)
     else:
         optimizer = build_optimizer(model, optim=cfg.optim)
+    if fp32_master and cfg.parallel.overlap_param_gather and ctx.is_first_rank:
+        print("megatron-hpc: warning: parallel.overlap_param_gather ignored on XLA: torch_xla's ZeRO-1 all-gathers "
+              "inside the step's graph, where the compiler schedules it", file=sys.stderr, flush=True)
     state = ckpt.restore(model, optimizer, TrainState(scaler=build_loss_scaler(tcfg.precision)))
     start = state.step
     metrics = MetricsLogger(model=cfg.model, padded_vocab=plan.padded_vocab_size, world_size=ctx.world_size,
@@ -194,6 +200,9 @@ def train(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, phase: Pha
                                iteration - metrics.last_iteration, ctx.dp_size, result.loss_scale)
                 interval.reset()
             step_barrier(device)
+            if (iteration == num_steps or evaluator.should_evaluate(iteration)
+                    or ckpt.save_due(state.step, num_steps=num_steps)):
+                _weights_updated(optimizer)  # what follows reads the weights outside a training forward
             evaluator.maybe_evaluate(iteration, model)
             if ckpt.save_due(state.step, num_steps=num_steps):
                 skips.settle()  # XLA: this step's flag, so the saved count is exact (a host sync, saves only)
@@ -201,6 +210,7 @@ def train(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, phase: Pha
             stopped = stopwatch.check(iteration) if stopwatch is not None and iteration < num_steps else None
             if stopped is not None:
                 skips.settle()
+                _weights_updated(optimizer)
                 _stop_early(stopped, state, ckpt=ckpt, model=model, optimizer=optimizer, run_dir=run_dir,
                             first_rank=ctx.is_first_rank, out=out)
                 break
@@ -208,6 +218,7 @@ def train(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, phase: Pha
             skips.settle()  # XLA: the last step's flag, which no later step reads
             if phase == "run":  # Megatron's do_test: the test split once, after training (not after an early stop)
                 evaluator.evaluate_test(state.step, model)
+        _weights_updated(optimizer)  # the caller may read the weights
         ckpt.wait_for_save()  # checkpoint.async_save: the last save is complete (tracker written) before we return
     finally:  # on an error too: the signal handlers go back and the event files are flushed
         ckpt.abandon_save()  # an error path: this rank's writer finishes its files, uncommitted (no collective)
@@ -215,6 +226,12 @@ def train(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, phase: Pha
             stopwatch.close()
         metrics.close()
     return TrainSummary(steps=state.step, consumed_samples=state.consumed_samples, records=records, stopped=stopped)
+
+
+def _weights_updated(optimizer: torch.optim.Optimizer | DistributedOptimizer | XlaZeroOptimizer) -> None:
+    """The distributed optimizer's all-gathers still in flight (parallel.overlap_param_gather) are done."""
+    if isinstance(optimizer, DistributedOptimizer):
+        optimizer.finish_param_gather()
 
 
 def _host_batches(data: SyntheticTokens | IndexedBatches, step: int, *, plan: Plan,

@@ -64,12 +64,15 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | DistributedO
     select keeps the old weights and Adam state when it is not finite (`step_where` (train/masked_step.py)), and
     SkipTracker reads the flag one step later.
     With a DistributedOptimizer (ZeRO-1) the gradients are reduce-scattered instead, and the norm, clip and update
-    act on this DP rank's slice (train/distributed_optimizer.py). With an XlaZeroOptimizer (the same on XLA) they act
-    on this DP rank's fp32 master shards (train/xla_zero.py).
+    act on this DP rank's slice (train/distributed_optimizer.py); with parallel.overlap_param_gather its update
+    leaves the all-gathers in flight for the next step's forward to wait for. With an XlaZeroOptimizer (the same on
+    XLA) they act on this DP rank's fp32 master shards (train/xla_zero.py).
     With `pipeline` the micro-batches go through this rank's pipeline stages by its schedule (forward and
     backward interleaved across stages); the loss is then the last stage's, 0 on the others.
     """
     params = [p for p in model.parameters() if p.requires_grad]
+    if isinstance(optimizer, DistributedOptimizer):
+        optimizer.before_forward()  # parallel.overlap_param_gather without forward hooks: the last step's gathers
     # Off XLA the first backward assigns the gradients (no zero fill, no add); on XLA zero in
     # place so that the graph keeps one shape (neuron-xla.md 3.3).
     optimizer.zero_grad(set_to_none=device_type != "xla")

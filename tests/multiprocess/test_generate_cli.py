@@ -100,3 +100,32 @@ def test_text_prompts_and_bad_input(tp2_checkpoint):
     plain = _cli("generate", ckpt, "--prompt", "fox", "--max-new-tokens", "3", "--vocab-file",
                  str(FIXTURE / "vocab.json"), "--merge-file", str(FIXTURE / "merges.txt"))
     assert plain.returncode == 0 and plain.stdout.startswith("fox"), plain.stderr
+
+
+def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                           "--master_port", str(mp_workers.free_ports(1)[0]), "-m", "megatron_hpc", *args],
+                          capture_output=True, text=True, env={**env, "OMP_NUM_THREADS": "1"})
+
+
+def test_torchrun_tp2_generates_what_tp1_generates(tp2_checkpoint):
+    """`torchrun --nproc_per_node 2 ... generate` runs the TP 2 checkpoint at TP 2 (two gloo ranks, each its heads
+    and vocabulary shard): the greedy tokens and log-probs of the merged TP 1 run, printed once."""
+    args = ["generate", str(tp2_checkpoint), "--max-new-tokens", "6", "--json"]
+    for p in PROMPTS:
+        args += ["--prompt-ids", ",".join(map(str, p))]
+    one = _cli(*args)
+    two = _torchrun(2, *args)
+    assert one.returncode == 0 and two.returncode == 0, one.stderr[-2000:] + two.stderr[-2000:]
+    ref, got = json.loads(one.stdout)["results"], json.loads(two.stdout)["results"]  # rank 1 printed nothing
+    assert [r["prompt_ids"] for r in got] == PROMPTS
+    assert [r["tokens"] for r in got] == [r["tokens"] for r in ref]
+    assert [r["finish_reason"] for r in got] == [r["finish_reason"] for r in ref]
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(torch.tensor(b["logprobs"]), torch.tensor(a["logprobs"]), rtol=0, atol=1e-4)
+    assert len({tuple(r["tokens"]) for r in ref}) > 1  # the prompts lead to different continuations
+    bad = _torchrun(3, "generate", str(tp2_checkpoint), "--prompt-ids", "1,2")
+    assert bad.returncode != 0
+    assert "tp 3, which does not divide its 4 attention heads" in bad.stderr, bad.stderr[-2000:]
+    assert "torchrun --nproc_per_node=2 (the checkpoint's tp)" in bad.stderr

@@ -3,7 +3,6 @@ names the URL, and `scancel` stops the server cleanly."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import socket
@@ -12,9 +11,10 @@ import sys
 import time
 from pathlib import Path
 from urllib.error import URLError
-from urllib.request import Request, urlopen
 
 import pytest
+
+from megatron_hpc.generate.client import put_api
 
 pytestmark = pytest.mark.slurm
 
@@ -31,12 +31,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _put(url: str, body: dict) -> dict:
-    req = Request(url, data=json.dumps(body).encode(), method="PUT", headers={"Content-Type": "application/json"})
-    with urlopen(req, timeout=60) as resp:
-        return json.loads(resp.read())
 
 
 def test_serve_template_serves_and_stops_on_scancel(slurm_cluster, sacct_job, tmp_path):
@@ -58,11 +52,13 @@ def test_serve_template_serves_and_stops_on_scancel(slurm_cluster, sacct_job, tm
     deadline = time.monotonic() + 240
     while True:
         try:
-            out = _put(f"http://127.0.0.1:{port}/api", {"prompts": ["fox"], "tokens_to_generate": 3, "top_k": 1})
+            status, out = put_api(f"http://127.0.0.1:{port}/api",
+                                  {"prompts": ["fox"], "tokens_to_generate": 3, "top_k": 1})
             break
         except URLError:
             assert time.monotonic() < deadline, log.read_text() if log.exists() else "no job log"
             time.sleep(1)
+    assert status == 200, out
     assert out["text"][0].startswith("fox") and len(out["tokens"][0]) == len(out["segments"][0])
     first = log.read_text().splitlines()[0]
     assert re.search(rf"job {job} on \S+, PUT http://\S+:{port}/api \(TP 1\)", first), first

@@ -84,3 +84,13 @@ def test_dp_below_two_is_refused():
     assert bench.parse_args(["--dp", "2", "4"]).dp == [2, 4]
     with pytest.raises(SystemExit):
         bench.parse_args(["--dp", "1", "2"])
+
+
+def test_the_overlap_row_takes_block_medians_and_pairs_blocks_of_the_same_round():
+    bench = _bench()
+    row = bench.overlap_row(2, {"times": {"dist": [1.0, 2.0, 4.0], "dist_overlap": [0.9, 2.2, 3.0]},
+                                "loss_diff": 0.0, "compared_steps": 9})
+    assert (row["dist_s"], row["overlap_s"]) == (2.0, 2.2)
+    assert row["paired"] == pytest.approx(0.9)  # median of 0.9, 1.1, 0.75
+    line = bench.overlap_table([row]).splitlines()[-1]
+    assert line == "| 2 | 2000 ms | 2200 ms | 1.100 | 0.900 | 0.0e+00 (9) |"

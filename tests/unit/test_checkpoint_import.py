@@ -298,6 +298,46 @@ def test_megatron_core_with_virtual_stages_converts_exactly(tmp_path: Path, caps
     _assert_same({n: m["exp_avg_sq"] for n, m in moments.items()}, m2)
 
 
+def test_distributed_optimizer_state_of_a_pipelined_run_converts_exactly(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """tp 2 x pp 2 x 2 virtual chunks with --use-distributed-optimizer: each rank's distrib_optim.pt (several
+    buckets, the tied embedding's copies alone in theirs) gives back the masters and moments of every parameter."""
+    tp, pp, vp, bucket, vocab = 2, 2, 2, 1000, 60  # 30 x 16 embedding rows per shard: not a multiple of 64
+    full, m1, m2 = (mw.full_model(seed, layers=LAYERS, hidden=HIDDEN, ffn=FFN, vocab=vocab, positions=POS,
+                                  positive=seed == 19) for seed in (17, 18, 19))
+    root = tmp_path / "mcore"
+    for p in range(pp):
+        for t in range(tp):
+            shards = [mw.tp_shard(x, tp, t) for x in (full, m1, m2)]
+            chunks = [[mw.core_model(s, layers=mw.stage_layers(layers=LAYERS, pp=pp, vp=vp, pp_rank=p, chunk=v),
+                                     first=p == 0 and v == 0, last=p == pp - 1 and v == vp - 1, pp=pp, te=False)
+                       for v in range(vp)] for s in shards]
+            args = mw.megatron_args(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, seq_length=POS,
+                                    max_position_embeddings=POS, padded_vocab_size=vocab,
+                                    make_vocab_size_divisible_by=2, tensor_model_parallel_size=tp,
+                                    pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp,
+                                    use_distributed_optimizer=True, overlap_grad_reduce=True, ddp_bucket_size=bucket)
+            folder = root / "iter_0000005" / f"mp_rank_{t:02d}_{p:03d}"
+            state = {"args": args, "checkpoint_version": 3.0, "iteration": 5,
+                     **{f"model{v}": chunks[0][v] for v in range(vp)},
+                     "optimizer": mw.distrib_optim_settings(step=5.0), "opt_param_scheduler": {"num_steps": 40}}
+            mw.save_torch(state, folder / "model_optim_rng.pt")
+            per_chunk = [[(n, w, chunks[1][v][n], chunks[2][v][n]) for n, w in chunks[0][v].items()]
+                         for v in range(vp)]
+            alone = ("embedding.word_embeddings.weight", "output_layer.weight")
+            mw.save_torch(mw.distrib_optim_state(per_chunk, bucket_size=bucket, alone=alone),
+                          folder / "distrib_optim.pt")
+    mw.write_tracker(root, 5)
+    out = _convert(capsys, root, tmp_path / "ours", "--tp", "1", "--pp", "1")
+    assert not [n for n in out["notes"] if "optimizer" in n]
+    state = _only_state(tmp_path / "ours")
+    _assert_same(state["model"], full)
+    moments = by_name(state["model"], state["optimizer"])
+    _assert_same({n: m["exp_avg"] for n, m in moments.items()}, m1)
+    _assert_same({n: m["exp_avg_sq"] for n, m in moments.items()}, m2)
+    assert {float(m["step"]) for m in moments.values()} == {5.0}
+
+
 def test_convert_to_other_sizes_splits_as_megatron(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Reference tp 2 x pp 2 to tp 4 (the pipeline kept): each shard is Megatron's split of the whole model."""
     want = _reference_checkpoint(tmp_path / "ref", tp=2, pp=2, xser_files=False)

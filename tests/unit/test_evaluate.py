@@ -291,3 +291,24 @@ def test_bad_input_is_one_line(run: Path, tmp_path: Path, capsys: pytest.Capture
         code, _, err = _evaluate(capsys, *args)
         assert code == 1 and words in err, (args, err)
         assert len(err.strip().splitlines()) == 1, err
+
+
+def test_platform_is_the_runs_or_the_asked_one(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The run's launch.platform decides, falling back to the CPU with a note when this machine lacks its device;
+    a --platform this machine cannot run is one line, before the load."""
+    from megatron_hpc.generate.loading import choose_device
+    from megatron_hpc.parallel.device import xla_available
+
+    if xla_available() or torch.cuda.is_available():
+        pytest.skip("checks the fallback on a machine with neither torch_xla nor a GPU (the main tier's)")
+    chosen = choose_device(None, {"launch": {"platform": "trn1"}})
+    assert (chosen.info.kind, chosen.platform) == ("cpu", "cpu")
+    assert "the run's platform trn1 cannot run here" in chosen.note and "--platform" in chosen.note
+    cpu = choose_device(None, {"launch": {"platform": "cpu"}})
+    assert (cpu.info.kind, cpu.note) == ("cpu", "")
+    for platform, words in (("trn1", "--platform trn1: backend xla needs torch_xla"),
+                            ("p5", "--platform p5: backend nccl needs a CUDA GPU")):
+        for extra in (["evaluate"], ["generate", "--prompt-ids", "1,2"]):
+            code = main([extra[0], str(run / "ckpt"), *extra[1:], "--platform", platform])
+            err = capsys.readouterr().err
+            assert code == 1 and words in err and len(err.strip().splitlines()) == 1, (extra, err)

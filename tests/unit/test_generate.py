@@ -119,3 +119,18 @@ def test_bad_input_one_line_each(ctx: ParallelContext) -> None:
             call()
         assert words in str(info.value) and "\n" not in str(info.value)
     assert sampling_params({"top_k": 3, "stop_tokens": [1, 2]}) == SamplingParams(top_k=3, stop_tokens=(1, 2))
+
+
+def test_a_tp_size_that_does_not_split_the_model_is_refused_with_the_sizes_that_do() -> None:
+    from megatron_hpc.generate.loading import check_tp_size
+
+    cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, max_position_embeddings=32,
+                      vocab_size=500, ffn_hidden_size=96)  # heads 4, MLP 96: gcd 4
+    for tp in (1, 2, 4):
+        check_tp_size(cfg, tp=tp, source_tp=2)
+    with pytest.raises(GenerationError, match=r"tp 3, which does not divide its 4 attention heads and MLP size 96; "
+                                              r"run torchrun --nproc_per_node=2 \(the checkpoint's tp\) or another "
+                                              r"of \[1, 2, 4\]"):
+        check_tp_size(cfg, tp=3, source_tp=2)
+    with pytest.raises(GenerationError, match=r"another of \[1, 2, 4\]"):
+        check_tp_size(cfg, tp=8, source_tp=2)

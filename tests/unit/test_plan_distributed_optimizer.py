@@ -153,3 +153,23 @@ def test_misspelt_key_suggests_the_right_one():
                           "parallel.use_distributed_optimizer=true"], capture_output=True, text=True)
     assert out.returncode != 0 and "parallel.distributed_optimizer" in out.stderr
     assert dataclasses.is_dataclass(load_recipe("tiny").parallel)
+
+
+def test_overlap_param_gather_without_the_distributed_optimizer_is_refused_with_the_fix():
+    cfg = load_recipe("tiny", ["parallel.overlap_param_gather=true", "launch.workers_per_node=2"])
+    with pytest.raises(PlanError, match=r"--set parallel.distributed_optimizer=true") as err:
+        make_plan(cfg, num_nodes=1, platform=get_platform("cpu"))
+    assert "\n" not in str(err.value)
+    on = make_plan(load_recipe("tiny", ["parallel.overlap_param_gather=true", "parallel.distributed_optimizer=true",
+                                        "launch.workers_per_node=2"]), num_nodes=1, platform=get_platform("cpu"))
+    assert on.data_parallel == 2
+
+
+@pytest.mark.parametrize("pipeline", ["2", "0"])
+def test_overlap_param_gather_under_pipelining_is_refused_with_the_fix(pipeline):
+    # "0": the planner chooses pipelining for gpt3_6.7b on 2 p5 nodes at TP 1, so the check after sizing refuses it.
+    over = ["parallel.tensor=1", f"parallel.pipeline={pipeline}", "parallel.distributed_optimizer=true"]
+    assert make_plan(load_recipe("gpt3_6.7b", over), num_nodes=2, platform=get_platform("p5")).pipeline_parallel > 1
+    with pytest.raises(PlanError, match=r"--set parallel.overlap_param_gather=false or parallel.pipeline=1"):
+        make_plan(load_recipe("gpt3_6.7b", [*over, "parallel.overlap_param_gather=true"]), num_nodes=2,
+                  platform=get_platform("p5"))

@@ -1,0 +1,198 @@
+"""Checkpoints written by the real megatron-core 0.16.1 (tests/fixtures/make_megatron_core_checkpoint.py, run by
+hand; its expected.json holds what megatron-core computed): `ckpt inspect` and `ckpt convert` read them, our GPT
+from the converted checkpoint gives megatron-core's logits, and Adam's state comes through, from distrib_optim.pt
+when the run used the distributed optimizer."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_hpc.checkpoint import distrib_optim
+from megatron_hpc.checkpoint.foreign import read_rank
+from megatron_hpc.checkpoint.optim_layout import by_name
+from megatron_hpc.checkpoint.whole import read_whole
+from megatron_hpc.cli.main import main
+from megatron_hpc.config.loader import from_dict
+from megatron_hpc.config.schema import ModelConfig
+from megatron_hpc.model.gpt import GPT
+from megatron_hpc.parallel.context import ParallelContext
+from megatron_hpc.plan.mesh import Mesh
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "megatron_core_ckpt"
+CASES = ("tp1_distopt", "tp1_distopt_buckets", "tp2_adam")
+DISTRIBUTED = ("tp1_distopt", "tp1_distopt_buckets")
+RANK_DIR = "iter_0000003/mp_rank_00"
+
+# megatron-core's local-spec GPT names -> ours, written out here rather than taken from the code under test.
+_NAMES = [(r"embedding\.word_embeddings\.(\w+)", r"wte.\1"), (r"embedding\.position_embeddings\.(\w+)", r"wpe.\1"),
+          (r"decoder\.layers\.(\d+)\.input_layernorm\.(\w+)", r"h.\1.ln_1.\2"),
+          (r"decoder\.layers\.(\d+)\.self_attention\.linear_qkv\.(\w+)", r"h.\1.attn.qkv.\2"),
+          (r"decoder\.layers\.(\d+)\.self_attention\.linear_proj\.(\w+)", r"h.\1.attn.proj.\2"),
+          (r"decoder\.layers\.(\d+)\.pre_mlp_layernorm\.(\w+)", r"h.\1.ln_2.\2"),
+          (r"decoder\.layers\.(\d+)\.mlp\.linear_fc1\.(\w+)", r"h.\1.mlp.fc.\2"),
+          (r"decoder\.layers\.(\d+)\.mlp\.linear_fc2\.(\w+)", r"h.\1.mlp.proj.\2"),
+          (r"decoder\.final_layernorm\.(\w+)", r"ln_f.\1")]
+
+
+def _ours(name: str) -> str:
+    for pattern, repl in _NAMES:
+        if re.fullmatch(pattern, name):
+            return re.sub(pattern, repl, name)
+    raise AssertionError(f"no mapping for {name}")
+
+
+def _expected(case: str) -> dict[str, Any]:
+    return json.loads((FIXTURES / case / "expected.json").read_text())
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *args: object) -> tuple[int, str, str]:
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def ctx(tmp_path: Path) -> Iterator[ParallelContext]:
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.FileStore(str(tmp_path / "store"), 1))
+    yield ParallelContext.build(Mesh(num_nodes=1, workers_per_node=1, tensor_parallel=1), rank=0)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    out = {}
+    for case in CASES:
+        dest = tmp_path_factory.mktemp(case) / "ours"
+        assert main(["ckpt", "convert", str(FIXTURES / case), "--to", "torch", "--tp", "1", "--out", str(dest)]) == 0
+        out[case] = dest
+    return out
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_inspect_reads_what_megatron_core_wrote(case: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _cli(capsys, "ckpt", "inspect", FIXTURES / case, "--json")
+    assert code == 0, err
+    got = json.loads(out)
+    want = _expected(case)
+    assert (got["family"], got["iteration"], got["checkpoint_version"]) == ("megatron-core", 3, 3.0)
+    assert (got["tensor_parallel"], got["pipeline_parallel"]) == (want["tensor_parallel"], 1)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_converted_model_gives_megatron_cores_logits(case: str, converted: dict[str, Path],
+                                                     ctx: ParallelContext) -> None:
+    whole = read_whole(converted[case])
+    state = whole.first
+    cfg = from_dict(ModelConfig, state["resolved_config"]["model"], where="model")
+    model = GPT(cfg, ctx=ctx, padded_vocab=state["model"]["wte.weight"].shape[0], seed=1)
+    model.load_state_dict(state["model"])
+    want = _expected(case)
+    with torch.no_grad():
+        logits = model.eval()(torch.tensor(want["tokens"]))[0]
+    torch.testing.assert_close(logits, torch.tensor(want["logits"]), rtol=0, atol=1e-4)
+
+
+def _summary(t: torch.Tensor) -> dict[str, float]:
+    t = t.double()
+    return {"sum": t.sum().item(), "abs_sum": t.abs().sum().item(), "sq_sum": (t * t).sum().item()}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_adam_state_carries_over_as_megatron_core_kept_it(case: str, converted: dict[str, Path]) -> None:
+    state = read_whole(converted[case]).first
+    moments = by_name(state["model"], state["optimizer"])
+    per_rank = _expected(case)["moments_by_tp_rank"]
+    assert sorted(moments) == sorted(_ours(n) for n in per_rank[0])
+    for name in per_rank[0]:
+        ours = _ours(name)
+        numel = state["model"][ours].numel()
+        # A TP-split weight's summaries add up over the shards; a replicated one is rank 0's.
+        ranks = per_rank if sum(r[name]["numel"] for r in per_rank) == numel else per_rank[:1]
+        assert sum(r[name]["numel"] for r in ranks) == numel, name
+        got = {"param": state["model"][ours], "exp_avg": moments[ours]["exp_avg"],
+               "exp_avg_sq": moments[ours]["exp_avg_sq"]}
+        for key, tensor in got.items():
+            for how, value in _summary(tensor).items():
+                want = sum(r[name][f"{key}:{how}"] for r in ranks)
+                assert value == pytest.approx(want, rel=1e-5, abs=1e-12), (name, key, how)
+        assert float(moments[ours]["step"]) == 3.0
+
+
+def test_the_bucketed_fixture_lays_parameters_out_otherwise() -> None:
+    """The multi-bucket case tests the bucket rule: its layout differs from the single bucket's."""
+    model = read_rank(FIXTURES / "tp1_distopt_buckets" / RANK_DIR / "model_optim_rng.pt")
+    params = {n: t.shape for n, t in model["model"].items() if isinstance(t, torch.Tensor)}
+    chunk = distrib_optim.Chunk(params=params)
+    one, _ = distrib_optim.offsets(chunk, align=64, bucket_size=None)
+    many, _ = distrib_optim.offsets(chunk, align=64, bucket_size=model["args"].ddp_bucket_size)
+    assert one != many
+
+
+def test_the_flat_layout_follows_megatron_cores_padding_rules() -> None:
+    """Worked by hand from param_and_grad_buffer.py: reverse order, 64-aligned starts counted from each bucket's
+    start, bucket end padding cut off, a shared embedding alone in its bucket."""
+    shapes = {"a": torch.Size([3]), "b": torch.Size([7, 10]), "c": torch.Size([5])}
+    assert distrib_optim.offsets(distrib_optim.Chunk(params=shapes), align=64, bucket_size=None) == (
+        {"c": 0, "b": 64, "a": 192}, 195)
+    assert distrib_optim.offsets(distrib_optim.Chunk(params=shapes), align=1, bucket_size=None) == (
+        {"c": 0, "b": 5, "a": 75}, 78)
+    # Bucket of >= 60 elements: c and b fill the first (64 + 70 = 134 kept), a starts the second at 0.
+    assert distrib_optim.offsets(distrib_optim.Chunk(params=shapes), align=64, bucket_size=60) == (
+        {"c": 0, "b": 64, "a": 134}, 137)
+    alone = distrib_optim.Chunk(params={"emb": torch.Size([10]), "x": torch.Size([5])}, own_bucket=frozenset({"emb"}))
+    assert distrib_optim.offsets(alone, align=64, bucket_size=None) == ({"x": 0, "emb": 64}, 74)
+
+
+def _copy(case: str, tmp_path: Path) -> Path:
+    dest = tmp_path / case
+    shutil.copytree(FIXTURES / case, dest)
+    return dest
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str], src: Path, out: Path) -> str:
+    code, _, err = _cli(capsys, "ckpt", "convert", src, "--to", "torch", "--out", out)
+    assert code != 0
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert not out.exists()
+    return lines[0]
+
+
+def test_a_missing_distrib_optim_file_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = _copy("tp1_distopt", tmp_path)
+    (src / RANK_DIR / "distrib_optim.pt").unlink()
+    line = _one_line_error(capsys, src, tmp_path / "out")
+    assert f"{RANK_DIR}/distrib_optim.pt is missing" in line and "distributed optimizer" in line
+
+
+def test_a_distrib_optim_file_of_another_size_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = _copy("tp1_distopt", tmp_path)
+    path = src / RANK_DIR / "distrib_optim.pt"
+    state = torch.load(path, weights_only=True)
+    (buf,) = state[0].values()
+    for key in distrib_optim.KEYS:
+        buf[key] = buf[key][:-64].clone()
+    buf["numel_unpadded"] -= 64
+    torch.save(state, path)
+    line = _one_line_error(capsys, src, tmp_path / "out")
+    assert str(path) in line and "optimizer elements" in line and "another model" in line
+
+
+def test_the_pre_2024_distrib_optim_layout_names_megatrons_fix(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    src = _copy("tp1_distopt", tmp_path)
+    path = src / RANK_DIR / "distrib_optim.pt"
+    state = torch.load(path, weights_only=True)
+    del state["buckets_coalesced"]
+    torch.save(state, path)
+    line = _one_line_error(capsys, src, tmp_path / "out")
+    assert str(path) in line and "--ckpt-convert-update-legacy-dist-opt-format" in line

@@ -1,0 +1,156 @@
+"""`megatron-hpc evaluate` and `generate` on real torch-xla (XLA:CPU, one process) against the CPU: marker `xla`.
+
+One tiny GPT-NeoX-style run (rotary on half of each head, parallel residual, untied output) is trained on the CPU
+and saved; its recipe names trn1, so evaluate and generate pick XLA by default (the platform chosen as the trainer
+chooses it) and the CPU with --platform cpu. Run with bash tests/xla/run.sh (see test_real_torch_xla.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.xla
+
+TRAIN = r"""
+import sys
+import numpy as np
+from pathlib import Path
+from megatron_hpc.config.schema import (CheckpointConfig, DataConfig, LaunchConfig, ModelConfig, OptimConfig,
+                                         RunConfig, TrainConfig)
+from megatron_hpc.data.indexed import IndexedDatasetWriter
+from megatron_hpc.train.entry import plan_for_torchrun, run_training
+tmp = Path(sys.argv[1])
+rng = np.random.default_rng(0)
+with IndexedDatasetWriter(str(tmp / "corpus"), dtype=np.uint16) as writer:
+    for _ in range(120):
+        writer.add_document(rng.integers(0, 500, size=int(rng.integers(5, 60))))
+cfg = RunConfig(
+    name="tiny",
+    model=ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, max_position_embeddings=32,
+                      vocab_size=500, position_embedding="rope", rotary_percent=0.5, parallel_residual=True,
+                      tie_embeddings=False, init_method_std=0.2),
+    train=TrainConfig(num_steps=1, micro_batch_size=2, global_batch_size=4, log_interval=1, eval_iters=2,
+                      eval_test=False, tensorboard=False),
+    optim=OptimConfig(lr=3e-3, lr_warmup_iters=0, lr_decay_style="constant"),
+    data=DataConfig(source="indexed", path=str(tmp / "corpus"), split="80,10,10", cache_path=str(tmp / "cache")),
+    checkpoint=CheckpointConfig(save=str(tmp / "ckpt")),
+    launch=LaunchConfig(platform="trn1"),  # the run's platform: what evaluate and generate default to
+)
+assert run_training(plan_for_torchrun(cfg, platform="cpu"), run_dir=tmp / "run") == 0
+"""
+
+# One process for every check (each start imports torch and torch_xla): the compile counts first, while no graph
+# of this model exists yet, then the commands in-process, on XLA (the run's platform) and with --platform cpu.
+INFER = r"""
+import contextlib, io, json, sys
+from pathlib import Path
+import torch_xla
+import torch_xla.debug.metrics as met
+from megatron_hpc.cli.main import main
+from megatron_hpc.generate.engine import generate
+from megatron_hpc.generate.loading import load_for_generation
+from megatron_hpc.generate.sampling import SamplingParams
+ckpt = sys.argv[1]
+model = load_for_generation(Path(ckpt)).model.to(torch_xla.device())
+
+
+def compiles():
+    data = met.metric_data("CompileTime")
+    return 0 if data is None else data[0]
+
+
+counts, outputs = [], []
+for prompts, new in [([[3, 4, 5], [7, 8, 9, 10, 11, 12]], 3), ([[3, 4, 5], [7, 8, 9, 10, 11, 12]], 20),
+                     ([[9, 9, 9, 9, 1, 2], [5]], 12)]:
+    before = compiles()
+    outputs.append([g.tokens for g in generate(model, prompts, SamplingParams(max_new_tokens=new))])
+    counts.append(compiles() - before)
+
+
+def cli(*args):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main([*args, "--json"]) == 0
+    return json.loads(out.getvalue())
+
+
+prompts = ["--prompt-ids", "3,4,5", "--prompt-ids", "7,8,9,10,11,12,13,14,15"]  # a left-padded batch
+sampled = ["--temperature", "0.8", "--top-k", "40", "--seed", "7"]
+report = {"compiles": counts, "outputs": outputs}
+for name, platform in (("xla", []), ("cpu", ["--platform", "cpu"])):
+    report[name] = {
+        "evaluate": cli("evaluate", ckpt, "--split", "test", *platform),
+        "greedy": cli("generate", ckpt, *prompts, "--max-new-tokens", "12", *platform),
+        "sampled": cli("generate", ckpt, *prompts, "--max-new-tokens", "12", *sampled, *platform),
+    }
+print(json.dumps(report))
+"""
+
+
+@pytest.fixture(scope="module")
+def env() -> dict[str, str]:
+    try:
+        import torch_xla  # noqa: F401
+    except ImportError:
+        pytest.fail("the xla tests need a real torch-xla; run them with bash tests/xla/run.sh")
+    out = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "XLA_USE_BF16",
+                        "XLA_DOWNCAST_BF16")}
+    out["PJRT_DEVICE"] = "CPU"
+    # As in test_real_torch_xla.py: LLVM's optimisation off compiles faster, with the same float semantics.
+    out["XLA_FLAGS"] = (out.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+    out["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), out.get("PYTHONPATH", "")])
+    return out
+
+
+def _python(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def ckpt(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("xlainfer")
+    _python(env, "-c", TRAIN, str(tmp))
+    return tmp / "ckpt"
+
+
+@pytest.fixture(scope="module")
+def runs(env: dict[str, str], ckpt: Path) -> dict[str, Any]:
+    return json.loads(_python(env, "-c", INFER, str(ckpt)).stdout.strip().splitlines()[-1])
+
+
+def test_evaluate_on_xla_equals_the_cpu(runs: dict[str, Any]) -> None:
+    xla, cpu = runs["xla"]["evaluate"], runs["cpu"]["evaluate"]  # xla: the run's platform, trn1
+    assert (xla["device"], cpu["device"]) == ("xla", "cpu")
+    assert xla["splits"]["test"]["samples"] == cpu["splits"]["test"]["samples"] == 8
+    assert xla["splits"]["test"]["loss"] == pytest.approx(cpu["splits"]["test"]["loss"], rel=1e-5)
+
+
+def test_generate_on_xla_gives_the_cpu_tokens(runs: dict[str, Any]) -> None:
+    for kind in ("greedy", "sampled"):
+        xla, cpu = runs["xla"][kind], runs["cpu"][kind]
+        assert (xla["device"], cpu["device"]) == ("xla", "cpu")
+        assert [r["tokens"] for r in xla["results"]] == [r["tokens"] for r in cpu["results"]], kind
+        assert [len(r["tokens"]) for r in cpu["results"]] == [12, 12]
+        for x, c in zip(xla["results"], cpu["results"]):
+            assert x["logprobs"] == pytest.approx(c["logprobs"], abs=1e-4)
+    greedy, sampled = runs["cpu"]["greedy"]["results"], runs["cpu"]["sampled"]["results"]
+    assert [r["tokens"] for r in greedy] != [r["tokens"] for r in sampled]  # the seeded run did sample
+
+
+def test_decode_steps_share_one_graph(runs: dict[str, Any]) -> None:
+    """The KV cache keeps one shape and a step's columns come as data: more new tokens compile nothing new."""
+    first, longer, other_prompts = runs["compiles"]
+    assert 1 <= first <= 4  # the prefill and one decode step (the sampling is in their graphs)
+    assert longer == 0  # 20 new tokens instead of 3
+    assert other_prompts == 0  # other prompts, same batch size and longest prompt
+    assert [row[:3] for row in runs["outputs"][1]] == runs["outputs"][0]  # greedy: the longer run extends the shorter
