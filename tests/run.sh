@@ -5,7 +5,7 @@
 # README says: the default index gives the CUDA build on Linux), this package with its test extras, and
 # (through the slurm fixture) Debian's Slurm and MariaDB.
 #
-# Four pytest sessions (each with its own --basetemp), the first three side by side:
+# Four pytest sessions, each with its own --basetemp, side by side:
 # - the SLURM tier (tests marked slurm) on a real local cluster that tests/slurm/conftest.py starts and
 #   stops. Its tests mostly wait on the scheduler, on job start-up and on requeues, so it runs in the
 #   background; its output is printed when it ends.
@@ -15,7 +15,7 @@
 #   in turns.
 # - the xla tier (tests/xla/run.sh): real torch-xla 2.9 on XLA:CPU, in its own environment that it builds
 #   once and caches (torch 2.9 with its CUDA libraries, about 4 GB). The build, mostly a download, starts
-#   first in the background; the tier runs when the others are done.
+#   first in the background, and the tier runs there as soon as it is built, beside the others.
 # Arguments go to the first three sessions' pytest; the xla tier always runs whole. Fails if any tier fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,8 +27,10 @@ PY=${PYTHON:-python3}
 "$PY" -m ruff check .
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/megatron-hpc-tests.XXXXXX")
-bash tests/xla/env.sh > "$work/xla-env.log" 2>&1 &
-xla_env=$!
+# tests/xla/run.sh finds the environment env.sh built in its cache (or says why it cannot build it)
+( bash tests/xla/env.sh > "$work/xla-env.log" 2>&1 || cat "$work/xla-env.log"; bash tests/xla/run.sh -q ) \
+    > "$work/xla.log" 2>&1 &
+xla_pid=$!
 
 set +e
 skip="not gpu and not neuron and not xla"
@@ -46,14 +48,10 @@ wait "$slurm_pid"
 slurm=$?
 echo "--- SLURM tier (ran beside the tests above) ---"
 cat "$work/slurm.log"
-wait "$xla_env"
-env_code=$?
-if [ "$env_code" -ne 0 ]; then
-    cat "$work/xla-env.log" >&2
-fi
-# tests/xla/run.sh finds the environment built above in its cache (or says why it cannot build it)
-bash tests/xla/run.sh -q
+wait "$xla_pid"
 xla=$?
+echo "--- xla tier (ran beside the tests above once its environment was built) ---"
+cat "$work/xla.log"
 set -e
 # exit 5 means no test ran at all: a broken suite, not a pass
 [ "$main" -eq 5 ] && echo "no tests were collected in the unit tier" >&2
