@@ -241,7 +241,12 @@ def model_config(src: ForeignCheckpoint, full: dict[str, torch.Tensor], *, vocab
            "rotary_base": float(arg(state, "rotary_base", 10000) or 10000),  # Megatron's --rotary-base
            "tie_embeddings": "lm_head.weight" not in full,
            "init_method_std": float(arg(state, "init_method_std", 0.02) or 0.02),
-           "layernorm_epsilon": float(arg(state, "layernorm_epsilon", 1e-5) or 1e-5)}
+           "layernorm_epsilon": float(arg(state, "layernorm_epsilon", 1e-5) or 1e-5),
+           # Megatron's fused bias-GeLU (bias_gelu_fusion, on unless --no-bias-gelu-fusion) and openai_gelu both
+           # compute the tanh approximation; only the unfused default is the exact GeLU (transformers' converter
+           # maps them to gelu_fast / gelu_new / gelu likewise: megatron-and-launchers.md 3.5).
+           "activation": "gelu_tanh" if arg(state, "bias_gelu_fusion", False) or arg(state, "openai_gelu", False)
+           else "gelu"}
     cfg["seq_length"] = min(cfg["seq_length"], max_pos)
     return cfg
 
