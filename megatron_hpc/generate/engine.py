@@ -9,7 +9,13 @@ from dataclasses import dataclass
 import torch
 
 from megatron_hpc.errors import GenerationError
-from megatron_hpc.generate.kv_cache import KVCache, cached_forward, check_generation_model, context_length
+from megatron_hpc.generate.kv_cache import (
+    KVCache,
+    cached_forward,
+    check_generation_model,
+    context_length,
+    decode_step,
+)
 from megatron_hpc.generate.sampling import SamplingParams, VocabShard, next_tokens, token_logprobs
 from megatron_hpc.model.gpt import GPT
 
@@ -51,7 +57,7 @@ def vocab_shard(model: GPT) -> VocabShard:
     return VocabShard(start=start, vocab_size=model.vocab_size, group=group)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def generate(model: GPT, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
     """Continue each prompt (token ids). Under TP every rank of the model's TP group calls this with the same
     prompts and params, and every rank returns the same result."""
@@ -69,21 +75,24 @@ def generate(model: GPT, prompts: Sequence[Sequence[int]], params: SamplingParam
         # a seedless request still draws the same on every rank until the broadcast settles it
         generator = torch.Generator(device=device).manual_seed(
             params.seed if params.seed is not None else secrets.randbits(63))
-    stops = torch.tensor(params.stop_tokens or [-1], device=device)
+    stops = torch.tensor(params.stop_tokens, device=device) if params.stop_tokens else None
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
-    new: list[torch.Tensor] = []
-    logps: list[torch.Tensor] = []
-    logits = cached_forward(model, ids, cache)
+    new = torch.empty(len(prompts), params.max_new_tokens, dtype=torch.long, device=device)
+    logps = torch.empty(len(prompts), params.max_new_tokens, dtype=torch.float32, device=device)
+    logits = cached_forward(model, ids, cache)  # the prompts in one pass
+    steps = params.max_new_tokens
     for step in range(params.max_new_tokens):
         tokens, logp = next_tokens(logits, params, shard, generator)
-        new.append(tokens)
-        logps.append(logp)
-        done |= torch.isin(tokens, stops)
-        if bool(done.all()) or step == params.max_new_tokens - 1:
-            break
-        logits = cached_forward(model, tokens.unsqueeze(1), cache)
-    return _results(prompts, torch.stack(new, dim=1).tolist(), torch.stack(logps, dim=1).tolist(),
-                    set(params.stop_tokens))
+        new[:, step] = tokens
+        logps[:, step] = logp
+        if stops is not None:
+            done |= torch.isin(tokens, stops)
+            if bool(done.all()):  # host sync, once a step and only when stop tokens can end the rows
+                steps = step + 1
+                break
+        if step < params.max_new_tokens - 1:
+            logits = decode_step(model, tokens, cache)
+    return _results(prompts, new[:, :steps].tolist(), logps[:, :steps].tolist(), set(params.stop_tokens))
 
 
 @torch.no_grad()

@@ -32,6 +32,8 @@ class KVCache:
     values: list[torch.Tensor]
     pad: torch.Tensor
     """(B,) left-padding columns of each row."""
+    key_mask: torch.Tensor | None = None
+    """(B, 1, 1, L) bool, True for the real (unpadded) columns; None when no row is padded (no mask needed)."""
     length: int = 0
     """Columns filled so far (padding included)."""
 
@@ -42,8 +44,13 @@ class KVCache:
         dtype = blocks[0].attn.qkv.weight.dtype
         device = blocks[0].attn.qkv.weight.device
         shape = (pad.shape[0], heads, capacity, hd)
+        pad = pad.to(device)
+        key_mask = None
+        if bool((pad > 0).any()):  # one host sync per generation, not per step
+            key_mask = (torch.arange(capacity, device=device).unsqueeze(0) >= pad.unsqueeze(1))[:, None, None]
         return cls(keys=[torch.empty(shape, dtype=dtype, device=device) for _ in blocks],
-                   values=[torch.empty(shape, dtype=dtype, device=device) for _ in blocks], pad=pad.to(device))
+                   values=[torch.empty(shape, dtype=dtype, device=device) for _ in blocks], pad=pad,
+                   key_mask=key_mask)
 
     @property
     def capacity(self) -> int:
@@ -109,3 +116,49 @@ def cached_forward(model: GPT, ids: torch.Tensor, cache: KVCache) -> torch.Tenso
     if model.lm_head is not None:
         return model.lm_head(x)
     return F.linear(copy_to_tp_region(x, model.group), model.wte.weight)  # (B, V/tp)
+
+
+def decode_step(model: GPT, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """One new column: `tokens` (B,) through the model, their keys and values appended to `cache`; this rank's logits
+    (B, V/tp). The same arithmetic as cached_forward with S = 1, minus its per-step overhead (measured in
+    benchmarks/RESULTS.md, issue 17): 2-D (B, H) activations, q/k/v as strided views of the QKV output (no
+    transposes), the key mask sliced from the cache instead of rebuilt, and the column-parallel linears called as
+    plain F.linear (their forward is the identity; the autograd wrapper only costs time here)."""
+    b = tokens.shape[0]
+    start = cache.length
+    if start + 1 > cache.capacity:
+        raise ValueError(f"cache holds {cache.capacity} columns, all used")
+    mask = None if cache.key_mask is None else cache.key_mask[..., :start + 1]  # (B, 1, 1, start + 1)
+    # A decoded column is past every row's padding, so the position is simply column - pad.
+    positions = start - cache.pad  # (B,)
+    rope = None
+    if model.rope_cos is not None:
+        rope = (model.rope_cos[positions][:, None, None], model.rope_sin[positions][:, None, None])  # (B, 1, 1, rot)
+    x = model.wte(tokens)  # (B, H)
+    if model.wpe is not None:
+        x = x + model.wpe(positions)
+    for layer, block in enumerate(model.h.values()):
+        attn = block.attn
+        qkv = F.linear(block.ln_1(x), attn.qkv.weight, attn.qkv.bias)  # (B, 3H/tp)
+        qkv = qkv.view(b, attn.local_heads, 3, 1, attn.head_dim)  # Megatron's per-head [nh, (q, k, v), hd] layout
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # (B, nh/tp, 1, hd) views
+        if rope is not None:
+            q, k = rotate(q, *rope), rotate(k, *rope)
+        keys, values = cache.keys[layer], cache.values[layer]
+        keys[:, :, start:start + 1] = k
+        values[:, :, start:start + 1] = v
+        y = F.scaled_dot_product_attention(q, keys[:, :, :start + 1], values[:, :, :start + 1], attn_mask=mask)
+        y = attn.proj(y.view(b, attn.local_heads * attn.head_dim))  # (B, H): S = 1, so no transpose is needed
+        mlp = block.mlp
+        if block.parallel_residual:
+            h = F.linear(block.ln_2(x), mlp.fc.weight, mlp.fc.bias)
+            x = mlp.proj(F.gelu(h, approximate=mlp.approximate)) + y + x
+        else:
+            x = x + y
+            h = F.linear(block.ln_2(x), mlp.fc.weight, mlp.fc.bias)
+            x = x + mlp.proj(F.gelu(h, approximate=mlp.approximate))
+    cache.length = start + 1
+    x = model.ln_f(x)
+    if model.lm_head is not None:
+        return F.linear(x, model.lm_head.weight)  # (B, V/tp)
+    return F.linear(x, model.wte.weight)  # (B, V/tp)
