@@ -9,7 +9,13 @@ from dataclasses import dataclass
 import torch
 
 from megatron_hpc.errors import GenerationError
-from megatron_hpc.generate.kv_cache import KVCache, cached_forward, check_generation_model, context_length
+from megatron_hpc.generate.kv_cache import (
+    KVCache,
+    cached_forward,
+    check_generation_model,
+    context_length,
+    decode_step,
+)
 from megatron_hpc.generate.sampling import SamplingParams, VocabShard, next_tokens, token_logprobs
 from megatron_hpc.model.gpt import GPT
 from megatron_hpc.parallel.device import mark_step
@@ -52,7 +58,7 @@ def vocab_shard(model: GPT) -> VocabShard:
     return VocabShard(start=start, vocab_size=model.vocab_size, group=group)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def generate(model: GPT, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
     """Continue each prompt (token ids). Under TP every rank of the model's TP group calls this with the same
     prompts and params, and every rank returns the same result."""
@@ -73,25 +79,32 @@ def generate(model: GPT, prompts: Sequence[Sequence[int]], params: SamplingParam
         # a seedless request still draws the same on every rank until the broadcast settles it
         generator = torch.Generator(device="cpu" if device.type == "xla" else device).manual_seed(
             params.seed if params.seed is not None else secrets.randbits(63))
-    # The stop test runs on the host, on each step's tokens copied there: no device graph depends on the step count.
-    stops = torch.tensor(params.stop_tokens or [-1])
-    done = torch.zeros(len(prompts), dtype=torch.bool)
-    new: list[torch.Tensor] = []
-    logps: list[torch.Tensor] = []
-    logits = cached_forward(model, ids, cache)
+    # On XLA the stop test and the outputs live on the host, fed by each step's tokens copied there, so that no
+    # device graph depends on the step count; elsewhere they stay on the device, written in place.
+    xla = device.type == "xla"
+    host = torch.device("cpu") if xla else device
+    stops = torch.tensor(params.stop_tokens, device=host) if params.stop_tokens else None
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=host)
+    new = torch.empty(len(prompts), params.max_new_tokens, dtype=torch.long, device=host)
+    logps = torch.empty(len(prompts), params.max_new_tokens, dtype=torch.float32, device=host)
+    logits = cached_forward(model, ids, cache)  # the prompts in one pass
+    steps = params.max_new_tokens
     for step in range(params.max_new_tokens):
         tokens, logp = next_tokens(logits, params, shard, generator)
         # XLA: run this step's graph now. Without the cut, the cache's pending updates would chain into one graph
         # that grows (and compiles again) every step; with it, every decode step is the same graph.
         mark_step(device.type)
-        new.append(tokens.cpu())  # host sync (a no-op copy on the CPU)
-        logps.append(logp.cpu())
-        done |= torch.isin(new[-1], stops)
-        if bool(done.all()) or step == params.max_new_tokens - 1:
-            break
-        logits = cached_forward(model, tokens.unsqueeze(1), cache)
-    return _results(prompts, torch.stack(new, dim=1).tolist(), torch.stack(logps, dim=1).tolist(),
-                    set(params.stop_tokens))
+        new[:, step].copy_(tokens)  # a host sync on XLA
+        logps[:, step].copy_(logp)
+        if stops is not None:
+            done |= torch.isin(new[:, step], stops)
+            if bool(done.all()):  # host sync, once a step and only when stop tokens can end the rows
+                steps = step + 1
+                break
+        if step < params.max_new_tokens - 1:
+            # XLA keeps cached_forward's fixed-shape step (one graph for all steps); elsewhere the leaner decode_step
+            logits = cached_forward(model, tokens.unsqueeze(1), cache) if xla else decode_step(model, tokens, cache)
+    return _results(prompts, new[:, :steps].tolist(), logps[:, :steps].tolist(), set(params.stop_tokens))
 
 
 @torch.no_grad()

@@ -13,7 +13,8 @@ On XLA every step has the same shapes, so that the prefill compiles one graph an
 another, whatever the number of new tokens: the columns a step writes come in as device data (not as constants in
 the graph), the keys and values are written with index_copy_, and attention reads the whole preallocated cache with a
 mask over all of its columns (the unwritten ones are masked as future keys; they hold zeros, never garbage that
-could be NaN). Elsewhere a step reads only the filled columns, which is less work.
+could be NaN). Elsewhere a step reads only the filled columns, which is less work, and a decode step (one new
+column) runs through decode_step, cached_forward's arithmetic without its per-step overhead.
 
 Shape legend: B batch, S new tokens this step, L cached length (capacity), H hidden, nh/tp local heads,
 hd head dim, V/tp this rank's vocabulary shard.
@@ -28,7 +29,6 @@ import torch.nn.functional as F
 
 from megatron_hpc.model.gpt import GPT
 from megatron_hpc.model.rotary import rotate
-from megatron_hpc.parallel.mappings import copy_to_tp_region
 
 
 @dataclass(kw_only=True, slots=True)
@@ -38,6 +38,8 @@ class KVCache:
     values: list[torch.Tensor]
     pad: torch.Tensor
     """(B,) left-padding columns of each row."""
+    key_mask: torch.Tensor | None = None
+    """(B, 1, 1, L) bool, True for the real (unpadded) columns; None when no row is padded (no mask needed)."""
     length: int = 0
     """Columns filled so far (padding included)."""
 
@@ -48,10 +50,16 @@ class KVCache:
         dtype = blocks[0].attn.qkv.weight.dtype
         device = blocks[0].attn.qkv.weight.device
         shape = (pad.shape[0], heads, capacity, hd)
+        pad = pad.to(device)
+        xla = device.type == "xla"
+        key_mask = None
+        # decode_step's mask (not used on XLA, where every step reads the whole cache under cached_forward's mask)
+        if not xla and bool((pad > 0).any()):  # one host sync per generation, not per step
+            key_mask = (torch.arange(capacity, device=device).unsqueeze(0) >= pad.unsqueeze(1))[:, None, None]
         # XLA attends over every column, written or not (module docstring): they must be finite.
-        alloc = torch.zeros if device.type == "xla" else torch.empty
+        alloc = torch.zeros if xla else torch.empty
         return cls(keys=[alloc(shape, dtype=dtype, device=device) for _ in blocks],
-                   values=[alloc(shape, dtype=dtype, device=device) for _ in blocks], pad=pad.to(device))
+                   values=[alloc(shape, dtype=dtype, device=device) for _ in blocks], pad=pad, key_mask=key_mask)
 
     @property
     def capacity(self) -> int:
@@ -120,7 +128,59 @@ def cached_forward(model: GPT, ids: torch.Tensor, cache: KVCache) -> torch.Tenso
             x = x + y
             x = x + block.mlp(block.ln_2(x))
     cache.length = start + s
-    x = model.ln_f(x[:, -1])  # (B, H): only the last column's logits are needed
-    if model.lm_head is not None:
-        return model.lm_head(x)
-    return F.linear(copy_to_tp_region(x, model.group), model.wte.weight)  # (B, V/tp)
+    return output_logits(model, model.ln_f(x[:, -1]))  # only the last column's logits are needed
+
+
+def decode_step(model: GPT, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """One new column: `tokens` (B,) through the model, their keys and values appended to `cache`; this rank's logits
+    (B, V/tp). The same arithmetic as cached_forward with S = 1, minus its per-step overhead (measured in
+    benchmarks/RESULTS.md, issue 17): 2-D (B, H) activations, q/k/v as strided views of the QKV output (no
+    transposes), the key mask sliced from the cache instead of rebuilt, and the column-parallel linears called as
+    plain F.linear (their forward is the identity; the autograd wrapper only costs time here)."""
+    b = tokens.shape[0]
+    start = cache.length
+    if start + 1 > cache.capacity:
+        raise ValueError(f"cache holds {cache.capacity} columns, all used")
+    mask = None if cache.key_mask is None else cache.key_mask[..., :start + 1]  # (B, 1, 1, start + 1)
+    # A decoded column is past every row's padding, so the position is simply column - pad.
+    positions = start - cache.pad  # (B,)
+    rope = None
+    if model.rope_cos is not None:
+        rope = (model.rope_cos[positions][:, None, None], model.rope_sin[positions][:, None, None])  # (B, 1, 1, rot)
+    x = model.wte(tokens)  # (B, H)
+    if model.wpe is not None:
+        x = x + model.wpe(positions)
+    for layer, block in enumerate(model.h.values()):
+        attn = block.attn
+        qkv = F.linear(block.ln_1(x), attn.qkv.weight, attn.qkv.bias)  # (B, 3H/tp)
+        qkv = qkv.view(b, attn.local_heads, 3, 1, attn.head_dim)  # Megatron's per-head [nh, (q, k, v), hd] layout
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # (B, nh/tp, 1, hd) views
+        if rope is not None:
+            q, k = rotate(q, *rope), rotate(k, *rope)
+        keys, values = cache.keys[layer], cache.values[layer]
+        keys[:, :, start:start + 1] = k
+        values[:, :, start:start + 1] = v
+        y = F.scaled_dot_product_attention(q, keys[:, :, :start + 1], values[:, :, :start + 1], attn_mask=mask)
+        y = attn.proj(y.view(b, attn.local_heads * attn.head_dim))  # (B, H): S = 1, so no transpose is needed
+        mlp = block.mlp
+        if block.parallel_residual:
+            h = F.linear(block.ln_2(x), mlp.fc.weight, mlp.fc.bias)
+            x = mlp.proj(F.gelu(h, approximate=mlp.approximate)) + y + x
+        else:
+            x = x + y
+            h = F.linear(block.ln_2(x), mlp.fc.weight, mlp.fc.bias)
+            x = x + mlp.proj(F.gelu(h, approximate=mlp.approximate))
+    cache.length = start + 1
+    return output_logits(model, model.ln_f(x))
+
+
+def output_logits(model: GPT, x: torch.Tensor) -> torch.Tensor:
+    """This rank's logits (B, V/tp) of final hidden states (B, H), for inference only (no autograd wrappers: the
+    column-parallel output layer's forward is the identity on its input)."""
+    weight = model.wte.weight if model.lm_head is None else model.lm_head.weight  # (V/tp, H)
+    if x.shape[0] == 1:
+        return F.linear(x, weight)  # a matrix-vector product either way
+    # Table times x^T rather than x times table^T: the same dot products, but on the CPU the BLAS ran this
+    # orientation about 1.5-1.9x faster for a few rows against the 50304 x 768 fp32 table (benchmarks/RESULTS.md,
+    # issue 17), and the output layer is half of the bytes a decode step reads.
+    return torch.mm(weight, x.t()).t().contiguous()

@@ -109,6 +109,12 @@ def next_tokens(local: torch.Tensor, params: SamplingParams, shard: VocabShard,
                 generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """From this rank's logits (B, V/tp): the chosen token ids (B,) int64 and their log-probs (B,), the same on
     every rank of the shard's group."""
+    if params.greedy and shard.size == 1:
+        # One shard holds the whole row: a view without the padding columns replaces the masked copy and the
+        # exchange of (value, id) pairs. The same choice (the first maximum) and the same log-prob.
+        logits = local[:, :shard.vocab_size - shard.start].float()  # (B, V) a view when the logits are fp32
+        best, tokens = logits.max(dim=-1)
+        return tokens, best - torch.logsumexp(logits, dim=-1)
     logits = _masked(local, shard)  # (B, V/tp) fp32
     if params.greedy:
         best, arg = logits.max(dim=-1)

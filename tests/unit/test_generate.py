@@ -11,8 +11,9 @@ import torch.distributed as dist
 
 from megatron_hpc.config.schema import ModelConfig
 from megatron_hpc.errors import GenerationError
-from megatron_hpc.generate.engine import generate
-from megatron_hpc.generate.sampling import SamplingParams, sampling_params
+from megatron_hpc.generate.engine import PAD_ID, generate, vocab_shard
+from megatron_hpc.generate.kv_cache import KVCache, cached_forward, decode_step
+from megatron_hpc.generate.sampling import SamplingParams, next_tokens, sampling_params
 from megatron_hpc.model.gpt import GPT
 from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.plan.mesh import Mesh
@@ -55,6 +56,40 @@ def test_cached_greedy_equals_full_forward_passes(ctx: ParallelContext, position
         tokens, logps = _full_forward_greedy(model, prompt, 12)
         assert gen.tokens == tokens and gen.finish_reason == "length"
         torch.testing.assert_close(torch.tensor(gen.logprobs), torch.tensor(logps), rtol=0, atol=1e-4)
+
+
+def _prefilled(model: GPT, prompts: list[list[int]]) -> tuple[KVCache, torch.Tensor]:
+    longest = max(len(p) for p in prompts)
+    pad = torch.tensor([longest - len(p) for p in prompts])
+    cache = KVCache.allocate(model, pad=pad, capacity=longest + 10)
+    ids = torch.tensor([[PAD_ID] * (longest - len(p)) + p for p in prompts])
+    return cache, cached_forward(model, ids, cache)
+
+
+@pytest.mark.parametrize("position_embedding", ["learned", "rotary", "neox"])
+@pytest.mark.parametrize("prompts", [PROMPTS, PROMPTS[:1]], ids=["padded", "unpadded"])
+def test_decode_step_equals_the_general_cached_forward(ctx: ParallelContext, position_embedding: str,
+                                                       prompts: list[list[int]]) -> None:
+    """The decode fast path against cached_forward with one column (the plain path), token for token: the same
+    greedy tokens, logits and log-probs close, and the same keys and values in the cache."""
+    model = GPT(_cfg(position_embedding), ctx=ctx, padded_vocab=512, seed=1).eval()
+    shard, params = vocab_shard(model), SamplingParams(max_new_tokens=10)
+    (fast, fast_logits), (plain, plain_logits) = _prefilled(model, prompts), _prefilled(model, prompts)
+    assert (fast.key_mask is None) == (len(prompts) == 1)
+    with torch.inference_mode():
+        for _ in range(10):
+            tokens, logp = next_tokens(fast_logits, params, shard, None)
+            # the plain path's choice: argmax and log_softmax over the real vocabulary only
+            real = plain_logits[:, :VOCAB]
+            assert torch.equal(tokens, real.argmax(dim=-1))
+            torch.testing.assert_close(logp, real.log_softmax(-1).gather(-1, tokens[:, None])[:, 0],
+                                       rtol=0, atol=1e-5)
+            fast_logits = decode_step(model, tokens, fast)
+            plain_logits = cached_forward(model, tokens[:, None], plain)
+            torch.testing.assert_close(fast_logits, plain_logits, rtol=0, atol=1e-5)
+    assert fast.length == plain.length
+    for a, b in zip(fast.keys + fast.values, plain.keys + plain.values):
+        torch.testing.assert_close(a[:, :, :fast.length], b[:, :, :plain.length], rtol=0, atol=1e-6)
 
 
 def test_training_forward_untouched_by_generation(ctx: ParallelContext) -> None:

@@ -1,0 +1,109 @@
+"""Where a greedy decode step's time goes on the CPU (issue 17): the memory-bandwidth floor against our step and
+transformers' step, on generate_cpu.py's model.
+
+Per batch size it times, alternating within each round so that machine drift hits all of them:
+- floor: only the weight matmuls of one token (F.linear of every layer's four weights with their biases, and the
+  output layer as ours computes it), i.e. the bytes every implementation must read per step;
+- ours: one `decode_step` plus the greedy choice (the path `generate` runs);
+- ours (plain): one `cached_forward` of one column plus the same choice (the general path, before the fast path);
+- transformers: one GPT2LMHeadModel forward with its DynamicCache (cropped back after each step) plus argmax, i.e.
+  the model alone, without `generate`'s per-step logits processors and stopping criteria.
+It also prints the machine's copy bandwidth (a 256 MiB tensor copy) and what the floor reads per step.
+
+    python benchmarks/generate_floor.py --rounds 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import generate_cpu
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--cached", type=int, default=96, help="columns already in the KV cache (prompt 32 + half of 128)")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    ours, theirs, _ = generate_cpu._models(generate_cpu.parse_args([]))
+
+    src = torch.ones(64 * 2**20)  # 256 MiB
+    dst = torch.empty_like(src)
+    copies = []
+    for _ in range(5):
+        start = time.perf_counter()
+        dst.copy_(src)
+        copies.append(time.perf_counter() - start)
+    gbs = 2 * src.numel() * 4 / min(copies) / 1e9
+    print(f"copy bandwidth (256 MiB read + written, best of 5): {gbs:.1f} GB/s", flush=True)
+
+    weights = [(m.weight, m.bias) for block in ours.h.values()
+               for m in (block.attn.qkv, block.attn.proj, block.mlp.fc, block.mlp.proj)]
+    weights.append((ours.wte.weight, None))
+    nbytes = sum(w.numel() * 4 + (0 if b is None else b.numel() * 4) for w, b in weights)
+    print(f"weights read per step: {nbytes / 1e6:.0f} MB -> floor at that bandwidth {nbytes / gbs / 1e6:.1f} ms")
+
+    with torch.inference_mode():
+        for batch in args.batches:
+            _time_batch(ours, theirs, batch, weights, nbytes, args)
+
+
+def _time_batch(ours, theirs, batch: int, weights: list, nbytes: int, args: argparse.Namespace) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    from megatron_hpc.generate.engine import vocab_shard
+    from megatron_hpc.generate.kv_cache import KVCache, cached_forward, decode_step, output_logits
+    from megatron_hpc.generate.sampling import SamplingParams, next_tokens
+
+    shard, params = vocab_shard(ours), SamplingParams(max_new_tokens=1)
+    inputs = {w.shape[1]: torch.randn(batch, w.shape[1]) for w, _ in weights}
+    prompts = torch.randint(0, 50257, (batch, args.cached))
+    tokens = torch.zeros(batch, dtype=torch.long)
+    fast = KVCache.allocate(ours, pad=torch.zeros(batch, dtype=torch.long), capacity=args.cached + 1)
+    plain = KVCache.allocate(ours, pad=torch.zeros(batch, dtype=torch.long), capacity=args.cached + 1)
+    cached_forward(ours, prompts, fast)
+    cached_forward(ours, prompts, plain)
+    hf_cache = theirs(prompts, use_cache=True).past_key_values
+    mask = torch.ones(batch, args.cached + 1, dtype=torch.long)
+
+    def floor() -> None:
+        for w, b in weights[:-1]:
+            F.linear(inputs[w.shape[1]], w, b)
+        output_logits(ours, inputs[weights[-1][0].shape[1]])  # the output layer as ours runs it
+
+    def step_ours() -> None:
+        next_tokens(decode_step(ours, tokens, fast), params, shard, None)
+        fast.length -= 1
+
+    def step_plain() -> None:
+        next_tokens(cached_forward(ours, tokens[:, None], plain), params, shard, None)
+        plain.length -= 1
+
+    def step_theirs() -> None:
+        theirs(tokens[:, None], past_key_values=hf_cache, attention_mask=mask, use_cache=True).logits[:, -1].argmax(-1)
+        hf_cache.crop(-1)
+
+    runs = {"floor": floor, "ours": step_ours, "ours (plain)": step_plain, "transformers": step_theirs}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for fn in runs.values():
+        fn()  # warm-up
+    for _ in range(args.rounds):
+        for name, fn in runs.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - start) * 1e3)
+    best_floor = min(times["floor"])
+    for name, ts in times.items():
+        print(f"batch {batch:>2} {name:>13}: best {min(ts):7.2f} ms  median {statistics.median(ts):7.2f} ms"
+              f"  best / floor {min(ts) / best_floor:5.2f}  ({nbytes / min(ts) / 1e6:.1f} GB/s of weights)", flush=True)
+
+if __name__ == "__main__":
+    main()
