@@ -58,10 +58,17 @@ def vocab_shard(model: GPT) -> VocabShard:
     return VocabShard(start=start, vocab_size=model.vocab_size, group=group)
 
 
-@torch.inference_mode()
 def generate(model: GPT, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
     """Continue each prompt (token ids). Under TP every rank of the model's TP group calls this with the same
     prompts and params, and every rank returns the same result."""
+    # inference_mode skips autograd's version counters (cheaper than no_grad), but torch_xla 2.9 refuses the TP
+    # layers' autograd.Function on inference tensors ("Cannot set version_counter"), so XLA keeps no_grad.
+    xla = model.ln_f.weight.device.type == "xla"
+    with torch.no_grad() if xla else torch.inference_mode():
+        return _generate(model, prompts, params)
+
+
+def _generate(model: GPT, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Generation]:
     check_generation_model(model)
     shard = vocab_shard(model)
     check_prompts(prompts, context=context_length(model), max_new_tokens=params.max_new_tokens,
