@@ -13,7 +13,6 @@ tests/unit/test_train_xla_path.py checks the call order in CI with a stand-in.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -66,23 +65,6 @@ except TrainingError as exc:
 rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 print(json.dumps({"losses": [[r["iteration"], r["lm_loss"]] for r in rows], "error": error}))
 """
-
-@pytest.fixture(scope="module")
-def env() -> dict[str, str]:
-    try:
-        import torch_xla  # noqa: F401
-    except ImportError:
-        pytest.fail("the xla tests need a real torch-xla; run them with bash tests/xla/run.sh (see this module)")
-    out = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "XLA_USE_BF16",
-                        "XLA_DOWNCAST_BF16")}
-    out["PJRT_DEVICE"] = "CPU"
-    # LLVM's optimisation off: XLA:CPU compiles this model's graphs about 4x faster, and the results are the same
-    # (the float semantics are XLA's, not LLVM's: no fast-math). Compiling is most of this tier's time.
-    out["XLA_FLAGS"] = (out.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
-    out["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), out.get("PYTHONPATH", "")])
-    return out
-
 
 def _train(env: dict[str, str], platform: str, run_dir: Path, steps: int, **opts: Any) -> dict[str, Any]:
     """Train in a fresh process; its losses (logged every 2 steps), TrainingError message, stdout and stderr."""

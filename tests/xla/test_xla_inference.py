@@ -8,7 +8,6 @@ chooses it) and the CPU with --platform cpu. Run with bash tests/xla/run.sh (see
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -92,22 +91,6 @@ for name, platform in (("xla", []), ("cpu", ["--platform", "cpu"])):
     }
 print(json.dumps(report))
 """
-
-
-@pytest.fixture(scope="module")
-def env() -> dict[str, str]:
-    try:
-        import torch_xla  # noqa: F401
-    except ImportError:
-        pytest.fail("the xla tests need a real torch-xla; run them with bash tests/xla/run.sh")
-    out = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "XLA_USE_BF16",
-                        "XLA_DOWNCAST_BF16")}
-    out["PJRT_DEVICE"] = "CPU"
-    # As in test_real_torch_xla.py: LLVM's optimisation off compiles faster, with the same float semantics.
-    out["XLA_FLAGS"] = (out.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
-    out["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), out.get("PYTHONPATH", "")])
-    return out
 
 
 def _python(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
