@@ -2,12 +2,13 @@
 source's TP x PP, ready for tools.reshard to write at any TP x PP (and re-pad the vocabulary).
 
 Per rank: the model (each virtual chunk) is renamed (foreign_keys.py), its stage-local layer numbers made global
-(chunks in Megatron's order: chunk 0 of every pipeline rank, then chunk 1, ...), QKV rows put in our order, and the
-weights made fp32 (the fp32 master copies of a 16-bit run when it kept them). The optimizer's positions become names
-(foreign_optim.py), or, with Megatron's distributed optimizer, its flat buffers in distrib_optim.pt are cut back into
-parameters (distrib_optim.py); then they take our trainer's positions. Progress: iteration, consumed samples (the
-reference's flat keys or Megatron-LM's `args`), and the LR position: the scheduler's num_steps counts samples
-(Megatron steps it by the global batch after every applied update), so applied steps = num_steps / global batch.
+(chunks in Megatron's order: chunk 0 of every pipeline rank, then chunk 1, ...), QKV rows put in our order, and each
+weight replaced by its fp32 master copy where a 16-bit run kept one (else it stays in the source's dtype). The
+optimizer's positions become names (foreign_optim.py), or, with Megatron's distributed optimizer, its flat buffers in
+distrib_optim.pt are cut back into parameters (distrib_optim.py); then they take our trainer's positions. Progress:
+iteration, consumed samples (the reference's flat keys or Megatron-LM's `args`), and the LR position: the scheduler's
+num_steps counts samples (Megatron steps it by the global batch after every applied update), so applied steps =
+num_steps / global batch.
 """
 
 from __future__ import annotations
@@ -368,10 +369,12 @@ def _our_optimizer(opt: foreign_optim.ForeignOptimizer, model: dict[str, torch.T
 def import_foreign(src: ForeignCheckpoint, *, vocab_size: int | None = None, lazy: bool = False) -> Imported:
     """`src` as our WholeCheckpoint at its own TP x PP (in memory), with notes on what was not carried over.
 
-    Consumes `src`'s model weights (its states lose their `model` keys): the model is held once, in fp32, not also
-    in the source's dtype. `lazy`: the whole's model dicts hold fp32 meta tensors instead, and the result's `source`
-    fetches each weight from `src`'s tensors when stream.reshard needs it (read `src` with mmap for that to save
-    memory)."""
+    Consumes `src`'s model weights (its states lose their `model` keys). Each weight keeps the precision the source
+    holds it at: its fp32 master where the source's optimizer has one, else its own dtype (a bf16 weights-only save
+    stays bf16: an fp32 copy would add no information and double the bytes written; the trainer's load casts it into
+    its parameters). `lazy`: the whole's model dicts hold meta tensors of those dtypes instead, and the result's
+    `source` fetches each weight from `src`'s tensors when stream.reshard needs it (read `src` with mmap for that to
+    save memory)."""
     where = src.files.mains[(0, 0)]
     if src.family == OURS:
         raise CheckpointError(f"{src.folder} holds megatron-hpc shards but no manifest.json: a copy that lost it or "
@@ -403,13 +406,13 @@ def import_foreign(src: ForeignCheckpoint, *, vocab_size: int | None = None, laz
     iteration, consumed, lr_steps = _progress(src, notes)
     optimizers = _optimizers(src, ranks, version=version, heads_per_shard=heads // tp, notes=notes,
                              distributed=_distributed(src, tied=tied, layer_offsets=layer_offsets))
-    _drop_models(src)  # the weights live on in `ranks` alone, so each is freed once its fp32 copy is made
+    _drop_models(src)  # the weights live on in `ranks` alone, so each is freed once it is ours
     source = None
     if lazy:
         models, weight, release = _lazy_models(src, ranks, optimizers, version=version, heads_per_shard=heads // tp)
         full = stream.merged_shapes(models, weight)  # the tied copies compared by value, the rest by shape
     else:
-        models = _fp32_models(src, ranks, optimizers, version=version, heads_per_shard=heads // tp)
+        models = _our_models(src, ranks, optimizers, version=version, heads_per_shard=heads // tp)
         full = pp_layout.merged_shapes(models)  # shapes only: a merged copy would hold the model twice
     cfg = model_config(src, full, vocab_size=vocab_size, notes=notes)
     rng = _rng(state, notes)
@@ -432,10 +435,11 @@ def import_foreign(src: ForeignCheckpoint, *, vocab_size: int | None = None, laz
     return Imported(whole=whole, family=src.family, notes=list(dict.fromkeys(notes)), source=source)
 
 
-def _fp32_models(src: ForeignCheckpoint, ranks: list[list[dict[str, torch.Tensor]]],
+def _our_models(src: ForeignCheckpoint, ranks: list[list[dict[str, torch.Tensor]]],
                  optimizers: list[list[foreign_optim.ForeignOptimizer]] | None, *, version: float,
                  heads_per_shard: int) -> list[list[dict[str, torch.Tensor]]]:
-    """Every rank's weights in fp32 (the masters where kept), QKV rows in our order; `ranks` is emptied."""
+    """Every rank's weights (the fp32 masters where kept, else the source's own), QKV rows in our order; `ranks` is
+    emptied."""
     models: list[list[dict[str, torch.Tensor]]] = []
     for p, row in enumerate(ranks):
         models.append([])
@@ -446,7 +450,7 @@ def _fp32_models(src: ForeignCheckpoint, ranks: list[list[dict[str, torch.Tensor
                 w = rank.pop(name)
                 w = masters.get(name, foreign_keys.qkv_to_ours(w, version=version, heads=heads_per_shard)
                                 if foreign_keys.is_qkv(name) else w)
-                model[name] = w.detach().float().contiguous()
+                model[name] = w.detach().contiguous()
                 del w
             _check_layers(model, where=src.files.mains[(p, t)])
             models[-1].append(model)
@@ -459,8 +463,8 @@ def _lazy_models(src: ForeignCheckpoint, ranks: list[list[dict[str, torch.Tensor
                  optimizers: list[list[foreign_optim.ForeignOptimizer]] | None, *, version: float,
                  heads_per_shard: int) -> tuple[list[list[dict[str, torch.Tensor]]], stream.Fetch,
                                                 Callable[[int, int, str], None]]:
-    """_fp32_models as fp32 meta tensors, and how to fetch and let go of each weight's values: the source's tensor
-    (or its master), QKV rows put in our order when fetched, the cast to fp32 left to the copy into the output."""
+    """_our_models as meta tensors, and how to fetch and let go of each weight's values: the source's tensor (or its
+    master), QKV rows put in our order when fetched."""
     table: dict[tuple[int, int], dict[str, tuple[torch.Tensor, bool]]] = {}
     models: list[list[dict[str, torch.Tensor]]] = []
 
@@ -480,7 +484,7 @@ def _lazy_models(src: ForeignCheckpoint, ranks: list[list[dict[str, torch.Tensor
                 w = rank.pop(name)
                 kept = name in masters
                 mine[name] = (masters[name] if kept else w.detach(), foreign_keys.is_qkv(name) and not kept)
-                model[name] = torch.empty(mine[name][0].shape, dtype=torch.float32, device="meta")
+                model[name] = torch.empty(mine[name][0].shape, dtype=mine[name][0].dtype, device="meta")
             _check_layers(model, where=src.files.mains[(p, t)])
             models[-1].append(model)
         _check_tp_agree(models[-1], where=src.folder, value=lambda t, name, p=p: weight(p, t, name))

@@ -163,6 +163,8 @@ def _convert(args: argparse.Namespace) -> int:
         whole = read_whole(source, iteration=args.iteration)
     report = {"source": str(whole.found.folder), "family": family, "iteration": whole.iteration, "to": args.to,
               "out": str(out), "from_tp": whole.tensor_parallel, "from_pp": whole.pipeline_parallel}
+    if args.to != "hf":  # the export writes fp32 whatever the source held
+        report["weights_dtype"] = _weights_dtype(whole)
     if args.to == "hf":
         written, report["tokenizer"] = _export_hf(whole, out)
         tp, pp = whole.tensor_parallel, whole.pipeline_parallel
@@ -187,11 +189,18 @@ def _convert(args: argparse.Namespace) -> int:
         sets = "" if args.to == "hf" else (f"; continue from it with checkpoint.load={out} parallel.tensor={tp} "
                                           f"parallel.pipeline={pp}")
         at = "" if args.to == "hf" else f" at tp {tp} x pp {pp}"
+        kept = "" if args.to == "hf" else f", weights in {report['weights_dtype']}"
         print(f"converted {whole.found.folder} ({family}, iteration {whole.iteration}, tp {whole.tensor_parallel} x "
-              f"pp {whole.pipeline_parallel}) to {args.to}{at}: {written}{sets}")
+              f"pp {whole.pipeline_parallel}) to {args.to}{at}{kept}: {written}{sets}")
     for note in notes:
         print(f"megatron-hpc: warning: {note}", file=sys.stderr)
     return 0
+
+
+def _weights_dtype(whole: Any) -> str:
+    """The dtype(s) the written weights keep: a source's fp32 masters where it has them, else its own weights'."""
+    kinds = {str(w.dtype).removeprefix("torch.") for row in whole.grid for s in row for w in s["model"].values()}
+    return ",".join(sorted(kinds))
 
 
 def _import_hf(args: argparse.Namespace, out: Path) -> int:

@@ -10,12 +10,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 import megatron_writers as mw
 
 from megatron_hpc.checkpoint.contents import read_progress
 from megatron_hpc.checkpoint.optim_layout import by_name
+from megatron_hpc.checkpoint.tools import reshard
 from megatron_hpc.checkpoint.whole import read_whole
 from megatron_hpc.cli.main import main
 from megatron_hpc.config.schema import (
@@ -53,11 +55,14 @@ def _run(run_dir: Path, num_steps: int, **ckpt: Any) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _as_reference(ours: Path, out: Path) -> None:
+def _as_reference(ours: Path, out: Path, *, weights: torch.dtype | None = None) -> None:
     """Our checkpoint rewritten as the Neuron reference saves it with --save-xser: flat args, the legacy nested model,
-    torch's AdamW state in Megatron's groups, the scheduler counting samples, numpy's RNG state as an array."""
+    torch's AdamW state in Megatron's groups, the scheduler counting samples, numpy's RNG state as an array.
+    `weights`: the model alone, in that dtype (a --no-save-optim save of a bf16 run keeps no fp32 masters)."""
     state = read_whole(ours).first
     model, progress = state["model"], read_progress(state, where=ours)
+    if weights is not None:
+        model = {n: w.to(weights) for n, w in model.items()}
     moments = by_name(model, state["optimizer"])
     nested = [mw.legacy_model(d, layers=[0, 1], first=True, last=True, version=3.0, heads=4)
               for d in (model, {n: m["exp_avg"] for n, m in moments.items()},
@@ -79,6 +84,8 @@ def _as_reference(ours: Path, out: Path) -> None:
                  "np_rng_state": [name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached],
                  "torch_rng_state": state["torch_rng_state"], "cuda_rng_state": state["torch_rng_state"],
                  "rng_tracker_states": {}}
+    if weights is not None:
+        del reference["optimizer"]
     mw.save_reference_xser(reference, out / f"iter_{progress.iteration:07d}" / "mp_rank_00" / "model_optim_rng.pt")
     mw.write_tracker(out, progress.iteration)
 
@@ -112,6 +119,47 @@ def test_a_converted_reference_checkpoint_continues_where_its_model_was(tmp_path
     again = _run(tmp_path / "f", 3, load=str(tmp_path / "conv"), save=str(tmp_path / "f-ckpt"), finetune=True)
     assert [r["iteration"] for r in again][-1:] == [3]
     assert "loaded checkpoint " + str(tmp_path / "f-ckpt" / "iter_0000002") in capsys.readouterr().out
+
+
+def test_a_bf16_weights_only_checkpoint_stays_bf16_and_trains_as_its_values(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A bf16 save without fp32 masters converts to bf16 (half the bytes of fp32, no information lost), and a run
+    fine-tuned from it takes the same steps as one from an fp32 checkpoint of the same bf16-rounded values."""
+    _run(tmp_path / "a", 3, save=str(tmp_path / "a-ckpt"))
+    runs = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        name = str(dtype).split(".")[-1]
+        source = tmp_path / "a-ckpt"
+        if dtype == torch.float32:  # the bf16 values, held in fp32: what a cast at load must give
+            source = tmp_path / "rounded-ckpt"
+            _rounded_copy(tmp_path / "a-ckpt", source)
+        _as_reference(source, tmp_path / f"ref-{name}", weights=dtype)
+        capsys.readouterr()
+        assert main(["ckpt", "convert", str(tmp_path / f"ref-{name}"), "--to", "xser", "--out",
+                     str(tmp_path / f"conv-{name}"), "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["weights_dtype"] == name
+        state = read_whole(tmp_path / f"conv-{name}").first
+        assert {w.dtype for w in state["model"].values()} == {dtype}
+        runs[name] = _run(tmp_path / f"f-{name}", 3, load=str(tmp_path / f"conv-{name}"),
+                          save=str(tmp_path / f"f-{name}-ckpt"), finetune=True)
+    capsys.readouterr()
+    bf16, fp32 = read_whole(tmp_path / "conv-bfloat16").first["model"], read_whole(tmp_path / "conv-float32").first[
+        "model"]
+    assert all(torch.equal(bf16[n].float(), fp32[n]) for n in fp32)
+    assert [r["lm_loss"] for r in runs["bfloat16"]] == [r["lm_loss"] for r in runs["float32"]]
+    # The cast matters: the unrounded fp32 weights give another first loss, so equal losses are not a coincidence.
+    exact = _run(tmp_path / "f-exact", 1, load=str(tmp_path / "a-ckpt"), save=str(tmp_path / "f-exact-ckpt"),
+                 finetune=True)
+    assert exact[0]["lm_loss"] != runs["bfloat16"][0]["lm_loss"]
+
+
+def _rounded_copy(ours: Path, out: Path) -> None:
+    """Our checkpoint at `ours` with every weight rounded to bf16 and held in fp32, saved by our own writer."""
+    whole = read_whole(ours)
+    for row in whole.grid:
+        for state in row:
+            state["model"] = {n: w.to(torch.bfloat16).float() for n, w in state["model"].items()}
+    reshard(whole, tp=1, out=out)
 
 
 def test_load_optim_and_load_rng_false_keep_progress_but_start_adam_afresh(tmp_path: Path,
