@@ -16,6 +16,7 @@ written by another child, so the parent, whose size a child's peak starts from, 
 
     flock /tmp/mhpc-bench.lock python benchmarks/convert_cpu.py --dir ./convert-bench             # 1.3B, weights
     python benchmarks/convert_cpu.py --dir ./convert-bench --layers 2 --hidden 512 --heads 8      # quick
+    python benchmarks/convert_cpu.py --dir ./convert-bench --repeat 3                             # medians of 3
 
 Weights only (bf16, as the reference's model state of a bf16 run) is the default and the safe one on a shared
 24 GiB machine: `--optimizer` adds fp32 master weights and Adam's two moments (7x the bytes: about 18 GiB on disk
@@ -74,6 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--format", choices=("xser", "torch"), default="xser", help="how the source's files are written")
     p.add_argument("--optimizer", action="store_true",
                    help="also fp32 masters and Adam's moments (7x the bytes; mind the disk and memory)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run the copy and the convert this many times, alternating; the table gives each one's median")
     p.add_argument("--keep", action="store_true", help="keep the work folder")
     p.add_argument("--write-source-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -97,6 +100,12 @@ def num_params(shape: Shape, *, padded: int) -> int:
 
 def ratio(ours: float, anchor: float) -> float:
     return ours / anchor if anchor > 0 else float("inf")
+
+
+def median_row(rows: list[Row]) -> Row:
+    """The run of median wall time (the upper one of an even count), with its own peak RSS."""
+    ranked = sorted(rows, key=lambda r: r.wall_s)
+    return ranked[len(ranked) // 2]
 
 
 def table(rows: list[Row], sizes: dict[str, int]) -> str:
@@ -267,8 +276,13 @@ def main(argv: list[str] | None = None) -> None:
           f"{time.perf_counter() - t0:.0f} s; load {os.getloadavg()[0]:.2f}", flush=True)
     cli = [sys.executable, "-m", "megatron_hpc", "ckpt", "convert", str(src), "--to", "xser", "--tp",
            str(args.to_tp), "--out", str(out)]
-    rows = [run_child("cp -r", ["cp", "-r", str(src), str(copy)]),
-            run_child(f"ckpt convert tp {args.from_tp} -> {args.to_tp}", cli)]
+    runs: dict[str, list[Row]] = {"cp -r": [], f"ckpt convert tp {args.from_tp} -> {args.to_tp}": []}
+    for i in range(args.repeat):  # alternating, so a change in the machine's load falls on both alike
+        for (name, done), cmd, dst in zip(runs.items(), (["cp", "-r", str(src), str(copy)], cli), (copy, out)):
+            shutil.rmtree(dst, ignore_errors=True)
+            done.append(run_child(name, cmd))
+            print(f"  run {i + 1}: {name}: {done[-1].wall_s:.2f} s", flush=True)
+    rows = [median_row(done) for done in runs.values()]
     ranks = sorted((du(d) for d in out.rglob("mp_rank_*") if d.is_dir()), reverse=True)
     sizes = {"source (all ranks)": du(src), f"output, one rank (of {args.to_tp})": ranks[0],
              "output, two ranks": sum(ranks[:2]), "output, whole model": du(out)}
