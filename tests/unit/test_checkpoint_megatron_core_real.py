@@ -28,8 +28,8 @@ from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.plan.mesh import Mesh
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "megatron_core_ckpt"
-CASES = ("tp1_distopt", "tp1_distopt_buckets", "tp2_adam")
-DISTRIBUTED = ("tp1_distopt", "tp1_distopt_buckets")
+CASES = ("tp1_distopt", "tp1_distopt_buckets", "tp2_adam", "tp2_distopt")
+DISTRIBUTED = ("tp1_distopt", "tp1_distopt_buckets", "tp2_distopt")
 RANK_DIR = "iter_0000003/mp_rank_00"
 
 # megatron-core's local-spec GPT names -> ours, written out here rather than taken from the code under test.
