@@ -55,7 +55,7 @@ cfg = RunConfig(
     compile=CompilePhaseConfig(num_steps=2),
     launch=LaunchConfig(platform=platform),
     data=DataConfig(source="synthetic"),
-    checkpoint=CheckpointConfig(save_interval=opts.get("save_interval", 4)),
+    checkpoint=CheckpointConfig(save_interval=opts.get("save_interval", 4), load=opts.get("load")),
 )
 try:
     assert run_training(plan_for_torchrun(cfg), run_dir=run_dir) == 0
@@ -254,3 +254,88 @@ def test_fp32_masters_resume_exactly(env: dict[str, str], tmp_path: Path,
     theirs, ours = _read(straight_dir, 4)["tensors"], _read(tmp_path, 4)["tensors"]
     assert theirs.keys() == ours.keys() and any(k.endswith(".main_param") for k in ours)
     assert [k for k in theirs if theirs[k]["values"] != ours[k]["values"]] == []
+
+
+# A checkpoint as the Neuron reference Megatron saves it with --save-xser on Trainium, written by the real
+# torch_xla.utils.serialization.save: the bf16 model and the optimizer on the XLA device (each tensor its own file,
+# a TensorReference in the main file), the RNG states on the CPU inline, numpy's state as a numpy array, flat args,
+# Float16OptimizerWithFloat16Params' fp32 masters. Its values are our CPU run's, so converted it must continue
+# exactly as that run resumed does.
+AS_REFERENCE = r"""
+import sys
+from pathlib import Path
+import numpy as np
+import torch
+import torch_xla
+import torch_xla.utils.serialization as xser
+sys.path.insert(0, sys.argv[3])
+import megatron_writers as mw
+from megatron_hpc.checkpoint.contents import read_progress
+from megatron_hpc.checkpoint.optim_layout import by_name
+from megatron_hpc.checkpoint.whole import read_whole
+ours, out = Path(sys.argv[1]), Path(sys.argv[2])
+state = read_whole(ours).first
+model, progress = state["model"], read_progress(state, where=ours)
+cfg = state["resolved_config"]["model"]
+moments = by_name(model, state["optimizer"])
+heads, layers = cfg["num_attention_heads"], list(range(cfg["num_layers"]))
+masters, m1, m2 = [mw.flat(mw.legacy_model(d, layers=layers, first=True, last=True, version=3.0, heads=heads))
+                   for d in (model, {n: m["exp_avg"] for n, m in moments.items()},
+                             {n: m["exp_avg_sq"] for n, m in moments.items()})]
+group = state["optimizer"]["param_groups"][0]
+optimizer = mw.optimizer_state(list(masters.items()), list(m1.values()), list(m2.values()),
+                               step=float(progress.lr_steps), lr=group["lr"], weight_decay=group["weight_decay"],
+                               betas=tuple(group["betas"]), masters=True)
+dev = torch_xla.device()
+on_device = lambda tree: {k: on_device(v) for k, v in tree.items()} if isinstance(tree, dict) else (
+    [on_device(v) for v in tree] if isinstance(tree, list) else tree.to(dev) if torch.is_tensor(tree) else tree)
+bf16 = mw.legacy_model({n: w.to(torch.bfloat16) for n, w in model.items()}, layers=layers, first=True, last=True,
+                       version=3.0, heads=heads)
+name, keys, pos, has_gauss, cached = state["np_rng_state"]
+reference = {"num_layers": cfg["num_layers"], "hidden_size": cfg["hidden_size"], "num_attention_heads": heads,
+             "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+             "consumed_train_samples": progress.consumed_samples, "consumed_valid_samples": 0,
+             "max_position_embeddings": cfg["max_position_embeddings"],
+             "make_vocab_size_divisible_by": cfg["make_vocab_size_divisible_by"],
+             "padded_vocab_size": model["wte.weight"].shape[0], "tokenizer_type": "GPT2BPETokenizer",
+             "checkpoint_version": 3.0, "iteration": progress.iteration, "bf16": True,
+             "model": on_device(bf16), "optimizer": on_device(optimizer),
+             "lr_scheduler": {"max_lr": group["lr"], "warmup_steps": 0, "num_steps": progress.lr_steps * 4,
+                              "decay_style": "constant", "min_lr": group["lr"]},
+             "random_rng_state": state["random_rng_state"],
+             "np_rng_state": [name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached],
+             "torch_rng_state": state["torch_rng_state"], "rng_tracker_states": {}}
+main = out / f"iter_{progress.iteration:07d}" / "mp_rank_00" / "model_optim_rng.pt"
+main.parent.mkdir(parents=True)
+xser.save(reference, str(main), master_only=False)
+mw.write_tracker(out, progress.iteration)
+print(len(list(main.with_name(main.name + ".tensors").iterdir())))
+"""
+
+
+def test_a_reference_checkpoint_saved_by_real_xser_converts_and_continues(env: dict[str, str],
+                                                                         tmp_path: Path) -> None:
+    first = _train(env, "cpu", tmp_path / "a", 6)
+    fixtures = Path(__file__).resolve().parents[1] / "fixtures"
+    proc = subprocess.run([sys.executable, "-c", AS_REFERENCE, str(tmp_path / "a" / "checkpoints"),
+                           str(tmp_path / "reference"), str(fixtures)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert int(proc.stdout.strip().splitlines()[-1]) > 40  # bf16 weights, fp32 masters, moments: one file each
+    # The run's own resume from its iteration-6 checkpoint (its metrics file gains iteration 8).
+    resumed = dict(_train(env, "cpu", tmp_path / "a", 8)["losses"])
+
+    def cli(*args: str) -> dict[str, Any]:
+        run = subprocess.run([sys.executable, "-m", "megatron_hpc", "ckpt", *args, "--json"], env=env,
+                             capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        return json.loads(run.stdout)
+
+    seen = cli("inspect", str(tmp_path / "reference"))
+    assert (seen["family"], seen["iteration"], seen["format"]) == ("neuron-reference", 6, "xser")
+    report = cli("convert", str(tmp_path / "reference"), "--to", "xser", "--out", str(tmp_path / "conv"))
+    assert (report["optimizer"], report["weights_dtype"]) == ("resharded", "float32")  # the masters, not bf16
+    continued = _train(env, "cpu", tmp_path / "c", 8, load=str(tmp_path / "conv"))
+    assert [i for i, _ in continued["losses"]] == [8]
+    assert continued["losses"][0][1] == pytest.approx(resumed[8], rel=1e-5)
+    assert continued["losses"][0][1] < first["losses"][0][1] - 0.1  # where the model was, not a fresh start
