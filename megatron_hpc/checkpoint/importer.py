@@ -1,5 +1,5 @@
 """A Megatron-family checkpoint as ours: every rank's weights, Adam moments, progress and RNG under our names, at the
-source's TP x PP, ready for tools.reshard to write at any TP x PP (and re-pad the vocabulary).
+source's TP x PP, ready for stream.reshard to write at any TP x PP (and re-pad the vocabulary).
 
 Per rank: the model (each virtual chunk) is renamed (foreign_keys.py), its stage-local layer numbers made global
 (chunks in Megatron's order: chunk 0 of every pipeline rank, then chunk 1, ...), QKV rows put in our order, and each

@@ -1,4 +1,5 @@
-"""`ckpt convert` and `ckpt reshard` one output rank at a time (issue 16), instead of tools.reshard's whole grid.
+"""A checkpoint at another TP x PP size, written one output rank at a time (issue 16): what `ckpt convert`,
+`ckpt reshard` and the Hugging Face import write through.
 
 Each output rank (pp, tp) is made from only the source shards that hold its pieces, written by the saver's own
 per-rank writer, and dropped before the next rank is made; the manifest, the rename and the tracker come last, as
@@ -8,8 +9,8 @@ weight is fetched through `Source.weight` when an output tensor needs it and let
 after its last use, so with lazily read sources (torch.load mmap, xser's per-tensor files) the peak is one output
 rank's tensors plus the source pieces of the tensor being made.
 
-What it writes equals tools.reshard's output (merge over TP and PP, re-pad the vocabulary, split) tensor for tensor;
-tests/unit/test_checkpoint_stream.py holds the two to that.
+What it writes equals a plain merge over TP and PP, re-pad of the vocabulary and split, tensor for tensor;
+tests/unit/test_checkpoint_stream.py holds it to tests/unit/whole_model_reshard.py, which does just that.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from megatron_hpc.checkpoint import optim_layout, paths, pp_layout, tp_layout
 from megatron_hpc.checkpoint.compat import PipelineLayout
 from megatron_hpc.checkpoint.host_memory import give_back_freed
 from megatron_hpc.checkpoint.ranks import RankInfo
+from megatron_hpc.checkpoint.reshard_sizes import ReshardResult, check_pp, check_tp, resized_state
 from megatron_hpc.checkpoint.saver import _finish, _write_rank
-from megatron_hpc.checkpoint.tools import ReshardResult, _model_config, _resized, check_pp, check_tp
-from megatron_hpc.checkpoint.whole import WholeCheckpoint
+from megatron_hpc.checkpoint.whole import WholeCheckpoint, model_config
 from megatron_hpc.errors import CheckpointError
 from megatron_hpc.plan.vocab import padded_vocab_size
 
@@ -184,7 +185,8 @@ def _piece(plan: _Plan, name: str, rank: int, like: torch.Tensor, fetch: Callabl
 
 def _plan(whole: WholeCheckpoint, weight: Fetch, *, tp: int, layout: PipelineLayout, num_layers: int, vocab: int,
           padded: int) -> _Plan:
-    """Every check tools.reshard makes before writing, on shapes (and the tied copies' values)."""
+    """Every check a merge-then-split makes (pp_layout.merge_stages', tp_layout.merge_model's and split's,
+    pp_layout.split_stages') before anything is written, on shapes (and the tied copies' values)."""
     grid = [[s["model"] for s in row] for row in whole.grid]
     shapes = merged_shapes(grid, weight, num_layers=num_layers)
     for name in _VOCAB_ROWS:
@@ -206,7 +208,7 @@ def _optimizer_plan(whole: WholeCheckpoint, plan: _Plan) -> tuple[list[dict[str,
                                                                   list[dict[str, Any]]]:
     """Each source TP rank's moments by name (pipeline rank order: the first holder's, as for the weights) and the
     param groups' settings; KeyError, ValueError or TypeError when the state is not the trainer's AdamW of this model
-    (tools._reshard_optimizer's cases, checked before anything is written)."""
+    (checked before anything is written)."""
     per_tp: list[dict[str, optim_layout.Moments]] = []
     for t in range(whole.tensor_parallel):
         merged: dict[str, optim_layout.Moments] = {}
@@ -287,7 +289,7 @@ def _last_uses(plan: _Plan, ranks: list[tuple[int, int]]) -> dict[tuple[int, int
 
 def _moments_piece(plan: _Plan, name: str, rank: int, per_tp: list[dict[str, optim_layout.Moments]],
                    buffers: _Buffers) -> dict[str, Any]:
-    """tools._reshard_optimizer's moments of `name` for output TP rank `rank`."""
+    """The moments of `name` for output TP rank `rank`, split like the weight (step counts as they are)."""
     out = {}
     for key, first in per_tp[0][name].items():
         if not torch.is_tensor(first) or first.ndim == 0:
@@ -306,11 +308,13 @@ def _release_moments(moments: optim_layout.Moments) -> None:
 
 def reshard(source: Source, *, tp: int, pp: int = 1, virtual: int = 1, first_stage_layers: int = 0,
             last_stage_layers: int = 0, out: Path, fmt: str | None = None) -> ReshardResult:
-    """tools.reshard(source.whole, ..., release=True), written one output rank at a time: same arguments, same
-    checks and refusals before anything is written, the same files. `source`'s weights and moments are released
-    as they are used (the checkpoint is unusable afterwards)."""
+    """Write `source` at TP size `tp` and pipeline size `pp` (with `virtual` chunks per pipeline rank and optional
+    uneven first/last stages, as parallel.* names them) into `out`: same iteration, the vocabulary re-padded for
+    `tp`, Adam's moments moved by name (dropped, with the reason in the result's note, when they cannot be). Every
+    check and refusal comes before anything is written. `source`'s weights and moments are released as they are
+    used (the checkpoint is unusable afterwards)."""
     whole = source.whole
-    model = _model_config(whole)
+    model = model_config(whole)
     layout = PipelineLayout(pipeline=pp, virtual=virtual, first_stage_layers=first_stage_layers,
                             last_stage_layers=last_stage_layers)
     check_tp(model, tp)
@@ -342,7 +346,7 @@ def reshard(source: Source, *, tp: int, pp: int = 1, virtual: int = 1, first_sta
     tmp.mkdir()
     try:
         for i, (p, t) in enumerate(ranks):
-            state = _resized(whole.first, tp=tp, layout=layout, padded=padded)
+            state = resized_state(whole.first, tp=tp, layout=layout, padded=padded)
             weights: dict[str, torch.Tensor] = {}
             moments: dict[str, optim_layout.Moments] = {}
             for name, meta in plan.stages[p].items():

@@ -50,6 +50,15 @@ class WholeCheckpoint:
         return self.grid[0][0]
 
 
+def model_config(whole: WholeCheckpoint) -> dict[str, Any]:
+    """The model section of the run's resolved config (what converting and resharding go by)."""
+    try:
+        return whole.first["resolved_config"]["model"]
+    except (KeyError, TypeError):
+        raise CheckpointError(f"{whole.found.folder} has no resolved_config (not written by megatron-hpc); "
+                              "it cannot be converted") from None
+
+
 def locate(path: Path, *, iteration: int | None = None) -> FoundCheckpoint:
     """A checkpoint root (the tracker picks, or `iteration`) or one iter_XXXXXXX folder."""
     try:

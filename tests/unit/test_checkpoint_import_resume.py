@@ -15,9 +15,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 import megatron_writers as mw
 
+from megatron_hpc.checkpoint import stream
 from megatron_hpc.checkpoint.contents import read_progress
 from megatron_hpc.checkpoint.optim_layout import by_name
-from megatron_hpc.checkpoint.tools import reshard
 from megatron_hpc.checkpoint.whole import read_whole
 from megatron_hpc.cli.main import main
 from megatron_hpc.config.schema import (
@@ -159,7 +159,7 @@ def _rounded_copy(ours: Path, out: Path) -> None:
     for row in whole.grid:
         for state in row:
             state["model"] = {n: w.to(torch.bfloat16).float() for n, w in state["model"].items()}
-    reshard(whole, tp=1, out=out)
+    stream.reshard(stream.in_memory(whole), tp=1, out=out)
 
 
 def test_load_optim_and_load_rng_false_keep_progress_but_start_adam_afresh(tmp_path: Path,

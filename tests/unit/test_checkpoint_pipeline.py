@@ -17,13 +17,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_hpc.checkpoint import optim_layout, paths, pp_layout, tp_layout
+from megatron_hpc.checkpoint import optim_layout, paths, pp_layout, stream, tp_layout
 from megatron_hpc.checkpoint.compat import PipelineLayout, check_before_queue
 from megatron_hpc.checkpoint.contents import Progress, build_state_dict
 from megatron_hpc.checkpoint.loader import load_checkpoint
 from megatron_hpc.checkpoint.manifest import read_manifest
 from megatron_hpc.checkpoint.ranks import RankInfo
-from megatron_hpc.checkpoint.tools import reshard
 from megatron_hpc.checkpoint.whole import read_whole, write_whole
 from megatron_hpc.cli.main import main
 from megatron_hpc.config.schema import ModelConfig, OptimConfig, RunConfig, TrainConfig
@@ -172,7 +171,7 @@ def test_untied_head_lives_on_the_last_stage_only(ctx: ParallelContext) -> None:
 
 def test_reshard_to_tp2_pp2_and_back_is_exact(source: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
     root, original = source
-    result = reshard(read_whole(root), tp=2, pp=2, out=tmp_path / "tp2pp2")
+    result = stream.reshard(stream.in_memory(read_whole(root)), tp=2, pp=2, out=tmp_path / "tp2pp2")
     assert (result.from_tp, result.to_tp, result.from_pp, result.to_pp, result.optimizer) == (1, 2, 1, 2, "resharded")
     folder = tmp_path / "tp2pp2" / "iter_0000001"
     assert sorted(p.name for p in folder.iterdir() if p.is_dir()) == [
@@ -203,7 +202,7 @@ def test_reshard_to_tp2_pp2_and_back_is_exact(source: tuple[Path, dict[str, Any]
                        tp_layout.split("h.3.attn.proj.weight", want_moments["h.3.attn.proj.weight"]["exp_avg_sq"],
                                        2)[1])
     # and back to TP 1 x PP 1: every weight, every moment, the same groups
-    back = reshard(mid, tp=1, pp=1, out=tmp_path / "back")
+    back = stream.reshard(stream.in_memory(mid), tp=1, pp=1, out=tmp_path / "back")
     assert (back.from_tp, back.from_pp, back.optimizer) == (2, 2, "resharded")
     again = read_whole(tmp_path / "back")
     assert (again.tensor_parallel, again.pipeline_parallel) == (1, 1)
@@ -219,7 +218,7 @@ def test_reshard_chain_through_other_sizes(source: tuple[Path, dict[str, Any]], 
     src = root
     for i, sizes in enumerate(steps):
         out = tmp_path / f"step{i}"
-        assert reshard(read_whole(src), out=out, **sizes).optimizer == "resharded"
+        assert stream.reshard(stream.in_memory(read_whole(src)), out=out, **sizes).optimizer == "resharded"
         whole = read_whole(out)
         assert (whole.tensor_parallel, whole.pipeline_parallel) == (sizes["tp"], sizes["pp"])
         layout = whole.layout
@@ -238,8 +237,8 @@ def test_resharded_checkpoint_loads_into_the_trainers_model_and_optimizer(
         source: tuple[Path, dict[str, Any]], ctx: ParallelContext, tmp_path: Path) -> None:
     """What Checkpointer.restore does, on a TP 1 x PP 1 checkpoint that went through TP 2 x PP 2."""
     root, original = source
-    reshard(read_whole(root), tp=2, pp=2, out=tmp_path / "mid")
-    reshard(read_whole(tmp_path / "mid"), tp=1, pp=1, out=tmp_path / "back")
+    stream.reshard(stream.in_memory(read_whole(root)), tp=2, pp=2, out=tmp_path / "mid")
+    stream.reshard(stream.in_memory(read_whole(tmp_path / "mid")), tp=1, pp=1, out=tmp_path / "back")
     _, state = load_checkpoint(tmp_path / "back", ranks=RankInfo())
     cfg = _config()
     model = build_model(cfg.model, ctx, padded_vocab=state["padded_vocab_size"], seed=99, device=torch.device("cpu"))
@@ -274,7 +273,7 @@ def test_optimizer_follows_names_into_a_model_listing_them_otherwise(source: tup
 def test_loading_at_another_pipeline_size_is_refused_with_the_fix(source: tuple[Path, dict[str, Any]],
                                                                  tmp_path: Path) -> None:
     root, _ = source
-    reshard(read_whole(root), tp=1, pp=4, out=tmp_path / "pp4")
+    stream.reshard(stream.in_memory(read_whole(root)), tp=1, pp=4, out=tmp_path / "pp4")
     with pytest.raises(CheckpointError) as err:
         load_checkpoint(tmp_path / "pp4", ranks=RankInfo(pp_size=2))
     message = str(err.value)
@@ -299,7 +298,7 @@ def test_loading_at_another_pipeline_size_is_refused_with_the_fix(source: tuple[
 
 def test_each_rank_reads_its_own_file(source: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
     root, original = source
-    reshard(read_whole(root), tp=2, pp=2, out=tmp_path / "grid")
+    stream.reshard(stream.in_memory(read_whole(root)), tp=2, pp=2, out=tmp_path / "grid")
     for pp_rank in range(2):
         for tp_rank in range(2):
             _, state = load_checkpoint(tmp_path / "grid", ranks=RankInfo(tp_size=2, tp_rank=tp_rank, pp_size=2,

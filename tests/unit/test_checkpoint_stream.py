@@ -1,5 +1,5 @@
-"""stream.reshard (issue 16): the same checkpoint as tools.reshard's whole-model path, tensor for tensor, while
-holding about one output rank at a time."""
+"""stream.reshard (issue 16): the same checkpoint as the plain merge-then-split reference (whole_model_reshard.py, the
+whole-model path), tensor for tensor, while holding about one output rank at a time."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_checkpoint_import import _reference_checkpoint
+from whole_model_reshard import reshard
 
 from megatron_hpc.checkpoint import stream
 from megatron_hpc.checkpoint import whole as whole_module
 from megatron_hpc.checkpoint.foreign import read_foreign
 from megatron_hpc.checkpoint.importer import import_foreign
-from megatron_hpc.checkpoint.tools import reshard
 from megatron_hpc.checkpoint.whole import read_whole
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "convert_cpu.py"
