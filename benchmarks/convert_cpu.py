@@ -80,6 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="keep the work folder")
     p.add_argument("--write-source-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.repeat < 1:
+        p.error(f"--repeat {args.repeat}: give 1 or more runs of each")
     if args.hidden % args.heads or args.heads % args.from_tp or args.heads % args.to_tp:
         p.error(f"--heads {args.heads} must divide --hidden {args.hidden} and be divisible by --from-tp "
                 f"{args.from_tp} and --to-tp {args.to_tp}")

@@ -1,4 +1,4 @@
-"""Handing freed host memory back to the OS during the offline tools' whole-model passes.
+"""Handing freed host memory back to the OS while an offline tool (`ckpt convert`, `ckpt reshard`) frees weights.
 
 glibc serves allocations below its mmap threshold from the heap, and raises that threshold (up to 32 MiB) each
 time a larger mapped block is freed, so after the first freed tensor most tensors of a GPT land in the heap. Freed,

@@ -101,7 +101,10 @@ def _merged_meta(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
     dim = 1 if how == "columns" else 0
     shape = list(shards[0].shape)
     shape[dim] = sum(s.shape[dim] for s in shards)
-    return _meta(shape, shards[0])
+    dtype = shards[0].dtype
+    for s in shards[1:]:  # as torch.cat would: an fp32 master shard beside a bf16 one is not rounded
+        dtype = torch.promote_types(dtype, s.dtype)
+    return torch.empty(shape, dtype=dtype, device="meta")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

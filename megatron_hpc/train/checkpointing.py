@@ -20,7 +20,7 @@ from megatron_hpc.checkpoint.async_save import AsyncSave
 from megatron_hpc.checkpoint.compat import PipelineLayout
 from megatron_hpc.checkpoint.contents import Progress, build_state_dict, read_progress, read_rng, saved_global_batch
 from megatron_hpc.checkpoint.loader import find_checkpoint, load_checkpoint
-from megatron_hpc.checkpoint.optim_layout import for_model
+from megatron_hpc.checkpoint.optim_layout import for_model, with_masters
 from megatron_hpc.checkpoint.paths import iteration_dir
 from megatron_hpc.checkpoint.ranks import RankInfo
 from megatron_hpc.checkpoint.saver import save_checkpoint
@@ -140,8 +140,13 @@ class Checkpointer:
             model.load_state_dict(saved["model"])
             if load_optim and "optimizer" in saved:
                 # by parameter name: a resharded checkpoint lists a stage's weights in the PP=1 model's order
-                optimizer.load_state_dict(for_model(saved["optimizer"], saved_model=saved["model"],
-                                                    live_model=model.state_dict()))
+                live = model.state_dict()
+                optim_state = for_model(saved["optimizer"], saved_model=saved["model"], live_model=live)
+                master_key = getattr(optimizer, "master_key", None)
+                if master_key is not None:  # fp32 weights of a converted checkpoint are the run's masters
+                    optim_state = with_masters(optim_state, model={n: saved["model"][n] for n in live},
+                                               key=master_key)
+                optimizer.load_state_dict(optim_state)
             elif load_optim:  # `ckpt reshard` or `ckpt convert` could not move it
                 self._print(f"megatron-hpc: warning: {where} has no optimizer state; Adam's moments start at zero")
             if load_optim and state.scaler is not None and "grad_scaler" in saved:

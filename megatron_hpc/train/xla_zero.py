@@ -50,6 +50,10 @@ class XlaZeroOptimizer:
     `load_state_dict`); train/step.py calls `reduce_gradients`, `clip_grad_norm_` and `step_where`.
     """
 
+    master_key = MAIN_PARAM
+    """Where the saved state keeps each parameter's fp32 master; the restore fills it from a checkpoint's fp32
+    weights when it has none (optim_layout.with_masters)."""
+
     def __init__(self, model: nn.Module, *, optim: OptimConfig, ctx: ParallelContext):
         from torch_xla.distributed.zero_redundancy_optimizer import ZeroRedundancyOptimizer
 
@@ -168,7 +172,9 @@ class XlaZeroOptimizer:
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """This rank's shard of each saved moment and master (any DP size saved them); a parameter whose master was
-        not saved (a checkpoint of the plain optimizer) starts from its loaded weight."""
+        not saved starts from its loaded weight. The trainer's restore first gives a checkpoint's fp32 weights as the
+        masters (optim_layout.with_masters: the plain optimizer's checkpoints, and `ckpt convert`'s of a bf16 run's
+        masters), so only a 16-bit checkpoint without masters starts from a rounded weight."""
         self._ensure_init()
         groups = state_dict["param_groups"]
         sizes = [len(g["params"]) for g in groups]

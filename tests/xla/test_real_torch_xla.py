@@ -256,6 +256,34 @@ def test_fp32_masters_resume_exactly(env: dict[str, str], tmp_path: Path,
     assert [k for k in theirs if theirs[k]["values"] != ours[k]["values"]] == []
 
 
+def test_fp32_weights_without_masters_resume_as_the_masters(env: dict[str, str], tmp_path: Path,
+                                                           masters_run: tuple[Path, dict[str, Any]]) -> None:
+    """What `ckpt convert` writes from a bf16 run that kept fp32 masters: the masters as the weights, no main_param.
+    Loaded through checkpoint.load, the masters start from those fp32 weights, not from the bf16 rounding the
+    model's parameters hold, so the run continues as the original one did."""
+    import torch
+
+    from megatron_hpc.checkpoint import paths, stream
+    from megatron_hpc.checkpoint.optim_layout import by_name, indexed
+    from megatron_hpc.checkpoint.whole import read_whole
+
+    straight_dir, straight = masters_run
+    whole = read_whole(straight_dir / "checkpoints", iteration=2)
+    state = whole.first
+    moments = by_name(state["model"], state["optimizer"])
+    assert {w.dtype for w in state["model"].values()} == {torch.bfloat16}
+    state["model"] = {n: moments[n].pop("main_param") for n in state["model"]}  # fp32, in the model's order
+    state["optimizer"] = indexed(moments, model=state["model"], groups=state["optimizer"]["param_groups"])
+    stream.reshard(stream.in_memory(whole), tp=1, out=tmp_path / "converted")
+    assert paths.tracker_file(tmp_path / "converted").read_text().strip() == "2"
+    resumed = _train(env, "trn1", tmp_path / "run", 4, load=str(tmp_path / "converted"), **MASTERS)
+    assert "at iteration 2" in resumed["stdout"]
+    assert resumed["losses"] == straight["losses"][-1:]  # exactly
+    theirs, ours = _read(straight_dir, 4)["tensors"], _read(tmp_path / "run", 4)["tensors"]
+    assert theirs.keys() == ours.keys()
+    assert [k for k in theirs if theirs[k]["values"] != ours[k]["values"]] == []
+
+
 # A checkpoint as the Neuron reference Megatron saves it with --save-xser on Trainium, written by the real
 # torch_xla.utils.serialization.save: the bf16 model and the optimizer on the XLA device (each tensor its own file,
 # a TensorReference in the main file), the RNG states on the CPU inline, numpy's state as a numpy array, flat args,
