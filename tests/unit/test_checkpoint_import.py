@@ -150,9 +150,10 @@ def test_a_malicious_pickle_is_refused_naming_the_global(tmp_path: Path,
 
 # ---------------------------------------------------------------------------------------------- the three families
 
-def _reference_checkpoint(root: Path, *, tp: int, pp: int, xser_files: bool) -> dict[str, Any]:
+def _reference_checkpoint(root: Path, *, tp: int, pp: int, xser_files: bool, optimizer: bool = True) -> dict[str, Any]:
     """A bf16 run of the reference at tp x pp, iteration 30 with a global batch of 4: the model in bf16, fp32 masters,
-    Adam's moments, the LR scheduler at 28 applied steps (two were skipped), RNG states."""
+    Adam's moments, the LR scheduler at 28 applied steps (two were skipped), RNG states. Without `optimizer`: the
+    model alone in bf16 (--no-save-optim)."""
     full, m1, m2 = _full(1), _full(2, scale=0.1), _full(3, scale=0.01, positive=True)
     for p in range(pp):
         for t in range(tp):
@@ -173,6 +174,8 @@ def _reference_checkpoint(root: Path, *, tp: int, pp: int, xser_files: bool) -> 
                      "lr_scheduler": {"max_lr": 1e-4, "warmup_steps": 8, "num_steps": 28 * 4, "decay_style": "cosine",
                                       "decay_steps": 400, "min_lr": 1e-5},
                      **mw.rng_states(7, as_lists=xser_files)}
+            if not optimizer:
+                del state["optimizer"]
             name = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
             main_file = root / "iter_0000030" / name / "model_optim_rng.pt"
             if xser_files:

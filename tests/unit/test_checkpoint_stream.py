@@ -54,14 +54,14 @@ def _assert_same_checkpoint(old: Path, new: Path) -> None:
             _assert_same_tree(sa, sb)
 
 
-def _old_and_new(folder: Path, out: Path, *, tp: int, pp: int) -> None:
+def _old_and_new(folder: Path, out: Path, *, tp: int, pp: int, optimizer: str = "resharded") -> None:
     old = import_foreign(read_foreign(folder), vocab_size=50).whole
     a = reshard(old, tp=tp, pp=pp, out=out / f"old-{tp}-{pp}", fmt="xser", release=True)
     new = import_foreign(read_foreign(folder, mmap=True), vocab_size=50, lazy=True)
     assert new.source is not None
     assert all(w.device.type == "meta" for row in new.whole.grid for s in row for w in s["model"].values())
     b = stream.reshard(new.source, tp=tp, pp=pp, out=out / f"new-{tp}-{pp}", fmt="xser")
-    assert (a.optimizer, b.optimizer, a.note) == ("resharded", "resharded", b.note)
+    assert (a.optimizer, b.optimizer, a.note) == (optimizer, optimizer, b.note)
     _assert_same_checkpoint(out / f"old-{tp}-{pp}", out / f"new-{tp}-{pp}")
 
 
@@ -87,6 +87,18 @@ def test_streamed_convert_equals_the_whole_model_path(tmp_path: Path) -> None:
     _assert_same_checkpoint(tmp_path / "old-ours", tmp_path / "new-ours")
     grown = torch.cat([s["model"]["wte.weight"] for s in read_whole(tmp_path / "new-ours").grid[0]])
     assert grown.shape[0] == 64 and torch.equal(grown[56:], grown[49:50].expand(8, -1))
+
+
+def test_a_bf16_weights_only_checkpoint_streams_in_bf16_like_the_whole_model_path(tmp_path: Path) -> None:
+    """No fp32 masters: the weights stay bf16 through the TP merge, the pipeline split (the tied copy of the
+    embeddings on the last stage compared and dropped) and the vocabulary's re-padding, as in the reference."""
+    _reference_checkpoint(tmp_path / "ref", tp=2, pp=2, xser_files=True, optimizer=False)
+    for tp, pp in ((1, 1), (4, 2)):
+        _old_and_new(tmp_path / "ref" / "iter_0000030", tmp_path, tp=tp, pp=pp, optimizer="dropped")
+    for tp, pp in ((1, 1), (4, 2)):
+        grid = read_whole(tmp_path / f"new-{tp}-{pp}").grid
+        assert {w.dtype for row in grid for s in row for w in s["model"].values()} == {torch.bfloat16}
+    assert read_whole(tmp_path / "new-1-1").first["model"]["wte.weight"].shape[0] == 56
 
 
 def test_streamed_convert_refuses_like_the_whole_model_path(tmp_path: Path) -> None:
