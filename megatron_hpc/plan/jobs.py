@@ -26,9 +26,12 @@ PhaseName = Literal["compile", "run"]
 
 # torchrun's rendezvous port is derived from the job id so that two jobs sharing a first node
 # do not collide; the range stays clear of the Neuron runtime's root-comm port 62182 and the
-# XLA coordinator's 8547 (neuron-xla.md 4.1).
+# XLA coordinator's 8547 (neuron-xla.md 4.1), and below Linux's ephemeral ports (32768 and up by
+# default, net.ipv4.ip_local_port_range): the kernel hands those to outgoing connections and to
+# listeners bound to port 0 (gloo's, a TCPStore's), and one of them holding the derived port made a
+# local job fail with EADDRINUSE while other jobs ran.
 MASTER_PORT_BASE = 20000
-MASTER_PORT_SPAN = 20000
+MASTER_PORT_SPAN = 12000
 
 COMMON_ENV = {
     "PYTHONUNBUFFERED": "1",
