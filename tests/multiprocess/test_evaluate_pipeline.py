@@ -13,13 +13,10 @@ import sys
 from pathlib import Path
 
 import mp_workers
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from test_evaluate_test_split import FIXTURE, LAMBADA, MODEL
-
-from megatron_hpc.data.indexed import IndexedDatasetWriter
+from test_evaluate_test_split import FIXTURE, LAMBADA, MODEL, write_random_corpus
 
 pytestmark = pytest.mark.multiprocess
 
@@ -37,10 +34,7 @@ def _launch(nproc: int) -> list[str]:
 
 
 def test_pp2_evaluation_equals_the_merged_one(tmp_path: Path) -> None:
-    rng = np.random.default_rng(5)
-    with IndexedDatasetWriter(str(tmp_path / "corpus"), dtype=np.uint16) as writer:
-        for _ in range(120):
-            writer.add_document(rng.integers(0, 400, size=int(rng.integers(10, 80))))
+    write_random_corpus(tmp_path / "corpus", seed=5, documents=120)
     sets = [*MODEL, "data.source=indexed", f"data.path={tmp_path / 'corpus'}", "data.split=80,10,10",
             f"data.cache_path={tmp_path / 'cache'}", "parallel.pipeline=2", "train.num_steps=2",
             "train.micro_batch_size=2", "train.global_batch_size=4", "train.eval_iters=1", "train.eval_interval=1",

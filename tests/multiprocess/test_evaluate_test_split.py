@@ -31,11 +31,16 @@ MODEL = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_head
          "model.init_method_std=0.2"]
 
 
-def test_end_of_training_test_loss_equals_evaluate(tmp_path: Path) -> None:
-    rng = np.random.default_rng(3)
-    with IndexedDatasetWriter(str(tmp_path / "corpus"), dtype=np.uint16) as writer:
-        for _ in range(150):
+def write_random_corpus(prefix: Path, *, seed: int, documents: int) -> None:
+    """An indexed corpus of random token documents (ids below MODEL's vocabulary, 10 to 79 tokens each)."""
+    rng = np.random.default_rng(seed)
+    with IndexedDatasetWriter(str(prefix), dtype=np.uint16) as writer:
+        for _ in range(documents):
             writer.add_document(rng.integers(0, 400, size=int(rng.integers(10, 80))))
+
+
+def test_end_of_training_test_loss_equals_evaluate(tmp_path: Path) -> None:
+    write_random_corpus(tmp_path / "corpus", seed=3, documents=150)
     sets = [*MODEL, "data.source=indexed", f"data.path={tmp_path / 'corpus'}", "data.split=80,10,10",
             f"data.cache_path={tmp_path / 'cache'}", "parallel.tensor=2", "train.num_steps=3",
             "train.micro_batch_size=2", "train.global_batch_size=4", "train.eval_iters=2",

@@ -262,6 +262,13 @@ def test_megatron_lm_legacy_versions_convert_exactly(tmp_path: Path, capsys: pyt
     assert read_progress(state, where="converted").lr_steps == 8
 
 
+def _core_chunks(shard: dict[str, torch.Tensor], *, pp_rank: int, pp: int, vp: int, te: bool) -> list[dict[str, Any]]:
+    """One TP shard's virtual chunks on pipeline rank `pp_rank`, as megatron-core nests them (model0, model1, ...)."""
+    return [mw.core_model(shard, layers=mw.stage_layers(layers=LAYERS, pp=pp, vp=vp, pp_rank=pp_rank, chunk=v),
+                          first=pp_rank == 0 and v == 0, last=pp_rank == pp - 1 and v == vp - 1, pp=pp, te=te)
+            for v in range(vp)]
+
+
 @pytest.mark.parametrize("te", [False, True], ids=["local-spec", "transformer-engine"])
 def test_megatron_core_with_virtual_stages_converts_exactly(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                            te: bool) -> None:
@@ -273,9 +280,7 @@ def test_megatron_core_with_virtual_stages_converts_exactly(tmp_path: Path, caps
     for p in range(pp):
         for t in range(tp):
             shards = [mw.tp_shard(x, tp, t) for x in (full, m1, m2)]
-            chunks = [[mw.core_model(s, layers=mw.stage_layers(layers=LAYERS, pp=pp, vp=vp, pp_rank=p, chunk=v),
-                                     first=p == 0 and v == 0, last=p == pp - 1 and v == vp - 1, pp=pp, te=te)
-                       for v in range(vp)] for s in shards]
+            chunks = [_core_chunks(s, pp_rank=p, pp=pp, vp=vp, te=te) for s in shards]
             params = [(n, w) for c in chunks[0] for n, w in c.items() if isinstance(w, torch.Tensor)]
             m = [[w for c in chunks[i] for n, w in c.items() if isinstance(w, torch.Tensor)] for i in (1, 2)]
             args = mw.megatron_args(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, seq_length=POS,
@@ -312,9 +317,7 @@ def test_distributed_optimizer_state_of_a_pipelined_run_converts_exactly(tmp_pat
     for p in range(pp):
         for t in range(tp):
             shards = [mw.tp_shard(x, tp, t) for x in (full, m1, m2)]
-            chunks = [[mw.core_model(s, layers=mw.stage_layers(layers=LAYERS, pp=pp, vp=vp, pp_rank=p, chunk=v),
-                                     first=p == 0 and v == 0, last=p == pp - 1 and v == vp - 1, pp=pp, te=False)
-                       for v in range(vp)] for s in shards]
+            chunks = [_core_chunks(s, pp_rank=p, pp=pp, vp=vp, te=False) for s in shards]
             args = mw.megatron_args(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, seq_length=POS,
                                     max_position_embeddings=POS, padded_vocab_size=vocab,
                                     make_vocab_size_divisible_by=2, tensor_model_parallel_size=tp,
