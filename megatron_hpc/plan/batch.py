@@ -45,3 +45,14 @@ class BatchLayout:
     def rank_indices(self, step: int, *, dp_rank: int) -> list[range]:
         """This DP rank's micro-batches of global batch `step`, in order."""
         return [self.indices(step, micro=m, dp_rank=dp_rank) for m in range(self.num_micro_batches)]
+
+
+def num_valid_samples(*, train_iters: int, eval_interval: int, eval_iters: int, global_batch_size: int) -> int:
+    """Megatron's valid sample count (get_train_valid_test_num_samples): one evaluation per interval plus the
+    final one. The valid split's dataset is built for this count, which shapes its epochs and shuffle."""
+    return (train_iters // eval_interval + 1) * eval_iters * global_batch_size
+
+
+def num_test_samples(*, eval_iters: int, global_batch_size: int) -> int:
+    """Megatron's test sample count: one evaluation, after training."""
+    return eval_iters * global_batch_size
