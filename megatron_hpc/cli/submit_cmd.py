@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("submit needs --recipe NAME (a new run) or --resume RUN (continue a run folder)")
     resolved, resumed_dir, resume_notes = _resume(args) if args.resume else (resolve(args), None, [])
     check_data_source(resolved.plan)  # before anything is written: the plan has no data to train on
-    check_pipeline_runtime(resolved.plan)  # ... or pipelines on a runtime that cannot run a pipeline
+    check_pipeline_runtime(resolved.plan, cfg=resolved.cfg)  # ... or pipelines on a runtime that cannot run one
     check_checkpoint_to_load(resolved, resumed_dir=resumed_dir)  # ... or would load a checkpoint of another mesh
     profile = _profile(args, resumed_dir)
     from megatron_hpc.data.preflight import check_data, check_tokenizer_vocabulary  # numpy, no torch
