@@ -232,13 +232,13 @@ def _submit_k8s(req: SubmitRequest, resolved: Resolved, *, args: argparse.Namesp
 def check_checkpoint_to_load(resolved: Resolved, *, resumed_dir: Path | None) -> None:
     """CheckpointError (with the `ckpt reshard` command) when the checkpoint the run would load was saved at another
     TP x PP split than the plan's: refused here, before queueing, as the trainer would refuse it after the wait."""
-    from megatron_hpc.checkpoint.compat import PipelineLayout, check_before_queue
     from megatron_hpc.run_folder import CHECKPOINT_DIR
 
     ckpt = resolved.cfg.checkpoint
     root = ckpt.load or ckpt.save or (str(resumed_dir / CHECKPOINT_DIR) if resumed_dir is not None else None)
     if root is None:  # a new run folder: nothing to load yet
         return
+    from megatron_hpc.checkpoint.compat import PipelineLayout, check_before_queue
     plan = resolved.plan.to_json()
     layout = PipelineLayout.of_run(plan=plan, config=dataclasses.asdict(resolved.cfg))
     check_before_queue(Path(root).expanduser(), tensor_parallel=resolved.plan.tensor_parallel, layout=layout)
