@@ -9,10 +9,11 @@ imports numpy). Anchors run in the same rounds, alternating with ours so machine
 interpreter (`python -c pass`, the floor) and `python -c "import torch"` (what any launcher that imported the
 trainer would pay before doing anything).
 
-Bytecode: every child runs with its own PYTHONPYCACHEPREFIX in the temporary folder, so nothing is written into
-the source tree. By default the warm-up round fills it and the timed rounds read it, as an installed package
-does; --no-bytecode-cache leaves it empty (PYTHONDONTWRITEBYTECODE), so every child compiles every module it
-imports, which is what a checkout run with PYTHONDONTWRITEBYTECODE=1 pays.
+Bytecode: by default every child runs with its own PYTHONPYCACHEPREFIX in the temporary folder (nothing is
+written into the source tree); the warm-up round fills it and the timed rounds read it, as an installed package
+reads its bytecode. --no-bytecode-cache runs the children with PYTHONDONTWRITEBYTECODE=1 and the usual caches: the
+standard library's bytecode is read, and a checkout that never wrote its own compiles this package's modules in
+every run (what a shell with PYTHONDONTWRITEBYTECODE=1 pays).
 
     python benchmarks/launcher_latency.py --rounds 7
     python benchmarks/launcher_latency.py --smoke      # one round, no torch anchor: checks that it still runs
@@ -89,9 +90,10 @@ def time_once(cmd: list[str], env: dict[str, str]) -> tuple[float, float, str]:
 
 
 def child_env(tmp: Path, *, bytecode_cache: bool) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    env["PYTHONPYCACHEPREFIX"] = str(tmp / "pycache")
-    if not bytecode_cache:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONDONTWRITEBYTECODE", "PYTHONPYCACHEPREFIX")}
+    if bytecode_cache:
+        env["PYTHONPYCACHEPREFIX"] = str(tmp / "pycache")
+    else:
         env["PYTHONDONTWRITEBYTECODE"] = "1"
     return env
 

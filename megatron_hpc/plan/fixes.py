@@ -8,7 +8,7 @@ size and names the node count that plans the recipe. Advice without a value ("a 
 before and not tried.
 
 Inside plan/ a refusal is an ordinary PlanError or ConfigError: the searches of sizing.py catch them to try the
-next mesh, and an untried candidate costs only its construction.
+next mesh, so its message is worded when first read and a costly candidate list is built only when asked for.
 """
 
 from __future__ import annotations
