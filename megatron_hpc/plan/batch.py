@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_hpc.errors import PlanError
+from megatron_hpc.plan.fixes import Fix, FixablePlanError, nearest, set_fix, values_of
+
+NEAREST_TRIED = 4
+"""Multiples tried on each side of a global batch that does not divide: the nearest can fail another check (a
+micro-batch per pipeline stage, memory) where the next one plans."""
 
 
 def num_micro_batches(*, global_batch: int, micro_batch: int, data_parallel: int) -> int:
@@ -13,13 +17,16 @@ def num_micro_batches(*, global_batch: int, micro_batch: int, data_parallel: int
     if global_batch % per_step == 0 and global_batch > 0:
         return global_batch // per_step
     below = (global_batch // per_step) * per_step
-    above = below + per_step
-    options = [v for v in (below, above) if v > 0]
-    raise PlanError(
-        f"train.global_batch_size={global_batch} is not divisible by micro_batch_size x DP = "
-        f"{micro_batch} x {data_parallel} = {per_step}; use --set train.global_batch_size="
-        + " or ".join(str(v) for v in options)
-    )
+    tried = [below - k * per_step for k in range(NEAREST_TRIED)] + \
+        [below + k * per_step for k in range(1, NEAREST_TRIED + 1)]
+
+    def wording(kept: list[Fix]) -> str:
+        batches = nearest([int(v) for v in values_of(kept, "train.global_batch_size")], global_batch)
+        use = f"; use --set train.global_batch_size={' or '.join(map(str, batches))}" if batches else ""
+        return (f"train.global_batch_size={global_batch} is not divisible by micro_batch_size x DP = "
+                f"{micro_batch} x {data_parallel} = {per_step}{use}")
+
+    raise FixablePlanError(wording, [set_fix("train.global_batch_size", v) for v in tried if v > 0])
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
