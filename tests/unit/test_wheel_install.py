@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tarfile
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,7 @@ class Installed:
     venv: Path
     wheel: Path
     sdist: Path
+    build_log: Path
     outside: Path
     """The working directory of every command: not the checkout, so nothing imports from it."""
 
@@ -57,11 +59,11 @@ class Installed:
                               capture_output=True, text=True, timeout=timeout)
 
 
-def _pip(venv: Path, *args: str) -> None:
+def _pip(venv: Path, *args: str, hint: str = "") -> None:
     # The running pip installs into the venv (`--python`): the venv needs no pip of its own, which saves ensurepip.
     proc = subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q",
                            "--disable-pip-version-check", *args], capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"pip install {' '.join(args)} failed:\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, f"pip install {' '.join(args)} failed{hint}:\n{proc.stderr[-3000:]}"
 
 
 @pytest.fixture(scope="module")
@@ -71,20 +73,22 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
     log = dist / "build.log"
     with open(log, "w") as out:
         # No --sdist/--wheel: build makes the sdist, then the wheel from the unpacked sdist, so a file the sdist
-        # forgets fails the wheel's build.
+        # forgets fails the wheel's build. The sdist step writes megatron_hpc.egg-info/ into the checkout, as
+        # `pip install -e .` does (git ignores it).
         build = subprocess.Popen([sys.executable, "-m", "build", "--outdir", str(dist), str(REPO)],
                                  stdout=out, stderr=subprocess.STDOUT)
         try:
             subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
             # The same torch build as this environment's (e.g. 2.13.0+cpu): a bare pin could fetch a CUDA build.
-            _pip(venv, f"torch=={importlib.metadata.version('torch')}")
+            torch = f"torch=={importlib.metadata.version('torch')}"
+            _pip(venv, torch, hint=f"; put the {torch} wheel where pip finds it (its find-links, README)")
             assert build.wait(timeout=900) == 0, f"python -m build failed:\n{log.read_text()[-3000:]}"
         finally:
             if build.poll() is None:
                 build.kill()
     (wheel,), (sdist,) = sorted(dist.glob("*.whl")), sorted(dist.glob("*.tar.gz"))
     _pip(venv, str(wheel))
-    return Installed(venv=venv, wheel=wheel, sdist=sdist, outside=outside)
+    return Installed(venv=venv, wheel=wheel, sdist=sdist, build_log=log, outside=outside)
 
 
 def _source_files() -> dict[str, Path]:
@@ -116,6 +120,10 @@ def test_sdist_carries_what_the_build_needs(installed: Installed) -> None:
         assert needed in names, f"the sdist has no {needed}"
     tree = {p.relative_to(REPO).as_posix() for root in _roots() for p in _shipped(root)}
     assert not tree - names, f"the sdist leaves out {sorted(tree - names)}"
+    # What each isolated build environment (the sdist's, the wheel's) installed: pybind11, never torch.
+    requirements = re.findall(r"^  - (\S+)$", installed.build_log.read_text(), re.M)
+    assert requirements and any(r.startswith("pybind11") for r in requirements), requirements
+    assert not [r for r in requirements if r.startswith("torch")], requirements
 
 
 def test_installed_modules_import_from_the_venv_with_declared_dependencies(installed: Installed) -> None:
@@ -154,9 +162,11 @@ print(json.dumps({"site": sysconfig.get_paths()["purelib"], "package": megatron_
 def test_every_subcommand_help_runs(installed: Installed) -> None:
     top = installed.run("megatron-hpc", "--help")
     assert top.returncode == 0, top.stderr
-    for name in COMMANDS:
+    # One process per command, a core each: each --help imports only its own command's module.
+    with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:
+        helps = dict(zip(COMMANDS, pool.map(lambda name: installed.run("megatron-hpc", name, "--help"), COMMANDS)))
+    for name, proc in helps.items():
         assert re.search(rf"^\s+{name}\s", top.stdout, re.M), f"megatron-hpc --help does not list {name}"
-        proc = installed.run("megatron-hpc", name, "--help")
         assert proc.returncode == 0 and f"usage: megatron-hpc {name}" in proc.stdout, (name, proc.stderr[-2000:])
 
 
