@@ -173,13 +173,13 @@ def _build_rank(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, from
     """This rank's model, how its micro-batches run, and its optimizer. With from_checkpoint the random init is
     skipped: the restore overwrites it."""
     tcfg, plan = spec.config.train, spec.plan
+    autocast = autocast_dtype_for(tcfg.precision, device_kind=device.kind, float_dtype=device.float_dtype,
+                                  fp32_master=plan.fp32_master)  # first: it refuses fp16 on XLA
     model = build_model(spec.config.model, ctx, padded_vocab=plan.padded_vocab_size, seed=tcfg.seed,
                         device=device.device, from_checkpoint=from_checkpoint, stages=pipeline_stages(plan, ctx),
                         sequence_parallel=spec.config.parallel.sequence_parallel)
     if plan.fp32_master and tcfg.precision == "bf16":
         model.to(torch.bfloat16)  # bf16 weights, fp32 masters in the optimizer (train/xla_zero.py)
-    autocast = autocast_dtype_for(tcfg.precision, device_kind=device.kind, float_dtype=device.float_dtype,
-                                  fp32_master=plan.fp32_master)
     pipeline = None if ctx.pp_size == 1 else PipelineRunner(
         model, ctx, num_micro_batches=plan.num_micro_batches, schedule=plan.pipeline_schedule, device=device.device,
         compile_chunks=tcfg.compile and device.kind != "xla", compile_backend=tcfg.compile_backend)
