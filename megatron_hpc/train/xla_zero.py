@@ -89,11 +89,6 @@ class XlaZeroOptimizer:
         """This rank's fp32 master shard of each parameter, in self.params' order."""
         return [s for g in self.base.param_groups for s in g["params"]]
 
-    @property
-    def state(self) -> dict[Any, dict[str, Any]]:
-        """The shards' AdamW state (SkipTracker takes a skipped step's count back here)."""
-        return self.base.state
-
     def _ensure_init(self) -> None:
         if not self.zero.inited:
             self.zero.init_zero()
