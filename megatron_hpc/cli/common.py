@@ -1,15 +1,21 @@
-"""Arguments shared by `plan` and `submit`, and turning them into a config and a plan."""
+"""Arguments shared by `plan` and `submit`, and turning them into a config and a plan.
+
+Building the parsers imports no more than the platform table: the loader and the planner load when a command
+runs, and numpy only where data files are read (tests/unit/test_cli_startup.py).
+"""
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from megatron_hpc.config.loader import load_recipe
 from megatron_hpc.config.platforms import PLATFORMS, Platform, resolve_platform
-from megatron_hpc.config.schema import RunConfig
-from megatron_hpc.plan.planner import Plan, make_plan
-from megatron_hpc.plan.spec import RunSpec
+
+if TYPE_CHECKING:
+    from megatron_hpc.config.schema import RunConfig
+    from megatron_hpc.plan.planner import Plan
+    from megatron_hpc.plan.spec import RunSpec
 
 
 def add_recipe_arguments(parser: argparse.ArgumentParser, *, recipe_required: bool = True) -> None:
@@ -30,12 +36,17 @@ class Resolved:
 
     @property
     def spec(self) -> RunSpec:
+        from megatron_hpc.plan.spec import RunSpec
+
         return RunSpec(config=self.cfg, plan=self.plan)
 
 
 def resolve(args: argparse.Namespace) -> Resolved:
     """The recipe with its overrides, planned for --nodes of --platform (the plan records the platform: the
     config keeps the recipe's launch.platform as its default, never the flag)."""
+    from megatron_hpc.config.loader import load_recipe
+    from megatron_hpc.plan.planner import make_plan
+
     cfg = load_recipe(args.recipe, list(args.overrides))
     platform = resolve_platform(args.platform, default=cfg.launch.platform)
     nodes = 1 if args.nodes is None else args.nodes

@@ -128,9 +128,9 @@ def run(args: argparse.Namespace) -> int:
     from megatron_hpc.config.loader import from_dict
     from megatron_hpc.config.schema import DataConfig, TrainConfig
     from megatron_hpc.errors import DataError
+    from megatron_hpc.evaluate.perplexity import capped_ppl
     from megatron_hpc.evaluate.splits import evaluate_split, split_requests
     from megatron_hpc.generate.loading import choose_device, leave_group
-    from megatron_hpc.train.metrics import validation_ppl
 
     _check_args(args)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
         eval_iters = train.eval_iters if args.eval_iters is None else args.eval_iters
         for request in split_requests(train, data, splits=names, eval_iters=eval_iters):  # type: ignore[arg-type]
             res = evaluate_split(scorer, request, data, seed=train.seed, seq_length=seq, batch_size=batch_size)
-            report["splits"][res.split] = {"loss": res.loss, "ppl": validation_ppl(res.loss),
+            report["splits"][res.split] = {"loss": res.loss, "ppl": capped_ppl(res.loss),
                                            "samples": res.num_samples}
     if args.task is not None:
         report["tasks"][args.task] = _task(args, loaded, scorer, seq_length=seq, batch_size=batch_size)

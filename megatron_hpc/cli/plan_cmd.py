@@ -5,15 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
 
 from megatron_hpc.cli.common import Resolved, add_recipe_arguments, resolve
-from megatron_hpc.data.preflight import DataSummary, summarize_data
-from megatron_hpc.plan.planner import (
-    Plan,
-    distributed_optimizer_warning,
-    idle_workers_warning,
-    pipeline_runtime_warning,
-)
+
+if TYPE_CHECKING:  # imported by run(): building the parser stays free of numpy (data) and of the planner
+    from megatron_hpc.data.preflight import DataSummary
+    from megatron_hpc.plan.planner import Plan
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,6 +27,8 @@ def _count(n: float) -> str:
 
 def data_summary(resolved: Resolved) -> DataSummary:
     """The data line's numbers for this plan (reads the .idx files when they are here)."""
+    from megatron_hpc.data.preflight import summarize_data
+
     plan = resolved.plan
     return summarize_data(resolved.cfg.data, source=plan.data_source, seq_length=plan.seq_length,
                           num_samples=resolved.cfg.train.num_steps * plan.global_batch_size)
@@ -86,10 +86,12 @@ def _memory_line(plan: Plan) -> str:
 def plan_warnings(resolved: Resolved) -> list[str]:
     """What `plan` says on stderr (and `plan --json` under "warnings") about a plan it prints: idle workers, the
     recipe's caveat, a runtime that cannot run it."""
+    from megatron_hpc.plan.planner import distributed_optimizer_warning, idle_workers_warning, pipeline_runtime_warning
+
     idle = idle_workers_warning(resolved.plan)
     warnings = [idle] if idle else []
     warnings += [resolved.cfg.warning] if resolved.cfg.warning else []
-    runtime = pipeline_runtime_warning(resolved.plan)
+    runtime = pipeline_runtime_warning(resolved.plan, cfg=resolved.cfg)
     warnings += [runtime] if runtime else []
     pointless = distributed_optimizer_warning(resolved.plan)
     warnings += [pointless] if pointless else []

@@ -9,21 +9,15 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megatron_hpc.cli.common import Resolved, add_recipe_arguments, resolve
-from megatron_hpc.cli.plan_cmd import data_summary, format_plan
-from megatron_hpc.data.preflight import DataSummary
 from megatron_hpc.errors import ConfigError, DataError
-from megatron_hpc.launch import cluster_profile, env_checks
-from megatron_hpc.launch.run_dir import default_run_dir, prepare_run_dir
-from megatron_hpc.launch.submit import SubmitRequest, SubmitResult, check_cluster, submit, write_run_files
-from megatron_hpc.plan.planner import (
-    check_data_source,
-    check_pipeline_runtime,
-    distributed_optimizer_warning,
-    idle_workers_warning,
-)
-from megatron_hpc.run_folder import CHECKPOINT_DIR
+
+if TYPE_CHECKING:  # imported where used: building the parser stays free of numpy, the launcher and the planner
+    from megatron_hpc.data.preflight import DataSummary
+    from megatron_hpc.launch import cluster_profile
+    from megatron_hpc.launch.submit import SubmitRequest, SubmitResult
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,6 +76,8 @@ def _resume(args: argparse.Namespace) -> tuple[Resolved, Path, list[str]]:
 
 def _profile(args: argparse.Namespace, resumed_dir: Path | None) -> cluster_profile.LoadedProfile:
     """--cluster-config, else the one the resumed run was submitted with, else the user's default."""
+    from megatron_hpc.launch import cluster_profile
+
     if args.cluster_config is None and resumed_dir is not None:
         stored = cluster_profile.stored_profile(resumed_dir)
         if stored is not None:
@@ -92,39 +88,19 @@ def _profile(args: argparse.Namespace, resumed_dir: Path | None) -> cluster_prof
 def run(args: argparse.Namespace) -> int:
     if not args.recipe and not args.resume:
         raise ConfigError("submit needs --recipe NAME (a new run) or --resume RUN (continue a run folder)")
+    # The launcher, the planner and the data checks load here, not with the parser (tests/unit/test_cli_startup.py)
+    from megatron_hpc.cli.plan_cmd import data_summary, format_plan
+    from megatron_hpc.launch import cluster_profile, env_checks
+    from megatron_hpc.launch.run_dir import default_run_dir, prepare_run_dir
+    from megatron_hpc.launch.submit import SubmitRequest, submit, write_run_files
+    from megatron_hpc.plan.planner import check_data_source, check_pipeline_runtime
+
     resolved, resumed_dir, resume_notes = _resume(args) if args.resume else (resolve(args), None, [])
     check_data_source(resolved.plan)  # before anything is written: the plan has no data to train on
-    check_pipeline_runtime(resolved.plan)  # ... or pipelines on a runtime that cannot run a pipeline
+    check_pipeline_runtime(resolved.plan, cfg=resolved.cfg)  # ... or pipelines on a runtime that cannot run one
     check_checkpoint_to_load(resolved, resumed_dir=resumed_dir)  # ... or would load a checkpoint of another mesh
     profile = _profile(args, resumed_dir)
-    from megatron_hpc.data.preflight import check_data, check_tokenizer_vocabulary  # numpy, no torch
-
-    source = resolved.plan.data_source
-    idle = idle_workers_warning(resolved.plan)
-    warnings: list[str] = [idle] if idle else []
-    warnings += [resolved.cfg.warning] if resolved.cfg.warning else []
-    pointless = distributed_optimizer_warning(resolved.plan)
-    warnings += [pointless] if pointless else []
-    if source == "synthetic" and resolved.plan.platform != "cpu":
-        warnings.append(f"this run trains on SYNTHETIC tokens (data.source=synthetic), not real data, on "
-                        f"{resolved.plan.num_nodes} x {resolved.plan.platform}; meant for benchmarks and smoke tests")
-    if args.cluster == "k8s":  # the claim, image and instance type, and the kube context, before anything is written
-        from megatron_hpc.launch import k8s_api, k8s_submit
-
-        k8s_submit.pod_site(resolved.cfg, resolved.plan, run_id="check")
-        if not args.dry_run:
-            k8s_api.load_kube_config()
-    if not args.dry_run and args.cluster != "k8s":
-        check_cluster(args.cluster, num_nodes=resolved.plan.num_nodes, platform=resolved.platform)
-        check_data(resolved.cfg.data, source=source)
-    else:  # the scripts may be meant for another machine's files (k8s: the claim's): say so, but write them
-        try:
-            check_data(resolved.cfg.data, source=source)
-        except DataError as exc:
-            warnings.append(f"{exc} (the scripts are written; the run fails unless the nodes see the data)")
-    if source == "indexed":  # a vocabulary too small for the tokenizer is refused here, dry run or not
-        unchecked = check_tokenizer_vocabulary(resolved.cfg.data, vocab_size=resolved.cfg.model.vocab_size)
-        warnings += [unchecked] if unchecked else []
+    warnings = _checks_before_writing(args, resolved)
     run_dir = prepare_run_dir(resumed_dir or args.out or default_run_dir(Path("runs"), resolved.cfg.name))
     warnings = env_checks.submit_warnings(os.environ, run_dir=run_dir, cluster=args.cluster,
                                           num_nodes=resolved.plan.num_nodes,
@@ -177,6 +153,42 @@ def run(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
+def _checks_before_writing(args: argparse.Namespace, resolved: Resolved) -> list[str]:
+    """The cluster, the kube context and the data, checked before anything is written (a dry run warns about data
+    these nodes cannot see instead), and the plan's warnings."""
+    from megatron_hpc.data.preflight import check_data, check_tokenizer_vocabulary  # numpy once files are read
+    from megatron_hpc.launch.submit import check_cluster
+    from megatron_hpc.plan.planner import distributed_optimizer_warning, idle_workers_warning
+
+    source = resolved.plan.data_source
+    idle = idle_workers_warning(resolved.plan)
+    warnings: list[str] = [idle] if idle else []
+    warnings += [resolved.cfg.warning] if resolved.cfg.warning else []
+    pointless = distributed_optimizer_warning(resolved.plan)
+    warnings += [pointless] if pointless else []
+    if source == "synthetic" and resolved.plan.platform != "cpu":
+        warnings.append(f"this run trains on SYNTHETIC tokens (data.source=synthetic), not real data, on "
+                        f"{resolved.plan.num_nodes} x {resolved.plan.platform}; meant for benchmarks and smoke tests")
+    if args.cluster == "k8s":  # the claim, image and instance type, and the kube context, before anything is written
+        from megatron_hpc.launch import k8s_api, k8s_submit
+
+        k8s_submit.pod_site(resolved.cfg, resolved.plan, run_id="check")
+        if not args.dry_run:
+            k8s_api.load_kube_config()
+    if not args.dry_run and args.cluster != "k8s":
+        check_cluster(args.cluster, num_nodes=resolved.plan.num_nodes, platform=resolved.platform)
+        check_data(resolved.cfg.data, source=source)
+    else:  # the scripts may be meant for another machine's files (k8s: the claim's): say so, but write them
+        try:
+            check_data(resolved.cfg.data, source=source)
+        except DataError as exc:
+            warnings.append(f"{exc} (the scripts are written; the run fails unless the nodes see the data)")
+    if source == "indexed":  # a vocabulary too small for the tokenizer is refused here, dry run or not
+        unchecked = check_tokenizer_vocabulary(resolved.cfg.data, vocab_size=resolved.cfg.model.vocab_size)
+        warnings += [unchecked] if unchecked else []
+    return warnings
+
+
 def _k8s_cache_root(resolved: Resolved, cluster: str) -> dict:
     """On k8s the shared compile cache is on the claim, at the path the pods see (launch/k8s_objects.py)."""
     if cluster != "k8s":
@@ -189,6 +201,7 @@ def _k8s_cache_root(resolved: Resolved, cluster: str) -> dict:
 def _submit_k8s(req: SubmitRequest, resolved: Resolved, *, args: argparse.Namespace, data: DataSummary,
                 warnings: list[str]) -> int:
     """Write the YAML (a dry run stops there) or apply it; the printed summary is the SLURM one's."""
+    from megatron_hpc.cli.plan_cmd import format_plan
     from megatron_hpc.launch import k8s_submit
 
     if not args.json:
@@ -219,12 +232,13 @@ def _submit_k8s(req: SubmitRequest, resolved: Resolved, *, args: argparse.Namesp
 def check_checkpoint_to_load(resolved: Resolved, *, resumed_dir: Path | None) -> None:
     """CheckpointError (with the `ckpt reshard` command) when the checkpoint the run would load was saved at another
     TP x PP split than the plan's: refused here, before queueing, as the trainer would refuse it after the wait."""
-    from megatron_hpc.checkpoint.compat import PipelineLayout, check_before_queue
+    from megatron_hpc.run_folder import CHECKPOINT_DIR
 
     ckpt = resolved.cfg.checkpoint
     root = ckpt.load or ckpt.save or (str(resumed_dir / CHECKPOINT_DIR) if resumed_dir is not None else None)
     if root is None:  # a new run folder: nothing to load yet
         return
+    from megatron_hpc.checkpoint.compat import PipelineLayout, check_before_queue
     plan = resolved.plan.to_json()
     layout = PipelineLayout.of_run(plan=plan, config=dataclasses.asdict(resolved.cfg))
     check_before_queue(Path(root).expanduser(), tensor_parallel=resolved.plan.tensor_parallel, layout=layout)
@@ -238,6 +252,8 @@ def _print_resume(notes: list[str]) -> None:
 def checkpoint_space_warning(resolved: Resolved, *, run_dir: Path) -> str | None:
     """A warning when the save folder's filesystem cannot hold checkpoint.keep_last + 1 checkpoints (the newest
     is written in full before the oldest is removed)."""
+    from megatron_hpc.run_folder import CHECKPOINT_DIR
+
     ckpt = resolved.cfg.checkpoint
     folder = Path(ckpt.save).expanduser() if ckpt.save else run_dir / CHECKPOINT_DIR
     probe = folder

@@ -13,7 +13,6 @@ import difflib
 import types
 import typing
 from collections.abc import Mapping
-from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,8 +26,11 @@ _MAX_EXTENDS_DEPTH = 8
 
 
 def recipe_dir() -> Path:
-    """Folder of the recipes shipped with the package."""
-    return Path(str(resources.files("megatron_hpc.recipes")))
+    """Folder of the recipes shipped with the package: the recipes package's own folder. (importlib.resources
+    finds the same folder for an unzipped install, but importing it costs `plan` more than the whole plan.)"""
+    import megatron_hpc.recipes
+
+    return Path(megatron_hpc.recipes.__file__).parent
 
 
 def known_recipes() -> list[str]:
@@ -124,38 +126,58 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
         node[parts[-1]] = text
 
 
-def from_dict(cls: type, data: Any, *, where: str = "") -> Any:
-    """Build dataclass `cls` from a mapping, checking keys and value types."""
+def from_dict(cls: type, data: Any, *, where: str = "", root: type | None = None) -> Any:
+    """Build dataclass `cls` from a mapping, checking keys and value types. `root` is the dataclass of the whole
+    document (`cls` itself at the top), searched for the section an unknown key belongs to."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"{where or 'recipe'}: expected a mapping, found {data!r}")
+    root = root or cls
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     for key in data:
         if key not in fields:
-            raise ConfigError(_unknown_key_message(where, str(key), list(fields)))
+            raise ConfigError(_unknown_key_message(where, str(key), list(fields), elsewhere=_key_paths(root, str(key))))
     kwargs: dict[str, Any] = {}
     for name, f in fields.items():
         path = f"{where}.{name}" if where else name
         if name in data:
-            kwargs[name] = _coerce(hints[name], data[name], where=path)
+            kwargs[name] = _coerce(hints[name], data[name], where=path, root=root)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ConfigError(f"{path}: required key is missing; set it in the recipe or with --set {path}=...")
     return cls(**kwargs)
 
 
-def _unknown_key_message(where: str, key: str, valid: list[str]) -> str:
+def _unknown_key_message(where: str, key: str, valid: list[str], *, elsewhere: list[str]) -> str:
     full = f"{where}.{key}" if where else key
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     prefix = f"{where}." if where else ""
+    # The key exists, in another section (train.lr for optim.lr): name where it lives before any near miss here.
+    sections = [path.rpartition(".")[0] or "the top level" for path in elsewhere]
+    lives = (f"; {key!r} lives in {' and '.join(sections)}: use {' or '.join(repr(p) for p in elsewhere)}"
+             if elsewhere else "")
     if close:
-        return f"unknown key {full!r}; did you mean {prefix + close[0]!r}? (valid here: {', '.join(valid)})"
-    return f"unknown key {full!r}; valid keys here: {', '.join(valid)}"
+        ask = "the closest key here is {}" if elsewhere else "did you mean {}?"
+        return f"unknown key {full!r}{lives}; {ask.format(repr(prefix + close[0]))} (valid here: {', '.join(valid)})"
+    return f"unknown key {full!r}{lives}; valid keys here: {', '.join(valid)}"
 
 
-def _coerce(hint: Any, value: Any, *, where: str) -> Any:
+def _key_paths(root: type, key: str, *, where: str = "") -> list[str]:
+    """Dotted paths of every field named `key` in dataclass `root` and the dataclasses it nests, in field order."""
+    found = []
+    hints = typing.get_type_hints(root)
+    for f in dataclasses.fields(root):
+        path = f"{where}.{f.name}" if where else f.name
+        if f.name == key:
+            found.append(path)
+        if dataclasses.is_dataclass(hints[f.name]):
+            found += _key_paths(hints[f.name], key, where=path)
+    return found
+
+
+def _coerce(hint: Any, value: Any, *, where: str, root: type | None = None) -> Any:
     origin = typing.get_origin(hint)
     if dataclasses.is_dataclass(hint):
-        return from_dict(hint, value, where=where)
+        return from_dict(hint, value, where=where, root=root)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(hint)
         if value is None and type(None) in args:
@@ -163,7 +185,7 @@ def _coerce(hint: Any, value: Any, *, where: str) -> Any:
         errors = []
         for arg in (a for a in args if a is not type(None)):
             try:
-                return _coerce(arg, value, where=where)
+                return _coerce(arg, value, where=where, root=root)
             except ConfigError as exc:
                 errors.append(str(exc))
         raise ConfigError(errors[0] if errors else f"{where}: invalid value {value!r}")
@@ -178,7 +200,7 @@ def _coerce(hint: Any, value: Any, *, where: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: expected a list, found {value!r}")
         (item_type, *_rest) = typing.get_args(hint)
-        return tuple(_coerce(item_type, v, where=f"{where}[{i}]") for i, v in enumerate(value))
+        return tuple(_coerce(item_type, v, where=f"{where}[{i}]", root=root) for i, v in enumerate(value))
     if origin is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{where}: expected a mapping, found {value!r}")

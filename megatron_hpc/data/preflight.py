@@ -3,7 +3,8 @@ of what a run will train on that `plan` and `submit` print.
 
 Opening an IndexedDataset validates the whole index against the .bin size (a few milliseconds
 for millions of documents), so a missing, truncated or foreign file fails at `submit` time
-instead of after the job waited in the queue. numpy only; no torch.
+instead of after the job waited in the queue. numpy only; no torch. numpy and the readers are imported where
+files are read, so `plan` and `submit` of a run without .bin/.idx files never import them.
 """
 
 from __future__ import annotations
@@ -12,12 +13,7 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
-
 from megatron_hpc.config.schema import DataConfig
-from megatron_hpc.data.blending import normalize, parse_blend
-from megatron_hpc.data.gpt_dataset import split_matrix, split_sequences
-from megatron_hpc.data.indexed import IndexedDataset
 from megatron_hpc.errors import DataError
 
 DEMO_DIR = Path("~/.cache/megatron-hpc/demo")
@@ -30,6 +26,9 @@ def check_data(data: DataConfig, *, source: str) -> None:
     if not data.path:
         raise DataError("data.source is indexed but data.path is not set; use --set data.path=PREFIX "
                         "(the .bin/.idx prefix) or --set data.source=synthetic")
+    from megatron_hpc.data.blending import parse_blend
+    from megatron_hpc.data.indexed import IndexedDataset
+
     blend = parse_blend(data.path)
     for prefix in blend.prefixes:
         try:
@@ -107,6 +106,12 @@ def summarize_data(data: DataConfig, *, source: str, seq_length: int, num_sample
     needed = num_samples * seq_length
     if source != "indexed" or not data.path:
         return DataSummary(source=source, path=data.path, tokens_needed=needed)
+    import numpy as np
+
+    from megatron_hpc.data.blending import normalize, parse_blend
+    from megatron_hpc.data.gpt_dataset import split_matrix, split_sequences
+    from megatron_hpc.data.indexed import IndexedDataset
+
     blend = parse_blend(data.path)
     bookend = split_matrix(data.split)[0]
     totals, trains = [], []

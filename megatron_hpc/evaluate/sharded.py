@@ -21,10 +21,10 @@ from megatron_hpc.config.schema import ModelConfig
 from megatron_hpc.errors import CheckpointError
 from megatron_hpc.generate.loading import LoadedModel, load_tokenizer
 from megatron_hpc.model.gpt import GPT
+from megatron_hpc.model.init_skip import skip_random_init
 from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.plan.mesh import Mesh
 from megatron_hpc.plan.stages import StageLayout, rank_stages, stage_layouts
-from megatron_hpc.train.init_skip import skip_random_init
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -21,7 +21,7 @@ from megatron_hpc.data.blending import build_split_dataset
 from megatron_hpc.data.gpt_dataset import GPTIndexConfig, split_matrix
 from megatron_hpc.errors import DataError
 from megatron_hpc.evaluate.scoring import Scorer, sample_losses
-from megatron_hpc.train.evaluate import num_test_samples, num_valid_samples
+from megatron_hpc.plan.batch import num_test_samples, num_valid_samples
 
 EvalSplit = Literal["valid", "test"]
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from megatron_hpc.data.tokenizer import GPT2BPETokenizer
 from megatron_hpc.evaluate.detokenize import wikitext_detokenize
+from megatron_hpc.evaluate.perplexity import capped_ppl
 from megatron_hpc.evaluate.scoring import Scorer, cloze_hits, windowed_loss_sum
 from megatron_hpc.evaluate.tasks import lm_windows, read_cloze_examples, read_lm_document
-from megatron_hpc.train.metrics import validation_ppl
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -33,7 +33,7 @@ class WikitextResult:
 
     @property
     def token_ppl(self) -> float:
-        return validation_ppl(self.avg_loss)
+        return capped_ppl(self.avg_loss)
 
     @property
     def word_loss(self) -> float:
@@ -42,7 +42,7 @@ class WikitextResult:
 
     @property
     def word_ppl(self) -> float:
-        return validation_ppl(self.word_loss)
+        return capped_ppl(self.word_loss)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

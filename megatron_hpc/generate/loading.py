@@ -22,11 +22,11 @@ from megatron_hpc.config.schema import ModelConfig
 from megatron_hpc.data.tokenizer import GPT2BPETokenizer
 from megatron_hpc.errors import CheckpointError, GenerationError, TrainingError
 from megatron_hpc.model.gpt import GPT
+from megatron_hpc.model.init_skip import skip_random_init
 from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.parallel.device import DeviceInfo, resolve_device
 from megatron_hpc.plan.mesh import Mesh
 from megatron_hpc.plan.vocab import padded_vocab_size
-from megatron_hpc.train.init_skip import skip_random_init
 
 TOKENIZER_FLAGS = "--vocab-file and --merge-file"
 

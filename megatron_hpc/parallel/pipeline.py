@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -29,11 +30,41 @@ from torch.distributed.pipelining import (
     ScheduleLoopedBFS,
 )
 
-from megatron_hpc.model.gpt import GPT
 from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatron_hpc.plan.stages import StageLayout
 
 SCHEDULES = ("1f1b", "afab")
+
+
+class StagedModel(Protocol):
+    """What the runner needs of a model that holds this rank's pipeline stages (model/gpt.py's GPT is one).
+
+    A protocol, not the GPT class, so that parallel/ stays below model/ (dependencies point down).
+    """
+
+    @property
+    def stages(self) -> Sequence[StageLayout]:
+        """This rank's virtual stages, in the order of chunks()."""
+        ...
+
+    @property
+    def has_first(self) -> bool:
+        """Whether one of the stages is the first (it takes the token ids)."""
+        ...
+
+    @property
+    def has_last(self) -> bool:
+        """Whether one of the stages is the last (it returns the logits the loss reads)."""
+        ...
+
+    def chunks(self) -> list[nn.Module]:
+        """One module per stage; each is run by its own PipelineStage."""
+        ...
+
+    def shared_embedding(self) -> nn.Parameter | None:
+        """The tied word embeddings this rank shares with the other end of the pipeline, or None."""
+        ...
 
 
 class _Loss:
@@ -52,7 +83,7 @@ class _Loss:
 class PipelineRunner:
     """Runs one step's micro-batches through this rank's stages with the configured schedule."""
 
-    def __init__(self, model: GPT, ctx: ParallelContext, *, num_micro_batches: int, schedule: str,
+    def __init__(self, model: StagedModel, ctx: ParallelContext, *, num_micro_batches: int, schedule: str,
                  device: torch.device, compile_chunks: bool = False, compile_backend: str = "inductor"):
         if schedule not in SCHEDULES:
             raise ValueError(f"parallel.pipeline_schedule={schedule!r}: use one of {SCHEDULES}")

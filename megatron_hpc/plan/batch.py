@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_hpc.errors import PlanError
+from megatron_hpc.plan.fixes import Fix, FixablePlanError, nearest, set_fix, values_of
+
+NEAREST_TRIED = 4
+"""Multiples tried on each side of a global batch that does not divide: the nearest can fail another check (a
+micro-batch per pipeline stage, memory) where the next one plans."""
 
 
 def num_micro_batches(*, global_batch: int, micro_batch: int, data_parallel: int) -> int:
@@ -13,13 +17,16 @@ def num_micro_batches(*, global_batch: int, micro_batch: int, data_parallel: int
     if global_batch % per_step == 0 and global_batch > 0:
         return global_batch // per_step
     below = (global_batch // per_step) * per_step
-    above = below + per_step
-    options = [v for v in (below, above) if v > 0]
-    raise PlanError(
-        f"train.global_batch_size={global_batch} is not divisible by micro_batch_size x DP = "
-        f"{micro_batch} x {data_parallel} = {per_step}; use --set train.global_batch_size="
-        + " or ".join(str(v) for v in options)
-    )
+    tried = [below - k * per_step for k in range(NEAREST_TRIED)] + \
+        [below + k * per_step for k in range(1, NEAREST_TRIED + 1)]
+
+    def wording(kept: list[Fix]) -> str:
+        batches = nearest([int(v) for v in values_of(kept, "train.global_batch_size")], global_batch)
+        use = f"; use --set train.global_batch_size={' or '.join(map(str, batches))}" if batches else ""
+        return (f"train.global_batch_size={global_batch} is not divisible by micro_batch_size x DP = "
+                f"{micro_batch} x {data_parallel} = {per_step}{use}")
+
+    raise FixablePlanError(wording, [set_fix("train.global_batch_size", v) for v in tried if v > 0])
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -45,3 +52,14 @@ class BatchLayout:
     def rank_indices(self, step: int, *, dp_rank: int) -> list[range]:
         """This DP rank's micro-batches of global batch `step`, in order."""
         return [self.indices(step, micro=m, dp_rank=dp_rank) for m in range(self.num_micro_batches)]
+
+
+def num_valid_samples(*, train_iters: int, eval_interval: int, eval_iters: int, global_batch_size: int) -> int:
+    """Megatron's valid sample count (get_train_valid_test_num_samples): one evaluation per interval plus the
+    final one. The valid split's dataset is built for this count, which shapes its epochs and shuffle."""
+    return (train_iters // eval_interval + 1) * eval_iters * global_batch_size
+
+
+def num_test_samples(*, eval_iters: int, global_batch_size: int) -> int:
+    """Megatron's test sample count: one evaluation, after training."""
+    return eval_iters * global_batch_size

@@ -12,6 +12,7 @@ from typing import Any
 
 from megatron_hpc.config.schema import ModelConfig, RunConfig
 from megatron_hpc.errors import ConfigError, PlanError
+from megatron_hpc.plan.fixes import Fix, FixableConfigError, FixablePlanError, offer, one_of, set_fix, values_of
 from megatron_hpc.plan.model_math import rotary_dims
 from megatron_hpc.plan.recompute import resolve_recompute
 
@@ -89,8 +90,13 @@ def check_values(cfg: RunConfig) -> None:
     resolve_recompute(cfg.model)  # contradicting recompute keys; the stage fit is checked once stages are known
     schedule = cfg.parallel.pipeline_schedule
     if schedule not in PIPELINE_SCHEDULES:
-        raise ConfigError(f"parallel.pipeline_schedule={schedule!r} is not a schedule; use --set "
-                          f"parallel.pipeline_schedule=N with N in {{{', '.join(PIPELINE_SCHEDULES)}}}")
+        what = f"parallel.pipeline_schedule={schedule!r} is not a schedule"
+
+        def wording(kept: list[Fix]) -> str:
+            schedules = values_of(kept, "parallel.pipeline_schedule")
+            return what + (f"; use {one_of('parallel.pipeline_schedule', schedules)}" if schedules else "")
+
+        raise FixableConfigError(wording, [set_fix("parallel.pipeline_schedule", s) for s in PIPELINE_SCHEDULES])
     if cfg.optim.min_lr > cfg.optim.lr:
         raise ConfigError(f"optim.min_lr={cfg.optim.min_lr:g} is above optim.lr={cfg.optim.lr:g}; the LR decays "
                           f"from lr down to min_lr, so use --set optim.min_lr=N with N <= {cfg.optim.lr:g}")
@@ -112,9 +118,14 @@ def check_model_shape(model: ModelConfig, *, tensor_parallel: int) -> None:
     if model.num_attention_heads % tensor_parallel or model.ffn_size % tensor_parallel:
         heads = model.num_attention_heads
         choices = [d for d in range(1, heads + 1) if heads % d == 0 and model.ffn_size % d == 0]
-        raise PlanError(f"parallel.tensor={tensor_parallel} must divide model.num_attention_heads ({heads}) and the "
-                        f"FFN size ({model.ffn_size}); use --set parallel.tensor=N with N in "
-                        f"{{{', '.join(map(str, choices))}}}")
+        what = (f"parallel.tensor={tensor_parallel} must divide model.num_attention_heads ({heads}) and the FFN size "
+                f"({model.ffn_size})")
+
+        def wording(kept: list[Fix]) -> str:
+            sizes = values_of(kept, "parallel.tensor")
+            return what + (f"; use {one_of('parallel.tensor', sizes)}" if sizes else "")
+
+        raise FixablePlanError(wording, [set_fix("parallel.tensor", d) for d in choices])
 
 
 
@@ -124,8 +135,17 @@ def check_sequence_parallel(cfg: RunConfig, *, tensor_parallel: int) -> None:
     if not cfg.parallel.sequence_parallel:
         return
     if tensor_parallel < 2:
-        raise PlanError(f"parallel.sequence_parallel needs tensor parallelism above 1 (parallel.tensor is "
-                        f"{tensor_parallel}); --set parallel.tensor=2 or drop parallel.sequence_parallel")
+        model = cfg.model
+        sizes = [t for t in range(2, model.num_attention_heads + 1) if model.num_attention_heads % t == 0
+                 and model.ffn_size % t == 0 and model.seq_length % t == 0]
+
+        def wording(kept: list[Fix]) -> str:
+            # dropping sequence parallelism is the other way out whatever it then needs (advice, not a --set)
+            options = [f"--set parallel.tensor={t}" for t in values_of(kept, "parallel.tensor")[:1]]
+            return (f"parallel.sequence_parallel needs tensor parallelism above 1 (parallel.tensor is "
+                    f"{tensor_parallel}); {' or '.join([*options, 'drop parallel.sequence_parallel'])}")
+
+        raise FixablePlanError(wording, [set_fix("parallel.tensor", t) for t in sizes], toward=None)
     if cfg.model.seq_length % tensor_parallel:
         raise PlanError(f"parallel.sequence_parallel splits model.seq_length={cfg.model.seq_length} over "
                         f"parallel.tensor={tensor_parallel}, which does not divide it; pick a seq_length divisible "
@@ -136,8 +156,8 @@ def check_distributed_optimizer(cfg: RunConfig, *, backend: str) -> None:
     """PlanError when parallel.distributed_optimizer is asked of what it cannot follow: on XLA (torch_xla's
     ZeroRedundancyOptimizer, train/xla_zero.py) train.precision fp16, which XLA refuses anyway."""
     if cfg.parallel.distributed_optimizer and backend == "xla" and cfg.train.precision == "fp16":
-        raise PlanError("parallel.distributed_optimizer on XLA keeps fp32 master weights for bf16 or fp32 weights, "
-                        "and XLA has no fp16 path; use --set train.precision=bf16")
+        raise offer("parallel.distributed_optimizer on XLA keeps fp32 master weights for bf16 or fp32 weights, and "
+                    "XLA has no fp16 path", [(set_fix("train.precision", "bf16"), "--set train.precision=bf16")])
 
 
 def check_overlap_param_gather(cfg: RunConfig, *, pipeline_parallel: int) -> None:
@@ -146,11 +166,20 @@ def check_overlap_param_gather(cfg: RunConfig, *, pipeline_parallel: int) -> Non
     (compiled chunks under train.compile) and the wait in a forward pre-hook is not supported."""
     if not cfg.parallel.overlap_param_gather:
         return
+    off = set_fix("parallel.overlap_param_gather", False)
     if not cfg.parallel.distributed_optimizer:
-        raise PlanError("parallel.overlap_param_gather overlaps the distributed optimizer's parameter all-gather, "
-                        "but parallel.distributed_optimizer is false; --set parallel.distributed_optimizer=true or "
-                        "drop parallel.overlap_param_gather")
+        raise offer("parallel.overlap_param_gather overlaps the distributed optimizer's parameter all-gather, but "
+                    "parallel.distributed_optimizer is false", lead="; ",
+                    options=[(set_fix("parallel.distributed_optimizer", True),
+                              "--set parallel.distributed_optimizer=true"),
+                             (off, "drop parallel.overlap_param_gather")])
     if pipeline_parallel > 1:
-        raise PlanError(f"parallel.overlap_param_gather is not supported with pipeline parallelism (pipeline size "
-                        f"{pipeline_parallel}): the stages' forwards run inside the pipeline schedule; "
-                        "--set parallel.overlap_param_gather=false or parallel.pipeline=1")
+        what = (f"parallel.overlap_param_gather is not supported with pipeline parallelism (pipeline size "
+                f"{pipeline_parallel}): the stages' forwards run inside the pipeline schedule")
+        no_pipeline = set_fix("parallel.pipeline", 1)
+
+        def wording(kept: list[Fix]) -> str:
+            keys = [f.sets[0][0] + "=" + ("false" if f == off else "1") for f in (off, no_pipeline) if f in kept]
+            return what + (f"; --set {' or '.join(keys)}" if keys else "")
+
+        raise FixablePlanError(wording, [off, no_pipeline])

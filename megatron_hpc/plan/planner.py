@@ -19,9 +19,9 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from megatron_hpc.config.platforms import Platform
+from megatron_hpc.config.platforms import Platform, get_platform
 from megatron_hpc.config.schema import DataConfig, RunConfig
-from megatron_hpc.errors import ConfigError, PlanError
+from megatron_hpc.errors import ConfigError, MegatronHpcError, PlanError
 from megatron_hpc.plan.batch import BatchLayout
 from megatron_hpc.plan.checks import (
     PIPELINE_SCHEDULES,
@@ -31,6 +31,7 @@ from megatron_hpc.plan.checks import (
     check_sequence_parallel,
     check_values,
 )
+from megatron_hpc.plan.fixes import Fix, FixableError, FixablePlanError, set_fix, sizes_choice, values_of
 from megatron_hpc.plan.lr_schedule import LrSchedule, resolve_schedule
 from megatron_hpc.plan.memory import GIB, xla_fp32_master
 from megatron_hpc.plan.mesh import Mesh
@@ -272,23 +273,37 @@ forward receive, and leaves mixed batches to batch_isend_irecv "for deadlock avo
 permute i -> i+1 first while stage i+1 issues i+1 -> i first."""
 
 
-def check_pipeline_runtime(plan: Plan) -> None:
+def check_pipeline_runtime(plan: Plan, *, cfg: RunConfig | None = None) -> None:
     """PlanError when the plan pipelines on a platform whose runtime cannot run a pipeline (XLA, for now).
 
     The planner sizes such a plan anyway (sizing needs no device, and `plan` says so in a warning); `submit` and
-    the trainer call this before anything is queued or built.
+    the trainer call this before anything is queued or built. Given the config the plan was made from, the fixes
+    it names are planned first (make_plan's rule); without it they are named untried.
     """
-    if plan.pipeline_parallel > 1 and plan.backend == "xla":
-        raise PlanError(f"{plan.recipe} on {plan.platform} plans PP {plan.pipeline_parallel} (TP "
-                        f"{plan.tensor_parallel} x PP {plan.pipeline_parallel}), but pipeline parallelism does not "
-                        f"run on XLA in this release: {PIPELINE_ON_XLA}; use --set parallel.pipeline=1 (the planner "
-                        "then fits the model with TP alone, if it can) or a CUDA platform (--platform p5)")
+    if plan.pipeline_parallel == 1 or plan.backend != "xla":
+        return
+    what = (f"{plan.recipe} on {plan.platform} plans PP {plan.pipeline_parallel} (TP {plan.tensor_parallel} x PP "
+            f"{plan.pipeline_parallel}), but pipeline parallelism does not run on XLA in this release: "
+            f"{PIPELINE_ON_XLA}")
+    no_pipeline, cuda = set_fix("parallel.pipeline", 1), Fix(platform="p5")
+
+    def wording(kept: list[Fix]) -> str:
+        then = "the planner then " + (f"picks {kept[0].planned}" if kept and kept[0].planned else
+                                      "fits the model with TP alone, if it can")
+        options = [f"{no_pipeline.text()} ({then})"] if no_pipeline in kept else []
+        options += ["a CUDA platform (--platform p5)"] if cuda in kept else []
+        return what + (f"; use {' or '.join(options)}" if options else "")
+
+    refusal = FixablePlanError(wording, [no_pipeline, cuda], toward=None)  # more nodes never make a pipeline run
+    if cfg is None:
+        raise refusal
+    raise _tried(refusal, cfg, num_nodes=plan.num_nodes, platform=get_platform(plan.platform))
 
 
-def pipeline_runtime_warning(plan: Plan) -> str | None:
+def pipeline_runtime_warning(plan: Plan, *, cfg: RunConfig | None = None) -> str | None:
     """The one-line warning `plan` prints for a plan that check_pipeline_runtime would refuse; None otherwise."""
     try:
-        check_pipeline_runtime(plan)
+        check_pipeline_runtime(plan, cfg=cfg)
     except PlanError as exc:
         return f"{exc} (`plan` sizes it anyway; `submit` refuses it)"
     return None
@@ -333,13 +348,86 @@ def _check_tensor_parallel(cfg: RunConfig, platform: Platform, *, per_node: int)
         reasons.append(f"it must divide the FFN size {cfg.model.ffn_size}")
     if platform.tp_choices and tp not in platform.tp_choices:
         reasons.append(f"the {platform.name} runtime supports TP {', '.join(map(str, platform.tp_choices))}")
-    valid_text = ", ".join(map(str, valid)) or "none"
-    raise PlanError(f"parallel.tensor={tp} is invalid for {cfg.name} on {platform.name} ({'; '.join(reasons)}); "
-                    f"use --set parallel.tensor=N with N in {{{valid_text}}} (0 lets the planner choose)")
+    what = f"parallel.tensor={tp} is invalid for {cfg.name} on {platform.name} ({'; '.join(reasons)})"
+    rule = f"these rules allow parallel.tensor=N with N in {{{', '.join(map(str, valid))}}}, of which " if valid else ""
+
+    def wording(kept: list[Fix]) -> str:
+        sizes = sizes_choice("parallel.tensor", kept)
+        if not sizes:
+            return what
+        some = [v for v in values_of(kept, "parallel.tensor") if v] != valid  # the others fail another check
+        return f"{what}; {rule + 'these plan: ' if some else ''}use {sizes}"
+
+    raise FixablePlanError(wording, [set_fix("parallel.tensor", t) for t in [*valid, 0]])
+
+
+NODE_SEARCH_LIMIT = 1024
+"""The most nodes a refusal with no working fix searches for a node count that plans the recipe."""
+NODE_SEARCH_PLANS = 300
+"""The most plans that search makes (a few milliseconds each): a recipe that fits nowhere is refused in about a
+second, naming the node counts it tried."""
 
 
 def make_plan(cfg: RunConfig, *, num_nodes: int, platform: Platform) -> Plan:
-    """Check the recipe against the cluster and compute every derived value."""
+    """Check the recipe against the cluster and compute every derived value.
+
+    A refusal names only the fixes that plan when fed back (plan/fixes.py): each candidate is planned here first;
+    when none plans, the refusal says so and names the node count that plans the recipe."""
+    try:
+        return _make_plan(cfg, num_nodes=num_nodes, platform=platform)
+    except FixableError as refusal:
+        raise _tried(refusal, cfg, num_nodes=num_nodes, platform=platform) from None
+
+
+def _planned(cfg: RunConfig, fix: Fix, *, num_nodes: int, platform: Platform) -> Fix | None:
+    """`fix` with the mesh it plans, or None when the recipe with it is refused (by any check)."""
+    try:
+        plan = _make_plan(fix.apply(cfg), num_nodes=num_nodes if fix.nodes is None else fix.nodes,
+                          platform=get_platform(fix.platform) if fix.platform else platform)
+    except MegatronHpcError:
+        return None
+    return dataclasses.replace(fix, planned=f"TP {plan.tensor_parallel} x PP {plan.pipeline_parallel}")
+
+
+def _tried(refusal: FixableError, cfg: RunConfig, *, num_nodes: int, platform: Platform) -> MegatronHpcError:
+    """The refusal worded with the fixes that plan; with none, the node count that plans the recipe."""
+    kept = [f for f in (_planned(cfg, fix, num_nodes=num_nodes, platform=platform) for fix in refusal.fixes) if f]
+    if kept or refusal.toward is None or not (refusal.fixes or refusal.name_nodes):
+        return refusal.kept(kept)
+    here = f"none fits at this size ({num_nodes} x {platform.name})"
+    found, last = _other_node_count(cfg, refusal, num_nodes=num_nodes, platform=platform)
+    if found is None:
+        tried = f"up to {last}" if refusal.toward == "more" else f"from {last} to {num_nodes - 1}"
+        return refusal.kept([], none_fits=f"{here}, nor at any node count {tried}" if last != num_nodes else here)
+    which = "smallest node count" if refusal.toward == "more" else f"largest node count below {num_nodes}"
+    with_fix = f" with {Fix(sets=found.sets).text()}" if found.sets else ""
+    return refusal.kept([], none_fits=f"{here}; the {which} that plans it{with_fix} is {found.nodes} (use "
+                                      f"{found.text()})")
+
+
+def _other_node_count(cfg: RunConfig, refusal: FixableError, *, num_nodes: int,
+                      platform: Platform) -> tuple[Fix | None, int]:
+    """The first node count, in the refusal's direction, at which the recipe plans as given or with one of the
+    refusal's --set fixes (as a Fix with that --nodes); else None and the last count searched in full."""
+    counts = range(1, NODE_SEARCH_LIMIT + 1) if refusal.toward == "more" else range(num_nodes - 1, 0, -1)
+    variants = [Fix(), *(f for f in refusal.fixes if f.nodes is None and f.platform is None)]
+    last, budget = num_nodes, NODE_SEARCH_PLANS
+    for count in counts:
+        if count == num_nodes:
+            continue
+        if budget < len(variants):
+            break
+        budget -= len(variants)
+        for fix in variants:
+            found = _planned(cfg, dataclasses.replace(fix, nodes=count), num_nodes=count, platform=platform)
+            if found:
+                return found, count
+        last = count
+    return None, last
+
+
+def _make_plan(cfg: RunConfig, *, num_nodes: int, platform: Platform) -> Plan:
+    """make_plan without trying the fixes of a refusal."""
     if num_nodes < 1:
         raise PlanError(f"--nodes {num_nodes}: a run needs at least 1 node; use --nodes 1 or more")
     check_values(cfg)

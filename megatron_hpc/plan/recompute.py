@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megatron_hpc.config.schema import ModelConfig
-from megatron_hpc.errors import ConfigError, PlanError
+from megatron_hpc.errors import ConfigError
+from megatron_hpc.plan.fixes import Fix, FixableConfigError, FixablePlanError, one_of, set_fix, values_of
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -58,19 +59,27 @@ def resolve_recompute(model: ModelConfig) -> Recompute:
     granularity, method, count = model.recompute_granularity, model.recompute_method, model.recompute_num_layers
     if model.recompute:
         if granularity == "selective":
-            raise ConfigError("model.recompute=true means full recomputation but model.recompute_granularity="
-                              "'selective'; drop model.recompute (use --set model.recompute=false)")
+            what = "model.recompute=true means full recomputation but model.recompute_granularity='selective'"
+            raise FixableConfigError(lambda kept: f"{what}; drop model.recompute"
+                                + (" (use --set model.recompute=false)" if kept else ""),
+                                [set_fix("model.recompute", False)])
         granularity = "full"
     if granularity != "full":
         for key, value in (("recompute_method", method), ("recompute_num_layers", count)):
             if value is not None:
-                raise ConfigError(f"model.{key}={value!r} applies only to full recomputation; use --set "
-                                  f"model.recompute_granularity=full or remove model.{key}")
+                raise _full_only(key, value)
         return Recompute(granularity=granularity)
     if count is not None and count < 1:
         raise ConfigError(f"model.recompute_num_layers={count} must be at least 1; use --set "
                           "model.recompute_num_layers=N with N >= 1")
     return Recompute(granularity="full", method=method or "uniform", num_layers=1 if count is None else count)
+
+
+def _full_only(key: str, value: object) -> FixableConfigError:
+    what = f"model.{key}={value!r} applies only to full recomputation"
+    return FixableConfigError(lambda kept: f"{what}; use " + ("--set model.recompute_granularity=full or " if kept
+                                                              else "") + f"remove model.{key}",
+                              [set_fix("model.recompute_granularity", "full")])
 
 
 def check_recompute_stages(model: ModelConfig, stage_layers: Sequence[int]) -> None:
@@ -84,13 +93,28 @@ def check_recompute_stages(model: ModelConfig, stage_layers: Sequence[int]) -> N
         if bad:
             counts = sorted(set(stage_layers))
             divisors = [d for d in range(1, min(counts) + 1) if all(c % d == 0 for c in counts)]
-            raise PlanError(f"model.recompute_num_layers={n} must divide the layers of every pipeline stage "
-                            f"({', '.join(map(str, counts))}) for recompute_method=uniform; use --set "
-                            f"model.recompute_num_layers=N with N in {{{', '.join(map(str, divisors))}}}")
+            what = (f"model.recompute_num_layers={n} must divide the layers of every pipeline stage "
+                    f"({', '.join(map(str, counts))}) for recompute_method=uniform")
+            raise FixablePlanError(lambda kept: what + _layers_text(kept), [_layers(d) for d in divisors])
     elif n > min(stage_layers):
-        raise PlanError(f"model.recompute_num_layers={n} is more than the {min(stage_layers)} layers of a pipeline "
-                        f"stage for recompute_method=block; use --set model.recompute_num_layers=N with N <= "
-                        f"{min(stage_layers)}")
+        what = (f"model.recompute_num_layers={n} is more than the {min(stage_layers)} layers of a pipeline stage for "
+                f"recompute_method=block")
+        raise FixablePlanError(lambda kept: what + _layers_text(kept, up_to=True),
+                          [_layers(d) for d in range(1, min(stage_layers) + 1)])
+
+
+def _layers(n: int) -> Fix:
+    return set_fix("model.recompute_num_layers", n)
+
+
+def _layers_text(kept: list[Fix], *, up_to: bool = False) -> str:
+    """The recompute_num_layers that planned: `N <= k` when they are 1..k (block's rule), else `N in {...}`."""
+    counts = [int(v) for v in values_of(kept, "model.recompute_num_layers")]
+    if not counts:
+        return ""
+    if up_to and counts == list(range(1, len(counts) + 1)) and len(counts) > 1:
+        return f"; use --set model.recompute_num_layers=N with N <= {counts[-1]}"
+    return f"; use {one_of('model.recompute_num_layers', counts)}"
 
 
 def recompute_groups(layers: Sequence[int], rc: Recompute) -> list[tuple[Sequence[int], bool]]:

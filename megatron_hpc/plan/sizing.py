@@ -30,6 +30,7 @@ from megatron_hpc.config.platforms import Platform
 from megatron_hpc.config.schema import ModelConfig, RunConfig
 from megatron_hpc.errors import PlanError
 from megatron_hpc.plan.batch import num_micro_batches
+from megatron_hpc.plan.fixes import Fix, FixablePlanError, nearest, one_of, set_fix, sizes_choice, values_of
 from megatron_hpc.plan.memory import MemoryEstimate, PipelineShape, estimate_memory, xla_fp32_master
 from megatron_hpc.plan.mesh import Mesh
 from megatron_hpc.plan.recompute import FULL_UNIFORM_1, resolve_recompute
@@ -88,14 +89,14 @@ def full_recompute(model: ModelConfig) -> ModelConfig:
                                recompute_num_layers=1)
 
 
-def recompute_fix(model: ModelConfig) -> str | None:
+def recompute_fix(model: ModelConfig) -> Fix | None:
     """The --set that turns on full / uniform / 1 recomputation, or None when it is on already."""
     if resolve_recompute(model) == FULL_UNIFORM_1:
         return None
     if model.recompute_granularity is None and model.recompute_method is None and model.recompute_num_layers is None:
-        return "--set model.recompute=true"
-    return ("--set model.recompute_granularity=full --set model.recompute_method=uniform "
-            "--set model.recompute_num_layers=1")
+        return set_fix("model.recompute", True)
+    return Fix(sets=(("model.recompute_granularity", "full"), ("model.recompute_method", "uniform"),
+                     ("model.recompute_num_layers", 1)))
 
 
 def stage_ranges(cfg: RunConfig, *, pp: int) -> tuple[range, ...]:
@@ -116,12 +117,7 @@ def _fit(cfg: RunConfig, platform: Platform, *, num_nodes: int, per_node: int, t
     """The mesh if it works, its memory estimate if only memory is short; PlanError for anything else."""
     world = num_nodes * per_node
     if world % (tp * pp):
-        nodes_step = tp * pp // math.gcd(tp * pp, per_node)
-        fits = pipeline_candidates(cfg, world=world, tp=tp)
-        raise PlanError(f"TP {tp} x PP {pp} = {tp * pp} does not divide the {world} workers of {num_nodes} x "
-                        f"{platform.name} ({per_node} per node), so DP would not be an integer; use --nodes a "
-                        f"multiple of {nodes_step}, or --set parallel.pipeline=N with N in "
-                        f"{{{', '.join(map(str, fits))}}} (0 lets the planner choose)")
+        raise _indivisible(cfg, platform, num_nodes=num_nodes, per_node=per_node, tp=tp, pp=pp)
     stages = stage_ranges(cfg, pp=pp)
     mesh = Mesh(num_nodes=num_nodes, workers_per_node=per_node, tensor_parallel=tp, pipeline_parallel=pp)
     micro = num_micro_batches(global_batch=cfg.train.global_batch_size, micro_batch=cfg.train.micro_batch_size,
@@ -134,23 +130,77 @@ def _fit(cfg: RunConfig, platform: Platform, *, num_nodes: int, per_node: int, t
                  memory=estimate)
 
 
+NEAREST_TRIED = 4
+"""Candidates tried on each side of a batch size or node count: the nearest one can fail another check (memory, a
+micro-batch per stage) where the next one plans."""
+
+
+def _indivisible(cfg: RunConfig, platform: Platform, *, num_nodes: int, per_node: int, tp: int,
+                 pp: int) -> FixablePlanError:
+    """TP x PP does not divide the world: node counts where it does, or the PP sizes that divide it at this TP."""
+    world = num_nodes * per_node
+    step = tp * pp // math.gcd(tp * pp, per_node)
+
+    def wording(kept: list[Fix]) -> str:
+        options = []
+        nodes = nearest([f.nodes for f in kept if f.nodes is not None], num_nodes)
+        if nodes:
+            plans = " or ".join(f"--nodes {n}" for n in nodes)
+            options.append(f"--nodes a multiple of {step} ({plans} plan{'s' if len(nodes) == 1 else ''})")
+        pipeline = sizes_choice("parallel.pipeline", kept)
+        options += [pipeline] if pipeline else []
+        use = f"; use {', or '.join(options)}" if options else ""
+        return (f"TP {tp} x PP {pp} = {tp * pp} does not divide the {world} workers of {num_nodes} x {platform.name} "
+                f"({per_node} per node), so DP would not be an integer{use}")
+
+    def candidates() -> list[Fix]:
+        counts = [n for n in range(step, (num_nodes // step + NEAREST_TRIED + 1) * step, step) if n != num_nodes]
+        counts = [n for n in counts if n < num_nodes][-NEAREST_TRIED:] + [n for n in counts if n > num_nodes]
+        pipelines = [*pipeline_candidates(cfg, world=world, tp=tp), 0]
+        return [*(Fix(nodes=n) for n in counts), *(set_fix("parallel.pipeline", p) for p in pipelines)]
+
+    return FixablePlanError(wording, candidates)
+
+
 def check_micro_batches(cfg: RunConfig, *, pp: int, micro_batches: int, data_parallel: int) -> None:
     """PlanError unless the pipeline has a micro-batch per stage (and interleaving a multiple of the stages)."""
     if pp == 1:
         return
     per_micro = cfg.train.micro_batch_size * data_parallel
+    batch = cfg.train.global_batch_size
     if micro_batches < pp:
-        raise PlanError(f"train.global_batch_size={cfg.train.global_batch_size} gives {micro_batches} micro-batch(es) "
-                        f"per step (micro {cfg.train.micro_batch_size} x DP {data_parallel}), fewer than the {pp} "
-                        f"pipeline stages, and the pipeline needs at least one per stage; use --set "
-                        f"train.global_batch_size={per_micro * pp} (or a larger multiple of {per_micro}), or a "
-                        "smaller parallel.pipeline")
+
+        def too_few(kept: list[Fix]) -> str:
+            batches = values_of(kept, "train.global_batch_size")
+            options = [f"--set train.global_batch_size={batches[0]} (or a larger multiple of {per_micro})"] \
+                if batches else []
+            pipelines = values_of(kept, "parallel.pipeline")
+            options += [one_of("parallel.pipeline", sorted(pipelines))] if pipelines else []
+            use = f"; use {', or '.join(options)}" if options else ""
+            return (f"train.global_batch_size={batch} gives {micro_batches} micro-batch(es) per step (micro "
+                    f"{cfg.train.micro_batch_size} x DP {data_parallel}), fewer than the {pp} pipeline stages, and "
+                    f"the pipeline needs at least one per stage{use}")
+
+        def candidates() -> list[Fix]:
+            smaller = [p for p in range(1, pp) if (data_parallel * pp) % p == 0 and _splits(cfg, p)]
+            return [*(set_fix("train.global_batch_size", per_micro * k) for k in range(pp, pp + NEAREST_TRIED)),
+                    *(set_fix("parallel.pipeline", p) for p in reversed(smaller))]
+
+        raise FixablePlanError(too_few, candidates)
     if cfg.parallel.virtual_pipeline > 1 and micro_batches % pp:
         up = -(-micro_batches // pp) * pp
-        raise PlanError(f"parallel.virtual_pipeline={cfg.parallel.virtual_pipeline}: the interleaved schedule needs "
-                        f"the micro-batches per step ({micro_batches}) to be a multiple of parallel.pipeline={pp} "
-                        f"(Megatron's rule, and torch's ScheduleInterleaved1F1B's); use --set "
-                        f"train.global_batch_size={per_micro * up}, or parallel.virtual_pipeline=1")
+
+        def interleaved(kept: list[Fix]) -> str:
+            options = [f"--set train.global_batch_size={b}" for b in values_of(kept, "train.global_batch_size")[:1]]
+            options += ["--set parallel.virtual_pipeline=1"] if values_of(kept, "parallel.virtual_pipeline") else []
+            use = f"; use {', or '.join(options)}" if options else ""
+            return (f"parallel.virtual_pipeline={cfg.parallel.virtual_pipeline}: the interleaved schedule needs the "
+                    f"micro-batches per step ({micro_batches}) to be a multiple of parallel.pipeline={pp} "
+                    f"(Megatron's rule, and torch's ScheduleInterleaved1F1B's){use}")
+
+        raise FixablePlanError(interleaved, [*(set_fix("train.global_batch_size", per_micro * (up + pp * k))
+                                          for k in range(NEAREST_TRIED)),
+                                        set_fix("parallel.virtual_pipeline", 1)])
 
 
 def tensor_candidates(cfg: RunConfig, platform: Platform, *, per_node: int) -> list[int]:
@@ -186,8 +236,7 @@ def check_mesh(cfg: RunConfig, platform: Platform, *, num_nodes: int, per_node: 
     """The recipe's own TP x PP, checked in the order a user fixes it: PlanError with the fix at the first problem."""
     result = _fit(cfg, platform, num_nodes=num_nodes, per_node=per_node, tp=tp, pp=pp)
     if isinstance(result, MemoryEstimate):
-        raise PlanError(memory_advice(cfg, platform, num_nodes=num_nodes, per_node=per_node, tp=tp, pp=pp,
-                                      need=result))
+        raise memory_advice(cfg, platform, num_nodes=num_nodes, per_node=per_node, tp=tp, pp=pp, need=result)
     return result
 
 
@@ -223,8 +272,8 @@ def choose_sizes(cfg: RunConfig, platform: Platform, *, num_nodes: int, per_node
                     return check_mesh(cfg, platform, num_nodes=num_nodes, per_node=per_node, tp=tp, pp=pp)
                 if leanest is None or estimate.total_gib < leanest[2].total_gib:
                     leanest = (tp, pp, estimate)
-    raise PlanError(_nothing_fits(cfg, platform, num_nodes=num_nodes, per_node=per_node, leanest=leanest,
-                                  too_many_replicas=too_many_replicas))
+    raise _nothing_fits(cfg, platform, num_nodes=num_nodes, per_node=per_node, leanest=leanest,
+                        too_many_replicas=too_many_replicas)
 
 
 def choose_sizes_for_batch(cfg: RunConfig, platform: Platform, *, num_nodes: int, per_node: int,
@@ -263,51 +312,51 @@ def batch_too_small(cfg: RunConfig, platform: Platform, *, num_nodes: int, per_n
 
 
 def _nothing_fits(cfg: RunConfig, platform: Platform, *, num_nodes: int, per_node: int,
-                  leanest: tuple[int, int, MemoryEstimate] | None, too_many_replicas: bool) -> str:
+                  leanest: tuple[int, int, MemoryEstimate] | None, too_many_replicas: bool) -> FixablePlanError:
     sizes = (f"parallel.tensor={cfg.parallel.tensor or 'any'}, parallel.pipeline={cfg.parallel.pipeline or 'any'}")
     what = f"no TP x PP works for {cfg.name} on {num_nodes} x {platform.name} ({sizes})"
     if too_many_replicas:
         batch = smallest_global_batch(cfg, platform, num_nodes=num_nodes, per_node=per_node)
         if batch is not None:
-            return (f"{what}: train.global_batch_size={cfg.train.global_batch_size} is too small for "
-                    f"{num_nodes * per_node} workers: every data-parallel replica needs a micro-batch of "
-                    f"{cfg.train.micro_batch_size} per pipeline stage, and no mesh that fits in memory has so few "
-                    f"replicas; use --set train.global_batch_size={batch}, or fewer nodes")
+            def too_small(kept: list[Fix]) -> str:
+                fix = "".join(f"--set train.global_batch_size={b}, or " for b in values_of(kept,
+                                                                                          "train.global_batch_size"))
+                return (f"{what}: train.global_batch_size={cfg.train.global_batch_size} is too small for "
+                        f"{num_nodes * per_node} workers: every data-parallel replica needs a micro-batch of "
+                        f"{cfg.train.micro_batch_size} per pipeline stage, and no mesh that fits in memory has so few "
+                        f"replicas; use {fix}fewer nodes")
+
+            return FixablePlanError(too_small, [set_fix("train.global_batch_size", batch)], toward="fewer")
     if leanest is None:
-        return f"{what}: the global batch is too small for every mesh; use fewer nodes or a larger global batch"
+        return FixablePlanError(lambda _: f"{what}: the global batch is too small for every mesh; use fewer nodes or a "
+                                     "larger global batch", toward="fewer", name_nodes=True)
     tp, pp, need = leanest
-    free = _free_choice(cfg, platform, num_nodes=num_nodes, per_node=per_node)
-    fixes = [free] if free else []
-    candidates = []
-    if not cfg.parallel.distributed_optimizer:
-        candidates.append(("--set parallel.distributed_optimizer=true", dataclasses.replace(
-            cfg, parallel=dataclasses.replace(cfg.parallel, distributed_optimizer=True))))
-    fix = recompute_fix(cfg.model)
-    if fix:
-        candidates.append((fix, dataclasses.replace(cfg, model=full_recompute(cfg.model))))
-    for fix, changed in candidates:
-        try:
-            choose_sizes(changed, platform, num_nodes=num_nodes, per_node=per_node)
-            fixes.append(fix)
-        except PlanError:
-            pass
-    fixes += ["a platform with more memory per worker, or a smaller model"]
-    return (f"{what}: the leanest, TP {tp} x PP {pp}, needs about {need.total_gib:.1f} GiB per worker but a "
-            f"{platform.name} worker has {platform.memory_per_worker_gib:g} GiB ({usable_gib(platform):.1f} for the "
-            f"plan); use {' or '.join(fixes)}")
+    candidates = [fix for fix in (_free_choice(cfg), None if cfg.parallel.distributed_optimizer else
+                                  set_fix("parallel.distributed_optimizer", True), recompute_fix(cfg.model)) if fix]
+
+    def wording(kept: list[Fix]) -> str:
+        fixes = [_fix_text(f) for f in kept] + ["a platform with more memory per worker, or a smaller model"]
+        return (f"{what}: the leanest, TP {tp} x PP {pp}, needs about {need.total_gib:.1f} GiB per worker but a "
+                f"{platform.name} worker has {platform.memory_per_worker_gib:g} GiB ({usable_gib(platform):.1f} for "
+                f"the plan); use {' or '.join(fixes)}")
+
+    return FixablePlanError(wording, candidates, name_nodes=True)
 
 
-def _free_choice(cfg: RunConfig, platform: Platform, *, num_nodes: int, per_node: int) -> str | None:
-    """The --set that lets the planner choose both sizes, when the recipe pins one and the free choice works."""
-    if not (cfg.parallel.tensor or cfg.parallel.pipeline):
-        return None
-    free = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tensor=0, pipeline=0))
-    try:
-        chosen = choose_sizes(free, platform, num_nodes=num_nodes, per_node=per_node)
-    except PlanError:
-        return None
-    return (f"--set parallel.tensor=0 --set parallel.pipeline=0 (the planner then picks TP "
-            f"{chosen.mesh.tensor_parallel} x PP {chosen.mesh.pipeline_parallel})")
+FREE_SIZES = Fix(sets=(("parallel.tensor", 0), ("parallel.pipeline", 0)))
+"""Let the planner choose both sizes."""
+
+
+def _free_choice(cfg: RunConfig) -> Fix | None:
+    """The --set that lets the planner choose both sizes, when the recipe pins one."""
+    return FREE_SIZES if cfg.parallel.tensor or cfg.parallel.pipeline else None
+
+
+def _fix_text(fix: Fix) -> str:
+    """A fix as the refusal names it; the free choice says what the planner picks once it has planned."""
+    if fix.sets == FREE_SIZES.sets:
+        return f"{fix.text()} (the planner then picks {fix.planned or 'its own'})"
+    return fix.text()
 
 
 def smallest_global_batch(cfg: RunConfig, platform: Platform, *, num_nodes: int, per_node: int) -> int | None:
@@ -333,34 +382,43 @@ def smallest_global_batch(cfg: RunConfig, platform: Platform, *, num_nodes: int,
 
 
 def memory_advice(cfg: RunConfig, platform: Platform, *, num_nodes: int, per_node: int, tp: int, pp: int,
-                  need: MemoryEstimate) -> str:
+                  need: MemoryEstimate) -> FixablePlanError:
     """Why the recipe's TP tp x PP pp does not fit in memory, and the changes that make it fit."""
     head = (f"{cfg.name} needs about {need.total_gib:.1f} GiB per worker at parallel.tensor={tp} x "
             f"parallel.pipeline={pp} (weights, grads, Adam states and activations of pipeline rank {need.pp_rank}), "
             f"but a {platform.name} worker has {platform.memory_per_worker_gib:g} GiB "
             f"({usable_gib(platform):.1f} for the plan); ")
-    options = []
     world = num_nodes * per_node
     dp = world // (tp * pp)
     micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp)
-    if (not cfg.parallel.distributed_optimizer and dp > 1
-            and memory_for(cfg, platform, tp=tp, pp=pp, micro_batches=micro, data_parallel=dp,
-                           distributed_optimizer=True).total_gib <= usable_gib(platform)):
-        options.append("--set parallel.distributed_optimizer=true")
-    fix = recompute_fix(cfg.model)
-    if fix and memory_for(cfg, platform, tp=tp, pp=pp, micro_batches=micro, data_parallel=dp,
-                          recompute=True).total_gib <= usable_gib(platform):
-        options.append(fix)
-    for wider in tensor_candidates(cfg, platform, per_node=per_node):
-        if wider > tp and world % (wider * pp) == 0:
-            wider_micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * world // (wider * pp))
-            if memory_for(cfg, platform, tp=wider, pp=pp, micro_batches=max(1, wider_micro),
-                          data_parallel=world // (wider * pp)).total_gib <= usable_gib(platform):
-                options.append(f"--set parallel.tensor={wider}")
-                break
-    free = _free_choice(cfg, platform, num_nodes=num_nodes, per_node=per_node)
-    options += [free] if free else []
-    if options:
-        return head + "use " + " or ".join(options)
-    return head + (f"it does not fit at any TP x PP that {num_nodes} x {platform.name} allows; use a platform with "
-                   "more memory per worker, or a smaller model")
+
+    def candidates() -> list[Fix]:
+        """The estimate rules out most candidates cheaply; make_plan then plans the ones left."""
+        found = []
+        if (not cfg.parallel.distributed_optimizer and dp > 1
+                and memory_for(cfg, platform, tp=tp, pp=pp, micro_batches=micro, data_parallel=dp,
+                               distributed_optimizer=True).total_gib <= usable_gib(platform)):
+            found.append(set_fix("parallel.distributed_optimizer", True))
+        fix = recompute_fix(cfg.model)
+        if fix and memory_for(cfg, platform, tp=tp, pp=pp, micro_batches=micro, data_parallel=dp,
+                              recompute=True).total_gib <= usable_gib(platform):
+            found.append(fix)
+        for wider in tensor_candidates(cfg, platform, per_node=per_node):
+            if wider > tp and world % (wider * pp) == 0:
+                wider_micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * world // (wider * pp))
+                if memory_for(cfg, platform, tp=wider, pp=pp, micro_batches=max(1, wider_micro),
+                              data_parallel=world // (wider * pp)).total_gib <= usable_gib(platform):
+                    found.append(set_fix("parallel.tensor", wider))
+        free = _free_choice(cfg)
+        return found + ([free] if free else [])
+
+    def wording(kept: list[Fix]) -> str:
+        tensor = values_of(kept, "parallel.tensor")
+        # one wider TP is enough to name: the narrowest that plans
+        options = [_fix_text(f) for f in kept if not values_of([f], "parallel.tensor") or f.sets[0][1] == tensor[0]]
+        if options:
+            return head + "use " + " or ".join(options)
+        return head + (f"it does not fit at any TP x PP that {num_nodes} x {platform.name} allows; use a platform "
+                       "with more memory per worker, or a smaller model")
+
+    return FixablePlanError(wording, candidates, name_nodes=True)

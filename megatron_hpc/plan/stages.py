@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_hpc.errors import PlanError
+from megatron_hpc.plan.fixes import Fix, FixablePlanError, set_fix, sizes_choice
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,8 +39,10 @@ def split_layers(num_layers: int, *, pipeline: int, virtual: int = 1, first_stag
     if pipeline < 1 or virtual < 1:
         raise PlanError(f"parallel.pipeline={pipeline}, parallel.virtual_pipeline={virtual}: both must be at least 1")
     if virtual > 1 and pipeline == 1:
-        raise PlanError(f"parallel.virtual_pipeline={virtual} needs parallel.pipeline of 2 or more (virtual stages "
-                        "interleave the chunks of several pipeline ranks); use --set parallel.virtual_pipeline=1")
+        what = (f"parallel.virtual_pipeline={virtual} needs parallel.pipeline of 2 or more (virtual stages "
+                "interleave the chunks of several pipeline ranks)")
+        raise FixablePlanError(lambda kept: what + ("; use --set parallel.virtual_pipeline=1" if kept else ""),
+                          [set_fix("parallel.virtual_pipeline", 1)])
     uneven = first_stage_layers > 0 or last_stage_layers > 0
     if uneven and virtual > 1:
         raise PlanError("parallel.pipeline_first_stage_layers / pipeline_last_stage_layers are for the plain 1F1B "
@@ -47,6 +50,8 @@ def split_layers(num_layers: int, *, pipeline: int, virtual: int = 1, first_stag
     if uneven and pipeline == 1:
         raise PlanError("parallel.pipeline_first_stage_layers / pipeline_last_stage_layers need "
                         "parallel.pipeline of 2 or more; set them to 0")
+    if not uneven and num_layers % stages:
+        raise _uneven(num_layers, pipeline=pipeline, virtual=virtual)
     counts = _counts(num_layers, stages=stages, first=first_stage_layers, last=last_stage_layers)
     ranges, start = [], 0
     for count in counts:
@@ -57,11 +62,6 @@ def split_layers(num_layers: int, *, pipeline: int, virtual: int = 1, first_stag
 
 def _counts(num_layers: int, *, stages: int, first: int, last: int) -> list[int]:
     if first == 0 and last == 0:
-        if num_layers % stages:
-            fits = [d for d in range(1, num_layers + 1) if num_layers % d == 0]
-            raise PlanError(f"model.num_layers={num_layers} does not split evenly into {stages} pipeline stage(s) "
-                            f"(parallel.pipeline x parallel.virtual_pipeline); use a stage count in {fits}, or "
-                            "set parallel.pipeline_first_stage_layers / pipeline_last_stage_layers")
         return [num_layers // stages] * stages
     fixed = [n for n in (first, last) if n > 0]
     middle = stages - len(fixed)
@@ -78,6 +78,29 @@ def _counts(num_layers: int, *, stages: int, first: int, last: int) -> list[int]
     if last:
         counts[-1] = last
     return counts
+
+
+def _uneven(num_layers: int, *, pipeline: int, virtual: int) -> FixablePlanError:
+    """The layers do not split into pipeline x virtual equal stages: the sizes of either that split them."""
+
+    def wording(kept: list[Fix]) -> str:
+        sizes = [text for text in (sizes_choice("parallel.pipeline", kept),
+                                   sizes_choice("parallel.virtual_pipeline", kept)) if text]
+        use = f"; use {', or '.join(sizes)}" if sizes else ""
+        if virtual == 1:  # uneven first and last stages are for the plain schedule only
+            use += f"{', or' if sizes else ';'} set parallel.pipeline_first_stage_layers / pipeline_last_stage_layers"
+        return (f"model.num_layers={num_layers} does not split evenly into {pipeline * virtual} pipeline stage(s) "
+                f"(parallel.pipeline x parallel.virtual_pipeline){use}")
+
+    def candidates() -> list[Fix]:
+        pipelines = [p for p in range(2 if virtual > 1 else 1, num_layers // virtual + 1)
+                     if num_layers % (p * virtual) == 0]
+        virtuals = [v for v in range(1, num_layers // pipeline + 1)
+                    if num_layers % (pipeline * v) == 0 and v != virtual]
+        return [*(set_fix("parallel.pipeline", p) for p in [*pipelines, 0]),
+                *(set_fix("parallel.virtual_pipeline", v) for v in virtuals)]
+
+    return FixablePlanError(wording, candidates)
 
 
 def stage_layouts(num_layers: int, *, pipeline: int, virtual: int = 1, first_stage_layers: int = 0,

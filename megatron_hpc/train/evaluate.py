@@ -43,7 +43,7 @@ from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_hpc.parallel.device import DeviceInfo, step_barrier
 from megatron_hpc.parallel.pipeline import PipelineRunner, to_all_stages
-from megatron_hpc.plan.batch import BatchLayout
+from megatron_hpc.plan.batch import BatchLayout, num_test_samples, num_valid_samples
 from megatron_hpc.plan.planner import Plan
 from megatron_hpc.train.metrics import MetricsLogger
 
@@ -69,16 +69,6 @@ class _SplitSamples:
 
     def batch(self, indices: Sequence[int]) -> torch.Tensor:
         return torch.from_numpy(np.stack([self.dataset.text(i) for i in indices]))
-
-
-def num_test_samples(*, eval_iters: int, global_batch_size: int) -> int:
-    """Megatron's test sample count: one evaluation, after training."""
-    return eval_iters * global_batch_size
-
-
-def num_valid_samples(*, train_iters: int, eval_interval: int, eval_iters: int, global_batch_size: int) -> int:
-    """Megatron's valid sample count: one evaluation per interval plus the final one."""
-    return (train_iters // eval_interval + 1) * eval_iters * global_batch_size
 
 
 @dataclass(kw_only=True)

@@ -16,6 +16,7 @@ from megatron_hpc.config.schema import ModelConfig
 from megatron_hpc.data.loader import IndexedBatches, build_indexed_batches, check_vocabulary
 from megatron_hpc.data.synthetic import SyntheticTokens
 from megatron_hpc.model.gpt import GPT
+from megatron_hpc.model.init_skip import skip_random_init
 from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.parallel.device import DeviceFeed, DeviceInfo, seed_everything, step_barrier, when_step_done
 from megatron_hpc.parallel.pipeline import PipelineRunner, to_all_stages
@@ -25,7 +26,6 @@ from megatron_hpc.plan.spec import RunSpec
 from megatron_hpc.plan.stages import StageLayout, rank_stages, stage_layouts_of
 from megatron_hpc.train.checkpointing import Checkpointer, checkpoint_roots
 from megatron_hpc.train.evaluate import Evaluator, build_evaluator
-from megatron_hpc.train.init_skip import skip_random_init
 from megatron_hpc.train.lr import lr_at_count
 from megatron_hpc.train.metrics import IterationRecord, MetricsLogger
 from megatron_hpc.train.optimizer import TrainOptimizer, build_optimizer

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TextIO
 
 from megatron_hpc.config.schema import ModelConfig
+from megatron_hpc.evaluate.perplexity import capped_ppl
 from megatron_hpc.plan.model_math import flops_per_token
 from megatron_hpc.run_folder import METRICS_FILE, IterationRecord, ValidationRecord
 from megatron_hpc.train.tensorboard import TensorBoardWriter
@@ -44,17 +45,12 @@ def format_iteration_line(rec: IterationRecord, *, now: datetime) -> str:
     )
 
 
-def validation_ppl(lm_loss: float) -> float:
-    """Megatron's perplexity: exp(min(20, loss)), so a diverged loss still prints a number."""
-    return math.exp(min(20.0, lm_loss)) if not math.isnan(lm_loss) else math.nan
-
-
 def format_validation_block(iteration: int, *, lm_loss: float, split: str = "valid") -> str:
     """Dashes, the validation line, dashes (evaluate_and_print_results; the dash line is one longer). The test
     split's prefix is Megatron's "iteration N on test set"."""
     where = f"iteration {iteration}" + (" on test set" if split == "test" else "")
     line = (f" validation loss at {where} | lm loss value: {lm_loss:.6E} |"
-            f" lm loss PPL: {validation_ppl(lm_loss):.6E} | ")
+            f" lm loss PPL: {capped_ppl(lm_loss):.6E} | ")
     dashes = "-" * (len(line) + 1)
     return f"{dashes}\n{line}\n{dashes}"
 
@@ -135,7 +131,7 @@ class MetricsLogger:
     def log_validation(self, iteration: int, *, lm_loss: float, split: str = "valid") -> float:
         """Print Megatron's validation block, append a row of phase `split` (valid or test); returns the
         perplexity."""
-        ppl = validation_ppl(lm_loss)
+        ppl = capped_ppl(lm_loss)
         if self.enabled:
             print(format_validation_block(iteration, lm_loss=lm_loss, split=split), file=self.out, flush=True)
             self._append_jsonl(ValidationRecord(iteration=iteration, consumed_samples=iteration * self.gbs,

@@ -78,6 +78,34 @@ def test_unknown_key_names_the_closest(override, expected):
         load_recipe("tiny", [override])
 
 
+@pytest.mark.parametrize("override, lives, fixed", [
+    ("train.lr=0.1", "'lr' lives in optim: use 'optim.lr'", "optim.lr=0.1"),
+    ("lr=0.1", "'lr' lives in optim: use 'optim.lr'", "optim.lr=0.1"),
+    ("model.global_batch_size=16", "'global_batch_size' lives in train: use 'train.global_batch_size'",
+     "train.global_batch_size=16"),
+    ("optim.num_steps=3", "'num_steps' lives in train and compile: use 'train.num_steps' or 'compile.num_steps'",
+     "train.num_steps=3"),
+])
+def test_an_unknown_key_of_another_section_is_named_there(override, lives, fixed):
+    with pytest.raises(ConfigError) as info:
+        load_recipe("tiny", [override])
+    message = str(info.value)
+    assert message.startswith(f"unknown key {override.partition('=')[0]!r}; {lives}") and "\n" not in message
+    assert "valid keys here" in message or "valid here" in message  # the section's own keys, as before
+    key, _, value = fixed.partition("=")
+    section, name = key.split(".")
+    assert str(getattr(getattr(load_recipe("tiny", [fixed]), section), name)) == value  # the named key takes it
+
+
+def test_a_near_miss_beside_a_key_of_another_section_is_not_a_question():
+    # optim.num_steps: num_steps lives in train (and compile); optim's own closest key is shown, not asked for
+    with pytest.raises(ConfigError, match=r"; the closest key here is 'optim\.\w+' \(valid here: lr, "):
+        load_recipe("tiny", ["optim.num_steps=3"])
+    with pytest.raises(ConfigError) as info:  # a typo with no home elsewhere reads as before
+        load_recipe("tiny", ["parallel.tensr=2"])
+    assert "lives in" not in str(info.value) and "did you mean 'parallel.tensor'?" in str(info.value)
+
+
 @pytest.mark.parametrize("override, expected", [
     ("train.num_steps=ten", "train.num_steps: expected an integer"),
     ("train.precision=bf61", "did you mean 'bf16'"),

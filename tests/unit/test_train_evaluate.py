@@ -19,9 +19,11 @@ from megatron_hpc.config.schema import (
 )
 from megatron_hpc.data.indexed import IndexedDatasetWriter
 from megatron_hpc.data.synthetic import SyntheticTokens
+from megatron_hpc.evaluate.perplexity import capped_ppl
+from megatron_hpc.plan.batch import num_valid_samples
 from megatron_hpc.train.entry import plan_for_torchrun, run_training
-from megatron_hpc.train.evaluate import VALID_SAMPLE_OFFSET, _OffsetSynthetic, num_valid_samples
-from megatron_hpc.train.metrics import format_validation_block, validation_ppl
+from megatron_hpc.train.evaluate import VALID_SAMPLE_OFFSET, _OffsetSynthetic
+from megatron_hpc.train.metrics import format_validation_block
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -50,7 +52,7 @@ def test_block_is_megatrons() -> None:
     line = " validation loss at iteration 10 | lm loss value: 2.500000E+00 | lm loss PPL: 1.218249E+01 | "
     dashes = "-" * (len(line) + 1)  # Megatron: length = len(string) + 1
     assert format_validation_block(10, lm_loss=2.5) == f"{dashes}\n{line}\n{dashes}"
-    assert validation_ppl(25.0) == pytest.approx(math.exp(20))  # capped
+    assert capped_ppl(25.0) == pytest.approx(math.exp(20))  # capped
     assert "lm loss PPL: 4.851652E+08 |" in format_validation_block(3, lm_loss=25.0)
 
 
