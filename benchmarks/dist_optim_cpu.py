@@ -7,17 +7,17 @@ GPT twice with the trainer's build_model (same seed, so the same weights) and ru
 both, alternating step by step (plain, dist, dist, plain, plain, dist, ...) so that the shared machine's load hits
 both modes alike:
 
-- plain: train.optim.build_optimizer, with the DP all-reduce as train/loop.py builds it by default
+- plain: train.optim.PlainOptimizer, with the DP all-reduce as train/optimizer.py builds it by default
   (parallel.overlap_grad_reduce on: the OverlappedGradReducer of parallel/grads.py, 128 MiB buckets);
-- dist: train.distributed_optimizer.DistributedOptimizer(model, optim=..., group=ctx.dp_group): on gloo an
+- dist: train.distributed_optimizer.DistributedOptimizer(model, optim=..., ctx=ctx): on gloo an
   all-reduce of the flat gradient buffer in place (a reduce-scatter elsewhere), AdamW on this rank's slice, a
-  broadcast per slice (an all-gather elsewhere); the loop builds no grad reducer with it.
+  broadcast per slice (an all-gather elsewhere); no grad reducer with it.
 
 Each DP rank gets its own batch (the same for both modes), fp32, one micro-batch per step, clip 1.0, constant LR.
 Every step is barrier-framed on all ranks; rank 0's times are reported after `--warmup` steps per mode: the medians
 (whose ratio is the goal's), the best steps, and the median of the paired ratios (each iteration's dist step over
 its plain step, run back to back). Optimizer-state bytes are counted per rank after the last step: the tensors of
-optimizer.state (for the distributed one, its inner .optimizer.state), Adam's moments exp_avg and exp_avg_sq; the
+the inner AdamW's .optimizer.state (over the slices for the distributed one), Adam's moments exp_avg and exp_avg_sq; the
 scalar step counters (4 bytes per parameter or per owned piece) are counted apart and left out of the ratio.
 
 Then, to show where the step's time goes, the same world times the parts in which the modes differ, each
@@ -29,7 +29,7 @@ all_gather_into_tensor that the distributed optimizer uses off gloo.
 
 With --overlap-blocks N, the same world then times the distributed optimizer with and without
 parallel.overlap_param_gather (DistributedOptimizer(..., overlap_param_gather=True) and its forward pre-hooks,
-`wait_in_forward`, as train/loop.py builds it): a third model, fresh from the same seed, runs blocks of
+`wait_in_forward`, as train/optimizer.py builds it): a third model, fresh from the same seed, runs blocks of
 --overlap-block-steps consecutive steps, alternating block by block with the no-overlap "dist" model (AB BA ...);
 each block ends with finish_param_gather() and a barrier, so the gathers still in flight count in their own block
 and not in the other mode's. Consecutive steps, because the overlap hides the gathers behind the next forward of the
@@ -225,13 +225,12 @@ def _worker(rank: int, world: int, port: int, shape: ModelShape, args: argparse.
     from megatron_hpc.config.schema import ModelConfig, OptimConfig
     from megatron_hpc.parallel.context import ParallelContext
     from megatron_hpc.parallel.device import keep_freed_memory
-    from megatron_hpc.parallel.grads import build_grad_reducer
     from megatron_hpc.plan.mesh import Mesh
     from megatron_hpc.plan.vocab import padded_vocab_size
     from megatron_hpc.train.distributed_optimizer import DistributedOptimizer
     from megatron_hpc.train.loop import build_model
-    from megatron_hpc.train.optim import build_optimizer
-    from megatron_hpc.train.step import train_step
+    from megatron_hpc.train.optim import PlainOptimizer
+    from megatron_hpc.train.step import MicroBatches, train_step
 
     keep_freed_memory()  # the trainer's CPU setup (train/entry.py)
     torch.set_num_threads(1)
@@ -244,13 +243,12 @@ def _worker(rank: int, world: int, port: int, shape: ModelShape, args: argparse.
         optim = OptimConfig(lr=1e-4)
         models = {m: build_model(cfg, ctx, padded_vocab=padded, seed=1234, device=torch.device("cpu"))
                   for m in MODES}
-        optimizers = {"plain": build_optimizer(models["plain"], optim=optim),
-                      "dist": DistributedOptimizer(models["dist"], optim=optim, group=ctx.dp_group, overlap=True,
+        # As train/optimizer.py builds them with the default parallel config (overlap on, 128 MiB buckets).
+        optimizers = {"plain": PlainOptimizer(models["plain"], optim=optim, ctx=ctx, device_kind="cpu", overlap=True,
+                                              bucket_mb=128.0),
+                      "dist": DistributedOptimizer(models["dist"], optim=optim, ctx=ctx, overlap=True,
                                                    bucket_mb=128.0)}
-        # As train/loop.py builds it with the default parallel config (overlap on, 128 MiB buckets).
-        reducers = {"plain": build_grad_reducer(models["plain"].parameters(), group=ctx.dp_group, overlap=True,
-                                                bucket_mb=128.0, device_kind="cpu"),
-                    "dist": None}
+        steps = {m: MicroBatches(models[m], ctx=ctx, autocast_dtype=None, device_type="cpu") for m in MODES}
         gen = torch.Generator().manual_seed(1000 + rank)  # each DP rank its own batch, the same for both modes
         batch = [torch.randint(0, cfg.vocab_size, (shape.micro_batch, shape.seq + 1), generator=gen)]
         times: dict[str, list[float]] = {m: [] for m in MODES}
@@ -259,21 +257,20 @@ def _worker(rank: int, world: int, port: int, shape: ModelShape, args: argparse.
             for mode in mode_order(i):
                 dist.barrier()
                 start = time.perf_counter()
-                result = train_step(models[mode], optimizers[mode], batch, ctx=ctx, clip_grad=1.0,
-                                    autocast_dtype=None, device_type="cpu", grad_reducer=reducers[mode])
+                result = train_step(steps[mode], optimizers[mode], batch)
                 dist.barrier()
                 if i >= args.warmup:
                     times[mode].append(time.perf_counter() - start)
                 losses[mode].append(float(result.loss))
         record = {
             "params": sum(p.numel() for p in models["plain"].parameters()),
-            "bytes": {"plain": asdict(state_bytes(optimizers["plain"].state)),
+            "bytes": {"plain": asdict(state_bytes(optimizers["plain"].optimizer.state)),
                       "dist": asdict(state_bytes(optimizers["dist"].optimizer.state))},
             "times": times, "losses": losses,
             "parts": _time_parts(models, optimizers, ctx, reps=args.part_reps) if args.part_reps else {},
         }
         if args.overlap_blocks:
-            del models["plain"], optimizers["plain"], reducers["plain"]  # memory for the third model
+            del models["plain"], optimizers["plain"], steps["plain"]  # memory for the third model
             record["overlap"] = _time_overlap(models["dist"], optimizers["dist"], cfg, padded, optim, ctx, batch,
                                               args=args, dist_losses=losses["dist"])
         Path(out, f"rank{rank}.json").write_text(json.dumps(record))
@@ -290,13 +287,14 @@ def _time_overlap(dist_model: Any, dist_opt: Any, cfg: Any, padded: int, optim: 
 
     from megatron_hpc.train.distributed_optimizer import DistributedOptimizer
     from megatron_hpc.train.loop import build_model
-    from megatron_hpc.train.step import train_step
+    from megatron_hpc.train.step import MicroBatches, train_step
 
     model = build_model(cfg, ctx, padded_vocab=padded, seed=1234, device=torch.device("cpu"))
-    overlapped = DistributedOptimizer(model, optim=optim, group=ctx.dp_group, overlap=True, bucket_mb=128.0,
+    overlapped = DistributedOptimizer(model, optim=optim, ctx=ctx, overlap=True, bucket_mb=128.0,
                                       overlap_param_gather=True)
     overlapped.wait_in_forward(model)
-    runs = {"dist": (dist_model, dist_opt), "dist_overlap": (model, overlapped)}
+    runs = {mode: (MicroBatches(m, ctx=ctx, autocast_dtype=None, device_type="cpu"), opt)
+            for mode, (m, opt) in {"dist": (dist_model, dist_opt), "dist_overlap": (model, overlapped)}.items()}
     times: dict[str, list[float]] = {m: [] for m in OVERLAP_MODES}
     losses: list[float] = []
     n = args.overlap_block_steps
@@ -306,7 +304,7 @@ def _time_overlap(dist_model: Any, dist_opt: Any, cfg: Any, padded: int, optim: 
             dist.barrier()
             start = time.perf_counter()
             for _ in range(n):
-                result = train_step(m, opt, batch, ctx=ctx, clip_grad=1.0, autocast_dtype=None, device_type="cpu")
+                result = train_step(m, opt, batch)
                 if mode == "dist_overlap":
                     losses.append(float(result.loss))  # host read of the loss: the trainer's log line does one too
             opt.finish_param_gather()
@@ -341,7 +339,7 @@ def _time_parts(models: dict, optimizers: dict, ctx: Any, *, reps: int) -> dict[
                                     group=group)
 
     parts = {PARTS[0]: lambda: all_reduce_gradients(plain_params, group=group, bucket_mb=128.0),
-             PARTS[1]: plain.step,
+             PARTS[1]: plain.optimizer.step,
              PARTS[2]: dist_opt.reduce_gradients,
              PARTS[3]: dist_opt.optimizer.step,
              PARTS[4]: dist_opt.gather_params,

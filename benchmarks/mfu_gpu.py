@@ -47,8 +47,8 @@ def main() -> int:
     from megatron_hpc.plan.mesh import Mesh
     from megatron_hpc.plan.model_math import flops_per_token, flops_per_token_6n, num_parameters
     from megatron_hpc.plan.vocab import padded_vocab_size
-    from megatron_hpc.train.optim import build_optimizer
-    from megatron_hpc.train.step import train_step
+    from megatron_hpc.train.optim import PlainOptimizer
+    from megatron_hpc.train.step import MicroBatches, train_step
 
     try:
         device = resolve_device("nccl", local_rank=0)
@@ -68,7 +68,8 @@ def main() -> int:
         padded = padded_vocab_size(cfg.vocab_size, divisible_by=cfg.make_vocab_size_divisible_by, tensor_parallel=1)
         model = GPT(cfg, ctx=ctx, padded_vocab=padded, seed=1234).to(device.device)
         step_model = torch.compile(model) if args.compile else model
-        optimizer = build_optimizer(model, optim=OptimConfig(lr=1e-4))
+        optimizer = PlainOptimizer(model, optim=OptimConfig(lr=1e-4), ctx=ctx, device_kind=device.kind)
+        forward_backward = MicroBatches(step_model, ctx=ctx, autocast_dtype=torch.bfloat16, device_type=device.kind)
         tokens = torch.randint(0, cfg.vocab_size, (args.micro_batch_size, args.seq + 1),
                                generator=torch.Generator().manual_seed(0)).to(device.device)
         def sync() -> None:
@@ -79,8 +80,7 @@ def main() -> int:
         for i in range(args.warmup + args.steps):
             sync()
             start = time.perf_counter()
-            train_step(step_model, optimizer, [tokens], ctx=ctx, clip_grad=1.0, autocast_dtype=torch.bfloat16,
-                       device_type=device.kind)
+            train_step(forward_backward, optimizer, [tokens])
             sync()
             if i >= args.warmup:
                 times.append(time.perf_counter() - start)

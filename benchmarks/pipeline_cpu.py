@@ -114,8 +114,8 @@ def _worker(rank: int, world: int, port: int, case: Case, shape: ModelShape, ste
     from megatron_hpc.plan.mesh import Mesh
     from megatron_hpc.plan.stages import rank_stages, stage_layouts
     from megatron_hpc.plan.vocab import padded_vocab_size
-    from megatron_hpc.train.optim import build_optimizer
-    from megatron_hpc.train.step import train_step
+    from megatron_hpc.train.optim import PlainOptimizer
+    from megatron_hpc.train.step import MicroBatches, PipelineSchedule, train_step
 
     keep_freed_memory()  # the trainer's CPU setup (train/entry.py)
     torch.set_num_threads(case.threads)
@@ -131,11 +131,12 @@ def _worker(rank: int, world: int, port: int, case: Case, shape: ModelShape, ste
             stages = rank_stages(stage_layouts(cfg.num_layers, pipeline=case.pipeline, virtual=case.virtual),
                                  ctx.pp_rank)
         model = GPT(cfg, ctx=ctx, padded_vocab=padded, seed=1234, stages=stages)
-        optimizer = build_optimizer(model, optim=OptimConfig(lr=1e-4))
-        runner = None
+        optimizer = PlainOptimizer(model, optim=OptimConfig(lr=1e-4), ctx=ctx, device_kind="cpu")
+        forward_backward = MicroBatches(model, ctx=ctx, autocast_dtype=None, device_type="cpu")
         if case.pipeline > 1:
             runner = PipelineRunner(model, ctx, num_micro_batches=case.micro_batches, schedule="1f1b",
                                     device=torch.device("cpu"))
+            forward_backward = PipelineSchedule(runner, autocast_dtype=None, device_type="cpu")
         gen = torch.Generator().manual_seed(0)
         batches = [torch.randint(0, cfg.vocab_size, (shape.micro_batch, shape.seq + 1), generator=gen)
                    for _ in range(case.micro_batches)]
@@ -144,8 +145,7 @@ def _worker(rank: int, world: int, port: int, case: Case, shape: ModelShape, ste
         for i in range(warmup + timed):
             dist.barrier()
             start = time.perf_counter()
-            train_step(model, optimizer, batches, ctx=ctx, clip_grad=1.0, autocast_dtype=None, device_type="cpu",
-                       pipeline=runner)
+            train_step(forward_backward, optimizer, batches)
             dist.barrier()
             if i >= warmup:
                 times.append(time.perf_counter() - start)

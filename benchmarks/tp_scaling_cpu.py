@@ -34,8 +34,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     from megatron_hpc.parallel.context import ParallelContext
     from megatron_hpc.plan.mesh import Mesh
     from megatron_hpc.plan.vocab import padded_vocab_size
-    from megatron_hpc.train.optim import build_optimizer
-    from megatron_hpc.train.step import train_step
+    from megatron_hpc.train.optim import PlainOptimizer
+    from megatron_hpc.train.step import MicroBatches, train_step
 
     torch.set_num_threads(max(1, args.threads // world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -46,14 +46,15 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
         padded = padded_vocab_size(cfg.vocab_size, divisible_by=cfg.make_vocab_size_divisible_by,
                                    tensor_parallel=world)
         model = GPT(cfg, ctx=ctx, padded_vocab=padded, seed=1234)
-        optimizer = build_optimizer(model, optim=OptimConfig(lr=1e-4))
+        optimizer = PlainOptimizer(model, optim=OptimConfig(lr=1e-4), ctx=ctx, device_kind="cpu")
+        forward_backward = MicroBatches(model, ctx=ctx, autocast_dtype=None, device_type="cpu")
         tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1),
                                generator=torch.Generator().manual_seed(0))
         times = []
         for i in range(args.warmup + args.steps):
             dist.barrier()
             start = time.perf_counter()
-            train_step(model, optimizer, [tokens], ctx=ctx, clip_grad=1.0, autocast_dtype=None, device_type="cpu")
+            train_step(forward_backward, optimizer, [tokens])
             dist.barrier()
             if i >= args.warmup:
                 times.append(time.perf_counter() - start)

@@ -35,19 +35,20 @@ def _ours():
     from megatron_hpc.model.gpt import GPT
     from megatron_hpc.parallel.context import ParallelContext
     from megatron_hpc.plan.mesh import Mesh
-    from megatron_hpc.train.optim import build_optimizer
-    from megatron_hpc.train.step import train_step
+    from megatron_hpc.train.optim import PlainOptimizer
+    from megatron_hpc.train.step import MicroBatches, train_step
 
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
     ctx = ParallelContext.build(Mesh(num_nodes=1, workers_per_node=1, tensor_parallel=1), rank=0)
     cfg = ModelConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, seq_length=SEQ,
                       max_position_embeddings=SEQ, vocab_size=VOCAB)
     model = GPT(cfg, ctx=ctx, padded_vocab=VOCAB, seed=1234)
-    optimizer = build_optimizer(model, optim=OptimConfig(lr=1e-4))
+    optimizer = PlainOptimizer(model, optim=OptimConfig(lr=1e-4), ctx=ctx, device_kind="cpu")
+    forward_backward = MicroBatches(model, ctx=ctx, autocast_dtype=None, device_type="cpu")
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
 
     def step():
-        train_step(model, optimizer, [tokens], ctx=ctx, clip_grad=1.0, autocast_dtype=None, device_type="cpu")
+        train_step(forward_backward, optimizer, [tokens])
 
     return step
 

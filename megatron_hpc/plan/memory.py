@@ -121,7 +121,8 @@ class ParameterBytes:
 def xla_fp32_master(*, backend: str, distributed_optimizer: bool) -> bool:
     """Whether the run keeps fp32 master weights beside the model's (torch_xla's ZeRO-1, train/xla_zero.py): the
     distributed optimizer on XLA. With train.precision=bf16 the model weights are then bf16, not pure bf16's
-    XLA_USE_BF16 floats: the pairing the Neuron stack uses."""
+    XLA_USE_BF16 floats: the pairing the Neuron stack uses. The planner records it as Plan.fp32_master, which the
+    trainer reads; plan/sizing.py and plan/jobs.py ask it of the settings they are given."""
     return backend == "xla" and distributed_optimizer
 
 

@@ -33,7 +33,7 @@ from megatron_hpc.plan.checks import (
 )
 from megatron_hpc.plan.fixes import Fix, FixableError, FixablePlanError, set_fix, sizes_choice, values_of
 from megatron_hpc.plan.lr_schedule import LrSchedule, resolve_schedule
-from megatron_hpc.plan.memory import GIB
+from megatron_hpc.plan.memory import GIB, xla_fp32_master
 from megatron_hpc.plan.mesh import Mesh
 from megatron_hpc.plan.model_math import (
     FLOPS_FORMULA,
@@ -75,6 +75,10 @@ class Plan:
     pipeline_schedule: Literal["1f1b", "afab"]
     distributed_optimizer: bool
     """Adam's moments sharded over the DP ranks (parallel.distributed_optimizer, ZeRO-1)."""
+    fp32_master: bool
+    """fp32 master weights kept beside the model's, sharded over DP (plan/memory.py `xla_fp32_master`: the
+    distributed optimizer on XLA, torch_xla's ZeRO-1). The trainer reads it from here: it picks the optimizer, the
+    model weights' dtype (bf16 under train.precision=bf16), the XLA precision variables and the banner."""
     stage_layers: list[list[int]]
     """[start, stop) of the transformer layers of each virtual stage, in stage order (pipeline_parallel x
     virtual_pipeline entries); virtual stage k runs on pipeline rank k % pipeline_parallel (plan/stages.py)."""
@@ -160,6 +164,9 @@ def check_plan(plan: Plan, *, source: str = "the plan") -> None:
         problems.append(f"micro_batch_size {plan.micro_batch_size} x data_parallel {plan.data_parallel} x "
                         f"num_micro_batches {plan.num_micro_batches} != global_batch_size {plan.global_batch_size}")
     problems += _pipeline_problems(plan)
+    if plan.fp32_master != xla_fp32_master(backend=plan.backend, distributed_optimizer=plan.distributed_optimizer):
+        problems.append(f"fp32_master {plan.fp32_master} is not that of backend {plan.backend} with "
+                        f"distributed_optimizer {plan.distributed_optimizer}")
     problems += _idle_problems(plan)
     if plan.padded_vocab_size % plan.tensor_parallel:
         problems.append(f"padded_vocab_size {plan.padded_vocab_size} is not divisible by tensor_parallel "
@@ -458,6 +465,7 @@ def _make_plan(cfg: RunConfig, *, num_nodes: int, platform: Platform) -> Plan:
         virtual_pipeline=cfg.parallel.virtual_pipeline,
         pipeline_schedule=cfg.parallel.pipeline_schedule,
         distributed_optimizer=cfg.parallel.distributed_optimizer,
+        fp32_master=xla_fp32_master(backend=platform.backend, distributed_optimizer=cfg.parallel.distributed_optimizer),
         stage_layers=[[r.start, r.stop] for r in sizes.stage_layers],
         bubble_fraction=bubble_fraction(pipeline=mesh.pipeline_parallel, micro_batches=micro,
                                         virtual=cfg.parallel.virtual_pipeline),

@@ -31,6 +31,7 @@ from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.parallel.device import DeviceInfo
 from megatron_hpc.plan.spec import RunSpec
 from megatron_hpc.run_folder import CHECKPOINT_DIR
+from megatron_hpc.train.optimizer import CheckpointedOptimizer
 from megatron_hpc.train.state import RngState, TrainState
 
 
@@ -102,7 +103,7 @@ class Checkpointer:
         self.promised = source is not None and find_checkpoint(source, quiet=True) is not None
         return self.promised
 
-    def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState) -> TrainState:
+    def restore(self, model: nn.Module, optimizer: CheckpointedOptimizer, state: TrainState) -> TrainState:
         """Load the newest complete checkpoint into model, optimizer, RNG and `state`; `state` as it was without one.
 
         The model was built without its random initialisation when has_checkpoint() said so; a
@@ -138,17 +139,8 @@ class Checkpointer:
         rng = self._saved_rng(saved, where=where) if load_rng else None
         try:
             model.load_state_dict(saved["model"])
-            if load_optim and "optimizer" in saved:
-                # by parameter name: a resharded checkpoint lists a stage's weights in the PP=1 model's order
-                live = model.state_dict()
-                optim_state = for_model(saved["optimizer"], saved_model=saved["model"], live_model=live)
-                master_key = getattr(optimizer, "master_key", None)
-                if master_key is not None:  # fp32 weights of a converted checkpoint are the run's masters
-                    optim_state = with_masters(optim_state, model={n: saved["model"][n] for n in live},
-                                               key=master_key)
-                optimizer.load_state_dict(optim_state)
-            elif load_optim:  # `ckpt reshard` or `ckpt convert` could not move it
-                self._print(f"megatron-hpc: warning: {where} has no optimizer state; Adam's moments start at zero")
+            if load_optim:
+                self._load_optimizer(optimizer, saved, model=model, where=where)
             if load_optim and state.scaler is not None and "grad_scaler" in saved:
                 state.scaler.load_state_dict(saved["grad_scaler"])
         except (KeyError, IndexError, TypeError, RuntimeError, ValueError) as exc:
@@ -164,6 +156,20 @@ class Checkpointer:
             + ("" if load_rng else ", RNG from train.seed: checkpoint.load_rng=false") + ")"))
         return TrainState(step=progress.iteration, consumed_samples=progress.consumed_samples,
                           lr_steps=progress.lr_steps, scaler=state.scaler, rng=rng)
+
+    def _load_optimizer(self, optimizer: CheckpointedOptimizer, saved: dict[str, Any], *, model: nn.Module,
+                        where: Path) -> None:
+        """Adam's state by parameter name (a resharded checkpoint lists a stage's weights in the PP=1 model's
+        order), into `optimizer` (plain layout: train/optimizer.py)."""
+        if "optimizer" not in saved:  # `ckpt reshard` or `ckpt convert` could not move it
+            self._print(f"megatron-hpc: warning: {where} has no optimizer state; Adam's moments start at zero")
+            return
+        live = model.state_dict()
+        optim_state = for_model(saved["optimizer"], saved_model=saved["model"], live_model=live)
+        master_key = getattr(optimizer, "master_key", None)
+        if master_key is not None:  # fp32 weights of a converted checkpoint are the run's masters
+            optim_state = with_masters(optim_state, model={n: saved["model"][n] for n in live}, key=master_key)
+        optimizer.load_state_dict(optim_state)
 
     def _saved_rng(self, saved: dict[str, Any], *, where: Path) -> RngState | None:
         """This DP rank's RNG states; None, with a warning, for a converted checkpoint whose source kept none."""
@@ -182,7 +188,7 @@ class Checkpointer:
         dist.all_gather_object(gathered, mine, group=self.ctx.dp_group)
         return gathered
 
-    def maybe_save(self, state: TrainState, *, model: nn.Module, optimizer: torch.optim.Optimizer,
+    def maybe_save(self, state: TrainState, *, model: nn.Module, optimizer: CheckpointedOptimizer,
                    num_steps: int) -> bool:
         """Save when the step is a multiple of save_interval or the last one; True when saved."""
         if not self.save_due(state.step, num_steps=num_steps):
@@ -194,7 +200,7 @@ class Checkpointer:
         interval = self.ckpt.save_interval
         return self.save_root is not None and ((interval > 0 and step % interval == 0) or step == num_steps)
 
-    def save_now(self, state: TrainState, *, model: nn.Module, optimizer: torch.optim.Optimizer,
+    def save_now(self, state: TrainState, *, model: nn.Module, optimizer: CheckpointedOptimizer,
                  wait: bool = False) -> str | None:
         """Save this step (collective); the checkpoint folder, or None when there is nowhere to save or the
         save failed with on_save_failure=continue. Saving a step already saved is a no-op.
@@ -222,7 +228,7 @@ class Checkpointer:
         self._print(f"> saved checkpoint {folder} at iteration {state.step}")
         return str(folder)
 
-    def _content(self, state: TrainState, *, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    def _content(self, state: TrainState, *, model: nn.Module, optimizer: CheckpointedOptimizer) -> dict[str, Any]:
         rng = RngState.capture(self.device).to_megatron()
         return build_state_dict(
             config=self.config_json, plan=self.plan_json, model=dict(model.state_dict()),
@@ -241,7 +247,7 @@ class Checkpointer:
                   file=sys.stderr, flush=True)
         return None
 
-    def _start_async(self, state: TrainState, content: dict[str, Any], *, optimizer: torch.optim.Optimizer) -> None:
+    def _start_async(self, state: TrainState, content: dict[str, Any], *, optimizer: CheckpointedOptimizer) -> None:
         assert self.save_root is not None
         iteration = state.step
         # Off XLA the host copy is made by the writer thread while the next step's forward and backward run (they

@@ -20,8 +20,8 @@ With parallel.overlap_param_gather (Megatron's --overlap-param-gather) the step 
 asynchronously, in forward order (the buckets are in backward order, so the last bucket, which holds the embedding,
 goes first): a forward pre-hook on each module that holds parameters waits for its buckets just before that module
 runs, so the first layers compute while the later buckets are still in flight (`wait_in_forward`). Whatever reads the
-weights outside a forward (a save, evaluation, the run's end: train/loop.py) calls `finish_param_gather` first, and
-so does the next step, before its update writes the slices. Under torch.compile the hooks would be traced into the
+weights outside a forward (a save, evaluation, the run's end: train/loop.py) calls `wait_for_weights` first, and so
+does the next step, before its update writes the slices. Under torch.compile the hooks would be traced into the
 graph, so there `before_forward` waits for all of them before the forward instead.
 
 On gloo (the CPU backend) the same values come cheaper another way: its reduce_scatter_tensor returns exactly an
@@ -54,15 +54,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed import ProcessGroup
 
 from megatron_hpc.config.schema import OptimConfig
 from megatron_hpc.errors import TrainingError
 from megatron_hpc.parallel.collectives import all_gather_single, reduce_scatter_single
 from megatron_hpc.parallel.context import ParallelContext
-from megatron_hpc.parallel.grads import BUCKET_MB, bucket_numel, reduce_norm_squares
+from megatron_hpc.parallel.grads import BUCKET_MB, all_reduce_sum_, bucket_numel, reduce_norm_squares
 from megatron_hpc.plan.memory import padded_parameters
-from megatron_hpc.train.optim import param_groups
+from megatron_hpc.train.masked_step import take_back_step
+from megatron_hpc.train.optim import param_groups, set_lr
 
 GATHER_WINDOW = 16 * 1024 * 1024
 """Elements per rank gathered at a time when a checkpoint collects the moments (64 MiB of fp32)."""
@@ -151,16 +151,16 @@ class DistributedOptimizer:
     ALL_REDUCE_ON_GLOO: on gloo, all-reduce the buckets and broadcast the slices instead of reduce-scatter and
     all-gather (the same numbers, faster there); a test turns it off to run the NCCL path's collectives on gloo.
 
-    Takes the plain optimizer's place in the loop: `param_groups` (the LR), `zero_grad`, `step`, `state_dict` and
-    `load_state_dict` in the plain layout, `register_step_pre_hook`. The step itself calls `before_forward` first,
-    `arm` before the last micro-batch's backward, `reduce_gradients` after backward and `clip_grad_norm_` before
-    `step` (train/step.py). With overlap_param_gather the loop installs the forward hooks (`wait_in_forward`) and
-    calls `finish_param_gather` before anything else reads the weights (train/loop.py).
+    One of the three optimizers behind train/optimizer.py's seam (its verbs are listed there): `before_forward`,
+    `mark_last_backward` (the overlapped reduce-scatter), `reduce_and_clip` (reduce_gradients, the sequence-parallel
+    TP sum and clip_grad_norm_ on the slices), `step_if_finite` (step: the update and the gathers), and
+    `state_dict` / `load_state_dict` in the plain layout. With overlap_param_gather build_optimizer installs the
+    forward hooks (`wait_in_forward`) and the loop calls `wait_for_weights` before anything else reads the weights.
     """
 
     ALL_REDUCE_ON_GLOO = True
 
-    def __init__(self, model: nn.Module, *, optim: OptimConfig, group: ProcessGroup, overlap: bool = False,
+    def __init__(self, model: nn.Module, *, optim: OptimConfig, ctx: ParallelContext, overlap: bool = False,
                  bucket_mb: float = BUCKET_MB, overlap_param_gather: bool = False):
         groups = param_groups(model, weight_decay=optim.weight_decay)
         self.params: list[nn.Parameter] = [p for g in groups for p in g["params"]]
@@ -169,10 +169,10 @@ class DistributedOptimizer:
         if len(dtypes) != 1 or len(devices) != 1:
             raise ValueError(f"the distributed optimizer needs every parameter in one dtype on one device, got "
                              f"{sorted(map(str, dtypes))} on {sorted(map(str, devices))}")
-        self.group = group
-        self.dp_size, self.dp_rank = dist.get_world_size(group), dist.get_rank(group)
-        self.all_reduce = self.ALL_REDUCE_ON_GLOO and dist.get_backend(group) == "gloo"
-        self._ranks = [dist.get_global_rank(group, r) for r in range(self.dp_size)]
+        self.ctx, self.clip_grad, self.group = ctx, optim.clip_grad, ctx.dp_group
+        self.dp_size, self.dp_rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        self.all_reduce = self.ALL_REDUCE_ON_GLOO and dist.get_backend(self.group) == "gloo"
+        self._ranks = [dist.get_global_rank(self.group, r) for r in range(self.dp_size)]
         index_of = {id(p): i for i, p in enumerate(self.params)}
         backward_order = [index_of[id(p)] for p in reversed(list(model.parameters())) if id(p) in index_of]
         dtype, device = dtypes.pop(), devices.pop()
@@ -180,12 +180,7 @@ class DistributedOptimizer:
                                    order=backward_order, bucket_elements=bucket_numel(bucket_mb, dtype=dtype))
         self.param_buffer = torch.zeros(self.layout.padded, dtype=dtype, device=device)
         self.grad_buffer = torch.zeros(self.layout.padded, dtype=dtype, device=device)
-        with torch.no_grad():
-            for p, start in zip(self.params, self.layout.starts):
-                view = self.param_buffer[start:start + p.numel()].view_as(p)
-                view.copy_(p)
-                p.data = view
-                p.grad = self.grad_buffer[start:start + p.numel()].view_as(p)
+        self._into_buffers()
         # Both collectives work in place (a slice is the rank's own part of its bucket, which NCCL and gloo allow),
         # so the slices are views and the step allocates nothing.
         self._slices = [self.layout.slice_of(b) for b in self.layout.buckets]
@@ -223,6 +218,16 @@ class DistributedOptimizer:
         """Bucket -> its all-gather (or broadcasts) in flight, started by the last step and not yet waited for."""
         self._forward_hooks: list[Any] = []
 
+    @torch.no_grad()
+    def _into_buffers(self) -> None:
+        """The parameters become views into the parameter buffer (their values copied in), their .grad views into
+        the gradient buffer."""
+        for p, start in zip(self.params, self.layout.starts):
+            view = self.param_buffer[start:start + p.numel()].view_as(p)
+            view.copy_(p)
+            p.data = view
+            p.grad = self.grad_buffer[start:start + p.numel()].view_as(p)
+
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
@@ -251,7 +256,7 @@ class DistributedOptimizer:
                 self._next += 1
         return hook
 
-    def arm(self) -> None:
+    def mark_last_backward(self) -> None:
         """The next backward is the step's last: start each bucket's reduce-scatter when its gradients are final
         (a no-op without overlap)."""
         if not self.overlapped:
@@ -297,7 +302,15 @@ class DistributedOptimizer:
         return [main.grad for piece, main in zip(self.layout.pieces, self.pieces)
                 if getattr(self.params[piece.index], "sequence_parallel", False)]
 
-    def clip_grad_norm_(self, *, max_norm: float, ctx: ParallelContext, unscale: float = 1.0) -> torch.Tensor:
+    def reduce_and_clip(self, *, loss_scale: float = 1.0) -> torch.Tensor:
+        """The DP reduce-scatter into this rank's slices (started in backward when overlapped), then the TP sum of the
+        sequence-parallel grads on their pieces there (sums commute); the norm, the clip and the update then touch
+        the slices alone. The global norm before clipping."""
+        self.reduce_gradients()
+        all_reduce_sum_(self.sequence_parallel_grads(), group=self.ctx.tp_group)
+        return self.clip_grad_norm_(max_norm=self.clip_grad, unscale=1.0 / loss_scale)
+
+    def clip_grad_norm_(self, *, max_norm: float, unscale: float = 1.0) -> torch.Tensor:
         """Unscale the slices' gradients, then clip them to the global norm max_norm (0: no clip); the norm.
 
         The norm counts what parallel/grads.global_grad_norm counts (replicated parameters on TP rank 0, the tied
@@ -305,7 +318,7 @@ class DistributedOptimizer:
         """
         if unscale != 1.0:
             torch._foreach_mul_(self.grad_slices, unscale)
-        counted = self._counted_grads(ctx)
+        counted = self._counted_grads(self.ctx)
         device = self.grad_buffer.device
         acc = torch.float64 if device.type == "cpu" else torch.float32
         if counted:
@@ -314,7 +327,7 @@ class DistributedOptimizer:
             total = torch.zeros((), dtype=acc, device=device)
         if self.dp_size > 1:
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.group)
-        norm = reduce_norm_squares(total, ctx=ctx).sqrt().float()
+        norm = reduce_norm_squares(total, ctx=self.ctx).sqrt().float()
         if max_norm > 0:
             torch._foreach_mul_(self.grad_slices, (max_norm / (norm + 1e-6)).clamp(max=1.0))
         return norm
@@ -325,6 +338,24 @@ class DistributedOptimizer:
                              if (getattr(self.params[piece.index], "tensor_parallel", False) or ctx.tp_rank == 0)
                              and not getattr(self.params[piece.index], "pipeline_duplicate", False)]
         return self._counted
+
+    def step_if_finite(self, finite: torch.Tensor) -> bool:
+        """`step` unless the gradient norm was not finite (a host read of the flag: never on XLA, where
+        train/xla_zero.py takes this optimizer's place); whether the step was skipped."""
+        skipped = not bool(finite.item())  # host sync: the skip decision
+        if not skipped:
+            self.step()
+        return skipped
+
+    def take_back_step(self) -> None:
+        take_back_step(self.optimizer)
+
+    def set_lr(self, lr: float) -> None:
+        set_lr(self.optimizer, lr)
+
+    def wait_for_weights(self) -> None:
+        """The all-gathers still in flight (overlap_param_gather) are done: the weights are the updated ones."""
+        self.finish_param_gather()
 
     @torch.no_grad()
     def step(self) -> None:

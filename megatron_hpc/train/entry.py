@@ -25,7 +25,6 @@ from megatron_hpc.data.preflight import check_tokenizer_vocabulary
 from megatron_hpc.errors import PlanError
 from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.parallel.device import init_method, keep_freed_memory, resolve_device, set_cpu_threads
-from megatron_hpc.plan.memory import xla_fp32_master
 from megatron_hpc.plan.planner import check_data_source, check_pipeline_runtime, check_torchrun_world
 from megatron_hpc.plan.spec import RunSpec, plan_run
 from megatron_hpc.train.loop import train
@@ -88,9 +87,8 @@ def run_training(spec: RunSpec, *, phase: Literal["compile", "run"] = "run", run
         if unchecked and env.rank == 0:
             print(f"megatron-hpc: warning: {unchecked}", file=sys.stderr, flush=True)
     # The configured precision decides, not XLA_USE_BF16 left in the environment: set before torch_xla reads it.
-    fp32_master = xla_fp32_master(backend=plan.backend, distributed_optimizer=plan.distributed_optimizer)
-    warning = (set_xla_precision_env(spec.config.train.precision, fp32_master=fp32_master) if plan.backend == "xla"
-               else None)
+    warning = (set_xla_precision_env(spec.config.train.precision, fp32_master=plan.fp32_master)
+               if plan.backend == "xla" else None)
     if warning and env.rank == 0:
         print(f"megatron-hpc: warning: {warning}", file=sys.stderr, flush=True)
     device = resolve_device(plan.backend, local_rank=env.local_rank)

@@ -1,6 +1,6 @@
 """An optimizer step applied only where a device flag says the gradients were finite, without a branch in the graph
-(XLA keeps the flag on the device; reading it would be a host sync every step). Used by the plain step (train/step.py)
-and by the XLA distributed optimizer on its fp32 shards (train/xla_zero.py)."""
+(XLA keeps the flag on the device; reading it would be a host sync every step). Used by the plain optimizer on XLA
+(train/optim.py) and by the XLA distributed optimizer on its fp32 shards (train/xla_zero.py)."""
 
 from __future__ import annotations
 
@@ -31,3 +31,11 @@ def step_where(optimizer: torch.optim.Optimizer, finite: torch.Tensor) -> None:
 
 def _selected(key: str, value: object) -> bool:
     return key != "step" and torch.is_tensor(value)
+
+
+def take_back_step(optimizer: torch.optim.Optimizer) -> None:
+    """Take back AdamW's step count of a step that `step_where` did not apply (SkipTracker, train/step.py, once the
+    host has read the flag)."""
+    for state in optimizer.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"] -= 1

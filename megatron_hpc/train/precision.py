@@ -70,8 +70,8 @@ def set_xla_precision_env(precision: str, *, fp32_master: bool = False,
     """Make the XLA variables say what train.precision says; call before torch_xla reads them (its first tensor).
 
     bf16: XLA_USE_BF16=1 unless one of the two is on already, the reference's pure bf16 with the Neuron runtime's
-    stochastic rounding (neuron-xla.md 4.6). fp32, or bf16 with `fp32_master` (the distributed optimizer,
-    plan/memory.py xla_fp32_master): both cleared, since either one silently makes every float bf16 while the tensors
+    stochastic rounding (neuron-xla.md 4.6). fp32, or bf16 with `fp32_master` (the distributed optimizer on
+    XLA: the plan's fp32_master): both cleared, since either one silently makes every float bf16 while the tensors
     still report float32, the fp32 masters and Adam moments included; with fp32_master the trainer casts the model
     weights to bf16 itself (train/xla_zero.py). Returns a warning when it overrode what the environment said.
     """

@@ -1,11 +1,17 @@
-"""One optimizer step: micro-batches, forward, loss scaling, backward, DP all-reduce, clip, AdamW; and the count of
-steps skipped because their gradients were not finite."""
+"""One optimizer step (torchtitan's train_step): zero, forward and backward of each micro-batch, reduce and clip,
+the finite check, the update; and the count of steps skipped because their gradients were not finite.
+
+How the micro-batches run (MicroBatches: one after another through the model; PipelineSchedule: a pipeline rank's
+schedule) is chosen once at build time (train/loop.py), and what differs between the optimizers sits behind
+train/optimizer.py's verbs, so train_step has no type or device branch.
+"""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -14,20 +20,10 @@ from megatron_hpc.errors import TrainingError
 from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_hpc.parallel.device import DeviceInfo, mark_step, when_step_done
-from megatron_hpc.parallel.grads import (
-    BUCKET_MB,
-    OverlappedGradReducer,
-    all_reduce_gradients,
-    all_reduce_sequence_parallel_grads,
-    all_reduce_sum_,
-    clip_gradients_,
-)
 from megatron_hpc.parallel.pipeline import PipelineRunner
-from megatron_hpc.train.distributed_optimizer import DistributedOptimizer
-from megatron_hpc.train.masked_step import step_where
+from megatron_hpc.train.optimizer import TrainOptimizer
 from megatron_hpc.train.precision import DynamicGradScaler
 from megatron_hpc.train.state import TrainState
-from megatron_hpc.train.xla_zero import XlaZeroOptimizer
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,108 +43,92 @@ class StepOutput:
     """Loss scale after this step's update (1.0 without a scaler), for the iteration line."""
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | DistributedOptimizer | XlaZeroOptimizer,
-               micro_batches: Sequence[torch.Tensor], *,
-               ctx: ParallelContext, clip_grad: float, autocast_dtype: torch.dtype | None,
-               device_type: str, scaler: DynamicGradScaler | None = None,
-               grad_reducer: OverlappedGradReducer | None = None, grad_bucket_mb: float = BUCKET_MB,
-               pipeline: PipelineRunner | None = None) -> StepOutput:
-    """One step over this rank's micro-batches, each (mbs, S + 1) token ids.
+class ForwardBackward(Protocol):
+    def __call__(self, micro_batches: Sequence[torch.Tensor], *, scale: float,
+                 before_last_backward: Callable[[], None]) -> torch.Tensor:
+        """Forward and backward of every micro-batch (each (mbs, S + 1) token ids), the loss times `scale` over
+        the number of micro-batches; the sum of the micro-batch losses (0-dim, on device; 0 on a pipeline rank
+        without the last stage). The step's graph is cut after the last backward (XLA)."""
 
-    With `grad_reducer` the DP all-reduce overlaps the last micro-batch's backward; without it the
-    buckets (of grad_bucket_mb MiB) are all-reduced after backward.
-    One host sync off XLA: whether the gradient norm is finite, to skip the optimizer step
-    instead of writing NaN into the weights and Adam moments (Megatron's "skipped iterations").
-    With an fp16 `scaler` the same check is its overflow test. On XLA a host read would cut the
-    graph and stall the device, so the flag stays on the device: the update always runs and a
-    select keeps the old weights and Adam state when it is not finite (`step_where` (train/masked_step.py)), and
-    SkipTracker reads the flag one step later.
-    With a DistributedOptimizer (ZeRO-1) the gradients are reduce-scattered instead, and the norm, clip and update
-    act on this DP rank's slice (train/distributed_optimizer.py); with parallel.overlap_param_gather its update
-    leaves the all-gathers in flight for the next step's forward to wait for. With an XlaZeroOptimizer (the same on
-    XLA) they act on this DP rank's fp32 master shards (train/xla_zero.py).
-    With `pipeline` the micro-batches go through this rank's pipeline stages by its schedule (forward and
-    backward interleaved across stages); the loss is then the last stage's, 0 on the others.
+
+def train_step(forward_backward: ForwardBackward, optimizer: TrainOptimizer, micro_batches: Sequence[torch.Tensor],
+               *, scaler: DynamicGradScaler | None = None) -> StepOutput:
+    """One step over this rank's micro-batches.
+
+    The loss is averaged over the micro-batches (each has mbs * S tokens, so averaging micro-batch means and then
+    DP replicas gives the token mean of the global batch) and multiplied by the fp16 `scaler`'s scale, which the
+    reduce divides out again. A step whose gradient norm is not finite leaves the weights and Adam's moments as
+    they were instead of writing NaN into them (Megatron's "skipped iterations"): off XLA one host sync decides
+    it, the fp16 scaler's overflow test too; on XLA the flag stays on the device (`step_if_finite`).
     """
-    params = [p for p in model.parameters() if p.requires_grad]
-    if isinstance(optimizer, DistributedOptimizer):
-        optimizer.before_forward()  # parallel.overlap_param_gather without forward hooks: the last step's gathers
-    # Off XLA the first backward assigns the gradients (no zero fill, no add); on XLA zero in
-    # place so that the graph keeps one shape (neuron-xla.md 3.3).
-    optimizer.zero_grad(set_to_none=device_type != "xla")
-    total = torch.zeros((), device=micro_batches[0].device)
     scale = scaler.scale if scaler is not None else 1.0
-    cast = (torch.autocast(device_type, dtype=autocast_dtype) if autocast_dtype is not None
-            else contextlib.nullcontext())
-    if pipeline is not None:
-        total = pipeline.train_losses(micro_batches, scale=scale, autocast=cast)
-    for m, tokens in enumerate(micro_batches if pipeline is None else ()):
-        ids, labels = tokens[:, :-1], tokens[:, 1:]
-        with cast:
-            logits = model(ids)  # (mbs, S, V/tp)
-        loss = vocab_parallel_cross_entropy(logits, labels, group=ctx.tp_group).mean()
-        del logits  # the loss saved what backward needs; do not hold the logits through backward
-        if m == len(micro_batches) - 1:
-            if grad_reducer is not None:
-                grad_reducer.arm()
-            elif isinstance(optimizer, DistributedOptimizer):
-                optimizer.arm()  # its overlapped reduce-scatter, when it has one
-        # Every micro-batch has mbs * S tokens, so averaging micro-batch means and then DP
-        # replicas gives the token mean of the global batch.
-        (loss * (scale / len(micro_batches))).backward()
-        total += loss.detach()
-    # XLA: run forward and backward as one graph, then the reduce, clip and update as the step's second (the
-    # reference's cut after backward; it bounds what a graph holds). No-op elsewhere.
-    mark_step(device_type)
-    if isinstance(optimizer, DistributedOptimizer):
-        # The DP reduce-scatter into this rank's slices (started in backward when overlapped), then the TP sum of
-        # the sequence-parallel grads on their pieces there (sums commute); the norm, the clip and the update then
-        # touch the slices alone.
-        optimizer.reduce_gradients()
-        all_reduce_sum_(optimizer.sequence_parallel_grads(), group=ctx.tp_group)
-        norm = optimizer.clip_grad_norm_(max_norm=clip_grad, ctx=ctx, unscale=1.0 / scale)
-    elif isinstance(optimizer, XlaZeroOptimizer):
-        # The TP sum of the sequence-parallel grads on the whole bf16 gradients, then the DP reduce-scatter into the
-        # fp32 shards, where the norm, the clip and the update act (sums commute, as above).
-        all_reduce_sequence_parallel_grads(params, group=ctx.tp_group)
-        optimizer.reduce_gradients()
-        norm = optimizer.clip_grad_norm_(max_norm=clip_grad, ctx=ctx, unscale=1.0 / scale)
-    else:
-        if grad_reducer is not None:
-            grad_reducer.finish()
-        else:
-            all_reduce_gradients(params, group=ctx.dp_group, bucket_mb=grad_bucket_mb)
-        # Sequence parallelism: replicated params' grads are partial per TP rank (no-op without tagged params).
-        # After the DP reduce, whose overlapped buckets copy back into .grad, and after the pipeline schedule too,
-        # which ran inside train_losses above.
-        all_reduce_sequence_parallel_grads(params, group=ctx.tp_group)
-        if scale != 1.0:
-            torch._foreach_mul_([p.grad for p in params if p.grad is not None], 1.0 / scale)
-        norm = clip_gradients_(params, max_norm=clip_grad, ctx=ctx)
+    optimizer.before_forward()
+    optimizer.zero_grad()
+    total = forward_backward(micro_batches, scale=scale, before_last_backward=optimizer.mark_last_backward)
+    norm = optimizer.reduce_and_clip(loss_scale=scale)
     # The norm is the same on every rank (it was all-reduced), so all ranks skip together.
     finite = torch.isfinite(norm)
-    if device_type == "xla":
-        if isinstance(optimizer, XlaZeroOptimizer):
-            optimizer.step_where(finite)
-        else:
-            step_where(optimizer, finite)
-        return StepOutput(loss=total / len(micro_batches), grad_norm=norm, finite=finite, skipped=None)
-    skipped = not bool(finite.item())  # host sync: the skip decision
-    overflow = False
-    if scaler is not None:
-        overflow = skipped and scale > scaler.min_scale
-        scaler.update(found_inf=skipped)
-    if not skipped:
-        optimizer.step()
+    skipped = optimizer.step_if_finite(finite)
+    overflow, loss_scale = _update_loss_scale(scaler, skipped=skipped)
     return StepOutput(loss=total / len(micro_batches), grad_norm=norm, finite=finite, skipped=skipped,
-                      overflow=overflow, loss_scale=scaler.scale if scaler is not None else 1.0)
+                      overflow=overflow, loss_scale=loss_scale)
 
 
-def _unstep(optimizer: torch.optim.Optimizer) -> None:
-    """Take back AdamW's step count of a step that `step_where` (train/masked_step.py) did not apply."""
-    for state in optimizer.state.values():
-        if torch.is_tensor(state.get("step")):
-            state["step"] -= 1
+def _update_loss_scale(scaler: DynamicGradScaler | None, *, skipped: bool | None) -> tuple[bool, float]:
+    """fp16 (never on XLA, so `skipped` is known): back the scale off after a skipped step, grow it after a run of
+    finite ones. Whether the skip was the scaler's overflow, and the scale after the update."""
+    if scaler is None:
+        return False, 1.0
+    overflow = bool(skipped) and scaler.scale > scaler.min_scale
+    scaler.update(found_inf=bool(skipped))
+    return overflow, scaler.scale
+
+
+class MicroBatches:
+    """Forward and backward of each micro-batch in turn through this rank's whole model (no pipeline)."""
+
+    def __init__(self, model: nn.Module, *, ctx: ParallelContext, autocast_dtype: torch.dtype | None,
+                 device_type: str):
+        self.model, self.ctx, self.autocast_dtype, self.device_type = model, ctx, autocast_dtype, device_type
+
+    def __call__(self, micro_batches: Sequence[torch.Tensor], *, scale: float,
+                 before_last_backward: Callable[[], None]) -> torch.Tensor:
+        total = torch.zeros((), device=micro_batches[0].device)
+        cast = _autocast(self.device_type, self.autocast_dtype)
+        for m, tokens in enumerate(micro_batches):
+            ids, labels = tokens[:, :-1], tokens[:, 1:]
+            with cast:
+                logits = self.model(ids)  # (mbs, S, V/tp)
+            loss = vocab_parallel_cross_entropy(logits, labels, group=self.ctx.tp_group).mean()
+            del logits  # the loss saved what backward needs; do not hold the logits through backward
+            if m == len(micro_batches) - 1:
+                before_last_backward()
+            (loss * (scale / len(micro_batches))).backward()
+            total += loss.detach()
+        # XLA: run forward and backward as one graph, then the reduce, clip and update as the step's second (the
+        # reference's cut after backward; it bounds what a graph holds). No-op elsewhere.
+        mark_step(self.device_type)
+        return total
+
+
+class PipelineSchedule:
+    """This pipeline rank's stages through the runner's schedule, forward and backward interleaved across stages;
+    the loss is the last stage's, 0 on the others. The schedule runs the last backward itself, so nothing is armed
+    before it (build_optimizer overlaps no reduce under pipelining)."""
+
+    def __init__(self, runner: PipelineRunner, *, autocast_dtype: torch.dtype | None, device_type: str):
+        self.runner, self.autocast_dtype, self.device_type = runner, autocast_dtype, device_type
+
+    def __call__(self, micro_batches: Sequence[torch.Tensor], *, scale: float,
+                 before_last_backward: Callable[[], None]) -> torch.Tensor:
+        total = self.runner.train_losses(micro_batches, scale=scale,
+                                         autocast=_autocast(self.device_type, self.autocast_dtype))
+        mark_step(self.device_type)  # as MicroBatches (pipelines do not run on XLA yet: a no-op)
+        return total
+
+
+def _autocast(device_type: str, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+    return torch.autocast(device_type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
 class SkipTracker:
@@ -163,7 +143,7 @@ class SkipTracker:
     for saves and the run's end.
     """
 
-    def __init__(self, device: DeviceInfo, optimizer: torch.optim.Optimizer, *, state: TrainState, limit: int,
+    def __init__(self, device: DeviceInfo, optimizer: TrainOptimizer, *, state: TrainState, limit: int,
                  phase: str):
         self.device, self.optimizer, self.limit, self.phase = device, optimizer, limit, phase
         self.state = state
@@ -195,7 +175,7 @@ class SkipTracker:
             skipped = not bool(finite.item())  # host read of a value the device already computed
             if skipped:
                 self.state.lr_steps -= 1
-                _unstep(self.optimizer)
+                self.optimizer.take_back_step()
             self._count(skipped, iteration=iteration, lr=lr)
 
     def _count(self, skipped: bool, *, iteration: int, lr: float) -> None:

@@ -6,8 +6,8 @@ reduce_scatter_tensor / all_gather_into_tensor over flat buffers whose views are
 tensors do not follow; torch_xla's wrapper is maintained with its compiler's collectives (xm.reduce_scatter,
 xm.all_gather over replica groups) and keeps a master shard per parameter in optimizer_dtype.
 
-Precision. With train.precision=bf16 this mode holds the model weights in bf16 (cast explicitly, plan/memory.py
-`xla_fp32_master`), the gradients in bf16, and per DP rank a 1/DP shard of each parameter as an fp32 master copy
+Precision. With train.precision=bf16 this mode holds the model weights in bf16 (cast explicitly: the plan's
+fp32_master), the gradients in bf16, and per DP rank a 1/DP shard of each parameter as an fp32 master copy
 with fp32 Adam moments; after the update the shards are cast to bf16 and all-gathered into the weights. So an update
 smaller than bf16's resolution is kept in the master and accumulates, where pure bf16 (XLA_USE_BF16) rounds it away.
 XLA_USE_BF16 is off in this mode (train/precision.py): it would store the fp32 masters as bf16 too. With
@@ -26,6 +26,7 @@ rank's shard of each (the masters from the model's loaded weights when the check
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,9 +35,9 @@ from torch import nn
 
 from megatron_hpc.config.schema import OptimConfig
 from megatron_hpc.parallel.context import ParallelContext
-from megatron_hpc.parallel.grads import reduce_norm_squares
-from megatron_hpc.train.masked_step import step_where
-from megatron_hpc.train.optim import param_groups
+from megatron_hpc.parallel.grads import all_reduce_sequence_parallel_grads, reduce_norm_squares
+from megatron_hpc.train.masked_step import step_where, take_back_step
+from megatron_hpc.train.optim import param_groups, set_lr
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 MAIN_PARAM = "main_param"
@@ -46,8 +47,9 @@ MAIN_PARAM = "main_param"
 class XlaZeroOptimizer:
     """torch_xla's ZeroRedundancyOptimizer with AdamW, fp32 masters and Megatron's clipping; see the module docstring.
 
-    Takes the plain optimizer's place in the loop (`param_groups`, `zero_grad`, `state`, `state_dict`,
-    `load_state_dict`); train/step.py calls `reduce_gradients`, `clip_grad_norm_` and `step_where`.
+    One of the three optimizers behind train/optimizer.py's seam (its verbs are listed there): `reduce_and_clip`
+    (the sequence-parallel TP sum, reduce_gradients and clip_grad_norm_ on the shards) and `step_if_finite`
+    (step_where: always masked, this optimizer runs on XLA only); nothing to wait for before a forward or a read.
     """
 
     master_key = MAIN_PARAM
@@ -60,7 +62,9 @@ class XlaZeroOptimizer:
         groups = param_groups(model, weight_decay=optim.weight_decay)
         self.params: list[nn.Parameter] = [p for g in groups for p in g["params"]]
         self.matrices = len(groups[0]["params"])
-        self.ctx = ctx
+        self.ctx, self.clip_grad = ctx, optim.clip_grad
+        self.model_params = [p for p in model.parameters() if p.requires_grad]
+        """In the model's order, the order of the sequence-parallel grads' TP sum (one flat buffer)."""
         # Sharding waits for the first use (lazy_init): by then the checkpoint, if any, has loaded the weights the
         # masters start from.
         self.zero = ZeroRedundancyOptimizer(
@@ -85,17 +89,43 @@ class XlaZeroOptimizer:
         """This rank's fp32 master shard of each parameter, in self.params' order."""
         return [s for g in self.base.param_groups for s in g["params"]]
 
-    @property
-    def state(self) -> dict[Any, dict[str, Any]]:
-        """The shards' AdamW state (SkipTracker takes a skipped step's count back here)."""
-        return self.base.state
-
     def _ensure_init(self) -> None:
         if not self.zero.inited:
             self.zero.init_zero()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.zero.zero_grad(set_to_none=set_to_none)
+    def zero_grad(self) -> None:
+        # In place, not None: the graph keeps one shape (neuron-xla.md 3.3).
+        self.zero.zero_grad(set_to_none=False)
+
+    def before_forward(self) -> None:
+        """Nothing to wait for: the all-gather of the shards ran inside the last step's graph."""
+
+    def mark_last_backward(self) -> None:
+        """Nothing to arm: the reduce-scatter runs after backward, in the step's second graph."""
+
+    def reduce_and_clip(self, *, loss_scale: float = 1.0) -> torch.Tensor:
+        """The TP sum of the sequence-parallel grads on the whole bf16 gradients, then the DP reduce-scatter into the
+        fp32 shards, where the norm, the clip and the update act (sums commute); the global norm before clipping."""
+        all_reduce_sequence_parallel_grads(self.model_params, group=self.ctx.tp_group)
+        self.reduce_gradients()
+        return self.clip_grad_norm_(max_norm=self.clip_grad, ctx=self.ctx, unscale=1.0 / loss_scale)
+
+    def step_if_finite(self, finite: torch.Tensor) -> None:
+        """`step_where`: the flag stays on the device, so whether the step was skipped is not known here (None)."""
+        self.step_where(finite)
+
+    def take_back_step(self) -> None:
+        take_back_step(self.base)
+
+    def set_lr(self, lr: float) -> None:
+        set_lr(self.zero, lr)
+
+    def wait_for_weights(self) -> None:
+        """Nothing in flight: the step's graph all-gathered the weights."""
+
+    def register_step_pre_hook(self, hook: Callable[..., None]) -> Any:
+        """On the AdamW over the shards, which `step_where` steps."""
+        return self.base.register_step_pre_hook(hook)
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:

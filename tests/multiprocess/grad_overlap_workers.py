@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_hpc.parallel.context import ParallelContext
-from megatron_hpc.parallel.grads import OverlappedGradReducer, build_grad_reducer
+from megatron_hpc.parallel.grads import build_grad_reducer
 from megatron_hpc.plan.mesh import Mesh
-from megatron_hpc.train.optim import build_optimizer
-from megatron_hpc.train.step import train_step
+from megatron_hpc.train.optim import PlainOptimizer
+from megatron_hpc.train.step import MicroBatches, train_step
 
 BUCKET_MB = 0.05
 """About 13k fp32 elements: the tiny model splits into several buckets, so there is something to overlap."""
@@ -58,13 +58,14 @@ def overlap_matches_plain(ctx: ParallelContext, cfg: Any) -> dict[str, Any]:
     runs = {}
     for overlap in (True, False):
         model = _model(cfg, ctx)
-        optimizer = build_optimizer(model, optim=cfg.optim)
-        reducer = OverlappedGradReducer(model.parameters(), group=ctx.dp_group, bucket_mb=BUCKET_MB) \
-            if overlap else None
+        optimizer = PlainOptimizer(model, optim=cfg.optim, ctx=ctx, device_kind="cpu", overlap=overlap,
+                                   bucket_mb=BUCKET_MB)
+        reducer = optimizer.reducer
+        assert (reducer is not None) == overlap
+        forward_backward = MicroBatches(model, ctx=ctx, autocast_dtype=None, device_type="cpu")
         grads = []
         for step in range(3):
-            train_step(model, optimizer, _micro_batches(ctx, step=step, count=2), ctx=ctx, clip_grad=1.0,
-                       autocast_dtype=None, device_type="cpu", grad_reducer=reducer, grad_bucket_mb=BUCKET_MB)
+            train_step(forward_backward, optimizer, _micro_batches(ctx, step=step, count=2))
             grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
             if reducer is not None:
                 out["started"].append(reducer.num_started)
@@ -95,13 +96,12 @@ def overlap_event_order(ctx: ParallelContext, cfg: Any) -> dict[str, list[str]]:
     try:
         for overlap in (True, False):
             model = _model(cfg, ctx)
-            optimizer = build_optimizer(model, optim=cfg.optim)
+            optimizer = PlainOptimizer(model, optim=cfg.optim, ctx=ctx, device_kind="cpu", overlap=overlap,
+                                       bucket_mb=BUCKET_MB)
             model.h["0"].register_full_backward_pre_hook(lambda *_: events.append("backward reached h.0"))
-            reducer = OverlappedGradReducer(model.parameters(), group=ctx.dp_group, bucket_mb=BUCKET_MB) \
-                if overlap else None
             events.clear()
-            train_step(model, optimizer, _micro_batches(ctx, step=0, count=1), ctx=ctx, clip_grad=1.0,
-                       autocast_dtype=None, device_type="cpu", grad_reducer=reducer, grad_bucket_mb=BUCKET_MB)
+            train_step(MicroBatches(model, ctx=ctx, autocast_dtype=None, device_type="cpu"), optimizer,
+                       _micro_batches(ctx, step=0, count=1))
             out["overlap" if overlap else "plain"] = list(events)
     finally:
         dist.all_reduce = real_all_reduce

@@ -225,7 +225,7 @@ def pipeline_config(*, tp: int = 1, pp: int = 1, virtual: int = 1, schedule: str
 def _break(fault: str) -> None:
     """Deliberate bugs a proof must catch, and code-path variants (applied in this worker process only)."""
     from megatron_hpc.parallel import pipeline
-    from megatron_hpc.train import distributed_optimizer, step
+    from megatron_hpc.train import distributed_optimizer, optim
 
     if fault == "no_embedding_allreduce":
         pipeline.PipelineRunner.sync_embedding_grads = lambda self: None
@@ -241,8 +241,8 @@ def _break(fault: str) -> None:
 
         pipeline.PipelineRunner._run = misordered
     elif fault == "no_sp_grad_allreduce":
-        # The TP all-reduce of the sequence-parallel replicated params' grads.
-        step.all_reduce_sequence_parallel_grads = lambda params, *, group: None
+        # The TP all-reduce of the sequence-parallel replicated params' grads (the plain optimizer's).
+        optim.all_reduce_sequence_parallel_grads = lambda params, *, group: None
     elif fault == "no_param_allgather":
         # The distributed optimizer updates its slice but never gathers the others' slices: each DP rank's weights
         # outside its own slice stay as they were.
@@ -257,10 +257,10 @@ def _break(fault: str) -> None:
 def _breakable() -> list[tuple[Any, str]]:
     """(owner, attribute) of everything _break may replace."""
     from megatron_hpc.parallel import pipeline
-    from megatron_hpc.train import distributed_optimizer, step
+    from megatron_hpc.train import distributed_optimizer, optim
 
     return [(pipeline.PipelineRunner, "sync_embedding_grads"), (pipeline.PipelineRunner, "_run"),
-            (step, "all_reduce_sequence_parallel_grads"), (distributed_optimizer.DistributedOptimizer, "step"),
+            (optim, "all_reduce_sequence_parallel_grads"), (distributed_optimizer.DistributedOptimizer, "step"),
             (distributed_optimizer.DistributedOptimizer, "ALL_REDUCE_ON_GLOO")]
 
 
@@ -330,8 +330,8 @@ def memory_measure(rank: int, world: int, ports: list[int], cases: list[tuple[st
     from megatron_hpc.plan.planner import make_plan
     from megatron_hpc.train.distributed_optimizer import DistributedOptimizer
     from megatron_hpc.train.loop import build_model, pipeline_stages
-    from megatron_hpc.train.optim import build_optimizer
-    from megatron_hpc.train.step import train_step
+    from megatron_hpc.train.optim import PlainOptimizer
+    from megatron_hpc.train.step import MicroBatches, PipelineSchedule, train_step
 
     out: dict[str, Any] = {}
     for i, (name, cfg) in enumerate(cases):
@@ -343,17 +343,19 @@ def memory_measure(rank: int, world: int, ports: list[int], cases: list[tuple[st
         model = build_model(cfg.model, ctx, padded_vocab=plan.padded_vocab_size, seed=cfg.train.seed,
                             device=torch.device("cpu"), stages=pipeline_stages(plan, ctx), sequence_parallel=sp)
         dist_opt = cfg.parallel.distributed_optimizer
-        optimizer = (DistributedOptimizer(model, optim=cfg.optim, group=ctx.dp_group) if dist_opt
-                     else build_optimizer(model, optim=cfg.optim))
-        runner = (PipelineRunner(model, ctx, num_micro_batches=plan.num_micro_batches,
-                                 schedule=plan.pipeline_schedule, device=torch.device("cpu"))
-                  if ctx.pp_size > 1 else None)
+        optimizer = (DistributedOptimizer(model, optim=cfg.optim, ctx=ctx) if dist_opt
+                     else PlainOptimizer(model, optim=cfg.optim, ctx=ctx, device_kind="cpu"))
+        if ctx.pp_size > 1:
+            runner = PipelineRunner(model, ctx, num_micro_batches=plan.num_micro_batches,
+                                    schedule=plan.pipeline_schedule, device=torch.device("cpu"))
+            forward_backward = PipelineSchedule(runner, autocast_dtype=None, device_type="cpu")
+        else:
+            forward_backward = MicroBatches(model, ctx=ctx, autocast_dtype=None, device_type="cpu")
         gen = torch.Generator().manual_seed(rank)
         s, b, h = cfg.model.seq_length, plan.micro_batch_size, cfg.model.hidden_size
         batches = [torch.randint(0, cfg.model.vocab_size, (b, s + 1), generator=gen)
                    for _ in range(plan.num_micro_batches)]
-        train_step(model, optimizer, batches, ctx=ctx, clip_grad=1.0, autocast_dtype=None, device_type="cpu",
-                   pipeline=runner)
+        train_step(forward_backward, optimizer, batches)
 
         params = list(model.parameters())
         if dist_opt:
@@ -363,7 +365,7 @@ def memory_measure(rank: int, world: int, ports: list[int], cases: list[tuple[st
         else:
             weights = sum(p.numel() * p.element_size() for p in params)
             grads = sum(p.grad.numel() * p.grad.element_size() for p in params)
-            states = optimizer.state.values()
+            states = optimizer.optimizer.state.values()
         moments = sum(v.numel() * v.element_size() for st in states for k, v in st.items() if k != "step")
 
         rows = s // ctx.tp_size if sp else s  # a later stage's input: this rank's sequence shard under SP

@@ -19,9 +19,8 @@ import torch.distributed as dist
 from megatron_hpc.config.schema import RunConfig
 from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.plan.mesh import Mesh
-from megatron_hpc.train import loop
 from megatron_hpc.train.distributed_optimizer import DistributedOptimizer
-from megatron_hpc.train.step import train_step
+from megatron_hpc.train.step import MicroBatches, train_step
 
 LATE_S = 1.5
 """How long DP rank 1 holds back its gathers: far beyond DP rank 0's way from the step to the next forward."""
@@ -48,7 +47,7 @@ def _variant(name: str) -> None:
     if "scatter" in name:  # the NCCL path's collectives (all_gather_into_tensor), run on gloo
         DistributedOptimizer.ALL_REDUCE_ON_GLOO = False
     if "nowait" in name:  # the fault: the loop does not wait for the gathers before a save
-        loop._weights_updated = lambda optimizer: None
+        DistributedOptimizer.wait_for_weights = lambda self: None
 
 
 def training_runs(rank: int, world: int, ports: list[int], plan: list[tuple[RunConfig, str, str]],
@@ -57,7 +56,7 @@ def training_runs(rank: int, world: int, ports: list[int], plan: list[tuple[RunC
     from megatron_hpc.train.entry import plan_for_torchrun, run_training
 
     intact = [(DistributedOptimizer, "gather_params"), (DistributedOptimizer, "ALL_REDUCE_ON_GLOO"),
-              (loop, "_weights_updated")]
+              (DistributedOptimizer, "wait_for_weights")]
     saved = [(owner, attr, getattr(owner, attr)) for owner, attr in intact]
     for i, (cfg, name, variant) in enumerate(plan):
         for owner, attr, value in saved:
@@ -89,12 +88,12 @@ def forward_waits(rank: int, world: int, ports: list[int]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for hooked in (True, False):
         model = mp_workers.model_for(cfg, ctx)
-        optimizer = DistributedOptimizer(model, optim=cfg.optim, group=ctx.dp_group, bucket_mb=SMALL_BUCKETS,
+        optimizer = DistributedOptimizer(model, optim=cfg.optim, ctx=ctx, bucket_mb=SMALL_BUCKETS,
                                          overlap_param_gather=True)
         if hooked:
             optimizer.wait_in_forward(model)
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
-        train_step(model, optimizer, batches, ctx=ctx, clip_grad=1.0, autocast_dtype=None, device_type="cpu")
+        train_step(MicroBatches(model, ctx=ctx, autocast_dtype=None, device_type="cpu"), optimizer, batches)
         seen: dict[str, torch.Tensor] = {}
         order: list[str] = []
         handles = [m.register_forward_pre_hook(_capture(prefix, seen, order)) for prefix, m in model.named_modules()

@@ -31,7 +31,7 @@ from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.plan.mesh import Mesh
 from megatron_hpc.train.entry import plan_for_torchrun
 from megatron_hpc.train.loop import build_model
-from megatron_hpc.train.optim import build_optimizer
+from megatron_hpc.train.optim import build_adamw
 
 VOCAB = 300  # padded to 320 at TP 1, 384 at TP 2, 512 at TP 4: every reshard re-pads
 
@@ -56,7 +56,7 @@ def _trained_state(ctx: ParallelContext, cfg: RunConfig) -> dict[str, Any]:
     """One TP=1 x PP=1 rank's checkpoint content after one real AdamW step."""
     spec = plan_for_torchrun(cfg, environ={})
     model = build_model(cfg.model, ctx, padded_vocab=spec.plan.padded_vocab_size, seed=3, device=torch.device("cpu"))
-    optimizer = build_optimizer(model, optim=cfg.optim)
+    optimizer = build_adamw(model, optim=cfg.optim)
     ids = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(0))
     logits = model(ids[:, :-1])
     torch.nn.functional.cross_entropy(logits.flatten(0, 1)[:, :VOCAB], ids[:, 1:].flatten()).backward()
@@ -242,7 +242,7 @@ def test_resharded_checkpoint_loads_into_the_trainers_model_and_optimizer(
     _, state = load_checkpoint(tmp_path / "back", ranks=RankInfo())
     cfg = _config()
     model = build_model(cfg.model, ctx, padded_vocab=state["padded_vocab_size"], seed=99, device=torch.device("cpu"))
-    optimizer = build_optimizer(model, optim=cfg.optim)
+    optimizer = build_adamw(model, optim=cfg.optim)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(optim_layout.for_model(state["optimizer"], saved_model=state["model"],
                                                      live_model=model.state_dict()))

@@ -11,12 +11,14 @@ import sys
 
 import pytest
 
+from megatron_hpc.cli.main import main
 from megatron_hpc.config.loader import load_recipe
 from megatron_hpc.config.platforms import get_platform
 from megatron_hpc.errors import PlanError
 from megatron_hpc.plan.jobs import phase_env
 from megatron_hpc.plan.memory import GIB, SHARD_ALIGN, estimate_memory
-from megatron_hpc.plan.planner import distributed_optimizer_warning, make_plan
+from megatron_hpc.plan.planner import Plan, distributed_optimizer_warning, make_plan
+from megatron_hpc.plan.spec import RunSpec, plan_run
 from megatron_hpc.train.distributed_optimizer import shard_layout
 
 
@@ -122,6 +124,39 @@ def test_fp32_masters_keep_xla_use_bf16_out_of_the_job_environment():
     masters = load_recipe("gpt3_6.7b", ["train.precision=bf16", "parallel.distributed_optimizer=true"])
     assert phase_env(pure, trn1, extra={}).get("XLA_USE_BF16") == "1"
     assert "XLA_USE_BF16" not in phase_env(masters, trn1, extra={})
+
+
+@pytest.mark.parametrize("platform,sharded,masters", [("trn1", True, True), ("trn1", False, False),
+                                                      ("p5", True, False), ("cpu", True, False)])
+def test_the_plan_says_once_whether_fp32_masters_are_kept(platform, sharded, masters):
+    """The distributed optimizer on XLA keeps them (torch_xla's ZeRO-1); the trainer reads the plan's field."""
+    over = ["data.source=synthetic", f"parallel.distributed_optimizer={str(sharded).lower()}"]
+    plan = make_plan(load_recipe("tiny" if platform == "cpu" else "gpt3_6.7b", over), num_nodes=1 if platform == "cpu"
+                     else 16, platform=get_platform(platform))
+    assert plan.fp32_master is masters
+
+
+def test_plan_json_shows_the_fp32_masters(capsys):
+    args = ["plan", "--recipe", "gpt3_6.7b", "--nodes", "16", "--platform", "trn1", "--json", "--set",
+            "data.source=synthetic"]
+    assert main([*args, "--set", "parallel.distributed_optimizer=true"]) == 0
+    assert json.loads(capsys.readouterr().out)["fp32_master"] is True
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["fp32_master"] is False
+
+
+def test_a_plan_json_without_fp32_master_or_contradicting_it_is_refused_with_the_fix():
+    """A run folder planned before the field existed: the trainer refuses it (one line, the field named), and
+    `submit --resume` re-plans it from its config.json, as for any stale plan.json."""
+    cfg = load_recipe("gpt3_6.7b", ["data.source=synthetic", "parallel.distributed_optimizer=true"])
+    spec = plan_run(cfg, num_nodes=16, platform=get_platform("trn1"))
+    old = {k: v for k, v in spec.plan.to_json().items() if k != "fp32_master"}
+    with pytest.raises(PlanError, match=r"\(missing fp32_master\).*`megatron-hpc submit --resume RUN`"):
+        RunSpec.from_json(spec.config_json(), old, where="run")
+    assert RunSpec.from_json(spec.config_json(), spec.plan.to_json(), where="run").plan.fp32_master is True
+    with pytest.raises(PlanError, match=r"fp32_master False is not that of backend xla with distributed_optimizer "
+                                        r"True.*submit --resume"):
+        Plan.from_json({**spec.plan.to_json(), "fp32_master": False})
 
 
 def test_fp16_with_it_on_xla_is_refused_with_the_fix():

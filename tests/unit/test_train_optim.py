@@ -14,7 +14,7 @@ from megatron_hpc.config.schema import ModelConfig, OptimConfig, RunConfig, Trai
 from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.plan.mesh import Mesh
 from megatron_hpc.train.loop import build_model
-from megatron_hpc.train.optim import build_optimizer
+from megatron_hpc.train.optim import build_adamw
 
 
 @pytest.fixture
@@ -30,7 +30,7 @@ def test_no_decay_on_biases_and_norms(ctx: ParallelContext) -> None:
                     train=TrainConfig(num_steps=1, micro_batch_size=1, global_batch_size=1),
                     optim=OptimConfig(lr=1e-3, weight_decay=0.1))
     model = build_model(cfg.model, ctx, padded_vocab=128, seed=1, device=torch.device("cpu"))
-    opt = build_optimizer(model, optim=cfg.optim)
+    opt = build_adamw(model, optim=cfg.optim)
     assert opt.defaults["fused"] is True  # torch's fused AdamW kernel on CPU (no apex here)
     decay_of = {id(p): g["weight_decay"] for g in opt.param_groups for p in g["params"]}
     names = dict(model.named_parameters())
