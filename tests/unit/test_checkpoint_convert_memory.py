@@ -12,10 +12,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_checkpoint_import import _reference_checkpoint
 from whole_model_reshard import reshard
 
-from megatron_hpc.checkpoint import pp_layout, stream
-from megatron_hpc.checkpoint.foreign import read_foreign
-from megatron_hpc.checkpoint.importer import import_foreign
-from megatron_hpc.checkpoint.whole import read_whole
+from megatron_hpc.checkpoint.conversion import pp_layout, stream
+from megatron_hpc.checkpoint.conversion.whole import read_whole
+from megatron_hpc.checkpoint.foreign.importer import import_foreign
+from megatron_hpc.checkpoint.foreign.megatron_family import read_foreign
 
 
 def _models(root: Path) -> list[list[dict[str, torch.Tensor]]]:

@@ -20,11 +20,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 import megatron_writers as mw
 
-from megatron_hpc.checkpoint.contents import read_progress
-from megatron_hpc.checkpoint.file_io import safe_load
-from megatron_hpc.checkpoint.loader import find_checkpoint
-from megatron_hpc.checkpoint.optim_layout import by_name
-from megatron_hpc.checkpoint.whole import read_whole
+from megatron_hpc.checkpoint.conversion.optim_layout import by_name
+from megatron_hpc.checkpoint.conversion.whole import read_whole
+from megatron_hpc.checkpoint.store.contents import read_progress
+from megatron_hpc.checkpoint.store.file_io import safe_load
+from megatron_hpc.checkpoint.store.loader import find_checkpoint
 from megatron_hpc.cli.main import main
 from megatron_hpc.errors import CheckpointError
 

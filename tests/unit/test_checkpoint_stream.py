@@ -16,11 +16,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_checkpoint_import import _reference_checkpoint
 from whole_model_reshard import reshard
 
-from megatron_hpc.checkpoint import stream
-from megatron_hpc.checkpoint import whole as whole_module
-from megatron_hpc.checkpoint.foreign import read_foreign
-from megatron_hpc.checkpoint.importer import import_foreign
-from megatron_hpc.checkpoint.whole import read_whole
+from megatron_hpc.checkpoint.conversion import stream
+from megatron_hpc.checkpoint.conversion import whole as whole_module
+from megatron_hpc.checkpoint.conversion.whole import read_whole
+from megatron_hpc.checkpoint.foreign.importer import import_foreign
+from megatron_hpc.checkpoint.foreign.megatron_family import read_foreign
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "convert_cpu.py"
 
@@ -143,7 +143,7 @@ def _anonymous_tensor_bytes() -> int:
 
 
 def _state_bytes(state: dict[str, Any]) -> int:
-    from megatron_hpc.checkpoint.xser import iter_tensors
+    from megatron_hpc.checkpoint.store.xser import iter_tensors
 
     return sum(t.untyped_storage().nbytes() for _, t in iter_tensors(state))
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_hpc.checkpoint.xser import TensorReference, read_xser, write_torch, write_xser
+from megatron_hpc.checkpoint.store.xser import TensorReference, read_xser, write_torch, write_xser
 from megatron_hpc.errors import CheckpointError
 
 
@@ -156,7 +156,7 @@ def test_interoperates_with_torch_xla_class(tmp_path: Path) -> None:
 def test_bad_tid_is_an_error(tmp_path: Path) -> None:
     ref = TensorReference(0)
     ref.tid = "0; rm -rf /"
-    from megatron_hpc.checkpoint.xser import _PICKLE_MODULE
+    from megatron_hpc.checkpoint.store.xser import _PICKLE_MODULE
 
     torch.save({"w": ref}, tmp_path / "m.pt", pickle_module=_PICKLE_MODULE, pickle_protocol=2)
     with pytest.raises(CheckpointError, match="tid"):

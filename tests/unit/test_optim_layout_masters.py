@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_hpc.checkpoint.optim_layout import param_order, with_masters
+from megatron_hpc.checkpoint.conversion.optim_layout import param_order, with_masters
 
 
 def _state(step: float) -> dict[str, torch.Tensor]:

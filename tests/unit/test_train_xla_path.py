@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from megatron_hpc.checkpoint import paths
-from megatron_hpc.checkpoint.xser import iter_tensors, read_xser
+from megatron_hpc.checkpoint.store import paths
+from megatron_hpc.checkpoint.store.xser import iter_tensors, read_xser
 
 STANDIN = Path(__file__).resolve().parents[1] / "fixtures" / "xla_standin"
 

@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
-from megatron_hpc.checkpoint import hf_formats, pp_layout
-from megatron_hpc.checkpoint.whole import WholeCheckpoint, model_config, write_whole
+from megatron_hpc.checkpoint.conversion import pp_layout
+from megatron_hpc.checkpoint.conversion.whole import WholeCheckpoint, model_config, write_whole
+from megatron_hpc.checkpoint.foreign import hf_formats
 
 
 def export_hf(whole: WholeCheckpoint, out: Path, *, eos_token_id: int | None = None) -> Path:

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from megatron_hpc.checkpoint.file_io import (
+from megatron_hpc.checkpoint.store.file_io import (
     TensorLayout,
     Written,
     read_tensor_into,
@@ -40,8 +40,8 @@ from megatron_hpc.checkpoint.file_io import (
     tensor_layout,
     write_torch_file,
 )
-from megatron_hpc.checkpoint.manifest import FileRecord
-from megatron_hpc.checkpoint.paths import tensor_file, tensors_dir
+from megatron_hpc.checkpoint.store.manifest import FileRecord
+from megatron_hpc.checkpoint.store.paths import tensor_file, tensors_dir
 from megatron_hpc.errors import CheckpointAccessError, CheckpointError
 
 _XLA_MODULE = "torch_xla.utils.serialization"

@@ -24,13 +24,14 @@ from typing import Any
 
 import torch
 
-from megatron_hpc.checkpoint import optim_layout, paths, pp_layout, tp_layout
-from megatron_hpc.checkpoint.compat import PipelineLayout
-from megatron_hpc.checkpoint.host_memory import give_back_freed
-from megatron_hpc.checkpoint.ranks import RankInfo
-from megatron_hpc.checkpoint.reshard_sizes import ReshardResult, check_pp, check_tp, resized_state
-from megatron_hpc.checkpoint.saver import _finish, _write_rank
-from megatron_hpc.checkpoint.whole import WholeCheckpoint, model_config
+from megatron_hpc.checkpoint.conversion import optim_layout, pp_layout, tp_layout
+from megatron_hpc.checkpoint.conversion.host_memory import give_back_freed
+from megatron_hpc.checkpoint.conversion.reshard_sizes import ReshardResult, check_pp, check_tp, resized_state
+from megatron_hpc.checkpoint.conversion.whole import WholeCheckpoint, model_config
+from megatron_hpc.checkpoint.store import paths
+from megatron_hpc.checkpoint.store.compat import PipelineLayout
+from megatron_hpc.checkpoint.store.ranks import RankInfo
+from megatron_hpc.checkpoint.store.saver import _finish, _write_rank
 from megatron_hpc.errors import CheckpointError
 from megatron_hpc.plan.vocab import padded_vocab_size
 

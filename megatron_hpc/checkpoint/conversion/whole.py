@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_hpc.checkpoint import paths
-from megatron_hpc.checkpoint.compat import PipelineLayout, foreign_message, is_foreign
-from megatron_hpc.checkpoint.loader import FoundCheckpoint, find_checkpoint, read_shard
-from megatron_hpc.checkpoint.manifest import read_manifest
-from megatron_hpc.checkpoint.ranks import RankInfo
-from megatron_hpc.checkpoint.saver import _finish, _write_rank
+from megatron_hpc.checkpoint.store import paths
+from megatron_hpc.checkpoint.store.compat import PipelineLayout, foreign_message, is_foreign
+from megatron_hpc.checkpoint.store.loader import FoundCheckpoint, find_checkpoint, read_shard
+from megatron_hpc.checkpoint.store.manifest import read_manifest
+from megatron_hpc.checkpoint.store.ranks import RankInfo
+from megatron_hpc.checkpoint.store.saver import _finish, _write_rank
 from megatron_hpc.errors import CheckpointAccessError, CheckpointError
 
 

@@ -24,12 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from megatron_hpc.atomic_write import write_text_atomic
-from megatron_hpc.checkpoint import paths
-from megatron_hpc.checkpoint.compat import PipelineLayout
-from megatron_hpc.checkpoint.file_io import Written, write_bytes_file
-from megatron_hpc.checkpoint.manifest import FileRecord, Manifest, write_manifest
-from megatron_hpc.checkpoint.ranks import RankInfo
-from megatron_hpc.checkpoint.xser import write_torch, write_xser
+from megatron_hpc.checkpoint.store import paths
+from megatron_hpc.checkpoint.store.compat import PipelineLayout
+from megatron_hpc.checkpoint.store.file_io import Written, write_bytes_file
+from megatron_hpc.checkpoint.store.manifest import FileRecord, Manifest, write_manifest
+from megatron_hpc.checkpoint.store.ranks import RankInfo
+from megatron_hpc.checkpoint.store.xser import write_torch, write_xser
 from megatron_hpc.errors import CheckpointAccessError, CheckpointError
 
 _PARTIAL = ".files.json"

@@ -18,11 +18,13 @@ from typing import Any
 
 import torch
 
-from megatron_hpc.checkpoint import hf_formats, paths, pp_layout
-from megatron_hpc.checkpoint.file_io import safe_load
-from megatron_hpc.checkpoint.loader import FoundCheckpoint
-from megatron_hpc.checkpoint.manifest import Manifest
-from megatron_hpc.checkpoint.whole import WholeCheckpoint
+from megatron_hpc.checkpoint.conversion import pp_layout
+from megatron_hpc.checkpoint.conversion.whole import WholeCheckpoint
+from megatron_hpc.checkpoint.foreign import hf_formats
+from megatron_hpc.checkpoint.store import paths
+from megatron_hpc.checkpoint.store.file_io import safe_load
+from megatron_hpc.checkpoint.store.loader import FoundCheckpoint
+from megatron_hpc.checkpoint.store.manifest import Manifest
 from megatron_hpc.errors import CheckpointError, MegatronHpcError
 
 FAMILY = "huggingface"
