@@ -219,7 +219,7 @@ def _save_reference_xser(state: dict[str, Any], main: Path) -> None:
             return [walk(v) for v in value]
         return value
 
-    write_torch_file(main, walk(state), pickle_module=xser._PICKLE_MODULE)
+    write_torch_file(main, walk(state), pickle_module=xser.PICKLE_MODULE)
 
 
 def write_source(root: Path, shape: Shape, *, tp: int, fmt: str, optimizer: bool) -> None:

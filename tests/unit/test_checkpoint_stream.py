@@ -169,7 +169,7 @@ def bench_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _peak_while_writing(monkeypatch: pytest.MonkeyPatch, module: Any, run: Any) -> tuple[int, list[int]]:
     """(largest growth of anonymous tensor bytes over the start, measured as each output rank is handed to the
     writer, when all of its tensors exist; each written rank's own tensor bytes)."""
-    real = module._write_rank
+    real = module.write_rank_folder
     start = _anonymous_tensor_bytes()
     peaks: list[int] = []
     ranks: list[int] = []
@@ -179,9 +179,9 @@ def _peak_while_writing(monkeypatch: pytest.MonkeyPatch, module: Any, run: Any) 
         ranks.append(_state_bytes(state))
         real(state, *args, **kwargs)
 
-    monkeypatch.setattr(module, "_write_rank", measured)
+    monkeypatch.setattr(module, "write_rank_folder", measured)
     run()
-    monkeypatch.setattr(module, "_write_rank", real)
+    monkeypatch.setattr(module, "write_rank_folder", real)
     return max(peaks), ranks
 
 

@@ -31,7 +31,7 @@ from megatron_hpc.checkpoint.conversion.whole import WholeCheckpoint, model_conf
 from megatron_hpc.checkpoint.store import paths
 from megatron_hpc.checkpoint.store.compat import PipelineLayout
 from megatron_hpc.checkpoint.store.ranks import RankInfo
-from megatron_hpc.checkpoint.store.saver import _finish, _write_rank
+from megatron_hpc.checkpoint.store.saver import commit_save, write_rank_folder
 from megatron_hpc.errors import CheckpointError
 from megatron_hpc.plan.vocab import padded_vocab_size
 
@@ -368,11 +368,11 @@ def reshard(source: Source, *, tp: int, pp: int = 1, virtual: int = 1, first_sta
             if per_tp is not None:
                 state["optimizer"] = optim_layout.indexed(moments, model=weights, groups=groups)
             buffers.keep_only(_pieces_of(ranks[i + 1], plan, per_tp) if i + 1 < len(ranks) else [])
-            _write_rank(state, tmp, tp_rank=t, pp_rank=p, pp_size=pp, fmt=fmt)
+            write_rank_folder(state, tmp, tp_rank=t, pp_rank=p, pp_size=pp, fmt=fmt)
             del state, weights, moments
             buffers.recycle()
             give_back_freed()
-        folder = _finish(tmp, out, whole.iteration, ranks=RankInfo(world_size=tp * pp, tp_size=tp, pp_size=pp),
+        folder = commit_save(tmp, out, whole.iteration, ranks=RankInfo(world_size=tp * pp, tp_size=tp, pp_size=pp),
                          fmt=fmt, layout=layout)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -18,7 +18,7 @@ from megatron_hpc.checkpoint.store.compat import PipelineLayout, foreign_message
 from megatron_hpc.checkpoint.store.loader import FoundCheckpoint, find_checkpoint, read_shard
 from megatron_hpc.checkpoint.store.manifest import read_manifest
 from megatron_hpc.checkpoint.store.ranks import RankInfo
-from megatron_hpc.checkpoint.store.saver import _finish, _write_rank
+from megatron_hpc.checkpoint.store.saver import commit_save, write_rank_folder
 from megatron_hpc.errors import CheckpointAccessError, CheckpointError
 
 
@@ -110,9 +110,9 @@ def write_whole(root: Path, iteration: int, grid: list[list[dict[str, Any]]], *,
     try:
         for p, row in enumerate(grid):
             for t, state in enumerate(row):
-                _write_rank(state, tmp, tp_rank=t, pp_rank=p, pp_size=pp, fmt=fmt)
+                write_rank_folder(state, tmp, tp_rank=t, pp_rank=p, pp_size=pp, fmt=fmt)
         ranks = RankInfo(world_size=tp * pp, tp_size=tp, pp_size=pp)
-        return _finish(tmp, root, iteration, ranks=ranks, fmt=fmt, layout=layout)
+        return commit_save(tmp, root, iteration, ranks=ranks, fmt=fmt, layout=layout)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"writing {root} failed ({exc}); nothing was left behind") from None

@@ -76,8 +76,10 @@ class _XserPickler(pickle._Pickler):
         super().save_global(obj, name)
 
 
-_PICKLE_MODULE = types.ModuleType("megatron_hpc_xser_pickle")
-_PICKLE_MODULE.Pickler = _XserPickler  # type: ignore[attr-defined]
+PICKLE_MODULE = types.ModuleType("megatron_hpc_xser_pickle")
+"""torch.save's `pickle_module` for a main file: writes TensorReference as torch_xla's global (writers that build
+their own reference data, such as the test fixtures that write as torch_xla does, pass it too)."""
+PICKLE_MODULE.Pickler = _XserPickler  # type: ignore[attr-defined]
 
 OnWritten = Callable[[Path, Written], None]
 """Told about every file written (size and crc32); the saver collects them for the manifest."""
@@ -184,7 +186,7 @@ def write_xser(obj: Any, main: Path, *, on_written: OnWritten = _ignore, threads
         on_written(path, write_torch_file(path, _compact_cpu(tensors[tid])))
 
     _each(write_one, range(len(tensors)), threads=threads)
-    on_written(main, write_torch_file(main, ref_data, pickle_module=_PICKLE_MODULE))
+    on_written(main, write_torch_file(main, ref_data, pickle_module=PICKLE_MODULE))
     return len(tensors)
 
 
