@@ -169,7 +169,7 @@ def _convert(args: argparse.Namespace) -> int:
         written, report["tokenizer"] = _export_hf(whole, out)
         tp, pp = whole.tensor_parallel, whole.pipeline_parallel
     elif folder is None and args.tp is None and args.pp is None:
-        from megatron_hpc.checkpoint.conversion.tokenizers import convert_format
+        from megatron_hpc.checkpoint.conversion.whole import convert_format
 
         written, tp, pp = convert_format(whole, to=args.to, out=out), whole.tensor_parallel, whole.pipeline_parallel
     else:
@@ -241,7 +241,8 @@ def _import_hf(args: argparse.Namespace, out: Path) -> int:
 def _export_hf(whole: Any, out: Path) -> tuple[Path, list[str] | None]:
     """The model, and the run's tokenizer when it has one (else a note on stderr): the weights file and the
     tokenizer files written (None without a tokenizer)."""
-    from megatron_hpc.checkpoint.conversion.tokenizers import export_hf, hf_tokenizer_files, tokenizer_files
+    from megatron_hpc.checkpoint.conversion.tokenizers import hf_tokenizer_files, tokenizer_files
+    from megatron_hpc.checkpoint.foreign.hf_export import export_hf
     from megatron_hpc.data.tokenizer import EOD_TOKEN, GPT2BPETokenizer
     from megatron_hpc.errors import DataError
 
@@ -270,7 +271,8 @@ def _export_hf_with_tokenizer_json(whole: Any, out: Path) -> tuple[Path, list[st
     """The model with the run's tokenizer.json (HuggingFaceTokenizer) and its settings, copied as they are."""
     import shutil
 
-    from megatron_hpc.checkpoint.conversion.tokenizers import export_hf, hf_tokenizer_files
+    from megatron_hpc.checkpoint.conversion.tokenizers import hf_tokenizer_files
+    from megatron_hpc.checkpoint.foreign.hf_export import export_hf
     from megatron_hpc.data.hf_tokenizer import HuggingFaceTokenizer
     from megatron_hpc.errors import CheckpointError, DataError
 

@@ -1,8 +1,9 @@
 """Whole checkpoints in one process: read every TP x PP rank's state, and write a new checkpoint from them.
 
 For the offline tools (`ckpt convert`, `ckpt reshard`), which run on one machine without a process
-group. Writing goes through the saver's own per-rank writer and finisher, so the result has the same
-layout, manifest and atomic tracker as a checkpoint the trainer saved.
+group. Writing goes through the saver's own per-rank writer and finisher (write_rank_folder, commit_save), so the
+result has the same layout, manifest and atomic tracker as a checkpoint the trainer saved. convert_format is
+`ckpt convert --to xser|torch` at the same size; another TP x PP size is stream.py's.
 """
 
 from __future__ import annotations
@@ -116,3 +117,8 @@ def write_whole(root: Path, iteration: int, grid: list[list[dict[str, Any]]], *,
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"writing {root} failed ({exc}); nothing was left behind") from None
+
+
+def convert_format(whole: WholeCheckpoint, *, to: str, out: Path) -> Path:
+    """The same checkpoint (every rank, every key) in the other file format."""
+    return write_whole(out, whole.iteration, whole.grid, fmt=to, layout=whole.layout)
