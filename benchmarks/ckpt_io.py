@@ -42,14 +42,17 @@ from pathlib import Path
 
 import torch
 
-from megatron_hpc.checkpoint.store.async_save import AsyncSave
+from megatron_hpc.checkpoint.store import (
+    AsyncSave,
+    PipelineLayout,
+    RankInfo,
+    load_checkpoint,
+    safe_load,
+    save_checkpoint,
+)
 from megatron_hpc.checkpoint.store.checksum import IMPLEMENTATION as CHECKSUM_IMPLEMENTATION
 from megatron_hpc.checkpoint.store.checksum import crc32
-from megatron_hpc.checkpoint.store.compat import PipelineLayout
-from megatron_hpc.checkpoint.store.file_io import CHUNK, safe_load
-from megatron_hpc.checkpoint.store.loader import load_checkpoint
-from megatron_hpc.checkpoint.store.ranks import RankInfo
-from megatron_hpc.checkpoint.store.saver import save_checkpoint
+from megatron_hpc.checkpoint.store.file_io import CHUNK
 from megatron_hpc.checkpoint.store.xser import IO_THREADS, TensorReference
 
 GIB = 1 << 30

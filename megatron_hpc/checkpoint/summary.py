@@ -10,11 +10,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from megatron_hpc.checkpoint.foreign.megatron_family import OURS, arg, family_of, foreign_folder, rank_files
-from megatron_hpc.checkpoint.store import paths
-from megatron_hpc.checkpoint.store.loader import FoundCheckpoint, find_checkpoint, read_shard
-from megatron_hpc.checkpoint.store.manifest import read_manifest
-from megatron_hpc.checkpoint.store.xser import iter_tensors, read_xser
+from megatron_hpc.checkpoint.foreign import OURS, arg, family_of, foreign_folder, rank_files
+from megatron_hpc.checkpoint.store import (
+    FoundCheckpoint,
+    find_checkpoint,
+    iter_tensors,
+    paths,
+    read_manifest,
+    read_shard,
+    read_xser,
+)
 from megatron_hpc.errors import CheckpointAccessError, CheckpointError
 
 

@@ -16,21 +16,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_hpc.checkpoint.conversion.optim_layout import for_model, with_masters
-from megatron_hpc.checkpoint.store.async_save import AsyncSave
-from megatron_hpc.checkpoint.store.compat import PipelineLayout
-from megatron_hpc.checkpoint.store.contents import (
+from megatron_hpc.checkpoint.conversion import for_model, with_masters
+from megatron_hpc.checkpoint.store import (
+    AsyncSave,
+    PipelineLayout,
     Progress,
+    RankInfo,
+    Snapshot,
     build_state_dict,
+    find_checkpoint,
+    iteration_dir,
+    load_checkpoint,
     read_progress,
     read_rng,
+    save_checkpoint,
     saved_global_batch,
 )
-from megatron_hpc.checkpoint.store.loader import find_checkpoint, load_checkpoint
-from megatron_hpc.checkpoint.store.paths import iteration_dir
-from megatron_hpc.checkpoint.store.ranks import RankInfo
-from megatron_hpc.checkpoint.store.saver import save_checkpoint
-from megatron_hpc.checkpoint.store.xser import Snapshot
 from megatron_hpc.config.schema import CheckpointConfig
 from megatron_hpc.errors import CheckpointError
 from megatron_hpc.parallel.context import ParallelContext

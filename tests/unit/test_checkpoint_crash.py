@@ -15,9 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_hpc.checkpoint.store import paths
-from megatron_hpc.checkpoint.store.loader import find_checkpoint, load_checkpoint
-from megatron_hpc.checkpoint.store.ranks import RankInfo
+from megatron_hpc.checkpoint.store import RankInfo, find_checkpoint, load_checkpoint, paths
 
 # Saves iterations 1, 2, 3, ... forever; each tensor holds its iteration, so a loaded state shows
 # whether it is all from one save. Prints "ready" once iteration 1 is complete.

@@ -57,7 +57,7 @@ def test_gpt2_variants_our_gpt_does_not_have_are_refused(key: str, value: object
 
 
 def test_a_run_folder_with_its_config_json_is_not_taken_for_a_model_folder(tmp_path) -> None:
-    from megatron_hpc.checkpoint.foreign.hf_import import is_hf_folder
+    from megatron_hpc.checkpoint.foreign import is_hf_folder
 
     (tmp_path / "config.json").write_text(json.dumps({"name": "tiny", "model": {"num_layers": 2}}))
     assert not is_hf_folder(tmp_path)

@@ -20,8 +20,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_hpc.checkpoint.conversion import read_whole
 from megatron_hpc.checkpoint.conversion.optim_layout import by_name
-from megatron_hpc.checkpoint.conversion.whole import read_whole
 from megatron_hpc.checkpoint.foreign import distrib_optim
 from megatron_hpc.checkpoint.foreign.megatron_family import read_rank
 from megatron_hpc.cli.main import main

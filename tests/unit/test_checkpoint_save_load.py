@@ -9,11 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_hpc.checkpoint.store import paths, saver
-from megatron_hpc.checkpoint.store.loader import find_checkpoint, load_checkpoint
-from megatron_hpc.checkpoint.store.manifest import read_manifest
-from megatron_hpc.checkpoint.store.ranks import RankInfo
-from megatron_hpc.checkpoint.store.saver import save_checkpoint
+from megatron_hpc.checkpoint.store import (
+    RankInfo,
+    find_checkpoint,
+    load_checkpoint,
+    paths,
+    read_manifest,
+    save_checkpoint,
+    saver,
+)
 from megatron_hpc.errors import CheckpointError
 
 ONE = RankInfo()

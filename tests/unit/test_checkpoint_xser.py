@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_hpc.checkpoint.store.xser import TensorReference, read_xser, write_torch, write_xser
+from megatron_hpc.checkpoint.store import read_xser
+from megatron_hpc.checkpoint.store.xser import TensorReference, write_torch, write_xser
 from megatron_hpc.errors import CheckpointError
 
 

@@ -212,8 +212,8 @@ def test_the_cycle_finder_finds_a_cycle_through_a_lazy_import():
 
 def test_the_graph_sees_function_level_imports():
     graph = import_graph()
-    # cli/ckpt_cmd.py imports checkpoint.tools inside a function only
-    assert "megatron_hpc.checkpoint.conversion.tokenizers" in graph["megatron_hpc.cli.ckpt_cmd"]
+    # cli/ckpt_cmd.py imports the checkpoint.conversion face inside a function only
+    assert "megatron_hpc.checkpoint.conversion" in graph["megatron_hpc.cli.ckpt_cmd"]
     assert "megatron_hpc.data.jsonl" in graph["megatron_hpc.data.tokenizer"]
 
 

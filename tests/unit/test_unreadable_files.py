@@ -21,8 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_hpc.checkpoint.store.ranks import RankInfo
-from megatron_hpc.checkpoint.store.saver import save_checkpoint
+from megatron_hpc.checkpoint.store import RankInfo, save_checkpoint
 from megatron_hpc.cli.main import main
 
 NOBODY = 65534

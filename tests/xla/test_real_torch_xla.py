@@ -78,8 +78,7 @@ def _read(run_dir: Path, iteration: int) -> dict[str, Any]:
     """A checkpoint's precision record, XLA RNG state and tensors (model and optimizer), as plain values."""
     import torch
 
-    from megatron_hpc.checkpoint.store import paths
-    from megatron_hpc.checkpoint.store.xser import iter_tensors, read_xser
+    from megatron_hpc.checkpoint.store import iter_tensors, paths, read_xser
 
     state = read_xser(paths.main_file(paths.iteration_dir(run_dir / "checkpoints", iteration), 0))
     out: dict[str, Any] = {"precision": state.get("precision"), "xla_rng_state": state.get("xla_rng_state"),
@@ -263,9 +262,8 @@ def test_fp32_weights_without_masters_resume_as_the_masters(env: dict[str, str],
     model's parameters hold, so the run continues as the original one did."""
     import torch
 
-    from megatron_hpc.checkpoint.conversion import stream
+    from megatron_hpc.checkpoint.conversion import read_whole, stream
     from megatron_hpc.checkpoint.conversion.optim_layout import by_name, indexed
-    from megatron_hpc.checkpoint.conversion.whole import read_whole
     from megatron_hpc.checkpoint.store import paths
 
     straight_dir, straight = masters_run

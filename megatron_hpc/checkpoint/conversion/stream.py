@@ -28,10 +28,7 @@ from megatron_hpc.checkpoint.conversion import optim_layout, pp_layout, tp_layou
 from megatron_hpc.checkpoint.conversion.host_memory import give_back_freed
 from megatron_hpc.checkpoint.conversion.reshard_sizes import ReshardResult, check_pp, check_tp, resized_state
 from megatron_hpc.checkpoint.conversion.whole import WholeCheckpoint, model_config
-from megatron_hpc.checkpoint.store import paths
-from megatron_hpc.checkpoint.store.compat import PipelineLayout
-from megatron_hpc.checkpoint.store.ranks import RankInfo
-from megatron_hpc.checkpoint.store.saver import commit_save, write_rank_folder
+from megatron_hpc.checkpoint.store import PipelineLayout, RankInfo, commit_save, paths, write_rank_folder
 from megatron_hpc.errors import CheckpointError
 from megatron_hpc.plan.vocab import padded_vocab_size
 

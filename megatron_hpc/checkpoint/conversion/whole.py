@@ -14,12 +14,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_hpc.checkpoint.store import paths
-from megatron_hpc.checkpoint.store.compat import PipelineLayout, foreign_message, is_foreign
-from megatron_hpc.checkpoint.store.loader import FoundCheckpoint, find_checkpoint, read_shard
-from megatron_hpc.checkpoint.store.manifest import read_manifest
-from megatron_hpc.checkpoint.store.ranks import RankInfo
-from megatron_hpc.checkpoint.store.saver import commit_save, write_rank_folder
+from megatron_hpc.checkpoint.store import (
+    FoundCheckpoint,
+    PipelineLayout,
+    RankInfo,
+    commit_save,
+    find_checkpoint,
+    foreign_message,
+    is_foreign,
+    paths,
+    read_manifest,
+    read_shard,
+    write_rank_folder,
+)
 from megatron_hpc.errors import CheckpointAccessError, CheckpointError
 
 

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_hpc.checkpoint.conversion import pp_layout
-from megatron_hpc.checkpoint.conversion.whole import WholeCheckpoint, model_config
+from megatron_hpc.checkpoint.conversion import WholeCheckpoint, model_config, pp_layout
 from megatron_hpc.checkpoint.foreign import hf_formats
 
 

@@ -18,13 +18,9 @@ from typing import Any
 
 import torch
 
-from megatron_hpc.checkpoint.conversion import pp_layout
-from megatron_hpc.checkpoint.conversion.whole import WholeCheckpoint
+from megatron_hpc.checkpoint.conversion import WholeCheckpoint, pp_layout
 from megatron_hpc.checkpoint.foreign import hf_formats
-from megatron_hpc.checkpoint.store import paths
-from megatron_hpc.checkpoint.store.file_io import safe_load
-from megatron_hpc.checkpoint.store.loader import FoundCheckpoint
-from megatron_hpc.checkpoint.store.manifest import Manifest
+from megatron_hpc.checkpoint.store import FoundCheckpoint, Manifest, paths, safe_load
 from megatron_hpc.errors import CheckpointError, MegatronHpcError
 
 FAMILY = "huggingface"

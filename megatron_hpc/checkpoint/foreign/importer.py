@@ -19,13 +19,17 @@ from typing import Any
 
 import torch
 
-from megatron_hpc.checkpoint.conversion import optim_layout, pp_layout, stream, tp_layout
-from megatron_hpc.checkpoint.conversion.host_memory import give_back_freed
-from megatron_hpc.checkpoint.conversion.whole import WholeCheckpoint
+from megatron_hpc.checkpoint.conversion import (
+    WholeCheckpoint,
+    give_back_freed,
+    optim_layout,
+    pp_layout,
+    stream,
+    tp_layout,
+)
 from megatron_hpc.checkpoint.foreign import distrib_optim, foreign_keys, foreign_optim
 from megatron_hpc.checkpoint.foreign.megatron_family import OURS, ForeignCheckpoint, arg, read_rank
-from megatron_hpc.checkpoint.store.loader import FoundCheckpoint
-from megatron_hpc.checkpoint.store.manifest import Manifest
+from megatron_hpc.checkpoint.store import FoundCheckpoint, Manifest
 from megatron_hpc.errors import CheckpointError
 
 GPT2_VOCAB = 50257

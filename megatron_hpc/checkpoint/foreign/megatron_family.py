@@ -20,8 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_hpc.checkpoint.store import paths
-from megatron_hpc.checkpoint.store.xser import read_xser
+from megatron_hpc.checkpoint.store import paths, read_xser
 from megatron_hpc.errors import CheckpointAccessError, CheckpointError
 
 FAMILIES = ("neuron-reference", "megatron-lm", "megatron-core")
