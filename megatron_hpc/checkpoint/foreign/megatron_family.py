@@ -11,7 +11,7 @@ with pipeline parallelism, each with `model_optim_rng.pt` (a plain torch file, o
   an `args` Namespace;
 - megatron-core: an `args` Namespace and megatron-core's flat model keys (embedding., decoder.layers.N., output_layer).
 
-Reading goes through the restricted unpickler (file_io.py, safe_pickle.py): nothing in the files runs.
+Reading goes through the restricted unpickler (store/file_io.py, safe_pickle.py): nothing in the files runs.
 """
 
 from __future__ import annotations
