@@ -42,15 +42,18 @@ from pathlib import Path
 
 import torch
 
-from megatron_hpc.checkpoint.async_save import AsyncSave
-from megatron_hpc.checkpoint.checksum import IMPLEMENTATION as CHECKSUM_IMPLEMENTATION
-from megatron_hpc.checkpoint.checksum import crc32
-from megatron_hpc.checkpoint.compat import PipelineLayout
-from megatron_hpc.checkpoint.file_io import CHUNK, safe_load
-from megatron_hpc.checkpoint.loader import load_checkpoint
-from megatron_hpc.checkpoint.ranks import RankInfo
-from megatron_hpc.checkpoint.saver import save_checkpoint
-from megatron_hpc.checkpoint.xser import IO_THREADS, TensorReference
+from megatron_hpc.checkpoint.store import (
+    AsyncSave,
+    PipelineLayout,
+    RankInfo,
+    load_checkpoint,
+    safe_load,
+    save_checkpoint,
+)
+from megatron_hpc.checkpoint.store.checksum import IMPLEMENTATION as CHECKSUM_IMPLEMENTATION
+from megatron_hpc.checkpoint.store.checksum import crc32
+from megatron_hpc.checkpoint.store.file_io import CHUNK
+from megatron_hpc.checkpoint.store.xser import IO_THREADS, TensorReference
 
 GIB = 1 << 30
 

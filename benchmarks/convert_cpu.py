@@ -200,8 +200,8 @@ def _save_reference_xser(state: dict[str, Any], main: Path) -> None:
     """As torch_xla's xser.save: tensors become TensorReference(tid), each in tensors/tensor_<tid>.pt."""
     import torch
 
-    from megatron_hpc.checkpoint import xser
-    from megatron_hpc.checkpoint.file_io import write_torch_file
+    from megatron_hpc.checkpoint.store import xser
+    from megatron_hpc.checkpoint.store.file_io import write_torch_file
 
     folder = main.with_name(main.name + ".tensors")
     folder.mkdir(parents=True)
@@ -219,7 +219,7 @@ def _save_reference_xser(state: dict[str, Any], main: Path) -> None:
             return [walk(v) for v in value]
         return value
 
-    write_torch_file(main, walk(state), pickle_module=xser._PICKLE_MODULE)
+    write_torch_file(main, walk(state), pickle_module=xser.PICKLE_MODULE)
 
 
 def write_source(root: Path, shape: Shape, *, tp: int, fmt: str, optimizer: bool) -> None:

@@ -2,7 +2,7 @@
 same model (issue 17).
 
 One process builds our GPT (random init, fp32), maps its weights into a GPT2LMHeadModel exactly as `ckpt convert
---to hf` does (checkpoint/hf_gpt2.py: hf_config_from_model, state_to_hf), and checks that both produce the same
+--to hf` does (checkpoint/foreign/hf_gpt2.py: hf_config_from_model, state_to_hf), and checks that both produce the same
 greedy tokens before timing anything. Then, for batch 1 and batch 8, each of `--rounds` rounds times one full
 generation of `--new-tokens` tokens (prefill of a `--prompt-len`-token prompt included) with each implementation,
 alternating ours / theirs so machine drift hits both. Tokens/s = batch x new tokens / seconds; the median round
@@ -71,7 +71,7 @@ def _models(args: argparse.Namespace):
     import torch.distributed as dist
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from megatron_hpc.checkpoint.hf_gpt2 import hf_config_from_model, state_to_hf
+    from megatron_hpc.checkpoint.foreign.hf_gpt2 import hf_config_from_model, state_to_hf
     from megatron_hpc.config.schema import ModelConfig
     from megatron_hpc.model.gpt import GPT
     from megatron_hpc.parallel.context import ParallelContext

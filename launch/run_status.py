@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron_hpc.checkpoint.paths import parse_tracker, tracker_file
+from megatron_hpc.checkpoint.store import parse_tracker, tracker_file
 from megatron_hpc.errors import ACCESS_FIX, LaunchError, access_problem
 from megatron_hpc.run_folder import (
     ATTEMPTS_FILE,

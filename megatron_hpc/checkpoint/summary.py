@@ -1,5 +1,5 @@
 """summarize: what `megatron-hpc ckpt inspect` prints, for a checkpoint root, folder or single file: ours, or a
-Megatron-family one written by another trainer (`family` says which; checkpoint/foreign.py).
+Megatron-family one written by another trainer (`family` says which; checkpoint/foreign/megatron_family.py).
 
 Tensor files are memory-mapped, so listing shapes does not read the weights. A single file may be
 an xser main file written by real torch_xla (CPU tensors inline, the rest as TensorReference).
@@ -10,11 +10,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from megatron_hpc.checkpoint import paths
 from megatron_hpc.checkpoint.foreign import OURS, arg, family_of, foreign_folder, rank_files
-from megatron_hpc.checkpoint.loader import FoundCheckpoint, find_checkpoint, read_shard
-from megatron_hpc.checkpoint.manifest import read_manifest
-from megatron_hpc.checkpoint.xser import iter_tensors, read_xser
+from megatron_hpc.checkpoint.store import (
+    FoundCheckpoint,
+    find_checkpoint,
+    iter_tensors,
+    paths,
+    read_manifest,
+    read_shard,
+    read_xser,
+)
 from megatron_hpc.errors import CheckpointAccessError, CheckpointError
 
 
@@ -73,7 +78,7 @@ def _foreign(folder: Path) -> dict[str, Any]:
 
 
 def _precision(top: Any) -> dict[str, Any] | None:
-    """What the trainer recorded the weights to hold (checkpoint/contents.py); None for checkpoints without it."""
+    """What the trainer recorded the weights to hold (checkpoint/store/contents.py); None for checkpoints without it."""
     record = top.get("precision") if isinstance(top, dict) else None
     return record if isinstance(record, dict) else None
 

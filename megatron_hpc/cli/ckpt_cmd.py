@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         return _convert(args)
     if args.ckpt_command == "reshard":
         return _reshard(args)
-    from megatron_hpc.checkpoint.hf_import import is_hf_folder
+    from megatron_hpc.checkpoint.foreign import is_hf_folder
     from megatron_hpc.checkpoint.summary import summarize
     from megatron_hpc.errors import CheckpointError
 
@@ -133,17 +133,16 @@ def _out(args: argparse.Namespace) -> Path:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from megatron_hpc.checkpoint.foreign import foreign_folder, read_foreign
-    from megatron_hpc.checkpoint.importer import import_foreign
-    from megatron_hpc.checkpoint.paths import iteration_dir
-    from megatron_hpc.checkpoint.whole import read_whole
+    from megatron_hpc.checkpoint.conversion import read_whole
+    from megatron_hpc.checkpoint.foreign import foreign_folder, import_foreign, read_foreign
+    from megatron_hpc.checkpoint.store import iteration_dir
     from megatron_hpc.errors import CheckpointError
 
     source, out = args.path, _out(args)
     if args.to == "hf" and (args.tp is not None or args.pp is not None):
         raise CheckpointError("--tp and --pp choose the layout of a Megatron checkpoint; a Hugging Face folder has "
                               "none, drop them")
-    from megatron_hpc.checkpoint.hf_import import is_hf_folder
+    from megatron_hpc.checkpoint.foreign import is_hf_folder
 
     if is_hf_folder(source):
         return _import_hf(args, out)
@@ -169,11 +168,11 @@ def _convert(args: argparse.Namespace) -> int:
         written, report["tokenizer"] = _export_hf(whole, out)
         tp, pp = whole.tensor_parallel, whole.pipeline_parallel
     elif folder is None and args.tp is None and args.pp is None:
-        from megatron_hpc.checkpoint.tools import convert_format
+        from megatron_hpc.checkpoint.conversion import convert_format
 
         written, tp, pp = convert_format(whole, to=args.to, out=out), whole.tensor_parallel, whole.pipeline_parallel
     else:
-        from megatron_hpc.checkpoint import stream
+        from megatron_hpc.checkpoint.conversion import stream
 
         tp = whole.tensor_parallel if args.tp is None else args.tp
         pp = whole.pipeline_parallel if args.pp is None else args.pp
@@ -205,8 +204,8 @@ def _weights_dtype(whole: Any) -> str:
 
 def _import_hf(args: argparse.Namespace, out: Path) -> int:
     """A Hugging Face model folder as our checkpoint at --tp x --pp (default 1 x 1), weights only, iteration 0."""
-    from megatron_hpc.checkpoint import stream
-    from megatron_hpc.checkpoint.hf_import import copy_tokenizer, import_hf
+    from megatron_hpc.checkpoint.conversion import stream
+    from megatron_hpc.checkpoint.foreign import copy_tokenizer, import_hf
     from megatron_hpc.errors import CheckpointError
 
     source = args.path
@@ -241,7 +240,8 @@ def _import_hf(args: argparse.Namespace, out: Path) -> int:
 def _export_hf(whole: Any, out: Path) -> tuple[Path, list[str] | None]:
     """The model, and the run's tokenizer when it has one (else a note on stderr): the weights file and the
     tokenizer files written (None without a tokenizer)."""
-    from megatron_hpc.checkpoint.tools import export_hf, hf_tokenizer_files, tokenizer_files
+    from megatron_hpc.checkpoint.conversion import hf_tokenizer_files, tokenizer_files
+    from megatron_hpc.checkpoint.foreign import export_hf
     from megatron_hpc.data.tokenizer import EOD_TOKEN, GPT2BPETokenizer
     from megatron_hpc.errors import DataError
 
@@ -270,7 +270,8 @@ def _export_hf_with_tokenizer_json(whole: Any, out: Path) -> tuple[Path, list[st
     """The model with the run's tokenizer.json (HuggingFaceTokenizer) and its settings, copied as they are."""
     import shutil
 
-    from megatron_hpc.checkpoint.tools import export_hf, hf_tokenizer_files
+    from megatron_hpc.checkpoint.conversion import hf_tokenizer_files
+    from megatron_hpc.checkpoint.foreign import export_hf
     from megatron_hpc.data.hf_tokenizer import HuggingFaceTokenizer
     from megatron_hpc.errors import CheckpointError, DataError
 
@@ -292,9 +293,8 @@ def _export_hf_with_tokenizer_json(whole: Any, out: Path) -> tuple[Path, list[st
 
 
 def _reshard(args: argparse.Namespace) -> int:
-    from megatron_hpc.checkpoint import stream
-    from megatron_hpc.checkpoint.compat import PipelineLayout, reshard_out
-    from megatron_hpc.checkpoint.whole import read_whole
+    from megatron_hpc.checkpoint.conversion import read_whole, stream
+    from megatron_hpc.checkpoint.store import PipelineLayout, reshard_out
     from megatron_hpc.errors import CheckpointError
 
     if args.tp is None and args.pp is None:

@@ -238,7 +238,7 @@ def check_checkpoint_to_load(resolved: Resolved, *, resumed_dir: Path | None) ->
     root = ckpt.load or ckpt.save or (str(resumed_dir / CHECKPOINT_DIR) if resumed_dir is not None else None)
     if root is None:  # a new run folder: nothing to load yet
         return
-    from megatron_hpc.checkpoint.compat import PipelineLayout, check_before_queue
+    from megatron_hpc.checkpoint.store import PipelineLayout, check_before_queue
     plan = resolved.plan.to_json()
     layout = PipelineLayout.of_run(plan=plan, config=dataclasses.asdict(resolved.cfg))
     check_before_queue(Path(root).expanduser(), tensor_parallel=resolved.plan.tensor_parallel, layout=layout)

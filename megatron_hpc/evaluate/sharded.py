@@ -12,10 +12,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_hpc.checkpoint.compat import PipelineLayout
-from megatron_hpc.checkpoint.loader import read_shard
-from megatron_hpc.checkpoint.tools import resolved_tokenizer_files
-from megatron_hpc.checkpoint.whole import locate
+from megatron_hpc.checkpoint.conversion import locate, resolved_tokenizer_files
+from megatron_hpc.checkpoint.store import PipelineLayout, read_shard
 from megatron_hpc.config.loader import from_dict
 from megatron_hpc.config.schema import ModelConfig
 from megatron_hpc.errors import CheckpointError

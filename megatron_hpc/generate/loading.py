@@ -13,9 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_hpc.checkpoint import pp_layout, tp_layout
-from megatron_hpc.checkpoint.tools import tokenizer_files
-from megatron_hpc.checkpoint.whole import read_whole
+from megatron_hpc.checkpoint.conversion import pp_layout, read_whole, tokenizer_files, tp_layout
 from megatron_hpc.config.loader import from_dict
 from megatron_hpc.config.platforms import PLATFORMS, resolve_platform
 from megatron_hpc.config.schema import ModelConfig

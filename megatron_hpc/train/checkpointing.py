@@ -1,7 +1,7 @@
 """Checkpointer: the trainer's one object for checkpoints (`ckpt.restore(...)`, `ckpt.maybe_save(...)`).
 
 A thin facade: it turns the loop's TrainState, model and optimizer into the state dict of
-checkpoint/contents.py and hands it to the pure checkpoint I/O (checkpoint/saver.py, loader.py), and back.
+checkpoint/store/contents.py and hands it to the pure checkpoint I/O (checkpoint/store/saver.py, loader.py), and back.
 Whether checkpoints are active at all (not in a compile trial) is decided by the caller.
 """
 
@@ -16,15 +16,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_hpc.checkpoint.async_save import AsyncSave
-from megatron_hpc.checkpoint.compat import PipelineLayout
-from megatron_hpc.checkpoint.contents import Progress, build_state_dict, read_progress, read_rng, saved_global_batch
-from megatron_hpc.checkpoint.loader import find_checkpoint, load_checkpoint
-from megatron_hpc.checkpoint.optim_layout import for_model, with_masters
-from megatron_hpc.checkpoint.paths import iteration_dir
-from megatron_hpc.checkpoint.ranks import RankInfo
-from megatron_hpc.checkpoint.saver import save_checkpoint
-from megatron_hpc.checkpoint.xser import Snapshot
+from megatron_hpc.checkpoint.conversion import for_model, with_masters
+from megatron_hpc.checkpoint.store import (
+    AsyncSave,
+    PipelineLayout,
+    Progress,
+    RankInfo,
+    Snapshot,
+    build_state_dict,
+    find_checkpoint,
+    iteration_dir,
+    load_checkpoint,
+    read_progress,
+    read_rng,
+    save_checkpoint,
+    saved_global_batch,
+)
 from megatron_hpc.config.schema import CheckpointConfig
 from megatron_hpc.errors import CheckpointError
 from megatron_hpc.parallel.context import ParallelContext
@@ -60,7 +67,7 @@ class Checkpointer:
         self.precision = spec.config.train.precision
         self.out = sys.stdout if out is None else out
         self.ranks = RankInfo.of(ctx, device=device.device)
-        # Which layers this pipeline rank's file holds: recorded at save, checked at load (checkpoint/compat.py).
+        # Which layers this pipeline rank's file holds: recorded at save, checked at load (checkpoint/store/compat.py).
         self.layout = PipelineLayout.of_run(plan=self.plan_json, config=self.config_json)
         self.save_root, self.load_root = save_root, load_root
         self.source: Path | None = None

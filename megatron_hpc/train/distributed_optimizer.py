@@ -32,7 +32,7 @@ slice is a view of it) and each rank broadcasts its slices (ALL_REDUCE_ON_GLOO; 
 Memory per parameter: 4 bytes of weights and 4 of gradients as before (the flat buffers, padded), Adam's 8 bytes
 divided by DP; the collectives run in place, so nothing else is allocated.
 
-Checkpoints. `state_dict()` gathers the slices onto DP rank 0 (the rank that writes, checkpoint/ranks.py) in the
+Checkpoints. `state_dict()` gathers the slices onto DP rank 0 (the rank that writes, checkpoint/store/ranks.py) in the
 plain optimizer's layout: one entry per parameter, whole. So a checkpoint saved with the distributed optimizer
 loads at any DP size, with or without it, and `ckpt reshard` moves it by name like any other; `load_state_dict`
 takes this rank's pieces of each moment. Gathering is windowed (GATHER_WINDOW elements at a time per rank).
@@ -431,7 +431,7 @@ class DistributedOptimizer:
     @torch.no_grad()
     def state_dict(self) -> dict[str, Any]:
         """The whole optimizer state in the plain AdamW layout on DP rank 0 (collective over DP); the other DP
-        ranks, which do not write (checkpoint/ranks.py), get the groups without state."""
+        ranks, which do not write (checkpoint/store/ranks.py), get the groups without state."""
         groups = self._plain_groups()
         inner = self.optimizer.state
         stepped = [inner[m] for m in self.pieces if m in inner]

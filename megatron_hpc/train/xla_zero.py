@@ -186,7 +186,7 @@ class XlaZeroOptimizer:
     @torch.no_grad()
     def state_dict(self) -> dict[str, Any]:
         """Every parameter's step, moments and fp32 master, whole, on DP rank 0 (collective over DP); the groups
-        without state on the other DP ranks, which do not write (checkpoint/ranks.py)."""
+        without state on the other DP ranks, which do not write (checkpoint/store/ranks.py)."""
         groups = self._plain_groups()
         inner = self.base.state
         state: dict[int, dict[str, Any]] = {}

@@ -11,8 +11,7 @@ from pathlib import Path
 import mp_workers
 import pytest
 
-from megatron_hpc.checkpoint import paths
-from megatron_hpc.checkpoint.manifest import read_manifest
+from megatron_hpc.checkpoint.store import paths, read_manifest
 from megatron_hpc.config.schema import CheckpointConfig
 
 pytestmark = pytest.mark.multiprocess

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_hpc.checkpoint.manifest import read_manifest
+from megatron_hpc.checkpoint.store import read_manifest
 
 pytestmark = pytest.mark.multiprocess
 
@@ -24,9 +24,7 @@ MESHES = ((1, 2), (2, 2))
 
 
 def save_and_load(rank: int, world: int, ports: list[int], root: str) -> list[dict[str, Any]]:
-    from megatron_hpc.checkpoint.loader import load_checkpoint
-    from megatron_hpc.checkpoint.ranks import RankInfo
-    from megatron_hpc.checkpoint.saver import save_checkpoint
+    from megatron_hpc.checkpoint.store import RankInfo, load_checkpoint, save_checkpoint
     from megatron_hpc.parallel.context import ParallelContext
     from megatron_hpc.plan.mesh import Mesh
 

@@ -16,8 +16,7 @@ from pathlib import Path
 import mp_workers
 import pytest
 
-from megatron_hpc.checkpoint.loader import find_checkpoint
-from megatron_hpc.checkpoint.manifest import read_manifest
+from megatron_hpc.checkpoint.store import find_checkpoint, read_manifest
 from megatron_hpc.config.schema import CheckpointConfig, RunConfig
 
 pytestmark = pytest.mark.multiprocess

@@ -52,8 +52,8 @@ def _train(ckpt: Path, sets: list[str], *, tp: int) -> None:
 
 def model_logits(rank: int, world: int, ports: list[int], ckpt: str, tokens: torch.Tensor) -> torch.Tensor | None:
     """Logits of our GPT loaded from `ckpt` at TP=world, gathered to full vocabulary on rank 0."""
-    from megatron_hpc.checkpoint.loader import read_shard
-    from megatron_hpc.checkpoint.whole import locate
+    from megatron_hpc.checkpoint.conversion import locate
+    from megatron_hpc.checkpoint.store import read_shard
     from megatron_hpc.config.loader import load_recipe
     from megatron_hpc.model.gpt import GPT
     from megatron_hpc.parallel.context import ParallelContext
@@ -162,8 +162,8 @@ def test_hf_export_of_a_run_on_demo_data_carries_its_tokenizer(demo_data, tmp_pa
 
 
 def test_convert_xser_to_torch_and_back_is_identical(tp2_checkpoint, tmp_path):
-    from megatron_hpc.checkpoint.whole import read_whole
-    from megatron_hpc.checkpoint.xser import iter_tensors
+    from megatron_hpc.checkpoint.conversion import read_whole
+    from megatron_hpc.checkpoint.store import iter_tensors
 
     _cli("ckpt", "convert", str(tp2_checkpoint), "--to", "torch", str(tmp_path / "torch"))
     _cli("ckpt", "convert", str(tmp_path / "torch"), "--to", "xser", str(tmp_path / "xser"))

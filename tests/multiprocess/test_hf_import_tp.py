@@ -24,8 +24,8 @@ def tp_logits(rank: int, world: int, ports: list[int], ckpts: list[str],
               tokens: torch.Tensor) -> list[torch.Tensor] | None:
     """Logits of our GPT loaded from this rank's shard of each of `ckpts` at TP=world, gathered to the full vocabulary
     on rank 0; the model config is the checkpoint's resolved one."""
-    from megatron_hpc.checkpoint.loader import read_shard
-    from megatron_hpc.checkpoint.whole import locate
+    from megatron_hpc.checkpoint.conversion import locate
+    from megatron_hpc.checkpoint.store import read_shard
     from megatron_hpc.config.loader import from_dict
     from megatron_hpc.config.schema import ModelConfig
     from megatron_hpc.model.gpt import GPT

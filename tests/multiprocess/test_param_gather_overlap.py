@@ -13,7 +13,7 @@ import param_gather_workers as workers
 import pytest
 import torch
 
-from megatron_hpc.checkpoint.whole import read_whole
+from megatron_hpc.checkpoint.conversion import read_whole
 from megatron_hpc.config.schema import CheckpointConfig, RunConfig
 
 pytestmark = pytest.mark.multiprocess

@@ -16,13 +16,15 @@ from typing import Any
 import pytest
 import torch
 
-from megatron_hpc.checkpoint import paths
-from megatron_hpc.checkpoint.async_save import AsyncSave
-from megatron_hpc.checkpoint.compat import PipelineLayout
-from megatron_hpc.checkpoint.loader import load_checkpoint
-from megatron_hpc.checkpoint.manifest import read_manifest
-from megatron_hpc.checkpoint.ranks import RankInfo
-from megatron_hpc.checkpoint.saver import save_checkpoint
+from megatron_hpc.checkpoint.store import (
+    AsyncSave,
+    PipelineLayout,
+    RankInfo,
+    load_checkpoint,
+    paths,
+    read_manifest,
+    save_checkpoint,
+)
 from megatron_hpc.config.schema import (
     CheckpointConfig,
     CompilePhaseConfig,

@@ -8,9 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_hpc.checkpoint.ranks import RankInfo
-from megatron_hpc.checkpoint.saver import save_checkpoint
-from megatron_hpc.checkpoint.xser import write_xser
+from megatron_hpc.checkpoint.store import RankInfo, save_checkpoint
+from megatron_hpc.checkpoint.store.xser import write_xser
 from megatron_hpc.cli.main import main
 
 

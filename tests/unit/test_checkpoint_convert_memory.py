@@ -9,13 +9,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_checkpoint_import import _reference_checkpoint
+from test_checkpoint_import import reference_checkpoint
 from whole_model_reshard import reshard
 
-from megatron_hpc.checkpoint import pp_layout, stream
-from megatron_hpc.checkpoint.foreign import read_foreign
-from megatron_hpc.checkpoint.importer import import_foreign
-from megatron_hpc.checkpoint.whole import read_whole
+from megatron_hpc.checkpoint.conversion import pp_layout, read_whole, stream
+from megatron_hpc.checkpoint.foreign import import_foreign, read_foreign
 
 
 def _models(root: Path) -> list[list[dict[str, torch.Tensor]]]:
@@ -23,7 +21,7 @@ def _models(root: Path) -> list[list[dict[str, torch.Tensor]]]:
 
 
 def test_the_import_consumes_the_source_weights(tmp_path: Path) -> None:
-    _reference_checkpoint(tmp_path / "ref", tp=2, pp=2, xser_files=True)
+    reference_checkpoint(tmp_path / "ref", tp=2, pp=2, xser_files=True)
     src = read_foreign(tmp_path / "ref" / "iter_0000030")
     imported = import_foreign(src)
     assert all("model" not in state for row in src.grid for state in row)
@@ -35,7 +33,7 @@ def test_the_import_consumes_the_source_weights(tmp_path: Path) -> None:
 def test_a_streamed_reshard_in_memory_writes_the_same_and_leaves_shapes_behind(tmp_path: Path) -> None:
     """stream.in_memory's release: every source weight ends as a meta tensor of its shape, and the output equals the
     whole-model reference's from a copy it leaves untouched."""
-    _reference_checkpoint(tmp_path / "ref", tp=2, pp=2, xser_files=False)
+    reference_checkpoint(tmp_path / "ref", tp=2, pp=2, xser_files=False)
     kept = import_foreign(read_foreign(tmp_path / "ref" / "iter_0000030")).whole
     released = import_foreign(read_foreign(tmp_path / "ref" / "iter_0000030")).whole
     shapes = [[{n: (w.shape, w.dtype) for n, w in s["model"].items()} for s in row] for row in released.grid]

@@ -15,17 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_hpc.checkpoint import paths
-from megatron_hpc.checkpoint.loader import find_checkpoint, load_checkpoint
-from megatron_hpc.checkpoint.ranks import RankInfo
+from megatron_hpc.checkpoint.store import RankInfo, find_checkpoint, load_checkpoint, paths
 
 # Saves iterations 1, 2, 3, ... forever; each tensor holds its iteration, so a loaded state shows
 # whether it is all from one save. Prints "ready" once iteration 1 is complete.
 _WRITER = textwrap.dedent('''
     import sys, torch
     from pathlib import Path
-    from megatron_hpc.checkpoint.ranks import RankInfo
-    from megatron_hpc.checkpoint.saver import save_checkpoint
+    from megatron_hpc.checkpoint.store.ranks import RankInfo
+    from megatron_hpc.checkpoint.store.saver import save_checkpoint
     root, it = Path(sys.argv[1]), int(sys.argv[2])
     while True:
         state = {"iteration": it, "model": {f"w{i}": torch.full((2048,), float(it)) for i in range(60)}}
@@ -42,9 +40,9 @@ _WRITER = textwrap.dedent('''
 _ASYNC_WRITER = textwrap.dedent('''
     import sys, torch
     from pathlib import Path
-    from megatron_hpc.checkpoint.async_save import AsyncSave
-    from megatron_hpc.checkpoint.compat import PipelineLayout
-    from megatron_hpc.checkpoint.ranks import RankInfo
+    from megatron_hpc.checkpoint.store.async_save import AsyncSave
+    from megatron_hpc.checkpoint.store.compat import PipelineLayout
+    from megatron_hpc.checkpoint.store.ranks import RankInfo
     root, it = Path(sys.argv[1]), int(sys.argv[2])
     model = {f"w{i}": torch.full((2048,), float(it)) for i in range(60)}
     while True:

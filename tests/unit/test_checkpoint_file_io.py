@@ -12,13 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_hpc.checkpoint import paths
-from megatron_hpc.checkpoint.checksum import IMPLEMENTATION, crc32
-from megatron_hpc.checkpoint.file_io import CHUNK, read_torch_file, write_torch_file
-from megatron_hpc.checkpoint.loader import load_checkpoint
-from megatron_hpc.checkpoint.manifest import FileRecord
-from megatron_hpc.checkpoint.ranks import RankInfo
-from megatron_hpc.checkpoint.saver import save_checkpoint
+from megatron_hpc.checkpoint.store import RankInfo, load_checkpoint, paths, save_checkpoint
+from megatron_hpc.checkpoint.store.checksum import IMPLEMENTATION, crc32
+from megatron_hpc.checkpoint.store.file_io import CHUNK, read_torch_file, write_torch_file
+from megatron_hpc.checkpoint.store.manifest import FileRecord
 from megatron_hpc.errors import CheckpointError
 
 
@@ -92,7 +89,7 @@ def test_version_1_manifests_with_sha256_still_load(tmp_path: Path) -> None:
 
 def test_filesystem_without_mmap_still_loads_the_checked_bytes(tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    from megatron_hpc.checkpoint import file_io
+    from megatron_hpc.checkpoint.store import file_io
 
     real = file_io.safe_load
 

@@ -16,8 +16,7 @@ import torch.distributed as dist
 import transformers  # the real library (the `test` extra installs it)
 from safetensors.torch import load_file
 
-from megatron_hpc.checkpoint import pp_layout
-from megatron_hpc.checkpoint.whole import read_whole
+from megatron_hpc.checkpoint.conversion import pp_layout, read_whole
 from megatron_hpc.cli.main import main
 from megatron_hpc.config.loader import from_dict
 from megatron_hpc.config.schema import ModelConfig

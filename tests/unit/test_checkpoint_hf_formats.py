@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from megatron_hpc.checkpoint import hf_formats, hf_gpt2
+from megatron_hpc.checkpoint.foreign import hf_formats, hf_gpt2
 from megatron_hpc.errors import CheckpointError
 
 GPT2 = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16, "max_position_embeddings": 16,
@@ -25,7 +25,7 @@ def test_config_json_picks_its_module_by_architecture_or_model_type() -> None:
 
 
 def test_neox_is_picked_by_architecture_or_model_type() -> None:
-    from megatron_hpc.checkpoint import hf_neox
+    from megatron_hpc.checkpoint.foreign import hf_neox
 
     assert hf_formats.supported() == ["GPT2LMHeadModel", "GPTNeoXForCausalLM"]
     assert hf_formats.for_config({"model_type": "gpt_neox"}, where="c").module is hf_neox
@@ -57,7 +57,7 @@ def test_gpt2_variants_our_gpt_does_not_have_are_refused(key: str, value: object
 
 
 def test_a_run_folder_with_its_config_json_is_not_taken_for_a_model_folder(tmp_path) -> None:
-    from megatron_hpc.checkpoint.hf_import import is_hf_folder
+    from megatron_hpc.checkpoint.foreign import is_hf_folder
 
     (tmp_path / "config.json").write_text(json.dumps({"name": "tiny", "model": {"num_layers": 2}}))
     assert not is_hf_folder(tmp_path)

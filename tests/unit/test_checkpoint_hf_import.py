@@ -19,9 +19,7 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 from hf_models import SEQ, TOKENS, VOCAB, hf_logits, hf_model, save
 
-from megatron_hpc.checkpoint import pp_layout
-from megatron_hpc.checkpoint.tools import tokenizer_files
-from megatron_hpc.checkpoint.whole import read_whole
+from megatron_hpc.checkpoint.conversion import pp_layout, read_whole, tokenizer_files
 from megatron_hpc.cli.main import main
 from megatron_hpc.config.loader import from_dict, load_recipe
 from megatron_hpc.config.schema import (

@@ -1,5 +1,6 @@
-"""GPT-NeoX / Pythia <-> our GPT (checkpoint/hf_neox.py) against the real `transformers` GPTNeoXForCausalLM: tiny
-random models mapped in and out give the same logits, parameter counts agree, bad input is one line."""
+"""GPT-NeoX / Pythia <-> our GPT (checkpoint/foreign/hf_neox.py) against the real `transformers`
+GPTNeoXForCausalLM: tiny random models mapped in and out give the same logits, parameter counts agree, bad input
+is one line."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import torch.distributed as dist
 import transformers  # the real library (the `test` extra installs it)
 from safetensors.torch import save_file
 
-from megatron_hpc.checkpoint import hf_neox
-from megatron_hpc.checkpoint.tp_layout import repad_vocab
+from megatron_hpc.checkpoint.conversion.tp_layout import repad_vocab
+from megatron_hpc.checkpoint.foreign import hf_neox
 from megatron_hpc.config.schema import ModelConfig
 from megatron_hpc.errors import CheckpointError
 from megatron_hpc.model.gpt import GPT
@@ -175,7 +176,7 @@ def test_bad_input_one_line_each() -> None:
 
 
 def test_gpt2_export_refuses_a_parallel_residual() -> None:
-    from megatron_hpc.checkpoint.hf_gpt2 import blockers
+    from megatron_hpc.checkpoint.foreign.hf_gpt2 import blockers
 
     gpt2_like = {"position_embedding": "learned", "tie_embeddings": True}
     assert blockers(gpt2_like) == []

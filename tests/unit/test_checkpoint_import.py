@@ -20,11 +20,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 import megatron_writers as mw
 
-from megatron_hpc.checkpoint.contents import read_progress
-from megatron_hpc.checkpoint.file_io import safe_load
-from megatron_hpc.checkpoint.loader import find_checkpoint
-from megatron_hpc.checkpoint.optim_layout import by_name
-from megatron_hpc.checkpoint.whole import read_whole
+from megatron_hpc.checkpoint.conversion import read_whole
+from megatron_hpc.checkpoint.conversion.optim_layout import by_name
+from megatron_hpc.checkpoint.store import find_checkpoint, read_progress, safe_load
 from megatron_hpc.cli.main import main
 from megatron_hpc.errors import CheckpointError
 
@@ -150,7 +148,7 @@ def test_a_malicious_pickle_is_refused_naming_the_global(tmp_path: Path,
 
 # ---------------------------------------------------------------------------------------------- the three families
 
-def _reference_checkpoint(root: Path, *, tp: int, pp: int, xser_files: bool, optimizer: bool = True) -> dict[str, Any]:
+def reference_checkpoint(root: Path, *, tp: int, pp: int, xser_files: bool, optimizer: bool = True) -> dict[str, Any]:
     """A bf16 run of the reference at tp x pp, iteration 30 with a global batch of 4: the model in bf16, fp32 masters,
     Adam's moments, the LR scheduler at 28 applied steps (two were skipped), RNG states. Without `optimizer`: the
     model alone in bf16 (--no-save-optim)."""
@@ -195,7 +193,7 @@ def _to_bf16(tree: Any) -> Any:
 @pytest.mark.parametrize("xser_files", [True, False], ids=["xser", "torch"])
 def test_reference_checkpoint_converts_exactly(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                               xser_files: bool) -> None:
-    want = _reference_checkpoint(tmp_path / "ref", tp=2, pp=2, xser_files=xser_files)
+    want = reference_checkpoint(tmp_path / "ref", tp=2, pp=2, xser_files=xser_files)
     code, stdout, err = _cli(capsys, "ckpt", "inspect", tmp_path / "ref", "--json")
     assert code == 0, err
     seen = json.loads(stdout)
@@ -346,7 +344,7 @@ def test_distributed_optimizer_state_of_a_pipelined_run_converts_exactly(tmp_pat
 
 def test_convert_to_other_sizes_splits_as_megatron(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Reference tp 2 x pp 2 to tp 4 (the pipeline kept): each shard is Megatron's split of the whole model."""
-    want = _reference_checkpoint(tmp_path / "ref", tp=2, pp=2, xser_files=False)
+    want = reference_checkpoint(tmp_path / "ref", tp=2, pp=2, xser_files=False)
     code, out, err = _cli(capsys, "ckpt", "convert", tmp_path / "ref", "--to", "torch", tmp_path / "ours", "--tp", "4")
     assert code == 0, err
     assert f"continue from it with checkpoint.load={tmp_path / 'ours'} parallel.tensor=4 parallel.pipeline=2" in out
@@ -385,7 +383,7 @@ def test_bad_checkpoints_fail_in_one_line_and_write_nothing(tmp_path: Path, caps
                                                             case: str) -> None:
     root = tmp_path / "src"
     if case == "missing-tensor-file":
-        _reference_checkpoint(root, tp=2, pp=1, xser_files=True)
+        reference_checkpoint(root, tp=2, pp=1, xser_files=True)
         victim = root / "iter_0000030" / "mp_rank_01" / "model_optim_rng.pt.tensors" / "tensor_3.pt"
         victim.unlink()
         expect = f"{victim} is missing"

@@ -15,9 +15,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 import megatron_writers as mw
 
-from megatron_hpc.checkpoint.contents import read_progress
-from megatron_hpc.checkpoint.optim_layout import by_name
-from megatron_hpc.checkpoint.whole import read_whole, write_whole
+from megatron_hpc.checkpoint.conversion import read_whole
+from megatron_hpc.checkpoint.conversion.optim_layout import by_name
+from megatron_hpc.checkpoint.conversion.whole import write_whole
+from megatron_hpc.checkpoint.store import read_progress
 from megatron_hpc.cli.main import main
 from megatron_hpc.config.schema import (
     CheckpointConfig,

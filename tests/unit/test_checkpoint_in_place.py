@@ -9,10 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_hpc.checkpoint.file_io import CHUNK
-from megatron_hpc.checkpoint.loader import load_checkpoint
-from megatron_hpc.checkpoint.ranks import RankInfo
-from megatron_hpc.checkpoint.saver import save_checkpoint
+from megatron_hpc.checkpoint.store import RankInfo, load_checkpoint, save_checkpoint
+from megatron_hpc.checkpoint.store.file_io import CHUNK
 from megatron_hpc.config.schema import CheckpointConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
 from megatron_hpc.errors import CheckpointError
 from megatron_hpc.train.entry import plan_for_torchrun, run_training

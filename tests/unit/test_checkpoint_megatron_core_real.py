@@ -20,10 +20,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_hpc.checkpoint import distrib_optim
-from megatron_hpc.checkpoint.foreign import read_rank
-from megatron_hpc.checkpoint.optim_layout import by_name
-from megatron_hpc.checkpoint.whole import read_whole
+from megatron_hpc.checkpoint.conversion import read_whole
+from megatron_hpc.checkpoint.conversion.optim_layout import by_name
+from megatron_hpc.checkpoint.foreign import distrib_optim
+from megatron_hpc.checkpoint.foreign.megatron_family import read_rank
 from megatron_hpc.cli.main import main
 from megatron_hpc.config.loader import from_dict
 from megatron_hpc.config.schema import CheckpointConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_hpc.checkpoint import paths
+from megatron_hpc.checkpoint.store import paths
 
 
 def test_megatron_names() -> None:

@@ -17,13 +17,18 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_hpc.checkpoint import optim_layout, paths, pp_layout, stream, tp_layout
-from megatron_hpc.checkpoint.compat import PipelineLayout, check_before_queue
-from megatron_hpc.checkpoint.contents import Progress, build_state_dict
-from megatron_hpc.checkpoint.loader import load_checkpoint
-from megatron_hpc.checkpoint.manifest import read_manifest
-from megatron_hpc.checkpoint.ranks import RankInfo
-from megatron_hpc.checkpoint.whole import read_whole, write_whole
+from megatron_hpc.checkpoint.conversion import optim_layout, pp_layout, read_whole, stream, tp_layout
+from megatron_hpc.checkpoint.conversion.whole import write_whole
+from megatron_hpc.checkpoint.store import (
+    PipelineLayout,
+    Progress,
+    RankInfo,
+    build_state_dict,
+    check_before_queue,
+    load_checkpoint,
+    paths,
+    read_manifest,
+)
 from megatron_hpc.cli.main import main
 from megatron_hpc.config.schema import ModelConfig, OptimConfig, RunConfig, TrainConfig
 from megatron_hpc.errors import CheckpointError

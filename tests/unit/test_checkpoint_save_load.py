@@ -9,11 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_hpc.checkpoint import paths, saver
-from megatron_hpc.checkpoint.loader import find_checkpoint, load_checkpoint
-from megatron_hpc.checkpoint.manifest import read_manifest
-from megatron_hpc.checkpoint.ranks import RankInfo
-from megatron_hpc.checkpoint.saver import save_checkpoint
+from megatron_hpc.checkpoint.store import (
+    RankInfo,
+    find_checkpoint,
+    load_checkpoint,
+    paths,
+    read_manifest,
+    save_checkpoint,
+    saver,
+)
 from megatron_hpc.errors import CheckpointError
 
 ONE = RankInfo()

@@ -13,14 +13,12 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_checkpoint_import import _reference_checkpoint
+from test_checkpoint_import import reference_checkpoint
 from whole_model_reshard import reshard
 
-from megatron_hpc.checkpoint import stream
-from megatron_hpc.checkpoint import whole as whole_module
-from megatron_hpc.checkpoint.foreign import read_foreign
-from megatron_hpc.checkpoint.importer import import_foreign
-from megatron_hpc.checkpoint.whole import read_whole
+from megatron_hpc.checkpoint.conversion import read_whole, stream
+from megatron_hpc.checkpoint.conversion import whole as whole_module
+from megatron_hpc.checkpoint.foreign import import_foreign, read_foreign
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "convert_cpu.py"
 
@@ -66,7 +64,7 @@ def _old_and_new(folder: Path, out: Path, *, tp: int, pp: int, optimizer: str = 
 
 
 def test_streamed_convert_of_a_torch_file_checkpoint_equals_the_whole_model_path(tmp_path: Path) -> None:
-    _reference_checkpoint(tmp_path / "ref", tp=2, pp=2, xser_files=False)
+    reference_checkpoint(tmp_path / "ref", tp=2, pp=2, xser_files=False)
     _old_and_new(tmp_path / "ref" / "iter_0000030", tmp_path, tp=4, pp=1)
 
 
@@ -74,7 +72,7 @@ def test_streamed_convert_equals_the_whole_model_path(tmp_path: Path) -> None:
     """Reference tp 2 x pp 2 (xser, bf16, fp32 masters, Adam) with a 50-token vocabulary: to tp 1 (padding trimmed
     from 64 to 56 rows) and tp 4 x pp 2; then our own tp 1 checkpoint to tp 4 x pp 2 (padding grown back to 64 rows
     by repeating the last token's row) with two virtual chunks."""
-    _reference_checkpoint(tmp_path / "ref", tp=2, pp=2, xser_files=True)
+    reference_checkpoint(tmp_path / "ref", tp=2, pp=2, xser_files=True)
     folder = tmp_path / "ref" / "iter_0000030"
     for tp, pp in ((1, 1), (4, 2)):
         _old_and_new(folder, tmp_path, tp=tp, pp=pp)
@@ -92,7 +90,7 @@ def test_streamed_convert_equals_the_whole_model_path(tmp_path: Path) -> None:
 def test_a_bf16_weights_only_checkpoint_streams_in_bf16_like_the_whole_model_path(tmp_path: Path) -> None:
     """No fp32 masters: the weights stay bf16 through the TP merge, the pipeline split (the tied copy of the
     embeddings on the last stage compared and dropped) and the vocabulary's re-padding, as in the reference."""
-    _reference_checkpoint(tmp_path / "ref", tp=2, pp=2, xser_files=True, optimizer=False)
+    reference_checkpoint(tmp_path / "ref", tp=2, pp=2, xser_files=True, optimizer=False)
     for tp, pp in ((1, 1), (4, 2)):
         _old_and_new(tmp_path / "ref" / "iter_0000030", tmp_path, tp=tp, pp=pp, optimizer="dropped")
     for tp, pp in ((1, 1), (4, 2)):
@@ -102,7 +100,7 @@ def test_a_bf16_weights_only_checkpoint_streams_in_bf16_like_the_whole_model_pat
 
 
 def test_streamed_convert_refuses_like_the_whole_model_path(tmp_path: Path) -> None:
-    _reference_checkpoint(tmp_path / "ref", tp=2, pp=1, xser_files=True)
+    reference_checkpoint(tmp_path / "ref", tp=2, pp=1, xser_files=True)
     folder = tmp_path / "ref" / "iter_0000030"
     source = import_foreign(read_foreign(folder, mmap=True), lazy=True).source
     assert source is not None
@@ -143,7 +141,7 @@ def _anonymous_tensor_bytes() -> int:
 
 
 def _state_bytes(state: dict[str, Any]) -> int:
-    from megatron_hpc.checkpoint.xser import iter_tensors
+    from megatron_hpc.checkpoint.store import iter_tensors
 
     return sum(t.untyped_storage().nbytes() for _, t in iter_tensors(state))
 
@@ -169,7 +167,7 @@ def bench_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _peak_while_writing(monkeypatch: pytest.MonkeyPatch, module: Any, run: Any) -> tuple[int, list[int]]:
     """(largest growth of anonymous tensor bytes over the start, measured as each output rank is handed to the
     writer, when all of its tensors exist; each written rank's own tensor bytes)."""
-    real = module._write_rank
+    real = module.write_rank_folder
     start = _anonymous_tensor_bytes()
     peaks: list[int] = []
     ranks: list[int] = []
@@ -179,9 +177,9 @@ def _peak_while_writing(monkeypatch: pytest.MonkeyPatch, module: Any, run: Any) 
         ranks.append(_state_bytes(state))
         real(state, *args, **kwargs)
 
-    monkeypatch.setattr(module, "_write_rank", measured)
+    monkeypatch.setattr(module, "write_rank_folder", measured)
     run()
-    monkeypatch.setattr(module, "_write_rank", real)
+    monkeypatch.setattr(module, "write_rank_folder", real)
     return max(peaks), ranks
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_hpc.checkpoint import paths
+from megatron_hpc.checkpoint.store import paths
 from megatron_hpc.config.schema import (
     CheckpointConfig,
     CompilePhaseConfig,
@@ -91,8 +91,7 @@ def test_full_disk_stop_raises(tmp_path: Path, small_disk: Path) -> None:
 def test_fp16_loss_scale_is_saved_and_restored(tmp_path: Path) -> None:
     import dataclasses
 
-    from megatron_hpc.checkpoint.loader import load_checkpoint
-    from megatron_hpc.checkpoint.ranks import RankInfo
+    from megatron_hpc.checkpoint.store import RankInfo, load_checkpoint
 
     cfg = _tiny(num_steps=3)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision="fp16", log_interval=1))

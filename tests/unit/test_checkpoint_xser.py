@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_hpc.checkpoint.xser import TensorReference, read_xser, write_torch, write_xser
+from megatron_hpc.checkpoint.store import read_xser
+from megatron_hpc.checkpoint.store.xser import TensorReference, write_torch, write_xser
 from megatron_hpc.errors import CheckpointError
 
 
@@ -156,8 +157,8 @@ def test_interoperates_with_torch_xla_class(tmp_path: Path) -> None:
 def test_bad_tid_is_an_error(tmp_path: Path) -> None:
     ref = TensorReference(0)
     ref.tid = "0; rm -rf /"
-    from megatron_hpc.checkpoint.xser import _PICKLE_MODULE
+    from megatron_hpc.checkpoint.store.xser import PICKLE_MODULE
 
-    torch.save({"w": ref}, tmp_path / "m.pt", pickle_module=_PICKLE_MODULE, pickle_protocol=2)
+    torch.save({"w": ref}, tmp_path / "m.pt", pickle_module=PICKLE_MODULE, pickle_protocol=2)
     with pytest.raises(CheckpointError, match="tid"):
         read_xser(tmp_path / "m.pt")

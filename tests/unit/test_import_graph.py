@@ -4,7 +4,8 @@ included: no cycles between our modules, and every arrow points down the layer t
 A lazy import hides a cycle or an upward arrow from Python, not from a reader: each side still needs the other's
 internals. The table is STYLE.md section 1's, with rows for the packages and top-level modules it does not list.
 A package may import itself and the packages of its row, nothing else of ours (a module path handed to
-`python -m` or importlib is not an import). checkpoint/ counts as one package for now.
+`python -m` or importlib is not an import). checkpoint/ counts as one package here; its three rooms and
+their one-way order are tests/unit/test_checkpoint_rooms.py's.
 
     package         may import
     errors          (nothing: the leaf)
@@ -57,17 +58,33 @@ def _modules() -> dict[str, Path]:
 
 
 @functools.cache
+def _lazy_faces() -> dict[str, dict[str, str]]:
+    """package -> {name: the module that defines it} for each package `__init__` that imports its names on first
+    use (checkpoint/store: an `_EXPORTS` dict, module -> names), so that the graph follows a name to its module."""
+    faces = {}
+    for name, path in _modules().items():
+        if path.name != "__init__.py":
+            continue
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.Assign) and [getattr(t, "id", "") for t in node.targets] == ["_EXPORTS"]:
+                faces[name] = {n: f"{name}.{m}" for m, names in ast.literal_eval(node.value).items() for n in names}
+    return faces
+
+
+@functools.cache
 def import_graph() -> dict[str, set[str]]:
-    """module -> the modules of ours it imports (`from a import b` counts a.b when b is a module, else a).
+    """module -> the modules of ours it imports (`from a import b` counts a.b when b is a module, or the module a
+    lazy face loads for b, else a).
 
     Read once per session (cached): callers must not change it."""
-    modules = _modules()
+    modules, lazy = _modules(), _lazy_faces()
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         deps = set()
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 targets = [f"{node.module}.{a.name}" for a in node.names]
+                targets += [lazy[node.module][a.name] for a in node.names if a.name in lazy.get(node.module, {})]
                 targets = [t for t in targets if t in modules] or [node.module]
             elif isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
@@ -212,8 +229,8 @@ def test_the_cycle_finder_finds_a_cycle_through_a_lazy_import():
 
 def test_the_graph_sees_function_level_imports():
     graph = import_graph()
-    # cli/ckpt_cmd.py imports checkpoint.tools inside a function only
-    assert "megatron_hpc.checkpoint.tools" in graph["megatron_hpc.cli.ckpt_cmd"]
+    # cli/ckpt_cmd.py imports the checkpoint.conversion face inside a function only
+    assert "megatron_hpc.checkpoint.conversion" in graph["megatron_hpc.cli.ckpt_cmd"]
     assert "megatron_hpc.data.jsonl" in graph["megatron_hpc.data.tokenizer"]
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_hpc.checkpoint.optim_layout import param_order, with_masters
+from megatron_hpc.checkpoint.conversion import with_masters
+from megatron_hpc.checkpoint.conversion.optim_layout import param_order
 
 
 def _state(step: float) -> dict[str, torch.Tensor]:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_hpc.checkpoint.loader import find_checkpoint, read_shard
+from megatron_hpc.checkpoint.store import find_checkpoint, read_shard
 from megatron_hpc.config.schema import (
     CompilePhaseConfig,
     DataConfig,

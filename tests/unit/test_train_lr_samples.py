@@ -144,8 +144,7 @@ def test_resume_keeps_the_count_of_applied_steps(tmp_path: Path, monkeypatch: py
     """Stopped after 17 steps (most skipped: the scale falls from 2**32), resumed: the LRs of the straight run."""
     import dataclasses
 
-    from megatron_hpc.checkpoint.loader import load_checkpoint
-    from megatron_hpc.checkpoint.ranks import RankInfo
+    from megatron_hpc.checkpoint.store import RankInfo, load_checkpoint
 
     _single_process(monkeypatch)
     straight = _fp16_config()

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_hpc.checkpoint import paths
-from megatron_hpc.checkpoint.xser import iter_tensors, read_xser
+from megatron_hpc.checkpoint.store import iter_tensors, paths, read_xser
 
 STANDIN = Path(__file__).resolve().parents[1] / "fixtures" / "xla_standin"
 

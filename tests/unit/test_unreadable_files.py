@@ -21,8 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_hpc.checkpoint.ranks import RankInfo
-from megatron_hpc.checkpoint.saver import save_checkpoint
+from megatron_hpc.checkpoint.store import RankInfo, save_checkpoint
 from megatron_hpc.cli.main import main
 
 NOBODY = 65534
@@ -173,8 +172,8 @@ def test_ckpt_inspect_names_the_file_it_cannot_read(shared: Path) -> None:
 LOAD = """
 import sys
 from pathlib import Path
-from megatron_hpc.checkpoint.loader import load_checkpoint
-from megatron_hpc.checkpoint.ranks import RankInfo
+from megatron_hpc.checkpoint.store.loader import load_checkpoint
+from megatron_hpc.checkpoint.store.ranks import RankInfo
 from megatron_hpc.errors import CheckpointAccessError
 try:
     found, state = load_checkpoint(Path(sys.argv[1]), ranks=RankInfo())
@@ -186,7 +185,7 @@ else:
 
 
 def test_the_trainers_load_raises_a_checkpoint_error_naming_the_file(shared: Path) -> None:
-    """What the trainer calls at start-up (checkpoint/loader.py): a file it may not read is neither damage
+    """What the trainer calls at start-up (checkpoint/store/loader.py): a file it may not read is neither damage
     (no fallback to an older checkpoint, no "truncated") nor a reason to delete anything."""
     root = _checkpoint(shared)
     folder = root / "iter_0000007"

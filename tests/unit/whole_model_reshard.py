@@ -15,11 +15,17 @@ from typing import Any
 
 import torch
 
-from megatron_hpc.checkpoint import optim_layout, pp_layout, tp_layout
-from megatron_hpc.checkpoint.compat import PipelineLayout
-from megatron_hpc.checkpoint.host_memory import give_back_freed
-from megatron_hpc.checkpoint.reshard_sizes import ReshardResult, check_pp, check_tp, resized_state
-from megatron_hpc.checkpoint.whole import WholeCheckpoint, model_config, write_whole
+from megatron_hpc.checkpoint.conversion import (
+    WholeCheckpoint,
+    give_back_freed,
+    model_config,
+    optim_layout,
+    pp_layout,
+    tp_layout,
+)
+from megatron_hpc.checkpoint.conversion.reshard_sizes import ReshardResult, check_pp, check_tp, resized_state
+from megatron_hpc.checkpoint.conversion.whole import write_whole
+from megatron_hpc.checkpoint.store import PipelineLayout
 from megatron_hpc.errors import CheckpointError
 from megatron_hpc.plan.vocab import padded_vocab_size
 

@@ -78,8 +78,7 @@ def _read(run_dir: Path, iteration: int) -> dict[str, Any]:
     """A checkpoint's precision record, XLA RNG state and tensors (model and optimizer), as plain values."""
     import torch
 
-    from megatron_hpc.checkpoint import paths
-    from megatron_hpc.checkpoint.xser import iter_tensors, read_xser
+    from megatron_hpc.checkpoint.store import iter_tensors, paths, read_xser
 
     state = read_xser(paths.main_file(paths.iteration_dir(run_dir / "checkpoints", iteration), 0))
     out: dict[str, Any] = {"precision": state.get("precision"), "xla_rng_state": state.get("xla_rng_state"),
@@ -121,7 +120,7 @@ def bf16_dropout_run(env: dict[str, str], tmp_path_factory: pytest.TempPathFacto
 def test_bf16_with_dropout_resumes_exactly(env: dict[str, str], tmp_path: Path,
                                            bf16_dropout_run: tuple[Path, dict[str, Any]]) -> None:
     """torch_xla's RNG draws the dropout masks: the checkpoint keeps it (xla_rng_state) and a resume restores it."""
-    from megatron_hpc.checkpoint import paths
+    from megatron_hpc.checkpoint.store import paths
 
     straight_dir, straight = bf16_dropout_run
     # The run as if it had stopped after its save at iteration 4.
@@ -167,7 +166,7 @@ import sys, torch
 import torch_xla
 from pathlib import Path
 import torch_xla.utils.serialization as xser
-from megatron_hpc.checkpoint.xser import iter_tensors, read_xser
+from megatron_hpc.checkpoint.store.xser import iter_tensors, read_xser
 ours = Path(sys.argv[1]) / "checkpoints/iter_0000004/mp_rank_00/model_optim_rng.pt"
 real, mine = dict(iter_tensors(xser.load(str(ours)))), dict(iter_tensors(read_xser(ours)))
 assert real.keys() == mine.keys() and all(torch.equal(real[k].cpu(), mine[k]) for k in real)
@@ -242,7 +241,7 @@ def test_bf16_weights_with_fp32_masters_keep_updates_pure_bf16_loses(
 def test_fp32_masters_resume_exactly(env: dict[str, str], tmp_path: Path,
                                      masters_run: tuple[Path, dict[str, Any]]) -> None:
     """The checkpoint keeps the masters (main_param) beside the moments: a resume from iteration 2 is the same run."""
-    from megatron_hpc.checkpoint import paths
+    from megatron_hpc.checkpoint.store import paths
 
     straight_dir, straight = masters_run
     shutil.copytree(straight_dir / "checkpoints", tmp_path / "checkpoints")
@@ -263,9 +262,9 @@ def test_fp32_weights_without_masters_resume_as_the_masters(env: dict[str, str],
     model's parameters hold, so the run continues as the original one did."""
     import torch
 
-    from megatron_hpc.checkpoint import paths, stream
-    from megatron_hpc.checkpoint.optim_layout import by_name, indexed
-    from megatron_hpc.checkpoint.whole import read_whole
+    from megatron_hpc.checkpoint.conversion import read_whole, stream
+    from megatron_hpc.checkpoint.conversion.optim_layout import by_name, indexed
+    from megatron_hpc.checkpoint.store import paths
 
     straight_dir, straight = masters_run
     whole = read_whole(straight_dir / "checkpoints", iteration=2)
@@ -298,9 +297,9 @@ import torch_xla
 import torch_xla.utils.serialization as xser
 sys.path.insert(0, sys.argv[3])
 import megatron_writers as mw
-from megatron_hpc.checkpoint.contents import read_progress
-from megatron_hpc.checkpoint.optim_layout import by_name
-from megatron_hpc.checkpoint.whole import read_whole
+from megatron_hpc.checkpoint.store.contents import read_progress
+from megatron_hpc.checkpoint.conversion.optim_layout import by_name
+from megatron_hpc.checkpoint.conversion.whole import read_whole
 ours, out = Path(sys.argv[1]), Path(sys.argv[2])
 state = read_whole(ours).first
 model, progress = state["model"], read_progress(state, where=ours)

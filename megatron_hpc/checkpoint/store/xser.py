@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from megatron_hpc.checkpoint.file_io import (
+from megatron_hpc.checkpoint.store.file_io import (
     TensorLayout,
     Written,
     read_tensor_into,
@@ -40,8 +40,8 @@ from megatron_hpc.checkpoint.file_io import (
     tensor_layout,
     write_torch_file,
 )
-from megatron_hpc.checkpoint.manifest import FileRecord
-from megatron_hpc.checkpoint.paths import tensor_file, tensors_dir
+from megatron_hpc.checkpoint.store.manifest import FileRecord
+from megatron_hpc.checkpoint.store.paths import tensor_file, tensors_dir
 from megatron_hpc.errors import CheckpointAccessError, CheckpointError
 
 _XLA_MODULE = "torch_xla.utils.serialization"
@@ -76,8 +76,10 @@ class _XserPickler(pickle._Pickler):
         super().save_global(obj, name)
 
 
-_PICKLE_MODULE = types.ModuleType("megatron_hpc_xser_pickle")
-_PICKLE_MODULE.Pickler = _XserPickler  # type: ignore[attr-defined]
+PICKLE_MODULE = types.ModuleType("megatron_hpc_xser_pickle")
+"""torch.save's `pickle_module` for a main file: writes TensorReference as torch_xla's global (writers that build
+their own reference data, such as the test fixtures that write as torch_xla does, pass it too)."""
+PICKLE_MODULE.Pickler = _XserPickler  # type: ignore[attr-defined]
 
 OnWritten = Callable[[Path, Written], None]
 """Told about every file written (size and crc32); the saver collects them for the manifest."""
@@ -184,7 +186,7 @@ def write_xser(obj: Any, main: Path, *, on_written: OnWritten = _ignore, threads
         on_written(path, write_torch_file(path, _compact_cpu(tensors[tid])))
 
     _each(write_one, range(len(tensors)), threads=threads)
-    on_written(main, write_torch_file(main, ref_data, pickle_module=_PICKLE_MODULE))
+    on_written(main, write_torch_file(main, ref_data, pickle_module=PICKLE_MODULE))
     return len(tensors)
 
 

@@ -70,7 +70,7 @@ def for_model(optimizer: dict[str, Any], *, saved_model: dict[str, torch.Tensor]
 def with_masters(optimizer: dict[str, Any], *, model: dict[str, torch.Tensor], key: str) -> dict[str, Any]:
     """`optimizer` (positions in `model`'s order) with each fp32 weight of `model` as its parameter's master copy
     under `key` where the state has none. `ckpt convert` writes a 16-bit run's fp32 masters as the weights
-    (checkpoint/importer.py), with no separate master; an optimizer that keeps fp32 masters beside bf16 weights
+    (checkpoint/foreign/importer.py), with no separate master; an optimizer that keeps fp32 masters beside bf16 weights
     (train/xla_zero.py) must start from those, not from the bf16 rounding of them its parameters hold."""
     ids = [i for g in optimizer["param_groups"] for i in g["params"]]
     state = dict(optimizer["state"])

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_hpc.checkpoint import paths
+from megatron_hpc.checkpoint.store import paths
 from megatron_hpc.parallel.context import ParallelContext
 
 _CPU = torch.device("cpu")

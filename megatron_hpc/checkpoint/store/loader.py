@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from megatron_hpc.checkpoint import paths
-from megatron_hpc.checkpoint.compat import PipelineLayout, check_fits, foreign_message, is_foreign
-from megatron_hpc.checkpoint.manifest import Manifest, read_manifest
-from megatron_hpc.checkpoint.ranks import RankInfo
-from megatron_hpc.checkpoint.saver import complete_iterations
-from megatron_hpc.checkpoint.xser import read_xser
+from megatron_hpc.checkpoint.store import paths
+from megatron_hpc.checkpoint.store.compat import PipelineLayout, check_fits, foreign_message, is_foreign
+from megatron_hpc.checkpoint.store.manifest import Manifest, read_manifest
+from megatron_hpc.checkpoint.store.ranks import RankInfo
+from megatron_hpc.checkpoint.store.saver import complete_iterations
+from megatron_hpc.checkpoint.store.xser import read_xser
 from megatron_hpc.errors import CheckpointAccessError, CheckpointError
 
 if TYPE_CHECKING:

@@ -24,13 +24,11 @@ from typing import Any
 
 import torch
 
-from megatron_hpc.checkpoint import optim_layout, paths, pp_layout, tp_layout
-from megatron_hpc.checkpoint.compat import PipelineLayout
-from megatron_hpc.checkpoint.host_memory import give_back_freed
-from megatron_hpc.checkpoint.ranks import RankInfo
-from megatron_hpc.checkpoint.reshard_sizes import ReshardResult, check_pp, check_tp, resized_state
-from megatron_hpc.checkpoint.saver import _finish, _write_rank
-from megatron_hpc.checkpoint.whole import WholeCheckpoint, model_config
+from megatron_hpc.checkpoint.conversion import optim_layout, pp_layout, tp_layout
+from megatron_hpc.checkpoint.conversion.host_memory import give_back_freed
+from megatron_hpc.checkpoint.conversion.reshard_sizes import ReshardResult, check_pp, check_tp, resized_state
+from megatron_hpc.checkpoint.conversion.whole import WholeCheckpoint, model_config
+from megatron_hpc.checkpoint.store import PipelineLayout, RankInfo, commit_save, paths, write_rank_folder
 from megatron_hpc.errors import CheckpointError
 from megatron_hpc.plan.vocab import padded_vocab_size
 
@@ -367,11 +365,11 @@ def reshard(source: Source, *, tp: int, pp: int = 1, virtual: int = 1, first_sta
             if per_tp is not None:
                 state["optimizer"] = optim_layout.indexed(moments, model=weights, groups=groups)
             buffers.keep_only(_pieces_of(ranks[i + 1], plan, per_tp) if i + 1 < len(ranks) else [])
-            _write_rank(state, tmp, tp_rank=t, pp_rank=p, pp_size=pp, fmt=fmt)
+            write_rank_folder(state, tmp, tp_rank=t, pp_rank=p, pp_size=pp, fmt=fmt)
             del state, weights, moments
             buffers.recycle()
             give_back_freed()
-        folder = _finish(tmp, out, whole.iteration, ranks=RankInfo(world_size=tp * pp, tp_size=tp, pp_size=pp),
+        folder = commit_save(tmp, out, whole.iteration, ranks=RankInfo(world_size=tp * pp, tp_size=tp, pp_size=pp),
                          fmt=fmt, layout=layout)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,8 +1,9 @@
 """Whole checkpoints in one process: read every TP x PP rank's state, and write a new checkpoint from them.
 
 For the offline tools (`ckpt convert`, `ckpt reshard`), which run on one machine without a process
-group. Writing goes through the saver's own per-rank writer and finisher, so the result has the same
-layout, manifest and atomic tracker as a checkpoint the trainer saved.
+group. Writing goes through the saver's own per-rank writer and finisher (write_rank_folder, commit_save), so the
+result has the same layout, manifest and atomic tracker as a checkpoint the trainer saved. convert_format is
+`ckpt convert --to xser|torch` at the same size; another TP x PP size is stream.py's.
 """
 
 from __future__ import annotations
@@ -13,12 +14,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_hpc.checkpoint import paths
-from megatron_hpc.checkpoint.compat import PipelineLayout, foreign_message, is_foreign
-from megatron_hpc.checkpoint.loader import FoundCheckpoint, find_checkpoint, read_shard
-from megatron_hpc.checkpoint.manifest import read_manifest
-from megatron_hpc.checkpoint.ranks import RankInfo
-from megatron_hpc.checkpoint.saver import _finish, _write_rank
+from megatron_hpc.checkpoint.store import (
+    FoundCheckpoint,
+    PipelineLayout,
+    RankInfo,
+    commit_save,
+    find_checkpoint,
+    foreign_message,
+    is_foreign,
+    paths,
+    read_manifest,
+    read_shard,
+    write_rank_folder,
+)
 from megatron_hpc.errors import CheckpointAccessError, CheckpointError
 
 
@@ -110,9 +118,14 @@ def write_whole(root: Path, iteration: int, grid: list[list[dict[str, Any]]], *,
     try:
         for p, row in enumerate(grid):
             for t, state in enumerate(row):
-                _write_rank(state, tmp, tp_rank=t, pp_rank=p, pp_size=pp, fmt=fmt)
+                write_rank_folder(state, tmp, tp_rank=t, pp_rank=p, pp_size=pp, fmt=fmt)
         ranks = RankInfo(world_size=tp * pp, tp_size=tp, pp_size=pp)
-        return _finish(tmp, root, iteration, ranks=ranks, fmt=fmt, layout=layout)
+        return commit_save(tmp, root, iteration, ranks=ranks, fmt=fmt, layout=layout)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"writing {root} failed ({exc}); nothing was left behind") from None
+
+
+def convert_format(whole: WholeCheckpoint, *, to: str, out: Path) -> Path:
+    """The same checkpoint (every rank, every key) in the other file format."""
+    return write_whole(out, whole.iteration, whole.grid, fmt=to, layout=whole.layout)

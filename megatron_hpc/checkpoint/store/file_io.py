@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
-from megatron_hpc.checkpoint import safe_pickle
-from megatron_hpc.checkpoint.checksum import crc32
-from megatron_hpc.checkpoint.manifest import FileRecord
+from megatron_hpc.checkpoint.store import safe_pickle
+from megatron_hpc.checkpoint.store.checksum import crc32
+from megatron_hpc.checkpoint.store.manifest import FileRecord
 from megatron_hpc.errors import CheckpointAccessError, CheckpointError
 
 CHUNK = 4 << 20

@@ -19,20 +19,17 @@ from typing import Any
 
 import torch
 
-from megatron_hpc.checkpoint import (
-    distrib_optim,
-    foreign_keys,
-    foreign_optim,
+from megatron_hpc.checkpoint.conversion import (
+    WholeCheckpoint,
+    give_back_freed,
     optim_layout,
     pp_layout,
     stream,
     tp_layout,
 )
-from megatron_hpc.checkpoint.foreign import OURS, ForeignCheckpoint, arg, read_rank
-from megatron_hpc.checkpoint.host_memory import give_back_freed
-from megatron_hpc.checkpoint.loader import FoundCheckpoint
-from megatron_hpc.checkpoint.manifest import Manifest
-from megatron_hpc.checkpoint.whole import WholeCheckpoint
+from megatron_hpc.checkpoint.foreign import distrib_optim, foreign_keys, foreign_optim
+from megatron_hpc.checkpoint.foreign.megatron_family import OURS, ForeignCheckpoint, arg, read_rank
+from megatron_hpc.checkpoint.store import FoundCheckpoint, Manifest
 from megatron_hpc.errors import CheckpointError
 
 GPT2_VOCAB = 50257
@@ -507,7 +504,7 @@ def _has_output_layer(state: dict[str, Any]) -> bool:
 def _state(src: ForeignCheckpoint, cfg: dict[str, Any], model: dict[str, torch.Tensor], *, iteration: int,
            consumed: int, lr_steps: int, rng: list[dict[str, Any]] | None, scaler: dict[str, Any] | None,
            version: float, padded: int) -> dict[str, Any]:
-    """One rank's state in our checkpoint's keys (checkpoint/contents.py)."""
+    """One rank's state in our checkpoint's keys (checkpoint/store/contents.py)."""
     first = src.first
     out: dict[str, Any] = {
         "num_layers": cfg["num_layers"], "hidden_size": cfg["hidden_size"],

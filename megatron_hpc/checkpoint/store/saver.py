@@ -11,7 +11,9 @@ Order (neuron-xla.md 1.3 lists the reference's race between the tensor writes an
 Every rank takes part in the same collectives whatever fails, and all raise CheckpointError together.
 
 The steps are also public (begin_save, write_rank_files, finish_save) so that async_save.py can run step 2 on a
-thread while the collectives of steps 1 and 3 stay on the main thread.
+thread while the collectives of steps 1 and 3 stay on the main thread. The offline writers (checkpoint/conversion/:
+one process writes every rank, no collectives) call the two halves without them: write_rank_folder for each rank,
+then commit_save, so their output has the same files, manifest and atomic tracker as a save by the trainer.
 """
 
 from __future__ import annotations
@@ -24,12 +26,12 @@ from pathlib import Path
 from typing import Any
 
 from megatron_hpc.atomic_write import write_text_atomic
-from megatron_hpc.checkpoint import paths
-from megatron_hpc.checkpoint.compat import PipelineLayout
-from megatron_hpc.checkpoint.file_io import Written, write_bytes_file
-from megatron_hpc.checkpoint.manifest import FileRecord, Manifest, write_manifest
-from megatron_hpc.checkpoint.ranks import RankInfo
-from megatron_hpc.checkpoint.xser import write_torch, write_xser
+from megatron_hpc.checkpoint.store import paths
+from megatron_hpc.checkpoint.store.compat import PipelineLayout
+from megatron_hpc.checkpoint.store.file_io import Written, write_bytes_file
+from megatron_hpc.checkpoint.store.manifest import FileRecord, Manifest, write_manifest
+from megatron_hpc.checkpoint.store.ranks import RankInfo
+from megatron_hpc.checkpoint.store.xser import write_torch, write_xser
 from megatron_hpc.errors import CheckpointAccessError, CheckpointError
 
 _PARTIAL = ".files.json"
@@ -49,8 +51,10 @@ def write_tracker(root: Path, iteration: int) -> None:
     _fsync_dir(root)
 
 
-def _write_rank(state: dict[str, Any], tmp: Path, *, tp_rank: int, pp_rank: int, pp_size: int, fmt: str) -> None:
-    """This writer's mp_rank_XX[_YYY] folder plus mp_rank_XX[_YYY].files.json (its files' records)."""
+def write_rank_folder(state: dict[str, Any], tmp: Path, *, tp_rank: int, pp_rank: int, pp_size: int,
+                      fmt: str) -> None:
+    """Rank (tp_rank, pp_rank)'s mp_rank_XX[_YYY] folder in the temp folder `tmp`, plus mp_rank_XX[_YYY].files.json
+    (its files' records, which commit_save gathers into the manifest)."""
     records: dict[str, dict[str, Any]] = {}
 
     def on_written(path: Path, written: Written) -> None:  # called from the I/O threads; one key each
@@ -63,8 +67,9 @@ def _write_rank(state: dict[str, Any], tmp: Path, *, tp_rank: int, pp_rank: int,
     write_bytes_file(partial, json.dumps(records).encode("ascii"))
 
 
-def _finish(tmp: Path, root: Path, iteration: int, *, ranks: RankInfo, fmt: str, layout: PipelineLayout) -> Path:
-    """Rank 0, after every writer finished: manifest, rename, tracker."""
+def commit_save(tmp: Path, root: Path, iteration: int, *, ranks: RankInfo, fmt: str,
+                layout: PipelineLayout) -> Path:
+    """Rank 0, after every writer finished: manifest, rename, tracker; returns the final folder."""
     files: dict[str, FileRecord] = {}
     for pp_rank in range(ranks.pp_size):
         for tp_rank in range(ranks.tp_size):
@@ -159,7 +164,7 @@ def begin_save(root: Path, iteration: int, *, ranks: RankInfo) -> tuple[Path, OS
 def write_rank_files(state: Any, tmp: Path, *, ranks: RankInfo, fmt: str) -> None:
     """This rank's files (writers only; `state` may be an xser Snapshot). No collectives: any thread may call it."""
     if ranks.is_writer:
-        _write_rank(state, tmp, tp_rank=ranks.tp_rank, pp_rank=ranks.pp_rank, pp_size=ranks.pp_size, fmt=fmt)
+        write_rank_folder(state, tmp, tp_rank=ranks.tp_rank, pp_rank=ranks.pp_rank, pp_size=ranks.pp_size, fmt=fmt)
 
 
 def finish_save(root: Path, iteration: int, tmp: Path, *, ranks: RankInfo, ok: bool, error: BaseException | None,
@@ -170,7 +175,7 @@ def finish_save(root: Path, iteration: int, tmp: Path, *, ranks: RankInfo, ok: b
     final = paths.iteration_dir(root, iteration)
     if ok and ranks.rank == 0:
         try:
-            final = _finish(tmp, root, iteration, ranks=ranks, fmt=fmt, layout=layout)
+            final = commit_save(tmp, root, iteration, ranks=ranks, fmt=fmt, layout=layout)
         except (OSError, ValueError, KeyError) as exc:
             error = exc
     ok = ranks.all_ok(error is None) and ok

@@ -1,7 +1,7 @@
 """A local Hugging Face model folder as our checkpoint: config.json and its weights (model.safetensors or
 pytorch_model.bin, either one file or shards listed by an *.index.json) become our whole model at TP 1 x PP 1,
 which stream.reshard then writes at any TP x PP. Nothing downloads; a .bin file goes through our restricted
-unpickler (safe_pickle.py), so nothing in it runs.
+unpickler (store/safe_pickle.py), so nothing in it runs.
 
 The result is weights only at iteration 0 (an HF folder has no optimizer or progress): the trainer starts from it
 with checkpoint.load and checkpoint.finetune=true. The tokenizer files beside the weights are copied next to the
@@ -18,11 +18,9 @@ from typing import Any
 
 import torch
 
-from megatron_hpc.checkpoint import hf_formats, paths, pp_layout
-from megatron_hpc.checkpoint.file_io import safe_load
-from megatron_hpc.checkpoint.loader import FoundCheckpoint
-from megatron_hpc.checkpoint.manifest import Manifest
-from megatron_hpc.checkpoint.whole import WholeCheckpoint
+from megatron_hpc.checkpoint.conversion import WholeCheckpoint, pp_layout
+from megatron_hpc.checkpoint.foreign import hf_formats
+from megatron_hpc.checkpoint.store import FoundCheckpoint, Manifest, paths, safe_load
 from megatron_hpc.errors import CheckpointError, MegatronHpcError
 
 FAMILY = "huggingface"

@@ -16,8 +16,8 @@ from collections.abc import Iterable
 
 import torch
 
-from megatron_hpc.checkpoint import tp_layout
-from megatron_hpc.checkpoint.compat import PipelineLayout
+from megatron_hpc.checkpoint.conversion import tp_layout
+from megatron_hpc.checkpoint.store import PipelineLayout
 from megatron_hpc.errors import CheckpointError, PlanError
 
 FIRST_STAGE = ("wte.weight", "wpe.weight")

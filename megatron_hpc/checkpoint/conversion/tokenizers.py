@@ -1,44 +1,15 @@
-"""`ckpt convert`'s whole-checkpoint outputs: a Hugging Face folder (the mapping of each architecture is in
-hf_gpt2.py and its siblings, chosen by hf_formats.py) with the run's tokenizer files, or the same checkpoint in the
-other file format. Offline, one process, CPU. Writing at another TP x PP size is stream.py's.
+"""The run's tokenizer files, found through a checkpoint's resolved config: the GPT-2 vocab.json and merges.txt
+(`generate`, `evaluate` and `ckpt convert --to hf` use them) or a Hugging Face tokenizer.json and its settings
+(copied beside an HF export, checkpoint/foreign/hf_export.py).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import stat
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from megatron_hpc.checkpoint import hf_formats, pp_layout
-from megatron_hpc.checkpoint.whole import WholeCheckpoint, model_config, write_whole
-
-
-def export_hf(whole: WholeCheckpoint, out: Path, *, eos_token_id: int | None = None) -> Path:
-    """Write config.json and the weights (model.safetensors, or pytorch_model.bin without safetensors) of the first
-    Hugging Face architecture (hf_formats.py) that can express the model."""
-    model = model_config(whole)
-    fmt, hf_config = hf_formats.for_model(model, eos_token_id=eos_token_id, where=whole.found.folder)
-    full = pp_layout.merge_grid([[s["model"] for s in row] for row in whole.grid], num_layers=model["num_layers"])
-    sd = fmt.state_to_hf(full, model)
-    out.mkdir(parents=True, exist_ok=True)
-    config = out / "config.json"
-    config.write_text(json.dumps(hf_config, indent=2) + "\n")
-    try:
-        from safetensors.torch import save_file
-    except ImportError:
-        path = out / "pytorch_model.bin"
-        torch.save(sd, path)
-    else:
-        path = out / "model.safetensors"
-        save_file(sd, str(path), metadata={"format": "pt"})
-        # safetensors creates its file with mode 0600 whatever the umask, so a folder meant for others to load
-        # was unreadable to them; it gets the mode of the config.json beside it (0666 less the umask).
-        path.chmod(stat.S_IMODE(config.stat().st_mode))
-    return path
+from megatron_hpc.checkpoint.conversion.whole import WholeCheckpoint
 
 
 def tokenizer_files(whole: WholeCheckpoint) -> tuple[Path, Path] | str:
@@ -82,8 +53,3 @@ def hf_tokenizer_files(whole: WholeCheckpoint) -> list[Path]:
     if not main.is_file() or not os.access(main, os.R_OK):
         return []
     return [main, *(folder / n for n in HF_TOKENIZER_FILES[1:] if given.is_dir() and (folder / n).is_file())]
-
-
-def convert_format(whole: WholeCheckpoint, *, to: str, out: Path) -> Path:
-    """The same checkpoint (every rank, every key) in the other file format."""
-    return write_whole(out, whole.iteration, whole.grid, fmt=to, layout=whole.layout)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_hpc.checkpoint.compat import PipelineLayout
+from megatron_hpc.checkpoint.store import PipelineLayout
 from megatron_hpc.errors import CheckpointError, PlanError
 
 

@@ -11,7 +11,7 @@ with pipeline parallelism, each with `model_optim_rng.pt` (a plain torch file, o
   an `args` Namespace;
 - megatron-core: an `args` Namespace and megatron-core's flat model keys (embedding., decoder.layers.N., output_layer).
 
-Reading goes through the restricted unpickler (file_io.py, safe_pickle.py): nothing in the files runs.
+Reading goes through the restricted unpickler (store/file_io.py, safe_pickle.py): nothing in the files runs.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_hpc.checkpoint import paths
-from megatron_hpc.checkpoint.xser import read_xser
+from megatron_hpc.checkpoint.store import paths, read_xser
 from megatron_hpc.errors import CheckpointAccessError, CheckpointError
 
 FAMILIES = ("neuron-reference", "megatron-lm", "megatron-core")

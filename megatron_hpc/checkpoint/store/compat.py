@@ -1,7 +1,7 @@
 """Whether a checkpoint fits a run: its TP size and pipeline layout against the run's. Torch-free, so `submit`
 can run the same check before anything is queued.
 
-A pipeline rank's file holds the weights of its layers only (checkpoint/pp_layout.py), so a checkpoint loads
+A pipeline rank's file holds the weights of its layers only (checkpoint/conversion/pp_layout.py), so a checkpoint loads
 only into a run that splits the layers the same way: same pipeline size, virtual stages and uneven first/last
 stage sizes (parallel.pipeline, virtual_pipeline, pipeline_first_stage_layers, pipeline_last_stage_layers).
 Anything else needs `megatron-hpc ckpt reshard` first; the refusal prints that command.
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_hpc.checkpoint import paths
-from megatron_hpc.checkpoint.manifest import Manifest, read_manifest
+from megatron_hpc.checkpoint.store import paths
+from megatron_hpc.checkpoint.store.manifest import Manifest, read_manifest
 from megatron_hpc.errors import CheckpointError
 from megatron_hpc.plan.stages import stage_layouts
 

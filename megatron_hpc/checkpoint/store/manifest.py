@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from megatron_hpc.atomic_write import write_json_atomic
-from megatron_hpc.checkpoint.paths import MANIFEST
+from megatron_hpc.checkpoint.store.paths import MANIFEST
 from megatron_hpc.errors import CheckpointAccessError, CheckpointError
 
 MANIFEST_VERSION = 2

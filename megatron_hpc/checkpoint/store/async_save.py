@@ -25,10 +25,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from megatron_hpc.checkpoint.compat import PipelineLayout
-from megatron_hpc.checkpoint.ranks import RankInfo
-from megatron_hpc.checkpoint.saver import begin_save, finish_save, write_rank_files
-from megatron_hpc.checkpoint.xser import Snapshot, snapshot
+from megatron_hpc.checkpoint.store.compat import PipelineLayout
+from megatron_hpc.checkpoint.store.ranks import RankInfo
+from megatron_hpc.checkpoint.store.saver import begin_save, finish_save, write_rank_files
+from megatron_hpc.checkpoint.store.xser import Snapshot, snapshot
 from megatron_hpc.errors import CheckpointError
 
 

@@ -22,8 +22,8 @@ from megatron_hpc.errors import CheckpointError
 
 # config.json architecture -> module. Export tries them in this order and writes the first that can express the model.
 MODULES = {
-    "GPT2LMHeadModel": "megatron_hpc.checkpoint.hf_gpt2",
-    "GPTNeoXForCausalLM": "megatron_hpc.checkpoint.hf_neox",
+    "GPT2LMHeadModel": "megatron_hpc.checkpoint.foreign.hf_gpt2",
+    "GPTNeoXForCausalLM": "megatron_hpc.checkpoint.foreign.hf_neox",
 }
 # config.json without `architectures` (hand-written ones): model_type -> architecture.
 MODEL_TYPES = {"gpt2": "GPT2LMHeadModel", "gpt_neox": "GPTNeoXForCausalLM"}

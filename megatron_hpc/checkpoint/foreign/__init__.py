@@ -1,0 +1,33 @@
+"""Checkpoints of other trainers, read and turned into ours: the Megatron family (the Neuron reference,
+Megatron-LM, megatron-core: find and read their shards, name the family, map their keys, QKV order and optimizer
+state, distributed-optimizer buffers included) and Hugging Face model folders (GPT-2, GPT-NeoX; in and out).
+
+The top room: it reads through store/ and hands whole checkpoints to conversion/ (stream.reshard), and neither
+imports it. Everything outside the room imports from here, never from a module inside it.
+"""
+
+from megatron_hpc.checkpoint.foreign.hf_export import export_hf
+from megatron_hpc.checkpoint.foreign.hf_import import copy_tokenizer, import_hf, is_hf_folder
+from megatron_hpc.checkpoint.foreign.importer import import_foreign
+from megatron_hpc.checkpoint.foreign.megatron_family import (
+    OURS,
+    arg,
+    family_of,
+    foreign_folder,
+    rank_files,
+    read_foreign,
+)
+
+__all__ = [
+    "OURS",
+    "arg",
+    "copy_tokenizer",
+    "export_hf",
+    "family_of",
+    "foreign_folder",
+    "import_foreign",
+    "import_hf",
+    "is_hf_folder",
+    "rank_files",
+    "read_foreign",
+]
