@@ -35,7 +35,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def _build_parser(selected: str | None) -> argparse.ArgumentParser:
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    """The whole parser for the command line `argv`: every subcommand's name, and the arguments of the one `argv`
+    selects (the others' modules are not imported, so `--help` and `plan` start without torch)."""
+    selected = _selected_command(argv)
     parser = argparse.ArgumentParser(
         prog="megatron-hpc",
         description="Plan, launch and train Megatron-style GPT runs on SLURM (Trainium, CUDA, CPU).",
@@ -61,8 +64,7 @@ def _selected_command(argv: list[str]) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    selected = _selected_command(argv)
-    parser = _build_parser(selected)
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

@@ -202,7 +202,7 @@ def test_compile_job_is_skipped_when_the_claims_cache_holds_the_fingerprint(tmp_
 
 
 def test_preprocess_job_runs_the_data_preprocess_command(tmp_path):
-    from megatron_hpc.cli.main import _build_parser
+    from megatron_hpc.cli.main import build_parser
 
     assert render(tmp_path / "k", "--recipe", "gpt3_6.7b", "--nodes", "1", *K8S,
                   "--set", "data.path=data/corpus_text_document",
@@ -211,7 +211,7 @@ def test_preprocess_job_runs_the_data_preprocess_command(tmp_path):
     job = found["preprocess-job.yaml"]
     (only,) = job["spec"]["template"]["spec"]["containers"]
     assert only["command"][:3] == ["megatron-hpc", "data", "preprocess"]
-    args = _build_parser("data").parse_args(only["command"][1:])  # the CLI's own parser accepts the command
+    args = build_parser(only["command"][1:]).parse_args(only["command"][1:])  # the CLI's own parser accepts the command
     assert (args.input, args.output_prefix) == ("raw/corpus.jsonl", "data/corpus_text_document")
     assert only["workingDir"] == "/fsx"
     apply = (tmp_path / "k" / "apply.sh").read_text()

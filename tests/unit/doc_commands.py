@@ -193,7 +193,7 @@ def _subparsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser
 
 def build_parser(argv: list[str], *, fragment: bool) -> argparse.ArgumentParser:
     """The parser main() builds for argv, strict about flag names; for a fragment, nothing is required."""
-    parser = cli_main._build_parser(cli_main._selected_command(argv))
+    parser = cli_main.build_parser(argv)
     for each in _subparsers(parser):
         each.allow_abbrev = False
         if fragment:
