@@ -6,6 +6,10 @@
 when the cluster cannot be started. Knobs: the ``MHPC_SLURM_*`` variables of the start script.
 
 ``sacct_job`` returns a function that reads one job's accounting record.
+
+``cancel_leftover_jobs`` (every test) cancels, when the test ends, the jobs it queued that are still in the
+queue (a test that failed or timed out while its jobs ran), and waits until they have left it: the next test
+finds the nodes free and the queue as it expects.
 """
 
 from __future__ import annotations
@@ -141,3 +145,38 @@ def sacct_job(slurm_cluster: LocalCluster) -> Callable[..., dict[str, str]]:
     """``sacct_job(job_id, timeout=10.0, final=False, until=None)`` -> dict with the keys
     JobID, State, Start, End, ExitCode, NodeList (see ``wait_sacct``)."""
     return wait_sacct
+
+
+QUEUE_LEAVE_TIMEOUT_S = 120
+
+
+def queued_jobs() -> set[str]:
+    """The ids of every job in the queue, whatever its state."""
+    out = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, timeout=30, check=True)
+    return set(out.stdout.split())
+
+
+def cancel_and_wait(job_ids: list[str], timeout: float = QUEUE_LEAVE_TIMEOUT_S) -> None:
+    """scancel the jobs and wait until none of them is in the queue (CG, completing, included)."""
+    if not job_ids:
+        return
+    subprocess.run(["scancel", *job_ids], capture_output=True, text=True, timeout=60)
+    deadline = time.monotonic() + timeout
+    while left := sorted(set(job_ids) & queued_jobs()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"jobs {left} still in the queue {timeout} s after scancel")
+        time.sleep(0.5)
+
+
+@pytest.fixture(autouse=True)
+def cancel_leftover_jobs(request: pytest.FixtureRequest) -> Iterator[None]:
+    """When a test ends, cancel the jobs queued during it that are still queued or running.
+
+    Fixtures of a wider scope (a module's reference run) are set up before this one, so their jobs are in the
+    queue when it starts and are left alone. Nothing to do where no cluster was started."""
+    if "slurm_cluster" not in request.fixturenames or not os.environ.get("SLURM_CONF"):
+        yield
+        return
+    before = queued_jobs()
+    yield
+    cancel_and_wait(sorted(queued_jobs() - before))
