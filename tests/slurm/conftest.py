@@ -2,8 +2,9 @@
 
 ``slurm_cluster`` (session scope) starts the single-machine Slurm 22.05 cluster of
 ``slurm/local-cluster-start.sh`` (installing the Debian packages on first use), exports
-``SLURM_CONF`` for the whole session and stops the cluster at the end. It fails - never skips -
-when the cluster cannot be started. Knobs: the ``MHPC_SLURM_*`` variables of the start script.
+``SLURM_CONF`` (and OMP_NUM_THREADS=1 for the jobs) for the whole session and stops the cluster at
+the end. It fails - never skips - when the cluster cannot be started. Knobs: the ``MHPC_SLURM_*``
+variables of the start script.
 
 ``sacct_job`` returns a function that reads one job's accounting record.
 
@@ -83,16 +84,22 @@ def slurm_cluster() -> Iterator[LocalCluster]:
         partition="debug",
         log_dir=cluster_dir / "log",
     )
-    old_conf = os.environ.get("SLURM_CONF")
-    os.environ["SLURM_CONF"] = str(cluster.conf_path)
+    # Jobs take the submitting environment (sbatch's default --export=ALL). One intra-op thread per worker: every
+    # simulated node is this machine, and a worker given all of its cores (what the trainer takes with one worker
+    # per node) would contend with the other nodes' workers and the suite's other tiers, its threads spinning
+    # while they wait for a core.
+    session_env = {"SLURM_CONF": str(cluster.conf_path), "OMP_NUM_THREADS": "1"}
+    old_env = {name: os.environ.get(name) for name in session_env}
+    os.environ.update(session_env)
     try:
         yield cluster
     finally:
         stopped = _run_script(STOP_SCRIPT, STOP_TIMEOUT_S)
-        if old_conf is None:
-            os.environ.pop("SLURM_CONF", None)
-        else:
-            os.environ["SLURM_CONF"] = old_conf
+        for name, value in old_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         if stopped.returncode != 0:
             print(f"{STOP_SCRIPT.name} failed (exit {stopped.returncode}):\n{_tail(stopped.stdout)}")
 
