@@ -12,6 +12,7 @@ from that clean state, never from the test process's; what it saves from the imp
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import os
 import socket
@@ -72,10 +73,15 @@ def free_ports(n: int) -> list[int]:
 
 FORKSERVER_PRELOAD = ["numpy", "torch", "torch.distributed", "torch.distributed.pipelining", "pytest",
                       "megatron_hpc.train.entry", "megatron_hpc.evaluate.scoring", "megatron_hpc.evaluate.pipelined",
-                      "megatron_hpc.generate.engine", "megatron_hpc.checkpoint.whole"]
+                      "megatron_hpc.generate.engine", "megatron_hpc.checkpoint.conversion"]
 """What the fork server imports once for every worker (only imports: it runs no torch op, so it starts no thread
 pool that a fork could copy half-held). The test modules themselves load in each worker, from its sys.path."""
 
+# The fork server skips a name it cannot import without a word: a module renamed would quietly cost every worker
+# its import again, so a missing one fails here.
+assert all(importlib.util.find_spec(name) for name in FORKSERVER_PRELOAD), (
+    f"FORKSERVER_PRELOAD names a module that does not exist: "
+    f"{[name for name in FORKSERVER_PRELOAD if not importlib.util.find_spec(name)]}")
 mp.set_forkserver_preload(FORKSERVER_PRELOAD)
 
 
