@@ -2,8 +2,8 @@
 
 ``slurm_cluster`` (session scope) starts the single-machine Slurm 22.05 cluster of
 ``slurm/local-cluster-start.sh`` (installing the Debian packages on first use), exports
-``SLURM_CONF`` (and OMP_NUM_THREADS=1 for the jobs) for the whole session and stops the cluster at
-the end. It fails - never skips - when the cluster cannot be started. Knobs: the ``MHPC_SLURM_*``
+``SLURM_CONF`` (and one thread per worker and compile for the jobs) for the whole session and stops
+the cluster at the end. It fails - never skips - when the cluster cannot be started. Knobs: the ``MHPC_SLURM_*``
 variables of the start script.
 
 ``sacct_job`` returns a function that reads one job's accounting record.
@@ -84,11 +84,12 @@ def slurm_cluster() -> Iterator[LocalCluster]:
         partition="debug",
         log_dir=cluster_dir / "log",
     )
-    # Jobs take the submitting environment (sbatch's default --export=ALL). One intra-op thread per worker: every
-    # simulated node is this machine, and a worker given all of its cores (what the trainer takes with one worker
-    # per node) would contend with the other nodes' workers and the suite's other tiers, its threads spinning
-    # while they wait for a core.
-    session_env = {"SLURM_CONF": str(cluster.conf_path), "OMP_NUM_THREADS": "1"}
+    # Jobs take the submitting environment (sbatch's default --export=ALL). Every simulated node is this machine:
+    # one intra-op thread per worker (given all of its cores, what the trainer takes with one worker per node, a
+    # worker contends with the other nodes' and the suite's other tiers, its threads spinning while they wait for
+    # a core), and Inductor compiles in the worker instead of starting its pool of compile processes (each one
+    # imports torch again: more than it saves for graphs this small on two shared cores).
+    session_env = {"SLURM_CONF": str(cluster.conf_path), "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
     old_env = {name: os.environ.get(name) for name in session_env}
     os.environ.update(session_env)
     try:
