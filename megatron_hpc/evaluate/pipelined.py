@@ -17,7 +17,6 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, ScheduleLoopedBFS
 
 from megatron_hpc.model.gpt import GPT
 from megatron_hpc.parallel.context import ParallelContext
@@ -30,6 +29,10 @@ class PipelinedScorer:
     """This rank's stages of a GPT run forward on fixed (batch_size, seq_length) inputs."""
 
     def __init__(self, model: GPT, ctx: ParallelContext, *, batch_size: int, seq_length: int):
+        # Imported here: torch.distributed.pipelining imports dynamo and DTensor (about a second of CPU), which
+        # `generate`, `serve` and a whole-model `evaluate` would otherwise pay for a class they never build.
+        from torch.distributed.pipelining import PipelineStage, ScheduleGPipe, ScheduleLoopedBFS
+
         self.model, self.ctx = model, ctx
         self.group = model.group  # the TP group, as GPT.group: the vocab-parallel reductions run over it
         self.shape = (batch_size, seq_length)

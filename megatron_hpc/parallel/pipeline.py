@@ -22,13 +22,6 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleLoopedBFS,
-)
 
 from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -85,6 +78,16 @@ class PipelineRunner:
 
     def __init__(self, model: StagedModel, ctx: ParallelContext, *, num_micro_batches: int, schedule: str,
                  device: torch.device, compile_chunks: bool = False, compile_backend: str = "inductor"):
+        # Imported here, not at the top: torch.distributed.pipelining imports dynamo and DTensor (about a second
+        # of CPU), which every trainer process would pay at start-up, pipeline or not.
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+            ScheduleLoopedBFS,
+        )
+
         if schedule not in SCHEDULES:
             raise ValueError(f"parallel.pipeline_schedule={schedule!r}: use one of {SCHEDULES}")
         self.model, self.ctx, self.num_micro = model, ctx, num_micro_batches

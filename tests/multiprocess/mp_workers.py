@@ -1,11 +1,18 @@
-"""Worker functions for the multiprocess tests: run in spawned processes over gloo on the CPU.
+"""Worker functions for the multiprocess tests: run in separate processes over gloo on the CPU.
 
 Each worker writes its results with torch.save to <out_dir>/rank<r>.pt; the test process loads
 and compares them, so assertion messages show the numbers.
+
+The processes come from a fork server (multiprocessing's `forkserver` start method): one clean process that
+imports torch, torch.distributed and the trainer's modules once (FORKSERVER_PRELOAD) and forks a worker per
+rank. Each worker is still a new process with its own interpreter state and its own process group, started
+from that clean state, never from the test process's; what it saves from the import of torch and our modules
+(about 2-3 s of CPU a process on this 2-core machine) was most of a spawn's cost.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import os
 import socket
@@ -64,7 +71,26 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-def _entry(rank: int, world: int, ports: list[int], fn: Callable[..., Any], args: tuple, out_dir: str) -> None:
+FORKSERVER_PRELOAD = ["numpy", "torch", "torch.distributed", "torch.distributed.pipelining", "pytest",
+                      "megatron_hpc.train.entry", "megatron_hpc.evaluate.scoring", "megatron_hpc.evaluate.pipelined",
+                      "megatron_hpc.generate.engine", "megatron_hpc.checkpoint.conversion"]
+"""What the fork server imports once for every worker (only imports: it runs no torch op, so it starts no thread
+pool that a fork could copy half-held). The test modules themselves load in each worker, from its sys.path."""
+
+# The fork server skips a name it cannot import without a word: a module renamed would quietly cost every worker
+# its import again, so a missing one fails here.
+assert all(importlib.util.find_spec(name) for name in FORKSERVER_PRELOAD), (
+    f"FORKSERVER_PRELOAD names a module that does not exist: "
+    f"{[name for name in FORKSERVER_PRELOAD if not importlib.util.find_spec(name)]}")
+mp.set_forkserver_preload(FORKSERVER_PRELOAD)
+
+
+def _entry(rank: int, world: int, ports: list[int], fn: Callable[..., Any], args: tuple, out_dir: str,
+           environ: dict[str, str]) -> None:
+    # The fork server's environment is the test process's when the server started (an earlier test's): take the
+    # test process's of now, as a spawned process would (each test's own compile cache folder, for one).
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
@@ -73,10 +99,11 @@ def _entry(rank: int, world: int, ports: list[int], fn: Callable[..., Any], args
 
 
 def spawn(fn: Callable[..., Any], *, world: int, out_dir: Path, args: tuple = (), num_ports: int = 1) -> list[Any]:
-    """Run fn(rank, world, ports, *args) in `world` fresh processes; return each rank's result."""
+    """Run fn(rank, world, ports, *args) in `world` new processes (from the fork server); return each rank's
+    result."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_entry, args=(world, free_ports(num_ports), fn, args, str(out_dir)), nprocs=world,
-                       join=True, start_method="spawn")
+    mp.start_processes(_entry, args=(world, free_ports(num_ports), fn, args, str(out_dir), dict(os.environ)),
+                       nprocs=world, join=True, start_method="forkserver")
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 

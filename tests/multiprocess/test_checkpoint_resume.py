@@ -1,8 +1,8 @@
 """Stopping after 10 steps and resuming in new processes gives the losses of one 20-step run.
 
-Each resume runs in a fresh spawn (new interpreter, new process group), world 1, TP=2 and PP=2 (with dropout, so
-each stage's RNG must come back too), and TP=2 with checkpoint.async_save (whose files must equal the synchronous
-run's).
+Each resume runs in new processes (forked from the clean fork server: no state of the first run's processes, a new
+process group), world 1, TP=2 and PP=2 (with dropout, so each stage's RNG must come back too), and TP=2 with
+checkpoint.async_save (whose files must equal the synchronous run's).
 The LR schedule spans 20 steps in both (optim.lr_decay_iters), as when train_iters is raised on
 a resumed Megatron run.
 """

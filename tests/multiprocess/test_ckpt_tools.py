@@ -3,6 +3,9 @@
 The logits are the reference everywhere: the TP=2 model (two processes, gathered over the vocabulary),
 the TP=1 model loaded from the resharded checkpoint, and the real `transformers` GPT2LMHeadModel loaded
 from the exported folder must agree on the real vocabulary within 1e-4 (float32).
+
+The `ckpt` commands run in this process (`cli_in_process`, the CLI's main(), under the usual umask) but for one
+refusal, run as a real `python -m megatron_hpc` for its exit status and whole stderr.
 """
 
 from __future__ import annotations
@@ -26,28 +29,27 @@ MODEL = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_head
 TOKENS = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(7))
 
 
-def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    """The CLI under the usual umask (022), so files it creates are 0644 unless it narrows them itself."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, "-m", "megatron_hpc", *args], capture_output=True, text=True, env=env,
-                          preexec_fn=lambda: os.umask(0o022))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc
+@pytest.fixture
+def run_cli(cli_in_process):
+    """`run_cli(*args)`: the CLI under the usual umask (022), so files it creates are 0644 unless it narrows them
+    itself; it must succeed."""
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        proc = cli_in_process(*args, umask=0o022)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc
 
-
-def _cli(*args: str) -> str:
-    return _run_cli(*args).stdout
+    return run
 
 
 def _train(ckpt: Path, sets: list[str], *, tp: int) -> None:
-    sets = [*sets, f"parallel.tensor={tp}", "train.num_steps=3", "train.micro_batch_size=4",
-            "train.global_batch_size=4", "train.tensorboard=false", f"checkpoint.save={ckpt}"]
-    args = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={tp}", "--master_port",
-            str(mp_workers.free_ports(1)[0]), "-m", "megatron_hpc", "train", "--recipe", "tiny"]
-    for item in sets:
-        args += ["--set", item]
-    proc = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    """`train --recipe tiny --set ...` for 3 steps at TP `tp` in `tp` real gloo processes (forkserver workers through
+    the path the command takes: load_recipe, plan_for_torchrun, run_training)."""
+    from megatron_hpc.config.loader import load_recipe
+
+    cfg = load_recipe("tiny", [*sets, f"parallel.tensor={tp}", "train.num_steps=3", "train.micro_batch_size=4",
+                               "train.global_batch_size=4", "train.tensorboard=false", f"checkpoint.save={ckpt}"])
+    mp_workers.spawn(mp_workers.train_runs, world=tp, out_dir=ckpt.parent / f"{ckpt.name}-out",
+                     args=([cfg], str(ckpt.parent / f"{ckpt.name}-runs")))
 
 
 def model_logits(rank: int, world: int, ports: list[int], ckpt: str, tokens: torch.Tensor) -> torch.Tensor | None:
@@ -81,14 +83,14 @@ def tp2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ckpt
 
 
-def test_reshard_tp2_to_tp1_and_back_keeps_the_logits(tp2_checkpoint, tmp_path):
+def test_reshard_tp2_to_tp1_and_back_keeps_the_logits(tp2_checkpoint, tmp_path, run_cli):
     ref = mp_workers.spawn(model_logits, world=2, out_dir=tmp_path / "ref", args=(str(tp2_checkpoint), TOKENS))[0]
-    report = json.loads(_cli("ckpt", "reshard", str(tp2_checkpoint), "--tp", "1", "--out", str(tmp_path / "tp1"),
-                             "--json"))
+    report = json.loads(run_cli("ckpt", "reshard", str(tp2_checkpoint), "--tp", "1", "--out", str(tmp_path / "tp1"),
+                                "--json").stdout)
     assert (report["from_tp"], report["to_tp"], report["iteration"], report["optimizer"]) == (2, 1, 3, "resharded")
     one = mp_workers.spawn(model_logits, world=1, out_dir=tmp_path / "one", args=(str(tmp_path / "tp1"), TOKENS))[0]
     torch.testing.assert_close(one, ref, rtol=0, atol=1e-4)
-    _cli("ckpt", "reshard", str(tmp_path / "tp1"), "--tp", "2", "--out", str(tmp_path / "back"))
+    run_cli("ckpt", "reshard", str(tmp_path / "tp1"), "--tp", "2", "--out", str(tmp_path / "back"))
     back = mp_workers.spawn(model_logits, world=2, out_dir=tmp_path / "bk", args=(str(tmp_path / "back"), TOKENS))[0]
     torch.testing.assert_close(back, ref, rtol=0, atol=1e-4)
     # the trainer resumes from the resharded checkpoint at TP=1, optimizer included
@@ -104,10 +106,10 @@ def test_reshard_tp2_to_tp1_and_back_keeps_the_logits(tp2_checkpoint, tmp_path):
     assert (tmp_path / "tp1-more" / "latest_checkpointed_iteration.txt").read_text() == "4"
 
 
-def test_hf_export_matches_our_logits_in_transformers(tp2_checkpoint, tmp_path):
+def test_hf_export_matches_our_logits_in_transformers(tp2_checkpoint, tmp_path, run_cli):
     import transformers  # the real library (the `test` extra installs it)
     ref = mp_workers.spawn(model_logits, world=2, out_dir=tmp_path / "ref", args=(str(tp2_checkpoint), TOKENS))[0]
-    proc = _run_cli("ckpt", "convert", str(tp2_checkpoint), "--to", "hf", str(tmp_path / "hf"), "--json")
+    proc = run_cli("ckpt", "convert", str(tp2_checkpoint), "--to", "hf", str(tmp_path / "hf"), "--json")
     report = json.loads(proc.stdout)
     assert (report["to"], report["tensor_parallel"], report["iteration"]) == ("hf", 2, 3)
     # synthetic tokens: no tokenizer to export, said in one line
@@ -124,7 +126,7 @@ def test_hf_export_matches_our_logits_in_transformers(tp2_checkpoint, tmp_path):
     torch.testing.assert_close(theirs, ref, rtol=0, atol=1e-4)
 
 
-def test_hf_export_of_a_run_on_demo_data_carries_its_tokenizer(demo_data, tmp_path):
+def test_hf_export_of_a_run_on_demo_data_carries_its_tokenizer(demo_data, tmp_path, run_cli):
     """A run trained on `data demo` output: AutoTokenizer loads the exported folder and gives the ids the
     training data holds (the .bin file written by our preprocessing), <|endoftext|> included."""
     import transformers
@@ -136,7 +138,7 @@ def test_hf_export_of_a_run_on_demo_data_carries_its_tokenizer(demo_data, tmp_pa
     _train(tmp_path / "ckpt", [*sets, "data.source=indexed", "model.num_layers=1", "model.hidden_size=64",
                                "model.seq_length=32", "model.max_position_embeddings=32"], tp=1)
     out = tmp_path / "hf"
-    proc = _run_cli("ckpt", "convert", str(tmp_path / "ckpt"), "--to", "hf", str(out), "--json")
+    proc = run_cli("ckpt", "convert", str(tmp_path / "ckpt"), "--to", "hf", str(out), "--json")
     assert "no tokenizer" not in proc.stderr
     names = {"config.json", "model.safetensors", "vocab.json", "merges.txt", "tokenizer_config.json",
              "special_tokens_map.json"}
@@ -161,12 +163,12 @@ def test_hf_export_of_a_run_on_demo_data_carries_its_tokenizer(demo_data, tmp_pa
         assert tok.decode(stored) == text + "<|endoftext|>"
 
 
-def test_convert_xser_to_torch_and_back_is_identical(tp2_checkpoint, tmp_path):
+def test_convert_xser_to_torch_and_back_is_identical(tp2_checkpoint, tmp_path, run_cli):
     from megatron_hpc.checkpoint.conversion import read_whole
     from megatron_hpc.checkpoint.store import iter_tensors
 
-    _cli("ckpt", "convert", str(tp2_checkpoint), "--to", "torch", str(tmp_path / "torch"))
-    _cli("ckpt", "convert", str(tmp_path / "torch"), "--to", "xser", str(tmp_path / "xser"))
+    run_cli("ckpt", "convert", str(tp2_checkpoint), "--to", "torch", str(tmp_path / "torch"))
+    run_cli("ckpt", "convert", str(tmp_path / "torch"), "--to", "xser", str(tmp_path / "xser"))
     original, as_torch, again = (read_whole(p) for p in (tp2_checkpoint, tmp_path / "torch", tmp_path / "xser"))
     assert (as_torch.found.manifest.format, again.found.manifest.format) == ("torch", "xser")
     for rank in range(2):
@@ -178,15 +180,18 @@ def test_convert_xser_to_torch_and_back_is_identical(tp2_checkpoint, tmp_path):
                 assert torch.equal(tensor, got[name]), name
 
 
-def test_bad_input_is_refused_in_one_line(tp2_checkpoint, tmp_path):
+def test_bad_input_is_refused_in_one_line(tp2_checkpoint, tmp_path, cli_in_process):
     env = {k: v for k, v in os.environ.items() if k != "RANK"}
-    for args, expected in (
+    for i, (args, expected) in enumerate((
         (["reshard", str(tp2_checkpoint), "--tp", "3", "--out", str(tmp_path / "x")], "--tp in [1, 2, 4]"),
         (["reshard", str(tmp_path / "missing"), "--tp", "1"], "does not exist"),
         (["convert", str(tmp_path), "--to", "hf", str(tmp_path / "hf")], "no complete checkpoint"),
-    ):
-        proc = subprocess.run([sys.executable, "-m", "megatron_hpc", "ckpt", *args], capture_output=True, text=True,
-                              env=env)
+    )):
+        if i == 0:  # the real command: its exit status and all it printed
+            proc = subprocess.run([sys.executable, "-m", "megatron_hpc", "ckpt", *args], capture_output=True,
+                                  text=True, env=env)
+        else:
+            proc = cli_in_process("ckpt", *args)
         assert proc.returncode == 1 and expected in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "x").exists()

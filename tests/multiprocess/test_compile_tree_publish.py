@@ -200,12 +200,14 @@ def test_node_script_syncs_before_and_publishes_after_a_phase(tmp_path, own_comp
     """The real node script and trainer (one step of `tiny`): what the shared cache holds reaches the phase's
     node-local cache, and what the phase's cache gained reaches the shared one, where a bare `cache ls` shows it."""
     run_dir, local = tmp_path / "run", tmp_path / "node-local"
-    sets = ["data.source=synthetic", "compile.num_steps=1", "train.num_steps=1", "train.tensorboard=false"]
+    # a quarter of tiny's width: the caches around the phase are the subject, not its one step
+    sets = ["data.source=synthetic", "compile.num_steps=1", "train.num_steps=1", "train.tensorboard=false",
+            "model.hidden_size=64", "model.vocab_size=512", "model.seq_length=32", "model.max_position_embeddings=32"]
     assert main(["submit", "--recipe", "tiny", "--cluster", "local", "--dry-run", "--out", str(run_dir),
                  *[a for s in sets for a in ("--set", s)]]) == 0
     _write(own_compile_cache / "inductor", {"ab/cab-from-shared.py": b"compiled earlier"})
     _write(local / "inductor", {"cd/ccd-from-this-node.py": b"compiled here"})
-    env = {**ENV, "MEGATRON_HPC_LOCAL_CACHE_DIR": str(local), "TMPDIR": str(tmp_path)}
+    env = {**ENV, "MEGATRON_HPC_LOCAL_CACHE_DIR": str(local), "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(["bash", str(run_dir / "node.sh"), "compile"], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

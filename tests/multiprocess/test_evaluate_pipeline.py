@@ -26,21 +26,19 @@ def _env() -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1"}
 
 
-def _launch(nproc: int) -> list[str]:
-    if nproc == 1:
-        return [sys.executable, "-m", "megatron_hpc"]
+def _torchrun(nproc: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port",
             str(mp_workers.free_ports(1)[0]), "-m", "megatron_hpc"]
 
 
-def test_pp2_evaluation_equals_the_merged_one(tmp_path: Path) -> None:
+def test_pp2_evaluation_equals_the_merged_one(tmp_path: Path, cli_in_process) -> None:
     write_random_corpus(tmp_path / "corpus", seed=5, documents=120)
     sets = [*MODEL, "data.source=indexed", f"data.path={tmp_path / 'corpus'}", "data.split=80,10,10",
             f"data.cache_path={tmp_path / 'cache'}", "parallel.pipeline=2", "train.num_steps=2",
             "train.micro_batch_size=2", "train.global_batch_size=4", "train.eval_iters=1", "train.eval_interval=1",
             "train.tensorboard=false", f"checkpoint.save={tmp_path / 'ckpt'}",
             f"data.vocab_file={FIXTURE / 'vocab.json'}", f"data.merge_file={FIXTURE / 'merges.txt'}"]
-    args = [*_launch(2), "train", "--recipe", "tiny"]
+    args = [*_torchrun(2), "train", "--recipe", "tiny"]
     for item in sets:
         args += ["--set", item]
     proc = subprocess.run(args, capture_output=True, text=True, env=_env())
@@ -49,16 +47,15 @@ def test_pp2_evaluation_equals_the_merged_one(tmp_path: Path) -> None:
     assert len(found) == 1, proc.stdout[-2000:]
 
     (tmp_path / "wiki.txt").write_text(" ".join(LAMBADA * 6) + " \n")
-    reports = []
-    for nproc in (1, 2):
-        ev = subprocess.run([*_launch(nproc), "evaluate", str(tmp_path / "ckpt"), "--json", "--split", "both",
-                             "--task", "wikitext", "--file", str(tmp_path / "wiki.txt"), "--overlapping-eval", "8"],
-                            capture_output=True, text=True, env=_env())
+    evaluate = ["evaluate", str(tmp_path / "ckpt"), "--json", "--split", "both", "--task", "wikitext", "--file",
+                str(tmp_path / "wiki.txt"), "--overlapping-eval", "8"]
+    merged = cli_in_process(*evaluate)  # merged to TP 1, in this process (the CLI's main())
+    staged = subprocess.run([*_torchrun(2), *evaluate], capture_output=True, text=True, env=_env())
+    for ev in (merged, staged):
         assert ev.returncode == 0, ev.stderr[-3000:]
-        report = json.loads(ev.stdout)  # rank 0 alone prints
+    merged, staged = (json.loads(ev.stdout) for ev in (merged, staged))  # rank 0 alone prints
+    for report in (merged, staged):
         assert (report["tensor_parallel"], report["pipeline_parallel"]) == (1, 2)
-        reports.append(report)
-    merged, staged = reports
     assert staged["splits"]["test"]["loss"] == pytest.approx(float(found[0]), rel=2e-6)
     for split in ("valid", "test"):
         assert staged["splits"][split]["samples"] == merged["splits"][split]["samples"] == 4

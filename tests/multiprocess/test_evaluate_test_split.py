@@ -1,7 +1,10 @@
 """The test split evaluated at the end of a TP=2 torchrun training run (two real gloo processes) equals
 `megatron-hpc evaluate --split test` on its checkpoint, merged to TP 1 in one process and at TP 2 under torchrun:
 same samples, same loss; the zero-shot tasks give the same figures at TP 2 as at TP 1; the vocab-parallel argmax
-equals torch.argmax of the gathered logits, ties included."""
+equals torch.argmax of the gathered logits, ties included.
+
+The TP 1 evaluations run in this process (`cli_in_process`, the CLI's main()); training and the TP 2 evaluations
+are real torchrun launches."""
 
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ def write_random_corpus(prefix: Path, *, seed: int, documents: int) -> None:
             writer.add_document(rng.integers(0, 400, size=int(rng.integers(10, 80))))
 
 
-def test_end_of_training_test_loss_equals_evaluate(tmp_path: Path) -> None:
+def test_end_of_training_test_loss_equals_evaluate(tmp_path: Path, cli_in_process) -> None:
     write_random_corpus(tmp_path / "corpus", seed=3, documents=150)
     sets = [*MODEL, "data.source=indexed", f"data.path={tmp_path / 'corpus'}", "data.split=80,10,10",
             f"data.cache_path={tmp_path / 'cache'}", "parallel.tensor=2", "train.num_steps=3",
@@ -58,20 +61,23 @@ def test_end_of_training_test_loss_equals_evaluate(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     (tmp_path / "lambada.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in LAMBADA))
     (tmp_path / "wiki.txt").write_text(" ".join(LAMBADA * 6) + " \n")
-    runs = [["--split", "test"], ["--task", "lambada", "--file", str(tmp_path / "lambada.jsonl")],
-            ["--task", "wikitext", "--file", str(tmp_path / "wiki.txt"), "--overlapping-eval", "8"]]
+    split = ["--split", "test"]
+    lambada = ["--task", "lambada", "--file", str(tmp_path / "lambada.jsonl")]
+    wikitext = ["--task", "wikitext", "--file", str(tmp_path / "wiki.txt"), "--overlapping-eval", "8"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port"]
     reports = {}
-    for tp in (1, 2):
-        for extra in runs:
-            launch = [sys.executable, "-m", "megatron_hpc"] if tp == 1 else [
-                sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
-                str(mp_workers.free_ports(1)[0]), "-m", "megatron_hpc"]
-            ev = subprocess.run([*launch, "evaluate", str(tmp_path / "ckpt"), "--json", *extra], capture_output=True,
-                                text=True, env={**env, "OMP_NUM_THREADS": "1"})
-            assert ev.returncode == 0, ev.stderr[-2000:]
-            report = json.loads(ev.stdout)  # rank 0 alone prints
-            assert report["tensor_parallel"] == 2
-            reports[tp, extra[1]] = report
+    for name, extra in (("test", split), ("lambada", lambada), ("wikitext", wikitext)):
+        reports[1, name] = cli_in_process("evaluate", str(tmp_path / "ckpt"), "--json", *extra)
+    # at TP 2 the split and a task in one command (each torchrun starts three interpreters)
+    for names, extra in ((("test", "lambada"), split + lambada), (("wikitext",), wikitext)):
+        ev = subprocess.run([*torchrun, str(mp_workers.free_ports(1)[0]), "-m", "megatron_hpc", "evaluate",
+                             str(tmp_path / "ckpt"), "--json", *extra], capture_output=True, text=True,
+                            env={**env, "OMP_NUM_THREADS": "1"})
+        reports.update({(2, name): ev for name in names})
+    for key, ev in reports.items():
+        assert ev.returncode == 0, ev.stderr[-2000:]
+        reports[key] = json.loads(ev.stdout)  # rank 0 alone prints
+        assert reports[key]["tensor_parallel"] == 2
     for tp in (1, 2):
         test = reports[tp, "test"]["splits"]["test"]
         assert test["samples"] == 2 * 4

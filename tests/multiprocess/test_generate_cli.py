@@ -1,5 +1,9 @@
 """`megatron-hpc generate` on a checkpoint trained at TP=2: the same greedy tokens as `transformers`' generate on
-the `ckpt convert --to hf` export of it, text prompts through a supplied tokenizer, bad input in one line."""
+the `ckpt convert --to hf` export of it, text prompts through a supplied tokenizer, bad input in one line.
+
+The commands run in this process (`cli_in_process`: the CLI's main(), no new interpreter to import torch again),
+except one refusal, run as a real `python -m megatron_hpc` for its exit status and whole stderr, and the torchrun
+runs, whose processes are the point."""
 
 from __future__ import annotations
 
@@ -15,44 +19,27 @@ import torch
 
 pytestmark = pytest.mark.multiprocess
 
-VOCAB = 400  # the preprocess fixture's tokenizer
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "preprocess"
-MODEL = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4", "model.seq_length=32",
-         "model.max_position_embeddings=32", f"model.vocab_size={VOCAB}", "model.make_vocab_size_divisible_by=64",
-         "model.init_method_std=0.2"]
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [1, 2], [300, 301, 302]]
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+def _subprocess(*args: str) -> subprocess.CompletedProcess[str]:
+    """The real `python -m megatron_hpc ARGS`."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     return subprocess.run([sys.executable, "-m", "megatron_hpc", *args], capture_output=True, text=True, env=env)
 
 
-@pytest.fixture(scope="module")
-def tp2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    ckpt = tmp_path_factory.mktemp("gen") / "tp2"
-    sets = [*MODEL, "data.source=synthetic", "parallel.tensor=2", "train.num_steps=2", "train.micro_batch_size=4",
-            "train.global_batch_size=4", "train.tensorboard=false", f"checkpoint.save={ckpt}"]
-    args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
-            str(mp_workers.free_ports(1)[0]), "-m", "megatron_hpc", "train", "--recipe", "tiny"]
-    for item in sets:
-        args += ["--set", item]
-    proc = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    return ckpt
-
-
-def test_greedy_equals_transformers_generate_on_the_hf_export(tp2_checkpoint, tmp_path):
+def test_greedy_equals_transformers_generate_on_the_hf_export(tp2_checkpoint, tmp_path, cli_in_process):
     import transformers  # the real library (the `test` extra installs it)
 
-    assert _cli("ckpt", "convert", str(tp2_checkpoint), "--to", "hf", str(tmp_path / "hf")).returncode == 0
+    assert cli_in_process("ckpt", "convert", str(tp2_checkpoint), "--to", "hf", str(tmp_path / "hf")).returncode == 0
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
     assert hf.config.activation_function == "gelu"  # exact (erf) GeLU, as our MLP
     eos = hf.config.eos_token_id
     args = ["generate", str(tp2_checkpoint), "--max-new-tokens", "16", "--stop-token", str(eos), "--json"]
     for p in PROMPTS:
         args += ["--prompt-ids", ",".join(map(str, p))]
-    proc = _cli(*args)
+    proc = cli_in_process(*args)
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["tensor_parallel"] == 2 and len(report["results"]) == len(PROMPTS)
@@ -67,10 +54,13 @@ def test_greedy_equals_transformers_generate_on_the_hf_export(tp2_checkpoint, tm
         torch.testing.assert_close(torch.tensor(row["logprobs"]), expected, rtol=0, atol=1e-4)
 
 
-def test_text_prompts_and_bad_input(tp2_checkpoint):
+def test_text_prompts_and_bad_input(tp2_checkpoint, cli_in_process):
     ckpt = str(tp2_checkpoint)
+    # synthetic run: no tokenizer; refused after the load, by the real command (its exit status, all its stderr)
+    proc = _subprocess("generate", ckpt, "--prompt", "hello")
+    assert proc.returncode == 1 and "pass --vocab-file and --merge-file" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     cases = [  # (arguments, words of the one-line error)
-        (["--prompt", "hello"], "pass --vocab-file and --merge-file"),  # synthetic run: no tokenizer
         (["--prompt-ids", ",".join(["1"] * 40)], "prompt 0 is 40 tokens, 8 more than the model's context of 32"),
         (["--prompt-ids", "1,2", "--top-p", "0"], "top_p must be in (0, 1]"),
         (["--prompt-ids", "1,2", "--top-p", "1.5"], "top_p must be in (0, 1]"),
@@ -78,13 +68,13 @@ def test_text_prompts_and_bad_input(tp2_checkpoint):
         (["--prompt-ids", "1", "--vocab-file", str(FIXTURE / "vocab.json")], "pass both"),
     ]
     for extra, words in cases:
-        proc = _cli("generate", ckpt, *extra)
+        proc = cli_in_process("generate", ckpt, *extra)
         assert proc.returncode == 1 and words in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     from megatron_hpc.data.tokenizer import GPT2BPETokenizer
 
     tok = GPT2BPETokenizer(FIXTURE / "vocab.json", FIXTURE / "merges.txt")
-    proc = _cli("generate", ckpt, "--prompt", "The quick brown", "--prompt", "fox", "--max-new-tokens", "5",
+    proc = cli_in_process("generate", ckpt, "--prompt", "The quick brown", "--prompt", "fox", "--max-new-tokens", "5",
                 "--temperature", "0.8", "--top-k", "20", "--seed", "3", "--vocab-file", str(FIXTURE / "vocab.json"),
                 "--merge-file", str(FIXTURE / "merges.txt"), "--json")
     assert proc.returncode == 0, proc.stderr
@@ -93,11 +83,11 @@ def test_text_prompts_and_bad_input(tp2_checkpoint):
     for r in rows:
         assert r["text"] == tok.decode(r["tokens"]) and 1 <= len(r["tokens"]) <= 5
         assert all(lp <= 0 for lp in r["logprobs"])
-    again = _cli("generate", ckpt, "--prompt", "The quick brown", "--prompt", "fox", "--max-new-tokens", "5",
+    again = cli_in_process("generate", ckpt, "--prompt", "The quick brown", "--prompt", "fox", "--max-new-tokens", "5",
                  "--temperature", "0.8", "--top-k", "20", "--seed", "3", "--vocab-file", str(FIXTURE / "vocab.json"),
                  "--merge-file", str(FIXTURE / "merges.txt"), "--json")
     assert json.loads(again.stdout)["results"] == rows  # seeded
-    plain = _cli("generate", ckpt, "--prompt", "fox", "--max-new-tokens", "3", "--vocab-file",
+    plain = cli_in_process("generate", ckpt, "--prompt", "fox", "--max-new-tokens", "3", "--vocab-file",
                  str(FIXTURE / "vocab.json"), "--merge-file", str(FIXTURE / "merges.txt"))
     assert plain.returncode == 0 and plain.stdout.startswith("fox"), plain.stderr
 
@@ -109,13 +99,13 @@ def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, env={**env, "OMP_NUM_THREADS": "1"})
 
 
-def test_torchrun_tp2_generates_what_tp1_generates(tp2_checkpoint):
+def test_torchrun_tp2_generates_what_tp1_generates(tp2_checkpoint, cli_in_process):
     """`torchrun --nproc_per_node 2 ... generate` runs the TP 2 checkpoint at TP 2 (two gloo ranks, each its heads
     and vocabulary shard): the greedy tokens and log-probs of the merged TP 1 run, printed once."""
     args = ["generate", str(tp2_checkpoint), "--max-new-tokens", "6", "--json"]
     for p in PROMPTS:
         args += ["--prompt-ids", ",".join(map(str, p))]
-    one = _cli(*args)
+    one = cli_in_process(*args)
     two = _torchrun(2, *args)
     assert one.returncode == 0 and two.returncode == 0, one.stderr[-2000:] + two.stderr[-2000:]
     ref, got = json.loads(one.stdout)["results"], json.loads(two.stdout)["results"]  # rank 1 printed nothing

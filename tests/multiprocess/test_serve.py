@@ -1,7 +1,7 @@
-"""`megatron-hpc serve`: Megatron's `PUT /api` over real HTTP on a checkpoint trained at TP=2 (the generate
-tests' fixture). Greedy answers equal `megatron-hpc generate`'s; log-probs equal a direct forward; bad requests
-get a one-line 400 and the server goes on; concurrent clients get what they would get alone; at TP=2 (real gloo
-processes, rank 0 serving and rank 1 following) the answers equal TP=1's."""
+"""`megatron-hpc serve`: Megatron's `PUT /api` over real HTTP on a checkpoint trained at TP=2 (conftest's
+tp2_checkpoint, which the generate tests load too). Greedy answers equal `megatron-hpc generate`'s; log-probs equal
+a direct forward; bad requests get a one-line 400 and the server goes on; concurrent clients get what they would get
+alone; at TP=2 (real gloo processes, rank 0 serving and rank 1 following) the answers equal TP=1's."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from urllib.request import Request, urlopen
 import mp_workers
 import pytest
 import torch
-from test_generate_cli import FIXTURE, _cli, tp2_checkpoint  # noqa: F401  (the module-scoped fixture)
+from test_generate_cli import FIXTURE
+from test_generate_cli import _subprocess as _cli
 
 pytestmark = pytest.mark.multiprocess
 
@@ -38,7 +39,7 @@ def put(url: str, body: Any, *, raw: bytes | None = None) -> tuple[int, Any]:
 
 
 @pytest.fixture(scope="module")
-def server(tp2_checkpoint: Path) -> Any:  # noqa: F811
+def server(tp2_checkpoint: Path) -> Any:
     port = mp_workers.free_ports(1)[0]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     proc = subprocess.Popen([sys.executable, "-m", "megatron_hpc", "serve", str(tp2_checkpoint), "--host",
@@ -58,13 +59,13 @@ def server(tp2_checkpoint: Path) -> Any:  # noqa: F811
     assert proc.returncode == 0, err  # SIGTERM stops it cleanly
 
 
-def _generate_cli(ckpt: Path, prompt: str, n: int) -> dict[str, Any]:
-    proc = _cli("generate", str(ckpt), "--prompt", prompt, "--max-new-tokens", str(n), "--json", *TOKENIZER)
+def _generate_cli(cli: Any, ckpt: Path, prompt: str, n: int) -> dict[str, Any]:
+    proc = cli("generate", str(ckpt), "--prompt", prompt, "--max-new-tokens", str(n), "--json", *TOKENIZER)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)["results"][0]
 
 
-def test_greedy_equals_generate_and_logprobs_a_direct_forward(server, tp2_checkpoint):  # noqa: F811
+def test_greedy_equals_generate_and_logprobs_a_direct_forward(server, tp2_checkpoint, cli_in_process):
     from megatron_hpc.generate.loading import load_for_generation
 
     status, out = put(server, {"prompts": PROMPTS, "tokens_to_generate": 6, "top_k": 1, "logprobs": True})
@@ -80,7 +81,7 @@ def test_greedy_equals_generate_and_logprobs_a_direct_forward(server, tp2_checkp
             dist.destroy_process_group()
     tok = loaded.tokenizer
     for i, prompt in enumerate(PROMPTS):
-        ref = _generate_cli(tp2_checkpoint, prompt, 6)
+        ref = _generate_cli(cli_in_process, tp2_checkpoint, prompt, 6)
         assert out["tokens"][i] == ref["prompt_ids"] + ref["tokens"]
         assert out["text"][i] == prompt + ref["text"]
         assert out["segments"][i] == [tok.decode([t]) for t in out["tokens"][i]]
@@ -202,7 +203,7 @@ def serve_at_tp(rank: int, world: int, ports: list[int], ckpt: str) -> Any:
     return out
 
 
-def test_tp2_serving_equals_tp1(tmp_path, tp2_checkpoint):  # noqa: F811
+def test_tp2_serving_equals_tp1(tmp_path, tp2_checkpoint):
     one = mp_workers.spawn(serve_at_tp, world=1, out_dir=tmp_path / "tp1", args=(str(tp2_checkpoint),))[0]
     two = mp_workers.spawn(serve_at_tp, world=2, out_dir=tmp_path / "tp2", args=(str(tp2_checkpoint),))
     assert two[1] == len(REQUESTS) - 1  # rank 1 ran every accepted request, then the stop message ended it
@@ -219,7 +220,7 @@ def test_tp2_serving_equals_tp1(tmp_path, tp2_checkpoint):  # noqa: F811
     assert one[0][1]["tokens"] != one[2][1]["tokens"]  # the sampled requests are not greedy in disguise
 
 
-def test_torchrun_tp2_cli_serves_what_tp1_serves(server, tp2_checkpoint):  # noqa: F811
+def test_torchrun_tp2_cli_serves_what_tp1_serves(server, tp2_checkpoint):
     """The real `torchrun -m megatron_hpc serve` at TP 2; SIGTERM (what scancel and torchrun send) stops every rank."""
     port, master = mp_workers.free_ports(2)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}

@@ -2,10 +2,15 @@
 
 ``slurm_cluster`` (session scope) starts the single-machine Slurm 22.05 cluster of
 ``slurm/local-cluster-start.sh`` (installing the Debian packages on first use), exports
-``SLURM_CONF`` for the whole session and stops the cluster at the end. It fails - never skips -
-when the cluster cannot be started. Knobs: the ``MHPC_SLURM_*`` variables of the start script.
+``SLURM_CONF`` (and one thread per worker and compile for the jobs) for the whole session and stops
+the cluster at the end. It fails - never skips - when the cluster cannot be started. Knobs: the ``MHPC_SLURM_*``
+variables of the start script.
 
 ``sacct_job`` returns a function that reads one job's accounting record.
+
+``cancel_leftover_jobs`` (every test) cancels, when the test ends, the jobs it queued that are still in the
+queue (a test that failed or timed out while its jobs ran), and waits until they have left it: the next test
+finds the nodes free and the queue as it expects.
 """
 
 from __future__ import annotations
@@ -79,16 +84,23 @@ def slurm_cluster() -> Iterator[LocalCluster]:
         partition="debug",
         log_dir=cluster_dir / "log",
     )
-    old_conf = os.environ.get("SLURM_CONF")
-    os.environ["SLURM_CONF"] = str(cluster.conf_path)
+    # Jobs take the submitting environment (sbatch's default --export=ALL). Every simulated node is this machine:
+    # one intra-op thread per worker (given all of its cores, what the trainer takes with one worker per node, a
+    # worker contends with the other nodes' and the suite's other tiers, its threads spinning while they wait for
+    # a core), and Inductor compiles in the worker instead of starting its pool of compile processes (each one
+    # imports torch again: more than it saves for graphs this small on two shared cores).
+    session_env = {"SLURM_CONF": str(cluster.conf_path), "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    old_env = {name: os.environ.get(name) for name in session_env}
+    os.environ.update(session_env)
     try:
         yield cluster
     finally:
         stopped = _run_script(STOP_SCRIPT, STOP_TIMEOUT_S)
-        if old_conf is None:
-            os.environ.pop("SLURM_CONF", None)
-        else:
-            os.environ["SLURM_CONF"] = old_conf
+        for name, value in old_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         if stopped.returncode != 0:
             print(f"{STOP_SCRIPT.name} failed (exit {stopped.returncode}):\n{_tail(stopped.stdout)}")
 
@@ -141,3 +153,38 @@ def sacct_job(slurm_cluster: LocalCluster) -> Callable[..., dict[str, str]]:
     """``sacct_job(job_id, timeout=10.0, final=False, until=None)`` -> dict with the keys
     JobID, State, Start, End, ExitCode, NodeList (see ``wait_sacct``)."""
     return wait_sacct
+
+
+QUEUE_LEAVE_TIMEOUT_S = 120
+
+
+def queued_jobs() -> set[str]:
+    """The ids of every job in the queue, whatever its state."""
+    out = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, timeout=30, check=True)
+    return set(out.stdout.split())
+
+
+def cancel_and_wait(job_ids: list[str], timeout: float = QUEUE_LEAVE_TIMEOUT_S) -> None:
+    """scancel the jobs and wait until none of them is in the queue (CG, completing, included)."""
+    if not job_ids:
+        return
+    subprocess.run(["scancel", *job_ids], capture_output=True, text=True, timeout=60)
+    deadline = time.monotonic() + timeout
+    while left := sorted(set(job_ids) & queued_jobs()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"jobs {left} still in the queue {timeout} s after scancel")
+        time.sleep(0.5)
+
+
+@pytest.fixture(autouse=True)
+def cancel_leftover_jobs(request: pytest.FixtureRequest) -> Iterator[None]:
+    """When a test ends, cancel the jobs queued during it that are still queued or running.
+
+    Fixtures of a wider scope (a module's reference run) are set up before this one, so their jobs are in the
+    queue when it starts and are left alone. Nothing to do where no cluster was started."""
+    if "slurm_cluster" not in request.fixturenames or not os.environ.get("SLURM_CONF"):
+        yield
+        return
+    before = queued_jobs()
+    yield
+    cancel_and_wait(sorted(queued_jobs() - before))

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -86,9 +87,12 @@ def check_resumed(run_dir: Path, straight: tuple[Path, str], job_id: str, sacct_
 
 
 @pytest.fixture(scope="module")
-def straight(slurm_cluster, tmp_path_factory) -> tuple[Path, str]:
+def straight(slurm_cluster, tmp_path_factory) -> Iterator[tuple[Path, str]]:
     run_dir = tmp_path_factory.mktemp("straight") / "run"
-    return run_dir, submit(run_dir)
+    job_id = submit(run_dir)
+    yield run_dir, job_id
+    # ended long before when the tests passed; a test that failed early may leave it running for the next module
+    subprocess.run(["scancel", job_id], capture_output=True, timeout=60)
 
 
 def test_warning_signal_saves_requeues_and_resumes(straight, sacct_job, tmp_path):

@@ -167,8 +167,9 @@ def test_an_account_slurm_refuses_is_one_line_and_queues_nothing(slurm_cluster, 
     assert line.startswith("megatron-hpc: error: sbatch refused the run phase: Batch job submission failed: "
                            "Invalid account"), proc.stderr
     assert f"(script: {run_dir / 'run.sbatch'})" in line
-    queued = subprocess.run(["squeue", "-h", "-n", "tiny-run", "-o", "%i"], capture_output=True, text=True)
-    assert queued.stdout.strip() == ""
+    # nothing of this run folder in the queue (jobs other tests left are theirs, not this submit's)
+    queued = subprocess.run(["squeue", "-h", "-o", "%i %j %o"], capture_output=True, text=True, check=True)
+    assert [line for line in queued.stdout.splitlines() if str(run_dir) in line] == [], queued.stdout
 
 
 def test_a_failed_run_phase_names_the_workers_error(slurm_cluster, tmp_path):
