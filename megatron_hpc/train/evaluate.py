@@ -56,7 +56,7 @@ class _Batches(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class _OffsetSynthetic:
+class OffsetSynthetic:
     tokens: SyntheticTokens
 
     def batch(self, indices: Sequence[int]) -> torch.Tensor:
@@ -149,7 +149,7 @@ class Evaluator:
 
 def _valid_data(tcfg: TrainConfig, data: DataConfig, *, vocab_size: int, plan: Plan) -> _Batches | None:
     if plan.data_source == "synthetic":
-        return _OffsetSynthetic(SyntheticTokens(vocab_size=vocab_size, seq_length=plan.seq_length, seed=tcfg.seed))
+        return OffsetSynthetic(SyntheticTokens(vocab_size=vocab_size, seq_length=plan.seq_length, seed=tcfg.seed))
     if not data.path:
         raise DataError("data.source is indexed but data.path is not set; validation needs its valid split")
     if split_matrix(data.split)[1] is None:

@@ -23,7 +23,7 @@ FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "preprocess"
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [1, 2], [300, 301, 302]]
 
 
-def _subprocess(*args: str) -> subprocess.CompletedProcess[str]:
+def cli_subprocess(*args: str) -> subprocess.CompletedProcess[str]:
     """The real `python -m megatron_hpc ARGS`."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     return subprocess.run([sys.executable, "-m", "megatron_hpc", *args], capture_output=True, text=True, env=env)
@@ -57,7 +57,7 @@ def test_greedy_equals_transformers_generate_on_the_hf_export(tp2_checkpoint, tm
 def test_text_prompts_and_bad_input(tp2_checkpoint, cli_in_process):
     ckpt = str(tp2_checkpoint)
     # synthetic run: no tokenizer; refused after the load, by the real command (its exit status, all its stderr)
-    proc = _subprocess("generate", ckpt, "--prompt", "hello")
+    proc = cli_subprocess("generate", ckpt, "--prompt", "hello")
     assert proc.returncode == 1 and "pass --vocab-file and --merge-file" in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     cases = [  # (arguments, words of the one-line error)

@@ -20,7 +20,7 @@ import mp_workers
 import pytest
 import torch
 from test_generate_cli import FIXTURE
-from test_generate_cli import _subprocess as _cli
+from test_generate_cli import cli_subprocess as _cli
 
 pytestmark = pytest.mark.multiprocess
 

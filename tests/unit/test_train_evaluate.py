@@ -22,7 +22,7 @@ from megatron_hpc.data.synthetic import SyntheticTokens
 from megatron_hpc.evaluate.perplexity import capped_ppl
 from megatron_hpc.plan.batch import num_valid_samples
 from megatron_hpc.train.entry import plan_for_torchrun, run_training
-from megatron_hpc.train.evaluate import VALID_SAMPLE_OFFSET, _OffsetSynthetic
+from megatron_hpc.train.evaluate import VALID_SAMPLE_OFFSET, OffsetSynthetic
 from megatron_hpc.train.metrics import format_validation_block
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -58,7 +58,7 @@ def test_block_is_megatrons() -> None:
 
 def test_synthetic_valid_ids_are_disjoint_from_training() -> None:
     tokens = SyntheticTokens(vocab_size=300, seq_length=16, seed=7)
-    valid = _OffsetSynthetic(tokens).batch([0, 5])
+    valid = OffsetSynthetic(tokens).batch([0, 5])
     np.testing.assert_array_equal(valid[1].numpy(), tokens.sample(VALID_SAMPLE_OFFSET + 5))
     assert not np.array_equal(valid[0].numpy(), tokens.sample(0))
 
