@@ -26,7 +26,7 @@ TINY = ["--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--voc
 
 CASES: dict[str, tuple[list[str], str]] = {
     # script: (arguments, a regular expression for its ratios line; {tmp} is the test's temp folder)
-    "activation_bytes.py": ([*TINY, "--batch", "1", "--out", "{tmp}/out"],
+    "activation_bytes.py": ([*TINY, "--batch", "1", "--out", "{tmp}/out", "--modes", "sp_tp2_selective"],
                             r"^\| sp_tp2_selective \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \|$"),
     "cache_stats.py": (["--entries", "200", "--rounds", "1", "--dir", "{tmp}"],
                        r"^ratio stats/du = [\d.]+ wall, [\d.]+ CPU; target for 200 entries: < 2 s -> (met|NOT met)$"),
@@ -34,7 +34,10 @@ CASES: dict[str, tuple[list[str], str]] = {
                     "--step-matmuls", "1", "--mode", "blocked", "split", "io"],
                    r"^resume: copy/dd [\d.]+x, in place/dd [\d.]+x, in place/copy [\d.]+x; weights into existing "
                    r"memory/dd [\d.]+x$"),
-    "compile_warm_start.py": (["--rounds", "1", "--dir", "{tmp}", "--set", "model.num_layers=1",
+    # aot_eager: the compile phase, the cache sync and both starts, without Inductor's minute of kernel compiling
+    # (tests/multiprocess/test_compile_tree_publish.py checks Inductor's warm start itself)
+    "compile_warm_start.py": (["--rounds", "1", "--dir", "{tmp}", "--set", "train.compile_backend=aot_eager",
+                               "--set", "model.num_layers=1",
                                "--set", "model.hidden_size=32", "--set", "model.num_attention_heads=2",
                                "--set", "model.seq_length=16", "--set", "model.max_position_embeddings=16",
                                "--set", "model.vocab_size=64"],
