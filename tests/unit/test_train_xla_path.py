@@ -22,8 +22,8 @@ from megatron_hpc.checkpoint.store import iter_tensors, paths, read_xser
 STANDIN = Path(__file__).resolve().parents[1] / "fixtures" / "xla_standin"
 
 # One process trains the runs of argv[1] (a JSON list) one after the other, each with its own settings, and prints a
-# JSON line for each: a test's XLA run and its CPU reference share the process's start-up (torch, the trainer), and
-# every run starts from the same state (its seed, a fresh EVENTS list, the patches' counters at zero).
+# line for each (RESULT and JSON): a test's XLA run and its CPU reference share the process's start-up (torch, the
+# trainer), and every run starts from the same state (its seed, a fresh EVENTS list, the patches' counters at zero).
 SCRIPT = r"""
 import json, sys
 from pathlib import Path
@@ -93,8 +93,9 @@ for opts in runs:
     except TrainingError as exc:
         error = str(exc)
     events = list(EVENTS) if kind == "xla" else []
-    print(json.dumps({"losses": [r.lm_loss for r in records], "norms": [r.grad_norm for r in records],
-                      "iterations": [r.iteration for r in records], "error": error, "events": events}), flush=True)
+    print("RESULT", json.dumps({"losses": [r.lm_loss for r in records], "norms": [r.grad_norm for r in records],
+                                "iterations": [r.iteration for r in records], "error": error, "events": events}),
+          flush=True)
 dist.destroy_process_group()
 import os
 os._exit(0)  # as a finished trainer worker ends (cli/train_cmd.py): torch's C++ teardown may abort under load
@@ -113,8 +114,9 @@ def _train(*runs: dict) -> list[dict]:
     """Each run's summary, in order; a run is {"kind": "xla" or "cpu", **options}."""
     proc = _run(*runs)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.strip().splitlines()[-len(runs):]
-    return [json.loads(line) for line in lines]
+    results = [line.removeprefix("RESULT ") for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(results) == len(runs), proc.stdout[-3000:]
+    return [json.loads(line) for line in results]
 
 
 def _checkpoint(run_dir: Path, iteration: int) -> dict:
