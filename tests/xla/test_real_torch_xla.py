@@ -394,8 +394,6 @@ def test_a_reference_checkpoint_saved_by_real_xser_converts_and_continues(env: d
                                                                          real_xser: dict[str, Any]) -> None:
     first, ran = real_xser["first"], real_xser["dir"]  # the CPU run in `a`, and the reference AS_REFERENCE made of it
     assert real_xser["reference_files"] > 40  # bf16 weights, fp32 masters, moments: one file each
-    # The run's own resume from its iteration-6 checkpoint (its metrics file gains iteration 8).
-    resumed = dict(_train(env, "cpu", ran / "a", 8)["losses"])
 
     def cli(*args: str) -> dict[str, Any]:
         # In this process: reading the reference's files needs no torch_xla, and a fresh one would import torch again
@@ -410,7 +408,12 @@ def test_a_reference_checkpoint_saved_by_real_xser_converts_and_continues(env: d
     assert (seen["family"], seen["iteration"], seen["format"]) == ("neuron-reference", 6, "xser")
     report = cli("convert", str(ran / "reference"), "--to", "xser", "--out", str(tmp_path / "conv"))
     assert (report["optimizer"], report["weights_dtype"]) == ("resharded", "float32")  # the masters, not bf16
-    continued = _train(env, "cpu", tmp_path / "c", 8, load=str(tmp_path / "conv"))
+    # The run's own resume from its iteration-6 checkpoint (its metrics file gains iteration 8), and the converted
+    # reference continued, both on the CPU, in one process.
+    own_resume, continued = _train_all(env, {"platform": "cpu", "run_dir": str(ran / "a"), "steps": 8},
+                                       {"platform": "cpu", "run_dir": str(tmp_path / "c"), "steps": 8,
+                                        "load": str(tmp_path / "conv")})
+    resumed = dict(own_resume["losses"])
     assert [i for i, _ in continued["losses"]] == [8]
     assert continued["losses"][0][1] == pytest.approx(resumed[8], rel=1e-5)
     assert continued["losses"][0][1] < first["losses"][0][1] - 0.1  # where the model was, not a fresh start
