@@ -11,6 +11,8 @@ embedding's dropout mask, the final norm's and output layer's inputs), which the
 leaves out. Rank 0's figures are printed (TP ranks hold the same).
 
     python benchmarks/activation_bytes.py --layers 8 --hidden 256 --heads 8 --seq 512 --batch 2
+    python benchmarks/activation_bytes.py --layers 1 --hidden 32 --heads 2 --seq 16 --batch 1 --vocab 64 \
+        --modes plain sp_tp2_selective     # smoke test (the suite runs it): the script, not the figure
 """
 
 from __future__ import annotations
@@ -105,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--out", default="/tmp/activation_bytes")
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES),
+                        help="the rows to measure (plain, which the others are divided by, always runs)")
     args = parser.parse_args(argv)
 
     import ast
@@ -114,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     Path(args.out).mkdir(parents=True, exist_ok=True)
     for mode, (tp, _, _) in MODES.items():
+        if mode != "plain" and mode not in args.modes:
+            continue
         out = str(Path(args.out) / f"{mode}.txt")
         mp.start_processes(_worker, args=(tp, _free_port(), mode, args, out), nprocs=tp, join=True,
                            start_method="spawn")

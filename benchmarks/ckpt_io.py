@@ -8,6 +8,8 @@ one file per tensor, manifest with checksums, tracker last) and `load_checkpoint
 verified, as a resuming run does.
 
     python benchmarks/ckpt_io.py --dir ./ckpt-bench --gib 1 --rounds 3
+    python benchmarks/ckpt_io.py --dir ./ckpt-bench --gib 0.001 --hidden 32 --rounds 1 --keep-caches \
+        --mode io blocked split       # smoke test (the suite runs it): every mode, no figure
 
 Goals (issue 5): save >= 2x torch.save and >= 0.7x dd; load >= 0.8x dd.
 
@@ -91,6 +93,11 @@ def drop_caches() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
+def keep_caches() -> None:
+    """--keep-caches: the reads that should come from the disk come from memory (a smoke test on a shared machine,
+    whose other users a dropped page cache would slow down; the figures then mean nothing)."""
+
+
 def timed(fn: Callable[[], object]) -> float:
     t = time.perf_counter()
     fn()
@@ -166,7 +173,8 @@ def _async_round(state: dict, work: Path, iteration: int, *, host: object, in_ba
     return blocked, start, written, n, pending.host
 
 
-def blocked(state: dict, *, work: Path, rounds: int, step_matmuls: int) -> None:
+def blocked(state: dict, *, work: Path, rounds: int, step_matmuls: int,
+            drop: Callable[[], None] = drop_caches) -> None:
     """Seconds the loop is blocked per save, sync against async (see the module docstring)."""
     sync_s: list[float] = []
     runs: dict[bool, list[tuple[float, float, float, int]]] = {False: [], True: []}
@@ -174,13 +182,13 @@ def blocked(state: dict, *, work: Path, rounds: int, step_matmuls: int) -> None:
     for r in range(rounds):
         shutil.rmtree(work, ignore_errors=True)
         sync_s.append(timed(lambda it=10 + r: save_checkpoint(work / "sync", it, state, ranks=RankInfo())))
-        drop_caches()
+        drop()
         for in_background in (False, True):
             *result, hosts[in_background] = _async_round(state, work / f"async{int(in_background)}", 10 + r,
                                                          host=hosts[in_background], in_background=in_background,
                                                          step_matmuls=step_matmuls)
             runs[in_background].append(tuple(result))
-            drop_caches()
+            drop()
     sync = statistics.median(sync_s)
     print(f"sync blocked median {sync:6.3f} s  ({', '.join(f'{t:.3f}' for t in sync_s)})")
     for in_background, rows in runs.items():
@@ -227,7 +235,7 @@ SPLIT_PARTS = ("dd read, cold (the files, one by one)", "read, cold (disk + copy
                "load_checkpoint, warm", "load_checkpoint, cold")
 
 
-def split(state: dict, *, work: Path, rounds: int) -> dict[str, list[float]]:
+def split(state: dict, *, work: Path, rounds: int, drop: Callable[[], None] = drop_caches) -> dict[str, list[float]]:
     """Seconds of each part of a load (see the module docstring), `rounds` times."""
     shutil.rmtree(work, ignore_errors=True)
     folder = save_checkpoint(work, 10, state, ranks=RankInfo())
@@ -238,7 +246,7 @@ def split(state: dict, *, work: Path, rounds: int) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {k: [] for k in SPLIT_PARTS}
 
     def cold(fn: Callable[[], object]) -> float:
-        drop_caches()
+        drop()
         return timed(fn)
 
     for _ in range(rounds):
@@ -268,35 +276,14 @@ def split_table(times: dict[str, list[float]], *, size: int) -> list[str]:
     return lines
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", type=Path, default=Path("ckpt-bench"), help="a folder on the disk to measure")
-    parser.add_argument("--gib", type=float, default=1.0)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--mode", choices=("io", "blocked", "split"), default="io",
-                        help="io: save/load throughput against dd and torch; blocked: sync against async save; "
-                             "split: where a load's time goes")
-    parser.add_argument("--step-matmuls", type=int, default=10,
-                        help="blocked: 1024^3 matmuls standing in for a step's forward and backward")
-    args = parser.parse_args()
-    args.dir.mkdir(parents=True, exist_ok=True)
-    state = gpt_state(args.gib)
-    size = nbytes(state)
-    print(f"state: {size / GIB:.2f} GiB in {len(state['model'])} weights + Adam moments; disk: {args.dir.resolve()}")
-    if args.mode == "blocked":
-        blocked(state, work=args.dir / "blocked", rounds=args.rounds, step_matmuls=args.step_matmuls)
-        return 0
-    if args.mode == "split":
-        times = split(state, work=args.dir / "split", rounds=args.rounds)
-        print(f"our checksum: {CHECKSUM_IMPLEMENTATION}'s crc32; the loader's I/O threads: {IO_THREADS}")
-        print("\n".join(split_table(times, size=size)))
-        return 0
+def io(state: dict, *, size: int, work_dir: Path, rounds: int, drop: Callable[[], None]) -> None:
+    """Save and load throughput against dd and torch.save/torch.load (the module docstring's first part)."""
     times: dict[str, list[float]] = {k: [] for k in ("dd write", "dd read", "torch.save", "torch.load",
                                                      "ours save", "ours load", *IN_PLACE_ROWS)}
     cpus: dict[str, list[float]] = {k: [] for k in times}
     ranks = RankInfo()
-    for r in range(args.rounds):
-        work = args.dir / f"round{r}"
+    for r in range(rounds):
+        work = work_dir / f"round{r}"
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir()
         steps: list[tuple[str, Callable[[], object], bool]] = [
@@ -317,7 +304,7 @@ def main() -> int:
             times[name].append(wall)
             cpus[name].append(cpu)
             if then_drop:  # the next step reads what this one wrote: from the disk, not the page cache
-                drop_caches()
+                drop()
         shutil.rmtree(work)
     rate = {k: size / GIB / statistics.median(v) for k, v in times.items()}
     for k, v in times.items():
@@ -332,6 +319,36 @@ def main() -> int:
           f"{rate['resume, in place'] / rate['dd read']:.2f}x, in place/copy "
           f"{rate['resume, in place'] / rate['resume, copy']:.2f}x; weights into existing memory/dd "
           f"{rate['into existing'] / rate['dd read']:.2f}x")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", type=Path, default=Path("ckpt-bench"), help="a folder on the disk to measure")
+    parser.add_argument("--gib", type=float, default=1.0)
+    parser.add_argument("--hidden", type=int, default=2048, help="the state's matrices are multiples of it")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--mode", choices=("io", "blocked", "split"), nargs="+", default=["io"],
+                        help="io: save/load throughput against dd and torch; blocked: sync against async save; "
+                             "split: where a load's time goes (several: one after the other)")
+    parser.add_argument("--step-matmuls", type=int, default=10,
+                        help="blocked: 1024^3 matmuls standing in for a step's forward and backward")
+    parser.add_argument("--keep-caches", action="store_true",
+                        help="never drop the page cache (smoke test only: cold reads come from memory)")
+    args = parser.parse_args()
+    args.dir.mkdir(parents=True, exist_ok=True)
+    drop = keep_caches if args.keep_caches else drop_caches
+    state = gpt_state(args.gib, hidden=args.hidden)
+    size = nbytes(state)
+    print(f"state: {size / GIB:.2f} GiB in {len(state['model'])} weights + Adam moments; disk: {args.dir.resolve()}")
+    for mode in args.mode:
+        if mode == "blocked":
+            blocked(state, work=args.dir / "blocked", rounds=args.rounds, step_matmuls=args.step_matmuls, drop=drop)
+        elif mode == "split":
+            times = split(state, work=args.dir / "split", rounds=args.rounds, drop=drop)
+            print(f"our checksum: {CHECKSUM_IMPLEMENTATION}'s crc32; the loader's I/O threads: {IO_THREADS}")
+            print("\n".join(split_table(times, size=size)))
+        else:
+            io(state, size=size, work_dir=args.dir, rounds=args.rounds, drop=drop)
     return 0
 
 

@@ -12,6 +12,11 @@ folder (in $TMPDIR/torchinductor_<user>), which would otherwise carry over from 
 The first step's loss must be the same cold and warm. Goal: warm at most 0.3x cold.
 
     python benchmarks/compile_warm_start.py --rounds 3
+    python benchmarks/compile_warm_start.py --rounds 1 --set train.compile_backend=aot_eager \
+        --set model.num_layers=1 --set model.hidden_size=32 --set model.num_attention_heads=2 \
+        --set model.seq_length=16 --set model.max_position_embeddings=16 --set model.vocab_size=64
+        # smoke test (the suite runs it): the script's plumbing in seconds; aot_eager only traces, so there is no
+        # Inductor cache to warm and the ratio means nothing (tests/multiprocess checks Inductor's warm start)
 """
 
 from __future__ import annotations
@@ -34,8 +39,8 @@ SETS = ["train.compile=true", "data.source=synthetic", "train.num_steps=1", "com
 _ITERATION = re.compile(r"iteration\s+1/\s*\d+ .*lm loss: (\S+)")
 
 
-def _sets() -> list[str]:
-    return [arg for item in SETS for arg in ("--set", item)]
+def _sets(extra: list[str]) -> list[str]:
+    return [arg for item in (*SETS, *extra) for arg in ("--set", item)]
 
 
 def fresh_node(work: Path, env: dict[str, str], name: str) -> dict[str, str]:
@@ -45,12 +50,12 @@ def fresh_node(work: Path, env: dict[str, str], name: str) -> dict[str, str]:
     return {**env, "TMPDIR": str(tmp)}
 
 
-def publish_by_compile_phase(work: Path, env: dict[str, str]) -> float:
+def publish_by_compile_phase(work: Path, env: dict[str, str], *, extra: list[str]) -> float:
     """A real compile phase (node.sh compile) that publishes to the shared cache; its wall time."""
     env = fresh_node(work, env, "compile")
     run_dir = work / "compile-run"
     subprocess.run([sys.executable, "-m", "megatron_hpc", "submit", "--recipe", "tiny", "--cluster", "local",
-                    "--dry-run", "--out", str(run_dir), *_sets()], env=env, check=True, stdout=subprocess.DEVNULL)
+                    "--dry-run", "--out", str(run_dir), *_sets(extra)], env=env, check=True, stdout=subprocess.DEVNULL)
     t = time.perf_counter()
     proc = subprocess.run(["bash", str(run_dir / "node.sh"), "compile"], env=env, capture_output=True, text=True)
     elapsed = time.perf_counter() - t
@@ -59,15 +64,15 @@ def publish_by_compile_phase(work: Path, env: dict[str, str]) -> float:
     return elapsed
 
 
-def first_step(env: dict[str, str], *, sync_from: Path | None, local: Path) -> tuple[float, str]:
+def first_step(env: dict[str, str], *, sync_from: Path | None, local: Path, extra: list[str]) -> tuple[float, str]:
     """Seconds from process start to the trainer's first iteration line, and that step's loss."""
     env = {**env, **cache_env(backend="gloo", root=str(local))}
     t = time.perf_counter()
     if sync_from is not None:
         subprocess.run([sys.executable, "-m", "megatron_hpc", "cache", "sync", "--layout", "launcher",
                         "--from", str(sync_from), "--to", str(local)], env=env, check=True, stdout=subprocess.DEVNULL)
-    proc = subprocess.Popen([sys.executable, "-m", "megatron_hpc", "train", "--recipe", "tiny", *_sets()], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_hpc", "train", "--recipe", "tiny", *_sets(extra)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     found, tail = None, []
     for line in proc.stdout:
@@ -84,6 +89,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dir", default=None, help="work folder (default: a new temp dir, removed at the end)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a further override of the tiny recipe, for every run (e.g. a smaller model)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="warm-start-bench-", dir=args.dir))
     shared = work / "shared"
@@ -91,13 +98,14 @@ def main() -> int:
            **warm_start_env(backend="gloo", torch_compile=True)}
     env.pop("MEGATRON_HPC_LOCAL_CACHE_DIR", None)
     try:
-        print(f"compile phase (publishes to {shared}): {publish_by_compile_phase(work, env):.1f} s", flush=True)
+        published_s = publish_by_compile_phase(work, env, extra=args.set)
+        print(f"compile phase (publishes to {shared}): {published_s:.1f} s", flush=True)
         cold, warm, losses = [], [], set()
         for r in range(args.rounds):
             for kind, times in (("cold", cold), ("warm", warm)):
                 local = work / f"local-{kind}-{r}"
                 seconds, loss = first_step(fresh_node(work, env, f"{kind}-{r}"), local=local,
-                                           sync_from=shared if kind == "warm" else None)
+                                           sync_from=shared if kind == "warm" else None, extra=args.set)
                 shutil.rmtree(local, ignore_errors=True)
                 shutil.rmtree(work / f"tmp-{kind}-{r}", ignore_errors=True)
                 times.append(seconds)

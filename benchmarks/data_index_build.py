@@ -18,6 +18,8 @@ median, so the spread shows whether a difference is larger than the machine's no
 megatron-core runs from a separate virtualenv (never a project dependency):
     python3 -m venv /tmp/mcore-venv && /tmp/mcore-venv/bin/pip install torch==2.13.0 megatron-core==0.16.1
     python benchmarks/data_index_build.py --mcore-python /tmp/mcore-venv/bin/python
+    python benchmarks/data_index_build.py --self-anchor --docs 200 --mean-tokens 50 --seq-length 64 --epochs 1 \
+        --rounds 1      # smoke test (the suite runs it, without megatron-core): the script, not the figure
 """
 
 from __future__ import annotations
@@ -128,7 +130,9 @@ def verdict(ratios: list[float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mcore-python", required=True, help="python of a venv with megatron-core 0.16.1")
+    parser.add_argument("--mcore-python", help="python of a venv with megatron-core 0.16.1")
+    parser.add_argument("--self-anchor", action="store_true",
+                        help="smoke test only: megatron-hpc's build stands in for megatron-core's (ratios near 1)")
     parser.add_argument("--docs", type=int, default=5_000_000)
     parser.add_argument("--mean-tokens", type=int, default=600)
     parser.add_argument("--seq-length", type=int, default=2048)
@@ -136,6 +140,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dir", default=None, help="scratch folder (default: a temp folder)")
     args = parser.parse_args()
+    if not args.mcore_python and not args.self_anchor:
+        parser.error("--mcore-python is required (a venv with megatron-core 0.16.1, see above)")
+    anchor, anchor_python, anchor_code = (("megatron-hpc again", sys.executable, OURS) if args.self_anchor
+                                          else ("megatron-core", args.mcore_python, MCORE))
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         prefix, tokens = make_dataset(Path(tmp), docs=args.docs, mean_tokens=args.mean_tokens)
@@ -144,10 +152,10 @@ def main() -> None:
         for epochs in args.epochs:
             # just under `epochs` epochs of samples, so Megatron's epoch count is exactly `epochs`
             num_samples = int((epochs - 0.2) * (tokens - 1) / args.seq_length)
-            rows: dict[str, list[Run]] = {"megatron-hpc": [], "megatron-core": []}
+            rows: dict[str, list[Run]] = {"megatron-hpc": [], anchor: []}
             for r in range(args.rounds):
                 for name, python, code in (("megatron-hpc", sys.executable, OURS),
-                                           ("megatron-core", args.mcore_python, MCORE)):
+                                           (anchor, anchor_python, anchor_code)):
                     cache = Path(tmp) / f"cache-{name}-{epochs}-{r}"
                     rows[name].append(run(python, code, [prefix, str(num_samples), str(args.seq_length),
                                                          str(cache)], env))
@@ -156,14 +164,14 @@ def main() -> None:
             for name, runs in rows.items():
                 med = {f: statistics.median(getattr(x, f) for x in runs)
                        for f in ("build_s", "wall_s", "peak_mib", "before_mib")}
-                print(f"{epochs:>2} epoch(s) {name:<14} build median {med['build_s']:6.2f} s (runs "
+                print(f"{epochs:>2} epoch(s) {name:<18} build median {med['build_s']:6.2f} s (runs "
                       f"{', '.join(f'{x.build_s:.2f}' for x in runs)}); whole process {med['wall_s']:6.2f} s; "
                       f"own peak RSS {med['peak_mib']:5.0f} MiB ({med['before_mib']:.0f} MiB before the build)")
-            pairs = list(zip(rows["megatron-hpc"], rows["megatron-core"]))
+            pairs = list(zip(rows["megatron-hpc"], rows[anchor]))
             build = [a.build_s / b.build_s for a, b in pairs]
             peak = [a.peak_mib / b.peak_mib for a, b in pairs]
-            growth = [(a.peak_mib - a.before_mib) / (b.peak_mib - b.before_mib) for a, b in pairs]
-            print(f"{epochs:>2} epoch(s) megatron-hpc/megatron-core ({lengths.pop():,} samples), per round: "
+            growth = [(a.peak_mib - a.before_mib) / max(b.peak_mib - b.before_mib, 1 / 1024) for a, b in pairs]
+            print(f"{epochs:>2} epoch(s) megatron-hpc/{anchor} ({lengths.pop():,} samples), per round: "
                   f"build {', '.join(f'{x:.2f}' for x in build)}x (median {statistics.median(build):.2f}x: "
                   f"{verdict(build)}); own peak {', '.join(f'{x:.2f}' for x in peak)}x; growth during the "
                   f"build {', '.join(f'{x:.2f}' for x in growth)}x")

@@ -11,6 +11,10 @@ Per batch size it times, alternating within each round so that machine drift hit
 It also prints the machine's copy bandwidth (a 256 MiB tensor copy) and what the floor reads per step.
 
     python benchmarks/generate_floor.py --rounds 20
+    python benchmarks/generate_floor.py --rounds 1 --batches 1 --cached 4 --copy-mib 1 --layers 1 --hidden 64 \
+        --heads 4 --vocab 300 --context 16 --prompt-len 1 --new-tokens 1   # smoke test (the suite runs it)
+
+Flags it does not know go to generate_cpu.py's parser: the model (--layers, --hidden, ...) is that script's.
 """
 
 from __future__ import annotations
@@ -28,13 +32,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cached", type=int, default=96, help="columns already in the KV cache (prompt 32 + half of 128)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--threads", type=int, default=2)
-    args = p.parse_args(argv)
+    p.add_argument("--copy-mib", type=int, default=256, help="size of the tensor copied to measure the bandwidth")
+    args, model_args = p.parse_known_args(argv)
+    args.model = generate_cpu.parse_args(model_args)
     import torch
 
     torch.set_num_threads(args.threads)
-    ours, theirs, _ = generate_cpu._models(generate_cpu.parse_args([]))
+    ours, theirs, _ = generate_cpu._models(args.model)
 
-    src = torch.ones(64 * 2**20)  # 256 MiB
+    src = torch.ones(args.copy_mib * 2**18)  # float32: 4 bytes each
     dst = torch.empty_like(src)
     copies = []
     for _ in range(5):
@@ -42,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
         dst.copy_(src)
         copies.append(time.perf_counter() - start)
     gbs = 2 * src.numel() * 4 / min(copies) / 1e9
-    print(f"copy bandwidth (256 MiB read + written, best of 5): {gbs:.1f} GB/s", flush=True)
+    print(f"copy bandwidth ({args.copy_mib} MiB read + written, best of 5): {gbs:.1f} GB/s", flush=True)
 
     weights = [(m.weight, m.bias) for block in ours.h.values()
                for m in (block.attn.qkv, block.attn.proj, block.mlp.fc, block.mlp.proj)]
@@ -65,7 +71,7 @@ def _time_batch(ours, theirs, batch: int, weights: list, nbytes: int, args: argp
 
     shard, params = vocab_shard(ours), SamplingParams(max_new_tokens=1)
     inputs = {w.shape[1]: torch.randn(batch, w.shape[1]) for w, _ in weights}
-    prompts = torch.randint(0, 50257, (batch, args.cached))
+    prompts = torch.randint(0, args.model.vocab, (batch, args.cached))
     tokens = torch.zeros(batch, dtype=torch.long)
     fast = KVCache.allocate(ours, pad=torch.zeros(batch, dtype=torch.long), capacity=args.cached + 1)
     plain = KVCache.allocate(ours, pad=torch.zeros(batch, dtype=torch.long), capacity=args.cached + 1)

@@ -14,6 +14,8 @@ is offline here. The first round also checks that both wrote identical .bin/.idx
     python3 -m venv /tmp/mlm-venv && /tmp/mlm-venv/bin/pip install torch==2.13.0 megatron-core==0.16.1 six regex \
         pyyaml pydantic
     python benchmarks/preprocess_throughput.py --megatron-lm /tmp/mlm-src --megatron-python /tmp/mlm-venv/bin/python
+    python benchmarks/preprocess_throughput.py --self-anchor --demo DEMO --repeat 1 --workers 1 --rounds 1
+        # smoke test (the suite runs it, without Megatron-LM; DEMO from `megatron-hpc data demo --out DEMO`)
 """
 
 from __future__ import annotations
@@ -46,13 +48,18 @@ def timed(cmd: list[str], env: dict[str, str]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--megatron-lm", type=Path, required=True)
-    parser.add_argument("--megatron-python", required=True)
+    parser.add_argument("--megatron-lm", type=Path)
+    parser.add_argument("--megatron-python")
+    parser.add_argument("--self-anchor", action="store_true",
+                        help="smoke test only: megatron-hpc's preprocess stands in for Megatron-LM's (ratios near 1)")
     parser.add_argument("--demo", type=Path, default=Path("~/.cache/megatron-hpc/demo").expanduser())
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    if not args.self_anchor and not (args.megatron_lm and args.megatron_python):
+        parser.error("--megatron-lm and --megatron-python are required (a Megatron-LM checkout and a venv for it)")
+    anchor = "megatron-hpc again" if args.self_anchor else "Megatron-LM"
     vocab, merges = args.demo / "vocab.json", args.demo / "merges.txt"
     with tempfile.TemporaryDirectory() as tmp:
         corpus, one_doc = Path(tmp) / "corpus.jsonl", Path(tmp) / "one.jsonl"
@@ -65,14 +72,17 @@ def main() -> None:
                       "--merge-file", str(merges), "--append-eod", "--workers", str(args.workers)]
             ours = [sys.executable, "-m", "megatron_hpc", "data", "preprocess", "--output-prefix", f"{tmp}/{out}-ours",
                     *common]
+            if args.self_anchor:
+                theirs = [*ours[:ours.index("--output-prefix") + 1], f"{tmp}/{out}-theirs", *common]
+                return {"megatron-hpc": (ours, dict(os.environ)), anchor: (theirs, dict(os.environ))}
             theirs = [args.megatron_python, "-W", "ignore", "-c", RUNNER,
                       str(args.megatron_lm / "tools" / "preprocess_data.py"), "--output-prefix",
                       f"{tmp}/{out}-theirs", "--legacy-tokenizer", *common]
             theirs_env = {"PYTHONPATH": str(args.megatron_lm), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
-            return {"megatron-hpc": (ours, dict(os.environ)), "Megatron-LM": (theirs, theirs_env)}
+            return {"megatron-hpc": (ours, dict(os.environ)), anchor: (theirs, theirs_env)}
 
         runs = {"start-up": commands(one_doc, "one"), "corpus": commands(corpus, "corpus")}
-        times: dict[str, dict[str, list[float]]] = {kind: {"megatron-hpc": [], "Megatron-LM": []} for kind in runs}
+        times: dict[str, dict[str, list[float]]] = {kind: {"megatron-hpc": [], anchor: []} for kind in runs}
         for r in range(args.rounds):
             for kind, tools in runs.items():
                 for name, (cmd, env) in tools.items():
@@ -87,15 +97,15 @@ def main() -> None:
         print(f"corpus: {corpus.stat().st_size / 2**20:.1f} MiB, {tokens:,} tokens, {args.workers} workers, "
               f"{args.rounds} rounds")
         med = {kind: {k: statistics.median(v) for k, v in tools.items()} for kind, tools in times.items()}
-        for name in ("megatron-hpc", "Megatron-LM"):
+        for name in ("megatron-hpc", anchor):
             start, whole = med["start-up"][name], med["corpus"][name]
-            print(f"{name:<13} start-up median {start:6.2f} s (runs "
+            print(f"{name:<18} start-up median {start:6.2f} s (runs "
                   f"{', '.join(f'{v:.2f}' for v in times['start-up'][name])}); corpus run median {whole:6.2f} s "
                   f"(runs {', '.join(f'{v:.2f}' for v in times['corpus'][name])}); throughput without start-up "
                   f"{tokens / (whole - start):,.0f} tokens/s; whole run {tokens / whole:,.0f} tokens/s")
         ours, theirs = (med["start-up"]["megatron-hpc"], med["corpus"]["megatron-hpc"]), \
-            (med["start-up"]["Megatron-LM"], med["corpus"]["Megatron-LM"])
-        print(f"ratios megatron-hpc/Megatron-LM: start-up {ours[0] / theirs[0]:.2f}x the time; throughput without "
+            (med["start-up"][anchor], med["corpus"][anchor])
+        print(f"ratios megatron-hpc/{anchor}: start-up {ours[0] / theirs[0]:.2f}x the time; throughput without "
               f"start-up {(theirs[1] - theirs[0]) / (ours[1] - ours[0]):.2f}x; whole run "
               f"{theirs[1] / ours[1]:.2f}x")
 

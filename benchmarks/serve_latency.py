@@ -83,8 +83,9 @@ def _env(threads: int) -> dict[str, str]:
 
 def _tiny_checkpoint(folder: Path) -> Path:
     ckpt = folder / "ckpt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", "29731", "-m",
-           "megatron_hpc", "train", "--recipe", "tiny"]
+    # a free port: a fixed one collides with any other torchrun on the machine (the test suite's, beside it)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(_free_port()),
+           "-m", "megatron_hpc", "train", "--recipe", "tiny"]
     for item in [*TINY, f"checkpoint.save={ckpt}"]:
         cmd += ["--set", item]
     subprocess.run(cmd, check=True, capture_output=True, env=_env(1))

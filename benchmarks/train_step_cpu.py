@@ -13,6 +13,8 @@ trainer calls at start on CPU). So that the gain of the allocator setting is not
 third contender runs HF with the same setting ("hf-kept"); "hf" is HF as its users run it.
 
     python benchmarks/train_step_cpu.py --rounds 5
+    python benchmarks/train_step_cpu.py --rounds 1 --steps 1 --warmup 0 --layers 1 --hidden 32 --heads 2 \
+        --seq 16 --batch 1 --vocab 64      # smoke test (the suite runs it): the script, not the figure
 """
 
 from __future__ import annotations
@@ -23,11 +25,22 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import asdict, dataclass
 
-LAYERS, HIDDEN, HEADS, SEQ, BATCH, VOCAB = 6, 512, 8, 512, 8, 8192
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Shape:
+    """The model and batch both implementations train (the defaults are issue 4's figure)."""
+
+    layers: int = 6
+    hidden: int = 512
+    heads: int = 8
+    seq: int = 512
+    batch: int = 8
+    vocab: int = 8192
 
 
-def _ours():
+def _ours(shape: Shape):
     import torch
     import torch.distributed as dist
 
@@ -40,12 +53,12 @@ def _ours():
 
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
     ctx = ParallelContext.build(Mesh(num_nodes=1, workers_per_node=1, tensor_parallel=1), rank=0)
-    cfg = ModelConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, seq_length=SEQ,
-                      max_position_embeddings=SEQ, vocab_size=VOCAB)
-    model = GPT(cfg, ctx=ctx, padded_vocab=VOCAB, seed=1234)
+    cfg = ModelConfig(num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
+                      seq_length=shape.seq, max_position_embeddings=shape.seq, vocab_size=shape.vocab)
+    model = GPT(cfg, ctx=ctx, padded_vocab=shape.vocab, seed=1234)
     optimizer = PlainOptimizer(model, optim=OptimConfig(lr=1e-4), ctx=ctx, device_kind="cpu")
     forward_backward = MicroBatches(model, ctx=ctx, autocast_dtype=None, device_type="cpu")
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, shape.vocab, (shape.batch, shape.seq + 1), generator=torch.Generator().manual_seed(0))
 
     def step():
         train_step(forward_backward, optimizer, [tokens])
@@ -53,19 +66,19 @@ def _ours():
     return step
 
 
-def _hf():
+def _hf(shape: Shape):
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(n_layer=LAYERS, n_embd=HIDDEN, n_head=HEADS, n_positions=SEQ, vocab_size=VOCAB,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1)
+    config = GPT2Config(n_layer=shape.layers, n_embd=shape.hidden, n_head=shape.heads, n_positions=shape.seq,
+                        vocab_size=shape.vocab, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        bos_token_id=shape.vocab - 1, eos_token_id=shape.vocab - 1)
     config._attn_implementation = "sdpa"  # transformers 5 takes the choice from the config
     model = GPT2LMHeadModel(config)
     assert model.config._attn_implementation == "sdpa"
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, shape.vocab, (shape.batch, shape.seq + 1), generator=torch.Generator().manual_seed(0))
 
     def step():
         optimizer.zero_grad(set_to_none=True)
@@ -80,7 +93,7 @@ def _hf():
 IMPLS = {"ours": "megatron-hpc GPT", "hf": "HF GPT2LMHeadModel (sdpa)", "hf-kept": "HF + keep_freed_memory"}
 
 
-def worker(impl: str, *, steps: int, warmup: int, threads: int) -> None:
+def worker(impl: str, *, shape: Shape, steps: int, warmup: int, threads: int) -> None:
     import torch
 
     from megatron_hpc.parallel.device import keep_freed_memory
@@ -89,7 +102,7 @@ def worker(impl: str, *, steps: int, warmup: int, threads: int) -> None:
     torch.manual_seed(0)
     if impl in ("ours", "hf-kept") and not keep_freed_memory():
         raise SystemExit("keep_freed_memory() did not apply (not glibc?)")
-    step = _ours() if impl == "ours" else _hf()
+    step = _ours(shape) if impl == "ours" else _hf(shape)
     for _ in range(warmup):
         step()
     times = []
@@ -97,8 +110,9 @@ def worker(impl: str, *, steps: int, warmup: int, threads: int) -> None:
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    print(json.dumps({"impl": impl, "tokens_per_s": BATCH * SEQ * steps / sum(times),
-                      "step_tokens_per_s": [BATCH * SEQ / t for t in times]}))
+    tokens = shape.batch * shape.seq
+    print(json.dumps({"impl": impl, "tokens_per_s": tokens * steps / sum(times),
+                      "step_tokens_per_s": [tokens / t for t in times]}))
 
 
 def main() -> None:
@@ -108,9 +122,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    for name, value in asdict(Shape()).items():
+        parser.add_argument(f"--{name}", type=int, default=value)
     args = parser.parse_args()
+    args.shape = Shape(**{name: getattr(args, name) for name in asdict(Shape())})
     if args.worker:
-        worker(args.worker, steps=args.steps, warmup=args.warmup, threads=args.threads)
+        worker(args.worker, shape=args.shape, steps=args.steps, warmup=args.warmup, threads=args.threads)
         return
     results: dict[str, list[dict]] = {impl: [] for impl in IMPLS}
     for _ in range(args.rounds):
@@ -122,7 +139,7 @@ def main() -> None:
 def measure(impl: str, args: argparse.Namespace) -> dict:
     """One child process; its own peak RSS comes from wait4, not the cumulative children figure."""
     cmd = [sys.executable, __file__, "--worker", impl, "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--threads", str(args.threads)]
+           "--threads", str(args.threads), *(f"--{k}={v}" for k, v in asdict(args.shape).items())]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     read, write = os.pipe()
     pid = os.posix_spawn(cmd[0], cmd, env, file_actions=[(os.POSIX_SPAWN_DUP2, write, 1)])
@@ -142,8 +159,10 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace) -> None:
                   "best": max(t for r in rows for t in r["step_tokens_per_s"]),
                   "peak_rss_mib": statistics.median(r["peak_rss_mib"] for r in rows)}
            for impl, rows in results.items()}
-    print(f"config: {LAYERS} layers, hidden {HIDDEN}, {HEADS} heads, seq {SEQ}, batch {BATCH}, vocab {VOCAB}, "
-          f"fp32, {args.threads} threads; {args.rounds} rounds x {args.steps} timed steps (+{args.warmup} warm-up)")
+    s = args.shape
+    print(f"config: {s.layers} layers, hidden {s.hidden}, {s.heads} heads, seq {s.seq}, batch {s.batch}, vocab "
+          f"{s.vocab}, fp32, {args.threads} threads; {args.rounds} rounds x {args.steps} timed steps "
+          f"(+{args.warmup} warm-up)")
     for impl, label in IMPLS.items():
         rows = results[impl]
         tps = [round(r["tokens_per_s"]) for r in rows]

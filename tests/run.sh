@@ -17,26 +17,39 @@
 #   once and caches (torch 2.9 with its CUDA libraries, about 4 GB). The build, mostly a download, starts
 #   first in the background, and the tier runs there as soon as it is built, beside the others.
 # Arguments go to the first three sessions' pytest; the xla tier always runs whole. Fails if any tier fails.
+#
+# One thread per process (OMP_NUM_THREADS=1, unless set): the sessions and their processes outnumber the cores,
+# and an intra-op thread pool wider than the process's share of the cores spins waiting for its other threads:
+# with two threads the main suite took about 1.7x the CPU time of one, and a loaded machine's wall time up to ten
+# times (docs/testing.md). The models the tests train are too small for a second thread to help.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+
+work=$(mktemp -d "${TMPDIR:-/tmp}/megatron-hpc-tests.XXXXXX")
+# The xla tier's environment needs nothing installed here (tests/xla/env.sh), so its build, mostly a download,
+# starts first; tests/xla/run.sh then finds it in its cache (or says why it could not be built).
+( bash tests/xla/env.sh > "$work/xla-env.log" 2>&1 || cat "$work/xla-env.log"; bash tests/xla/run.sh -q ) \
+    > "$work/xla.log" 2>&1 &
+xla_pid=$!
 
 "$PY" -m pip install -q --disable-pip-version-check torch==2.13.0
 "$PY" -m pip install -q --disable-pip-version-check -e '.[test]'
 
 "$PY" -m ruff check .
 
-work=$(mktemp -d "${TMPDIR:-/tmp}/megatron-hpc-tests.XXXXXX")
-# tests/xla/run.sh finds the environment env.sh built in its cache (or says why it cannot build it)
-( bash tests/xla/env.sh > "$work/xla-env.log" 2>&1 || cat "$work/xla-env.log"; bash tests/xla/run.sh -q ) \
-    > "$work/xla.log" 2>&1 &
-xla_pid=$!
-
 set +e
 skip="not gpu and not neuron and not xla"
-"$PY" -m pytest -m "slurm and $skip" --basetemp "$work/slurm" "$@" > "$work/slurm.log" 2>&1 &
+# The slurm and multiprocess sessions leave out the folders that hold none of their tests, whose modules they would
+# otherwise import only to deselect every test (about 8 CPU seconds each); test_tier_folders.py keeps the markers
+# in their folders.
+others=(--ignore=tests/unit --ignore=tests/k8s --ignore=tests/xla)
+"$PY" -m pytest -m "slurm and $skip" --basetemp "$work/slurm" "${others[@]}" --ignore=tests/multiprocess "$@" \
+    > "$work/slurm.log" 2>&1 &
 slurm_pid=$!
-"$PY" -m pytest -m "multiprocess and not slurm and $skip" --basetemp "$work/mp" "$@" > "$work/mp.log" 2>&1 &
+"$PY" -m pytest -m "multiprocess and not slurm and $skip" --basetemp "$work/mp" "${others[@]}" \
+    --ignore=tests/slurm "$@" > "$work/mp.log" 2>&1 &
 mp_pid=$!
 "$PY" -m pytest -m "not multiprocess and not slurm and $skip" --basetemp "$work/main" "$@"
 main=$?

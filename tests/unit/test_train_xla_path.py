@@ -21,6 +21,9 @@ from megatron_hpc.checkpoint.store import iter_tensors, paths, read_xser
 
 STANDIN = Path(__file__).resolve().parents[1] / "fixtures" / "xla_standin"
 
+# One process trains the runs of argv[1] (a JSON list) one after the other, each with its own settings, and prints a
+# line for each (RESULT and JSON): a test's XLA run and its CPU reference share the process's start-up (torch, the
+# trainer), and every run starts from the same state (its seed, a fresh EVENTS list, the patches' counters at zero).
 SCRIPT = r"""
 import json, sys
 from pathlib import Path
@@ -35,11 +38,12 @@ from megatron_hpc.train.entry import plan_for_torchrun
 from megatron_hpc.train.loop import train
 import torch
 
-kind, opts = sys.argv[1], json.loads(sys.argv[2])
-if opts.get("break_data"):  # the data breaks at the 4th micro-batch (step 2), as a damaged .bin would
+runs, calls, ce_calls = json.loads(sys.argv[1]), [], []
+# break_data: the data breaks at the 4th micro-batch (step 2), as a damaged .bin would
+if any(opts.get("break_data") for opts in runs):
     from megatron_hpc.data import synthetic
     from megatron_hpc.errors import DataError
-    real, calls = synthetic.SyntheticTokens.batch, []
+    real = synthetic.SyntheticTokens.batch
 
     def broken(self, indices):
         calls.append(1)
@@ -48,63 +52,71 @@ if opts.get("break_data"):  # the data breaks at the 4th micro-batch (step 2), a
         return real(self, indices)
 
     synthetic.SyntheticTokens.batch = broken
-if opts.get("poison_after_step"):  # every loss from that step on is NaN, as a poisoned batch would make it
+# poison_after_step: every loss from that step on is NaN, as a poisoned batch would make it
+if any(opts.get("poison_after_step") for opts in runs):
     import megatron_hpc.train.step as step_module
-    real_ce, ce_calls = step_module.vocab_parallel_cross_entropy, []
+    real_ce = step_module.vocab_parallel_cross_entropy
 
     def poisoned(*args, **kwargs):
         ce_calls.append(1)
         loss = real_ce(*args, **kwargs)
-        return loss * float("nan") if len(ce_calls) > 2 * opts["poison_after_step"] else loss  # 2 micro-batches
+        return loss * float("nan") if len(ce_calls) > 2 * poison_after_step else loss  # 2 micro-batches
 
     step_module.vocab_parallel_cross_entropy = poisoned
-dropout = opts.get("dropout", 0.0)
-cfg = RunConfig(
-    name="tiny",
-    model=ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
-                      max_position_embeddings=32, vocab_size=500, hidden_dropout=dropout, attention_dropout=dropout),
-    train=TrainConfig(num_steps=opts.get("num_steps", 6), micro_batch_size=2, global_batch_size=4, log_interval=2,
-                      tensorboard=False, max_skipped_steps=opts.get("max_skipped_steps", 5)),
-    optim=OptimConfig(lr=3e-3, min_lr=3e-4, lr_warmup_iters=2),
-    compile=CompilePhaseConfig(num_steps=2),
-    checkpoint=CheckpointConfig(save_interval=opts.get("save_interval", 0)),
-)
-run_dir = Path(opts["run_dir"]) if opts.get("run_dir") else None
-if run_dir is not None:
-    run_dir.mkdir(parents=True, exist_ok=True)  # as run_training does
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
 ctx = ParallelContext.build(Mesh(num_nodes=1, workers_per_node=1, tensor_parallel=1), rank=0)
-device = DeviceInfo(kind=kind, device=torch.device("cpu"), backend="gloo")
-error, records = None, []
-try:
-    records = train(plan_for_torchrun(cfg, environ={}), ctx, device=device, phase="run", run_dir=run_dir,
-                    out=sys.stderr).records
-except TrainingError as exc:
-    error = str(exc)
-events = []
-if kind == "xla":
-    from torch_xla import EVENTS
-    events = EVENTS
-print(json.dumps({"losses": [r.lm_loss for r in records], "norms": [r.grad_norm for r in records],
-                  "iterations": [r.iteration for r in records], "error": error, "events": events}), flush=True)
+for opts in runs:
+    kind, dropout, poison_after_step = opts["kind"], opts.get("dropout", 0.0), opts.get("poison_after_step", 0)
+    calls.clear(), ce_calls.clear()
+    cfg = RunConfig(
+        name="tiny",
+        model=ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
+                          max_position_embeddings=32, vocab_size=500, hidden_dropout=dropout,
+                          attention_dropout=dropout),
+        train=TrainConfig(num_steps=opts.get("num_steps", 6), micro_batch_size=2, global_batch_size=4,
+                          log_interval=2, tensorboard=False, max_skipped_steps=opts.get("max_skipped_steps", 5)),
+        optim=OptimConfig(lr=3e-3, min_lr=3e-4, lr_warmup_iters=2),
+        compile=CompilePhaseConfig(num_steps=2),
+        checkpoint=CheckpointConfig(save_interval=opts.get("save_interval", 0)),
+    )
+    run_dir = Path(opts["run_dir"]) if opts.get("run_dir") else None
+    if run_dir is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)  # as run_training does
+    device = DeviceInfo(kind=kind, device=torch.device("cpu"), backend="gloo")
+    if kind == "xla":
+        from torch_xla import EVENTS
+        EVENTS.clear()
+    error, records = None, []
+    try:
+        records = train(plan_for_torchrun(cfg, environ={}), ctx, device=device, phase="run", run_dir=run_dir,
+                        out=sys.stderr).records
+    except TrainingError as exc:
+        error = str(exc)
+    events = list(EVENTS) if kind == "xla" else []
+    print("RESULT", json.dumps({"losses": [r.lm_loss for r in records], "norms": [r.grad_norm for r in records],
+                                "iterations": [r.iteration for r in records], "error": error, "events": events}),
+          flush=True)
 dist.destroy_process_group()
 import os
 os._exit(0)  # as a finished trainer worker ends (cli/train_cmd.py): torch's C++ teardown may abort under load
 """
 
 
-def _run(kind: str, **opts: object) -> subprocess.CompletedProcess[str]:
+def _run(*runs: dict) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(STANDIN), os.environ.get("PYTHONPATH", "")])}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "XLA_USE_BF16"):
         env.pop(var, None)
-    return subprocess.run([sys.executable, "-c", SCRIPT, kind, json.dumps(opts)], capture_output=True, text=True,
-                          env=env, timeout=300)
+    return subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(runs)], capture_output=True, text=True, env=env,
+                          timeout=300)
 
 
-def _train(kind: str, **opts: object) -> dict:
-    proc = _run(kind, **opts)
+def _train(*runs: dict) -> list[dict]:
+    """Each run's summary, in order; a run is {"kind": "xla" or "cpu", **options}."""
+    proc = _run(*runs)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    results = [line.removeprefix("RESULT ") for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(results) == len(runs), proc.stdout[-3000:]
+    return [json.loads(line) for line in results]
 
 
 def _checkpoint(run_dir: Path, iteration: int) -> dict:
@@ -113,7 +125,7 @@ def _checkpoint(run_dir: Path, iteration: int) -> dict:
 
 
 def test_xla_branches_follow_the_reference_and_train_the_same_model() -> None:
-    xla, cpu = _train("xla"), _train("cpu")
+    xla, cpu = _train({"kind": "xla"}, {"kind": "cpu"})
     assert xla["iterations"] == cpu["iterations"] == [2, 4, 6]
     assert xla["losses"] == cpu["losses"] and xla["norms"] == cpu["norms"]
     # Only torch-xla 2.9's current API: torch_xla.sync, not the deprecated xm.mark_step (the stand-in has none).
@@ -130,7 +142,7 @@ def test_xla_branches_follow_the_reference_and_train_the_same_model() -> None:
 
 def test_a_data_error_in_the_loader_thread_fails_the_run() -> None:
     """torch_xla's loader thread prints an exception and ends the iteration; the run must not look finished."""
-    proc = _run("xla", break_data=True)
+    proc = _run({"kind": "xla", "break_data": True})
     assert proc.returncode != 0
     assert "DataError: sample 7 cannot be read (test)" in proc.stderr
     assert not proc.stdout.strip()  # train() never returned a summary
@@ -140,8 +152,8 @@ def test_non_finite_steps_change_nothing_and_stop_the_run_as_on_cpu(tmp_path: Pa
     """Every loss from step 3 on is NaN. On XLA the update runs in the graph and a select keeps the old values,
     and the host counts the skip one step late: same checkpoints, same count of applied steps, same error."""
     opts = {"poison_after_step": 2, "max_skipped_steps": 3, "save_interval": 2, "num_steps": 8}
-    cpu = _train("cpu", run_dir=str(tmp_path / "cpu"), **opts)
-    xla = _train("xla", run_dir=str(tmp_path / "xla"), **opts)
+    cpu, xla = _train({"kind": "cpu", "run_dir": str(tmp_path / "cpu"), **opts},
+                      {"kind": "xla", "run_dir": str(tmp_path / "xla"), **opts})
     assert cpu["error"] is not None and "not finite for 3 steps in a row (iterations 3-5," in cpu["error"]
     assert xla["error"] == cpu["error"]
     # Stopped when step 5's flag was read: in the closure after step 6's last cut, before step 6's log closure.
@@ -160,13 +172,14 @@ def test_non_finite_steps_change_nothing_and_stop_the_run_as_on_cpu(tmp_path: Pa
 def test_the_xla_rng_state_is_saved_and_restored(tmp_path: Path) -> None:
     """torch_xla's generator draws the dropout masks on XLA: its state goes into the checkpoint
     (xla_rng_state, beside Megatron's cuda_rng_state) and comes back on resume."""
-    first = _train("xla", run_dir=str(tmp_path), num_steps=4, save_interval=4, dropout=0.1)
+    first, _cpu = _train({"kind": "xla", "run_dir": str(tmp_path), "num_steps": 4, "save_interval": 4, "dropout": 0.1},
+                         {"kind": "cpu", "run_dir": str(tmp_path / "cpu"), "num_steps": 2, "save_interval": 2})
     saved = _checkpoint(tmp_path, 4)
     seed = saved["xla_rng_state"]
     assert first["events"].count("get_rng_state") == 1  # read once, for the one save
     assert isinstance(seed, list) and len(seed) == 1 and seed[0] != 1234  # the running seed at iteration 4
     assert saved["rng_state"][0]["xla_rng_state"] == seed
-    resumed = _train("xla", run_dir=str(tmp_path), num_steps=6, save_interval=4, dropout=0.1)
+    # A fresh process: restored from the checkpoint, not carried over from the run that saved it.
+    (resumed,) = _train({"kind": "xla", "run_dir": str(tmp_path), "num_steps": 6, "save_interval": 4, "dropout": 0.1})
     assert resumed["events"][:2] == ["set_rng_state 1234", f"set_rng_state {seed[0]}"]  # seeded, then restored
-    _train("cpu", run_dir=str(tmp_path / "cpu"), num_steps=2, save_interval=2)
     assert _checkpoint(tmp_path / "cpu", 2)["xla_rng_state"] is None

@@ -27,9 +27,9 @@ from megatron_hpc.cli.main import main
 NOBODY = 65534
 
 
-def _as_nobody(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    """`python args...` bound by file modes: as root without its override capabilities (as this user when the
-    tests do not run as root), on files that belong to nobody."""
+def _nobody_prefix(cwd: Path) -> tuple[list[str], dict[str, str]]:
+    """The command prefix and environment that bind `python` by file modes: as root without its override
+    capabilities (as this user when the tests do not run as root), on files that belong to nobody."""
     prefix: list[str] = []
     if os.geteuid() == 0:
         setpriv = shutil.which("setpriv")
@@ -39,6 +39,12 @@ def _as_nobody(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
             for name in (d, *(os.path.join(d, f) for f in files)):
                 os.chown(name, NOBODY, NOBODY)
     env = {**os.environ, "HOME": str(cwd), "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    return prefix, env
+
+
+def _as_nobody(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """`python args...` bound by file modes (see _nobody_prefix)."""
+    prefix, env = _nobody_prefix(cwd)
     return subprocess.run([*prefix, sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=300)
 
@@ -76,6 +82,67 @@ def shared(tmp_path: Path) -> Iterator[Path]:
         for d, _, _ in os.walk(folder):
             os.chmod(d, 0o755)
         shutil.rmtree(folder)
+
+
+# One process bound by file modes that runs the commands one after another, in-process (the CLI's main(), or a
+# snippet with its own sys.argv), so that the tests pay one interpreter and torch import instead of one per command:
+# a request is one JSON line, the answer one JSON line with the exit code and what it printed.
+SERVE = r"""
+import contextlib, io, json, sys, traceback
+from megatron_hpc.cli.main import main
+for line in sys.stdin:
+    request, out, err = json.loads(line), io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            if "code" in request:
+                sys.argv = ["-c", *request["args"]]
+                exec(request["code"], {"__name__": "__main__"})
+                code = 0
+            else:
+                code = main(request["args"])
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    print(json.dumps({"code": code, "out": out.getvalue(), "err": err.getvalue()}), flush=True)
+"""
+
+
+class _Nobody:
+    """The commands of one test, run by one process bound by file modes (see SERVE)."""
+
+    def __init__(self, cwd: Path) -> None:
+        self.cwd = cwd
+        prefix, env = _nobody_prefix(cwd)
+        self.proc = subprocess.Popen([*prefix, sys.executable, "-c", SERVE], cwd=cwd, env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+    def _ask(self, request: dict, argv: list[str]) -> subprocess.CompletedProcess[str]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        _nobody_prefix(self.cwd)  # what the test made since belongs to the other user too
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        answer = json.loads(self.proc.stdout.readline())
+        return subprocess.CompletedProcess(argv, answer["code"], answer["out"], answer["err"])
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return self._ask({"args": list(args)}, ["megatron-hpc", *args])
+
+    def python(self, code: str, *args: str) -> subprocess.CompletedProcess[str]:
+        return self._ask({"code": code, "args": list(args)}, ["python", "-c", code, *args])
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        assert self.proc.wait(timeout=60) == 0
+
+
+@pytest.fixture
+def nobody(shared: Path) -> Iterator[_Nobody]:
+    session = _Nobody(shared)
+    yield session
+    session.close()
 
 
 def _make_run(shared: Path, name: str, *, steps: int) -> Path:
@@ -150,22 +217,22 @@ def _checkpoint(shared: Path) -> Path:
     return root
 
 
-def test_ckpt_inspect_names_the_file_it_cannot_read(shared: Path) -> None:
+def test_ckpt_inspect_names_the_file_it_cannot_read(shared: Path, nobody: _Nobody) -> None:
     root = _checkpoint(shared)
     folder = root / "iter_0000007"
     tensor = sorted((folder / "mp_rank_00").glob("*.tensors/tensor_*.pt"))[0]
-    assert _cli("ckpt", "inspect", str(root), "--verify", cwd=shared).returncode == 0
+    assert nobody.cli("ckpt", "inspect", str(root), "--verify").returncode == 0
 
     tensor.chmod(0o600)
     for extra in ((), ("--verify",)):  # memory-mapped listing, and the checked read
-        _one_error_line(_cli("ckpt", "inspect", str(root), *extra, cwd=shared), names=tensor, mode="0600")
+        _one_error_line(nobody.cli("ckpt", "inspect", str(root), *extra), names=tensor, mode="0600")
     tensor.chmod(0o644)
     (folder / "manifest.json").chmod(0o600)
-    _one_error_line(_cli("ckpt", "inspect", str(root), cwd=shared), names=folder / "manifest.json", mode="0600")
+    _one_error_line(nobody.cli("ckpt", "inspect", str(root)), names=folder / "manifest.json", mode="0600")
     (folder / "manifest.json").chmod(0o644)
     root.chmod(0o700)
-    _one_error_line(_cli("ckpt", "inspect", str(root), cwd=shared), names=root, mode="0700")
-    _one_error_line(_cli("ckpt", "convert", str(root), "--to", "torch", str(shared / "out"), cwd=shared),
+    _one_error_line(nobody.cli("ckpt", "inspect", str(root)), names=root, mode="0700")
+    _one_error_line(nobody.cli("ckpt", "convert", str(root), "--to", "torch", str(shared / "out")),
                     names=root, mode="0700")
 
 
@@ -184,18 +251,18 @@ else:
 """
 
 
-def test_the_trainers_load_raises_a_checkpoint_error_naming_the_file(shared: Path) -> None:
+def test_the_trainers_load_raises_a_checkpoint_error_naming_the_file(shared: Path, nobody: _Nobody) -> None:
     """What the trainer calls at start-up (checkpoint/store/loader.py): a file it may not read is neither damage
     (no fallback to an older checkpoint, no "truncated") nor a reason to delete anything."""
     root = _checkpoint(shared)
     folder = root / "iter_0000007"
-    assert _as_nobody("-c", LOAD, str(root), cwd=shared).stdout.split() == ["loaded", "7", str(sum(range(32)) * 1.0)]
+    assert nobody.python(LOAD, str(root)).stdout.split() == ["loaded", "7", str(sum(range(32)) * 1.0)]
     main_file = folder / "mp_rank_00" / "model_optim_rng.pt"
     for path, mode in ((main_file, 0o600), (folder / "manifest.json", 0o600), (folder, 0o700),
                        (root / "latest_checkpointed_iteration.txt", 0o600)):
         before = path.stat().st_mode
         path.chmod(mode)
-        proc = _as_nobody("-c", LOAD, str(root), cwd=shared)
+        proc = nobody.python(LOAD, str(root))
         path.chmod(before)
         assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
         out = proc.stdout.strip()

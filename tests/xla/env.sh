@@ -42,6 +42,27 @@ assert torch_xla.__version__.split("+")[0] == sys.argv[2], torch_xla.__version__
 PYEOF
 }
 
+# uv, installed from the package index into the new venv, installs the wheels: it downloads them side by side and
+# compiles the bytecode in parallel, in less time than pip (docs/testing.md). The bytecode is compiled here, not
+# left to the first import: where PYTHONDONTWRITEBYTECODE is set nothing would ever write it, and every process of
+# the tier would compile torch and torch_xla again (about 60% more CPU for the tier). uv's cache sits beside the
+# venv on the same disk, so the files are hard-linked into the venv rather than copied, and it is removed
+# afterwards: the venv is the cache. uv does not read pip's configuration, so an index set for pip (PIP_INDEX_URL,
+# pip.conf) is handed to it.
+install_into() {
+    local venv=$1 pip_index
+    "$PY" -m venv "$venv" || return 1
+    PIP_NO_CACHE_DIR=1 "$venv/bin/python" -m pip install -q --disable-pip-version-check "uv>=0.5" || return 1
+    pip_index=${PIP_INDEX_URL:-$("$venv/bin/python" -m pip config get global.index-url 2>/dev/null || true)}
+    if [ -n "$pip_index" ] && [ -z "${UV_DEFAULT_INDEX:-}${UV_INDEX_URL:-}" ]; then
+        export UV_DEFAULT_INDEX=$pip_index
+    fi
+    # shellcheck disable=SC2046  # one requirement a word
+    UV_CACHE_DIR=$uv_cache UV_LINK_MODE=hardlink "$venv/bin/uv" pip install --quiet --compile-bytecode \
+        --python "$venv/bin/python" \
+        "torch==$TORCH_VERSION" "torch-xla==$TORCH_XLA_VERSION" $(printf '%s\n' "$reqs" | tr '\n' ' ')
+}
+
 # One build at a time per cache (two CI runs on one machine would otherwise race on the folder).
 exec 9>"$root/.xla-env.lock"
 flock 9
@@ -54,15 +75,15 @@ else
     # Older keys (other pins) are ~5 GB each and never used again.
     find "$root" -mindepth 1 -maxdepth 1 -type d -name 'xla-*' -exec rm -rf {} +
     log=$root/xla-env-build.log
-    # pip's own cache would keep a second copy of the 4 GB of wheels; the venv is the cache.
-    if ! { "$PY" -m venv "$venv" &&
-           PIP_NO_CACHE_DIR=1 "$venv/bin/python" -m pip install -q --disable-pip-version-check \
-               "torch==$TORCH_VERSION" "torch-xla==$TORCH_XLA_VERSION" $(printf '%s\n' "$reqs" | tr '\n' ' '); \
-         } >"$log" 2>&1; then
+    uv_cache=$root/.uv-build
+    rm -rf "$uv_cache"
+    if ! install_into "$venv" >"$log" 2>&1; then
+        rm -rf "$uv_cache"
         tail -n 20 "$log" >&2
         echo "xla tier: error: could not build $venv (log: $log); check the network and disk space" >&2
         exit 1
     fi
+    rm -rf "$uv_cache"
     touch "$venv/.complete"
     if ! healthy; then
         echo "xla tier: error: $venv was built but does not import torch $TORCH_VERSION and torch-xla" \

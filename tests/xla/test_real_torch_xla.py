@@ -12,6 +12,8 @@ tests/unit/test_train_xla_path.py checks the call order in CI with a stand-in.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import shutil
 import subprocess
@@ -23,6 +25,10 @@ import pytest
 
 pytestmark = pytest.mark.xla
 
+# Trains the runs of argv[1] (a JSON list of {"platform", "run_dir", "steps", **options}) one after the other in one
+# process and prints a line for each (RESULT and JSON). Most tests train one run per process; an XLA run and its CPU
+# reference share one (XLA's first: a CPU backward before the XLA device exists leaves autograd's engine without a
+# queue for it), which saves the CPU run's start-up (torch, the trainer): about 8 CPU seconds each.
 TRAIN = r"""
 import json, sys, warnings
 # torch-xla 2.9's deprecated calls (xm.mark_step, xm.xla_device: "Use torch_xla.sync instead") fail the run.
@@ -32,10 +38,11 @@ from megatron_hpc.config.schema import (CheckpointConfig, CompilePhaseConfig, Da
                                          ModelConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig)
 from megatron_hpc.errors import TrainingError
 from megatron_hpc.train.entry import plan_for_torchrun, run_training
-platform, run_dir, steps, opts = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
-if opts.get("poison_after_step"):  # every loss from that step on is NaN, as a poisoned batch would make it
+runs, calls = json.loads(sys.argv[1]), []
+# poison_after_step: every loss from that step on is NaN, as a poisoned batch would make it (the run's own opts)
+if any(opts.get("poison_after_step") for opts in runs):
     import megatron_hpc.train.step as step_module
-    real, calls = step_module.vocab_parallel_cross_entropy, []
+    real = step_module.vocab_parallel_cross_entropy
 
     def poisoned(*args, **kwargs):
         calls.append(1)
@@ -43,35 +50,56 @@ if opts.get("poison_after_step"):  # every loss from that step on is NaN, as a p
         return loss * float("nan") if len(calls) > 2 * opts["poison_after_step"] else loss  # 2 micro-batches
 
     step_module.vocab_parallel_cross_entropy = poisoned
-dropout = opts.get("dropout", 0.0)
-cfg = RunConfig(
-    name="tiny",
-    model=ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
-                      max_position_embeddings=32, vocab_size=500, hidden_dropout=dropout, attention_dropout=dropout),
-    train=TrainConfig(num_steps=steps, micro_batch_size=2, global_batch_size=4, log_interval=2,
-                      precision=opts.get("precision", "fp32"), max_skipped_steps=opts.get("max_skipped_steps", 5)),
-    optim=OptimConfig(lr=opts.get("lr", 3e-3), lr_warmup_iters=0, lr_decay_style="constant"),
-    parallel=ParallelConfig(distributed_optimizer=opts.get("distributed_optimizer", False)),
-    compile=CompilePhaseConfig(num_steps=2),
-    launch=LaunchConfig(platform=platform),
-    data=DataConfig(source="synthetic"),
-    checkpoint=CheckpointConfig(save_interval=opts.get("save_interval", 4), load=opts.get("load")),
-)
-try:
-    assert run_training(plan_for_torchrun(cfg), run_dir=run_dir) == 0
-    error = None
-except TrainingError as exc:
-    error = str(exc)
-rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-print(json.dumps({"losses": [[r["iteration"], r["lm_loss"]] for r in rows], "error": error}))
+for opts in runs:
+    calls.clear()
+    dropout, run_dir = opts.get("dropout", 0.0), Path(opts["run_dir"])
+    cfg = RunConfig(
+        name="tiny",
+        model=ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
+                          max_position_embeddings=32, vocab_size=500, hidden_dropout=dropout,
+                          attention_dropout=dropout),
+        train=TrainConfig(num_steps=opts["steps"], micro_batch_size=2, global_batch_size=4, log_interval=2,
+                          precision=opts.get("precision", "fp32"),
+                          max_skipped_steps=opts.get("max_skipped_steps", 5)),
+        optim=OptimConfig(lr=opts.get("lr", 3e-3), lr_warmup_iters=0, lr_decay_style="constant"),
+        parallel=ParallelConfig(distributed_optimizer=opts.get("distributed_optimizer", False)),
+        compile=CompilePhaseConfig(num_steps=2),
+        launch=LaunchConfig(platform=opts["platform"]),
+        data=DataConfig(source="synthetic"),
+        checkpoint=CheckpointConfig(save_interval=opts.get("save_interval", 4), load=opts.get("load")),
+    )
+    try:
+        assert run_training(plan_for_torchrun(cfg), run_dir=run_dir) == 0
+        error = None
+    except TrainingError as exc:
+        error = str(exc)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    print("RESULT", json.dumps({"losses": [[r["iteration"], r["lm_loss"]] for r in rows], "error": error}),
+          flush=True)
 """
 
-def _train(env: dict[str, str], platform: str, run_dir: Path, steps: int, **opts: Any) -> dict[str, Any]:
-    """Train in a fresh process; its losses (logged every 2 steps), TrainingError message, stdout and stderr."""
-    proc = subprocess.run([sys.executable, "-c", TRAIN, platform, str(run_dir), str(steps), json.dumps(opts)],
-                          env=env, capture_output=True, text=True, timeout=600)
+
+def _train_all(env: dict[str, str], *runs: dict[str, Any]) -> list[dict[str, Any]]:
+    """Train `runs` in order in one fresh process: each one's losses (logged every 2 steps) and TrainingError
+    message, with the process's stdout and stderr."""
+    proc = subprocess.run([sys.executable, "-c", TRAIN, json.dumps(runs)], env=env, capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return {**json.loads(proc.stdout.strip().splitlines()[-1]), "stdout": proc.stdout, "stderr": proc.stderr}
+    results = [line.removeprefix("RESULT ") for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(results) == len(runs), proc.stdout[-3000:]
+    return [{**json.loads(line), "stdout": proc.stdout, "stderr": proc.stderr} for line in results]
+
+
+def _train(env: dict[str, str], platform: str, run_dir: Path, steps: int, **opts: Any) -> dict[str, Any]:
+    """Train in a fresh process (see _train_all)."""
+    (run,) = _train_all(env, {"platform": platform, "run_dir": str(run_dir), "steps": steps, **opts})
+    return run
+
+
+def _xla_then_cpu(env: dict[str, str], tmp_path: Path, steps: int, **opts: Any) -> tuple[dict, dict]:
+    """The same run on XLA (trn1, in tmp_path/xla) and as its CPU reference (tmp_path/cpu), in one fresh process."""
+    return tuple(_train_all(env, *({"platform": platform, "run_dir": str(tmp_path / name), "steps": steps, **opts}
+                                   for platform, name in (("trn1", "xla"), ("cpu", "cpu")))))
 
 
 def _read(run_dir: Path, iteration: int) -> dict[str, Any]:
@@ -97,8 +125,8 @@ def _banner(stdout: str) -> str:
 
 def test_fp32_on_xla_trains_the_cpu_model_even_with_xla_use_bf16_set(env: dict[str, str], tmp_path: Path) -> None:
     """train.precision fp32 is the truth: XLA_USE_BF16=1 left in the environment is cleared, with a warning."""
-    cpu = _train(env, "cpu", tmp_path / "cpu", 8)
-    xla = _train({**env, "XLA_USE_BF16": "1"}, "trn1", tmp_path / "xla", 8)  # trn1's backend is xla
+    # trn1's backend is xla; XLA_USE_BF16 is read by nothing on the CPU path, which runs after the XLA run
+    xla, cpu = _xla_then_cpu({**env, "XLA_USE_BF16": "1"}, tmp_path, 8)
     assert [i for i, _ in xla["losses"]] == [i for i, _ in cpu["losses"]] == [2, 4, 6, 8]
     # In bf16 the losses would differ from the CPU's in the third digit.
     assert [loss for _, loss in xla["losses"]] == pytest.approx([loss for _, loss in cpu["losses"]], rel=1e-5)
@@ -146,8 +174,7 @@ def test_bf16_with_dropout_resumes_exactly(env: dict[str, str], tmp_path: Path,
 def test_non_finite_steps_are_not_applied_and_stop_the_run_as_on_cpu(env: dict[str, str], tmp_path: Path) -> None:
     """Every loss from step 3 on is NaN: steps 3.. change nothing, and the third in a row ends the run."""
     opts = {"poison_after_step": 2, "max_skipped_steps": 3, "save_interval": 2}
-    cpu = _train(env, "cpu", tmp_path / "cpu", 8, **opts)
-    xla = _train(env, "trn1", tmp_path / "xla", 8, **opts)
+    xla, cpu = _xla_then_cpu(env, tmp_path, 8, **opts)
     assert cpu["error"] is not None and "not finite for 3 steps in a row (iterations 3-5" in cpu["error"]
     assert xla["error"] == cpu["error"]
     assert [i for i, _ in xla["losses"]] == [2, 4] and xla["losses"][0][1] == pytest.approx(cpu["losses"][0][1])
@@ -159,9 +186,7 @@ def test_non_finite_steps_are_not_applied_and_stop_the_run_as_on_cpu(env: dict[s
     assert changed == []
 
 
-def test_real_xser_reads_ours_and_we_read_real_xser(env: dict[str, str], tmp_path: Path,
-                                                     bf16_dropout_run: tuple[Path, dict[str, Any]]) -> None:
-    check = r"""
+CHECK_XSER = r"""
 import sys, torch
 import torch_xla
 from pathlib import Path
@@ -181,10 +206,35 @@ assert torch.equal(back["pair"][0], torch.zeros(2)) and back["pair"][1] == 7
 assert torch.equal(back["rng"], state["rng"]) and back["iteration"] == 3
 print(len(real))
 """
-    proc = subprocess.run([sys.executable, "-c", check, str(bf16_dropout_run[0]), str(tmp_path)], env=env,
-                          capture_output=True, text=True, timeout=600)
+
+# Runs the scripts of argv[1] (a JSON list of [code, [args...]]) one after the other, each with its own sys.argv.
+EACH = r"""
+import json, sys
+for code, args in json.loads(sys.argv[1]):
+    sys.argv = ["-c", *args]
+    exec(compile(code, "<script>", "exec"), {"__name__": "__main__"})
+"""
+
+
+@pytest.fixture(scope="module")
+def real_xser(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory,
+              bf16_dropout_run: tuple[Path, dict[str, Any]]) -> dict[str, Any]:
+    """torch_xla's own xser, both ways, in one process for two tests (importing torch_xla costs about 10 CPU
+    seconds): CHECK_XSER on bf16_dropout_run's checkpoint, then AS_REFERENCE from a CPU run of 6 steps (in `a`)."""
+    tmp = tmp_path_factory.mktemp("real-xser")
+    first = _train(env, "cpu", tmp / "a", 6)
+    fixtures = Path(__file__).resolve().parents[1] / "fixtures"
+    scripts = [[CHECK_XSER, [str(bf16_dropout_run[0]), str(tmp)]],
+               [AS_REFERENCE, [str(tmp / "a" / "checkpoints"), str(tmp / "reference"), str(fixtures)]]]
+    proc = subprocess.run([sys.executable, "-c", EACH, json.dumps(scripts)], env=env, capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert int(proc.stdout.strip().splitlines()[-1]) > 50  # weights, Adam moments, RNG states
+    read_back, reference_files = (int(line) for line in proc.stdout.strip().splitlines()[-2:])
+    return {"dir": tmp, "first": first, "read_back": read_back, "reference_files": reference_files}
+
+
+def test_real_xser_reads_ours_and_we_read_real_xser(real_xser: dict[str, Any]) -> None:
+    assert real_xser["read_back"] > 50  # weights, Adam moments, RNG states
 
 
 # fp32 master weights (parallel.distributed_optimizer on XLA: torch_xla's ZeRO-1, train/xla_zero.py). At lr 5e-4 an
@@ -340,29 +390,30 @@ print(len(list(main.with_name(main.name + ".tensors").iterdir())))
 """
 
 
-def test_a_reference_checkpoint_saved_by_real_xser_converts_and_continues(env: dict[str, str],
-                                                                         tmp_path: Path) -> None:
-    first = _train(env, "cpu", tmp_path / "a", 6)
-    fixtures = Path(__file__).resolve().parents[1] / "fixtures"
-    proc = subprocess.run([sys.executable, "-c", AS_REFERENCE, str(tmp_path / "a" / "checkpoints"),
-                           str(tmp_path / "reference"), str(fixtures)], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert int(proc.stdout.strip().splitlines()[-1]) > 40  # bf16 weights, fp32 masters, moments: one file each
-    # The run's own resume from its iteration-6 checkpoint (its metrics file gains iteration 8).
-    resumed = dict(_train(env, "cpu", tmp_path / "a", 8)["losses"])
+def test_a_reference_checkpoint_saved_by_real_xser_converts_and_continues(env: dict[str, str], tmp_path: Path,
+                                                                         real_xser: dict[str, Any]) -> None:
+    first, ran = real_xser["first"], real_xser["dir"]  # the CPU run in `a`, and the reference AS_REFERENCE made of it
+    assert real_xser["reference_files"] > 40  # bf16 weights, fp32 masters, moments: one file each
 
     def cli(*args: str) -> dict[str, Any]:
-        run = subprocess.run([sys.executable, "-m", "megatron_hpc", "ckpt", *args, "--json"], env=env,
-                             capture_output=True, text=True, timeout=600)
-        assert run.returncode == 0, run.stderr[-3000:]
-        return json.loads(run.stdout)
+        # In this process: reading the reference's files needs no torch_xla, and a fresh one would import torch again
+        from megatron_hpc.cli.main import main
 
-    seen = cli("inspect", str(tmp_path / "reference"))
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(["ckpt", *args, "--json"]) == 0
+        return json.loads(out.getvalue())
+
+    seen = cli("inspect", str(ran / "reference"))
     assert (seen["family"], seen["iteration"], seen["format"]) == ("neuron-reference", 6, "xser")
-    report = cli("convert", str(tmp_path / "reference"), "--to", "xser", "--out", str(tmp_path / "conv"))
+    report = cli("convert", str(ran / "reference"), "--to", "xser", "--out", str(tmp_path / "conv"))
     assert (report["optimizer"], report["weights_dtype"]) == ("resharded", "float32")  # the masters, not bf16
-    continued = _train(env, "cpu", tmp_path / "c", 8, load=str(tmp_path / "conv"))
+    # The run's own resume from its iteration-6 checkpoint (its metrics file gains iteration 8), and the converted
+    # reference continued, both on the CPU, in one process.
+    own_resume, continued = _train_all(env, {"platform": "cpu", "run_dir": str(ran / "a"), "steps": 8},
+                                       {"platform": "cpu", "run_dir": str(tmp_path / "c"), "steps": 8,
+                                        "load": str(tmp_path / "conv")})
+    resumed = dict(own_resume["losses"])
     assert [i for i, _ in continued["losses"]] == [8]
     assert continued["losses"][0][1] == pytest.approx(resumed[8], rel=1e-5)
     assert continued["losses"][0][1] < first["losses"][0][1] - 0.1  # where the model was, not a fresh start

@@ -1,0 +1,125 @@
+"""Every script under benchmarks/ runs end to end at a smoke size and prints its ratios line, so none rots.
+
+Each runs as its users run it (`python benchmarks/NAME.py ...`, a fresh process from the repository root) on the
+smallest model and the fewest rounds that still take every path of the script to its summary; the figures mean
+nothing at that size (benchmarks/RESULTS.md has the real ones), so only the shape of the summary is checked. Two
+scripts time us against another project's tool that the suite does not install (megatron-core, Megatron-LM): their
+smoke runs time megatron-hpc against itself (--self-anchor), so everything but the other tool's command runs. The
+GPU benchmark runs its CPU path (--allow-cpu) and, without it, must refuse with the fix.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCHMARKS = ROOT / "benchmarks"
+PREPROCESS = ROOT / "tests" / "fixtures" / "preprocess"
+TINY = ["--layers", "1", "--hidden", "32", "--heads", "2", "--seq", "16", "--vocab", "64"]
+
+CASES: dict[str, tuple[list[str], str]] = {
+    # script: (arguments, a regular expression for its ratios line; {tmp} is the test's temp folder)
+    "activation_bytes.py": ([*TINY, "--batch", "1", "--out", "{tmp}/out", "--modes", "sp_tp2_selective"],
+                            r"^\| sp_tp2_selective \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \|$"),
+    "cache_stats.py": (["--entries", "200", "--rounds", "1", "--dir", "{tmp}"],
+                       r"^ratio stats/du = [\d.]+ wall, [\d.]+ CPU; target for 200 entries: < 2 s -> (met|NOT met)$"),
+    "ckpt_io.py": (["--dir", "{tmp}/ckpt", "--gib", "0.001", "--hidden", "32", "--rounds", "1", "--keep-caches",
+                    "--step-matmuls", "1", "--mode", "blocked", "split", "io"],
+                   r"^resume: copy/dd [\d.]+x, in place/dd [\d.]+x, in place/copy [\d.]+x; weights into existing "
+                   r"memory/dd [\d.]+x$"),
+    # aot_eager: the compile phase, the cache sync and both starts, without Inductor's minute of kernel compiling
+    # (tests/multiprocess/test_compile_tree_publish.py checks Inductor's warm start itself)
+    "compile_warm_start.py": (["--rounds", "1", "--dir", "{tmp}", "--set", "train.compile_backend=aot_eager",
+                               "--set", "model.num_layers=1",
+                               "--set", "model.hidden_size=32", "--set", "model.num_attention_heads=2",
+                               "--set", "model.seq_length=16", "--set", "model.max_position_embeddings=16",
+                               "--set", "model.vocab_size=64"],
+                              r"^ratio warm/cold = [\d.]+; goal <= 0.30 -> (met|NOT met)$"),
+    "convert_cpu.py": (["--dir", "{tmp}/convert", "--layers", "1", "--hidden", "64", "--heads", "8", "--vocab", "300",
+                        "--seq", "32"],
+                       r"^time goal \(<= 2x copy\): (met|NOT met); memory goal \(< two output ranks' shards\): "
+                       r"(met|NOT met)$"),
+    "data_index_build.py": (["--self-anchor", "--docs", "200", "--mean-tokens", "50", "--seq-length", "64",
+                             "--epochs", "1", "--rounds", "1", "--dir", "{tmp}"],
+                            r"^ 1 epoch\(s\) megatron-hpc/megatron-hpc again \(\d+ samples\), per round: build "
+                            r"[\d.]+x .*own peak [\d.]+x; growth during the build [\d.]+x$"),
+    "dist_optim_cpu.py": (["--dp", "2", *TINY, "--steps", "1", "--warmup", "0", "--part-reps", "1",
+                           "--overlap-blocks", "1", "--overlap-block-steps", "1"],
+                          r"^\| 2 \| \d+ ms \| \d+ ms \| [\d.]+ \| [\d.]+ \| [\d.e+-]+ \(1\) \|$"),
+    "generate_cpu.py": (["--layers", "1", "--hidden", "64", "--heads", "4", "--vocab", "300", "--context", "16",
+                         "--prompt-len", "4", "--new-tokens", "2", "--batches", "1", "--rounds", "1", "--threads", "1"],
+                        r"^    1 +[\d.]+, +[\d.]+ +[\d.]+, +[\d.]+ +[\d.]+x +[\d.]+x  (met|missed)$"),
+    "generate_floor.py": (["--rounds", "1", "--batches", "1", "--cached", "4", "--copy-mib", "1", "--threads", "1",
+                           "--layers", "1", "--hidden", "64", "--heads", "4", "--vocab", "300", "--context", "16",
+                           "--prompt-len", "1", "--new-tokens", "1"],
+                          r"^batch  1  transformers: best +[\d.]+ ms  median +[\d.]+ ms  best / floor +[\d.]+  "
+                          r"\([\d.]+ GB/s of weights\)$"),
+    "mfu_gpu.py": (["--allow-cpu", *TINY, "--micro-batch-size", "1", "--steps", "1", "--warmup", "0"],
+                   r"^achieved [\d.]+ TFLOP/s; MFU [\d.]+% of 989 TFLOP/s$"),
+    "pipeline_cpu.py": (["--layers", "4", *TINY[2:], "--micro-batches", "4", "--steps", "1", "--warmup", "0",
+                         "--rounds", "1"],
+                        r"^m=4: interleaved / 1F1B round medians [\d.]+: .*; best steps [\d.]+$"),
+    "plan_fits.py": (["--platforms", "trn1", "--recipes", "neox_20b", "--max-nodes", "64"],
+                     r"^\| full\S* \| \d+x\d+x\d+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \|$"),
+    "preprocess_throughput.py": (["--self-anchor", "--demo", "{tmp}/demo", "--repeat", "1", "--workers", "1",
+                                  "--rounds", "1"],
+                                 r"^ratios megatron-hpc/megatron-hpc again: start-up [\d.]+x the time; throughput "
+                                 r"without start-up -?[\d.]+x; whole run [\d.]+x$"),
+    "serve_latency.py": (["--rounds", "1", "--tokens", "1"],
+                         r"^overhead \(median - median\): -?[\d.]+ ms; goal < 10 ms: (met|missed)$"),
+    "tp_scaling_cpu.py": ([*TINY, "--batch", "1", "--steps", "1", "--warmup", "0", "--threads", "2"],
+                          r"^ratio TP=2 / TP=1 step time: [\d.]+$"),
+    "train_step_cpu.py": (["--rounds", "1", "--steps", "1", "--warmup", "0", "--threads", "1", *TINY,
+                           "--batch", "1"],
+                          r"^ratio ours/hf-kept: throughput [\d.]+x \(median steps\), [\d.]+x \(best steps\), peak "
+                          r"memory [\d.]+x$"),
+}
+
+SMOKED_ELSEWHERE = {
+    # script: the test module that runs it at its smoke size
+    "launcher_latency.py": "test_benchmark_launcher.py",
+}
+
+
+def _run(script: str, args: list[str], tmp: Path, **env_vars: str) -> subprocess.CompletedProcess[str]:
+    # One thread each, as the suite's other processes: the sizes are too small for more to help.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **env_vars}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    return subprocess.run([sys.executable, str(BENCHMARKS / script), *(a.format(tmp=tmp) for a in args)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_every_benchmark_has_a_smoke_run() -> None:
+    scripts = {p.name for p in BENCHMARKS.glob("*.py")}
+    assert scripts == CASES.keys() | SMOKED_ELSEWHERE.keys()
+    for script, module in SMOKED_ELSEWHERE.items():
+        assert script in (Path(__file__).with_name(module)).read_text(), (script, module)
+
+
+@pytest.mark.parametrize("script", sorted(CASES))
+def test_the_script_runs_end_to_end_and_prints_its_ratios(script: str, tmp_path: Path) -> None:
+    if script == "preprocess_throughput.py":  # its --demo folder: a corpus and the tokenizer that encodes it
+        (tmp_path / "demo").mkdir()
+        shutil.copy(PREPROCESS / "corpus.jsonl", tmp_path / "demo" / "stdlib.jsonl")
+        for name in ("vocab.json", "merges.txt"):
+            shutil.copy(PREPROCESS / name, tmp_path / "demo" / name)
+    args, ratios = CASES[script]
+    proc = _run(script, args, tmp_path)
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert [line for line in proc.stdout.splitlines() if re.search(ratios, line)], proc.stdout[-3000:]
+
+
+def test_the_gpu_benchmark_refuses_a_machine_without_one_and_names_the_fix(tmp_path: Path) -> None:
+    proc = _run("mfu_gpu.py", [], tmp_path, CUDA_VISIBLE_DEVICES="")  # no GPU, even on a machine with one
+    assert proc.returncode == 2 and not proc.stdout
+    assert re.fullmatch(r"mfu_gpu: no CUDA GPU here \(.+\); run it on a GPU machine \(or pass --allow-cpu with a "
+                        r"small model to smoke-test the script\)\n", proc.stderr), proc.stderr
