@@ -15,6 +15,8 @@ Precision = Literal["fp32", "bf16", "fp16"]
 DecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"]
 PositionEmbedding = Literal["learned", "rope"]
 Activation = Literal["gelu", "gelu_tanh"]
+Normalization = Literal["layernorm", "rmsnorm"]
+RopeScaling = Literal["none", "llama3"]
 DataSource = Literal["synthetic", "indexed"]
 CheckpointFormat = Literal["xser", "torch"]
 SaveFailure = Literal["stop", "continue"]
@@ -60,7 +62,36 @@ class ModelConfig:
     hidden_dropout: float = 0.0
     """Dropout on residual branches (0 in the Neuron reference)."""
     layernorm_epsilon: float = 1e-5
-    """LayerNorm epsilon."""
+    """Epsilon of every LayerNorm or RMSNorm (Megatron --norm-epsilon; Llama 1e-5, Qwen2.5 1e-6)."""
+    normalization: Normalization = "layernorm"
+    """layernorm (GPT, NeoX: weight and bias) or rmsnorm (Llama, Qwen: x / rms(x) * weight, no bias; Megatron
+    --normalization RMSNorm)."""
+    swiglu: bool = False
+    """The gated MLP of Llama and Qwen (Megatron --swiglu): proj(silu(x W_gate) * (x W_up)), replacing the GeLU of
+    `activation`. The gate and up projections are two column-parallel weights (mlp.gate, mlp.fc), so a TP rank
+    always holds the same rows of both; Megatron's fused linear_fc1, [gate_r; up_r] on TP rank r, is split and
+    joined by that rule at import and export."""
+    num_query_groups: int | None = None
+    """Grouped-query attention (Megatron --group-query-attention --num-query-groups): the heads share this many
+    key/value heads (1 is multi-query attention). Unset means one per head (multi-head attention). Must divide
+    num_attention_heads; TP must divide it. The QKV rows are in Megatron's grouped layout [G, (nh/G queries, key,
+    value), hd], so a row block holds whole groups."""
+    add_bias_linear: bool = True
+    """Biases in the attention and MLP linears (False is Megatron --disable-bias-linear: Llama, Qwen)."""
+    add_qkv_bias: bool = False
+    """A bias on the QKV projection even with add_bias_linear false (Megatron --add-qkv-bias: Qwen2)."""
+    rope_scaling: RopeScaling = "none"
+    """Llama 3.1's RoPE frequency scaling (Megatron --use-rope-scaling; Hugging Face rope_type "llama3"): the
+    inverse frequencies below original context / low_freq_factor wavelengths are divided by the factor, those
+    above original context / high_freq_factor are kept, and the ones between are interpolated."""
+    rope_scaling_factor: float = 8.0
+    """Llama 3.1's scaling factor (Megatron --rope-scaling-factor)."""
+    rope_low_freq_factor: float = 1.0
+    """Llama 3.1's low_freq_factor."""
+    rope_high_freq_factor: float = 4.0
+    """Llama 3.1's high_freq_factor."""
+    rope_original_max_position: int = 8192
+    """Llama 3.1's original_max_position_embeddings: the context the base model was trained at."""
     activation: Activation = "gelu"
     """The MLP's GeLU: gelu is the exact (erf) one, as Megatron's; gelu_tanh is the tanh approximation that GPT-2
     was trained with (Hugging Face's gelu_new), for imported GPT-2 weights."""
@@ -82,6 +113,19 @@ class ModelConfig:
     @property
     def ffn_size(self) -> int:
         return self.ffn_hidden_size if self.ffn_hidden_size is not None else 4 * self.hidden_size
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads: num_query_groups, or one per attention head."""
+        return self.num_query_groups if self.num_query_groups is not None else self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.add_bias_linear or self.add_qkv_bias
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -27,14 +27,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from megatron_hpc.model.gpt import GPT
+from megatron_hpc.model.gpt import GPT, MLP, expand_groups
 from megatron_hpc.model.rotary import rotate
 
 
 @dataclass(kw_only=True, slots=True)
 class KVCache:
     keys: list[torch.Tensor]
-    """One (B, nh/tp, L, hd) buffer per layer, in the model's layer order."""
+    """One (B, G/tp, L, hd) buffer per layer, in the model's layer order: one per key/value group (G, the query groups
+    of grouped-query attention; the heads otherwise), not per query head."""
     values: list[torch.Tensor]
     pad: torch.Tensor
     """(B,) left-padding columns of each row."""
@@ -46,7 +47,7 @@ class KVCache:
     @classmethod
     def allocate(cls, model: GPT, *, pad: torch.Tensor, capacity: int) -> KVCache:
         blocks = list(model.h.values())
-        heads, hd = blocks[0].attn.local_heads, blocks[0].attn.head_dim
+        heads, hd = blocks[0].attn.local_groups, blocks[0].attn.head_dim
         dtype = blocks[0].attn.qkv.weight.dtype
         device = blocks[0].attn.qkv.weight.device
         shape = (pad.shape[0], heads, capacity, hd)
@@ -109,8 +110,7 @@ def cached_forward(model: GPT, ids: torch.Tensor, cache: KVCache) -> torch.Tenso
         x = x + model.wpe(positions)
     for layer, block in enumerate(model.h.values()):
         attn = block.attn
-        qkv = attn.qkv(block.ln_1(x)).view(b, s, attn.local_heads, 3, attn.head_dim)
-        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))  # (B, nh/tp, S, hd)
+        q, k, v = (t.transpose(1, 2) for t in attn.split_qkv(attn.qkv(block.ln_1(x))))  # (B, nh/tp | G/tp, S, hd)
         if rope is not None:
             q, k = rotate(q, *rope), rotate(k, *rope)
         if fixed:
@@ -119,8 +119,7 @@ def cached_forward(model: GPT, ids: torch.Tensor, cache: KVCache) -> torch.Tenso
         else:
             cache.keys[layer][:, :, start:start + s] = k
             cache.values[layer][:, :, start:start + s] = v
-        y = F.scaled_dot_product_attention(q, cache.keys[layer][:, :, :span], cache.values[layer][:, :, :span],
-                                           attn_mask=mask)
+        y = _attend(q, cache.keys[layer][:, :, :span], cache.values[layer][:, :, :span], mask)
         y = attn.proj(y.transpose(1, 2).reshape(b, s, attn.local_heads * attn.head_dim))  # (B, S, H)
         if block.parallel_residual:  # GPT-NeoX: the MLP reads the block input too, as in Block.forward
             x = block.mlp(block.ln_2(x)) + y + x
@@ -152,26 +151,41 @@ def decode_step(model: GPT, tokens: torch.Tensor, cache: KVCache) -> torch.Tenso
         x = x + model.wpe(positions)
     for layer, block in enumerate(model.h.values()):
         attn = block.attn
-        qkv = F.linear(block.ln_1(x), attn.qkv.weight, attn.qkv.bias)  # (B, 3H/tp)
-        qkv = qkv.view(b, attn.local_heads, 3, 1, attn.head_dim)  # Megatron's per-head [nh, (q, k, v), hd] layout
-        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # (B, nh/tp, 1, hd) views
+        qkv = F.linear(block.ln_1(x), attn.qkv.weight, attn.qkv.bias)  # (B, rows/tp)
+        per_group = attn.local_heads // attn.local_groups
+        # Megatron's grouped [G, (nh/G queries, key, value), hd] layout (per head [nh, (q, k, v), hd] without groups)
+        grouped = qkv.view(b, attn.local_groups, per_group + 2, 1, attn.head_dim)
+        q = grouped[:, :, 0] if per_group == 1 else grouped[:, :, :per_group].reshape(b, attn.local_heads, 1, -1)
+        k, v = grouped[:, :, per_group], grouped[:, :, per_group + 1]  # (B, G/tp, 1, hd) views
         if rope is not None:
             q, k = rotate(q, *rope), rotate(k, *rope)
         keys, values = cache.keys[layer], cache.values[layer]
         keys[:, :, start:start + 1] = k
         values[:, :, start:start + 1] = v
-        y = F.scaled_dot_product_attention(q, keys[:, :, :start + 1], values[:, :, :start + 1], attn_mask=mask)
+        y = _attend(q, keys[:, :, :start + 1], values[:, :, :start + 1], mask)
         y = attn.proj(y.view(b, attn.local_heads * attn.head_dim))  # (B, H): S = 1, so no transpose is needed
         mlp = block.mlp
         if block.parallel_residual:
-            h = F.linear(block.ln_2(x), mlp.fc.weight, mlp.fc.bias)
-            x = mlp.proj(F.gelu(h, approximate=mlp.approximate)) + y + x
+            x = mlp.proj(_mlp_hidden(mlp, block.ln_2(x))) + y + x
         else:
             x = x + y
-            h = F.linear(block.ln_2(x), mlp.fc.weight, mlp.fc.bias)
-            x = x + mlp.proj(F.gelu(h, approximate=mlp.approximate))
+            x = x + mlp.proj(_mlp_hidden(mlp, block.ln_2(x)))
     cache.length = start + 1
     return output_logits(model, model.ln_f(x))
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention of q (B, nh/tp, S, hd) over the cached k, v (B, G/tp, K, hd), each group shared by its queries."""
+    k, v = expand_groups(q, k), expand_groups(q, v)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def _mlp_hidden(mlp: MLP, x: torch.Tensor) -> torch.Tensor:
+    """The MLP's activation (B, F/tp) before its output projection, with plain F.linear (see decode_step)."""
+    up = F.linear(x, mlp.fc.weight, mlp.fc.bias)
+    if mlp.gate is not None:  # SwiGLU
+        return F.silu(F.linear(x, mlp.gate.weight, mlp.gate.bias)) * up
+    return F.gelu(up, approximate=mlp.approximate)
 
 
 def output_logits(model: GPT, x: torch.Tensor) -> torch.Tensor:

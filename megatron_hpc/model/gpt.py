@@ -1,11 +1,13 @@
 """GPT with Megatron tensor parallelism: learned or rotary positions, pre-LN blocks, GeLU MLP, tied embeddings; with
-model.parallel_residual, rotary positions and an untied output layer it is GPT-NeoX / Pythia.
+model.parallel_residual, rotary positions and an untied output layer it is GPT-NeoX / Pythia; with RMSNorm, SwiGLU,
+grouped-query attention, no linear biases, rotary positions (Llama 3.1's scaling optional) and an untied output
+layer it is Llama (with a QKV bias, Qwen2).
 
 Shape legend: B batch, S sequence, H hidden, V padded vocabulary, nh heads, hd head dim,
 tp the TP size; `/tp` marks the dim sharded across the TP group.
 
 Init follows Megatron: N(0, std) for every weight, std / sqrt(2L) for the two output projections
-of each block, zero biases, LayerNorm (1, 0). Every weight is drawn in full from a generator keyed
+of each block, zero biases, LayerNorm (1, 0), RMSNorm 1. Every weight is drawn in full from a generator keyed
 by its name and then sharded (see parallel/layers.py), so the model is the same at any TP size.
 
 Sequence parallelism (parallel.sequence_parallel, Korthikanti et al. 2022): between the TP linears, i.e. in the
@@ -13,7 +15,7 @@ LayerNorms, dropouts and residual adds, hidden states are (B, S/tp, H), split al
 layout (pipeline stages exchange those shards too). Attention sees the full sequence (the QKV projection
 all-gathers it), so rotary uses full positions; learned position embeddings are added to each shard with its
 own positions. Every replicated parameter then gets a partial gradient on each TP rank: the model tags them
-`sequence_parallel` and train_step all-reduces them over TP (parallel/grads.py).
+`sequence_parallel` and the optimizer's reduce_and_clip all-reduces them over TP (parallel/grads.py).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megatron_hpc.config.schema import ModelConfig
-from megatron_hpc.model.rotary import apply_rotary, rotary_dims, rotary_tables
+from megatron_hpc.model.rotary import apply_rotary, rotary_dims, rotary_tables, scaling_of
 from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.parallel.layers import (
     ColumnParallelLinear,
@@ -46,23 +48,33 @@ class Attention(nn.Module):
         super().__init__()
         h, tp = cfg.hidden_size, ctx.tp_size
         self.local_heads = cfg.num_attention_heads // tp
-        self.head_dim = h // cfg.num_attention_heads
+        self.local_groups = cfg.query_groups // tp
+        self.head_dim = hd = cfg.head_dim
         self.core = AttentionCore(cfg.attention_dropout)
         # Selective recomputation (plan/recompute.py): the attention core keeps nothing for backward and is rerun
         # there; torch's checkpoint restores the RNG state, so attention dropout replays the same mask.
         self.recompute_core = resolve_recompute(cfg).selective
-        # Fused QKV in Megatron's per-head layout [nh, (q, k, v), hd]: a contiguous row shard then
-        # holds whole heads, each with its own q, k and v.
-        self.qkv = ColumnParallelLinear(h, 3 * h, ctx=ctx, init_std=cfg.init_method_std, seed=seed,
-                                        key=prefix + ".qkv", sequence_parallel=sp)
-        self.proj = RowParallelLinear(h, h, ctx=ctx, init_std=_out_std(cfg), seed=seed, key=prefix + ".proj",
-                                      sequence_parallel=sp)
+        # Fused QKV in Megatron's grouped layout [G, (nh/G queries, key, value), hd] (with one group per head, the
+        # per-head [nh, (q, k, v), hd]): a contiguous row shard then holds whole groups, each with its own keys and
+        # values, which is why TP must divide G.
+        rows = (cfg.num_attention_heads + 2 * cfg.query_groups) * hd
+        self.qkv = ColumnParallelLinear(h, rows, ctx=ctx, bias=cfg.qkv_bias, init_std=cfg.init_method_std,
+                                        seed=seed, key=prefix + ".qkv", sequence_parallel=sp)
+        self.proj = RowParallelLinear(h, h, ctx=ctx, bias=cfg.add_bias_linear, init_std=_out_std(cfg), seed=seed,
+                                      key=prefix + ".proj", sequence_parallel=sp)
+
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The QKV projection's output (B, S, rows/tp) as q (B, S, nh/tp, hd) and k, v (B, S, G/tp, hd)."""
+        b, s = qkv.shape[:2]
+        per_group = self.local_heads // self.local_groups  # queries sharing one key/value head
+        grouped = qkv.view(b, s, self.local_groups, per_group + 2, self.head_dim)
+        q = grouped[:, :, :, :per_group].reshape(b, s, self.local_heads, self.head_dim)
+        return q, grouped[:, :, :, per_group], grouped[:, :, :, per_group + 1]
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        qkv = self.qkv(x)  # (B, S, 3H/tp): the full sequence, also under sequence parallelism
+        qkv = self.qkv(x)  # (B, S, rows/tp): the full sequence, also under sequence parallelism
         b, s = qkv.shape[:2]
-        qkv = qkv.view(b, s, self.local_heads, 3, self.head_dim)  # (B, S, nh/tp, 3, hd)
-        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))  # (B, nh/tp, S, hd)
+        q, k, v = (t.transpose(1, 2) for t in self.split_qkv(qkv))  # (B, nh/tp, S, hd); k, v (B, G/tp, S, hd)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if self.recompute_core and self.training:
@@ -82,31 +94,47 @@ class AttentionCore(nn.Module):
         self.dropout = dropout
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k, v = expand_groups(q, k), expand_groups(q, v)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                              dropout_p=self.dropout if self.training else 0.0)
+                                              dropout_p=self.dropout if self.training else 0.0,
+                                              enable_gqa=k.shape[1] != q.shape[1])
+
+
+def expand_groups(q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """Keys or values (B, G, S, hd) for queries (B, nh, S', hd): as they are where scaled_dot_product_attention
+    shares each group among its nh/G queries itself (enable_gqa), repeated per query on XLA, whose lowering of
+    it is not relied on."""
+    if kv.shape[1] == q.shape[1] or q.device.type != "xla":
+        return kv
+    return kv.repeat_interleave(q.shape[1] // kv.shape[1], dim=1)
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, *, ctx: ParallelContext, seed: int, prefix: str, sp: bool = False):
         super().__init__()
-        h, f = cfg.hidden_size, cfg.ffn_size
-        self.fc = ColumnParallelLinear(h, f, ctx=ctx, init_std=cfg.init_method_std, seed=seed,
+        h, f, bias = cfg.hidden_size, cfg.ffn_size, cfg.add_bias_linear
+        # SwiGLU's gate: a column-parallel linear of its own, so TP rank r always holds the rows of the gate that
+        # match its rows of fc (the up projection); see ModelConfig.swiglu.
+        self.gate = ColumnParallelLinear(h, f, ctx=ctx, bias=bias, init_std=cfg.init_method_std, seed=seed,
+                                         key=prefix + ".gate", sequence_parallel=sp) if cfg.swiglu else None
+        self.fc = ColumnParallelLinear(h, f, ctx=ctx, bias=bias, init_std=cfg.init_method_std, seed=seed,
                                        key=prefix + ".fc", sequence_parallel=sp)
-        self.proj = RowParallelLinear(f, h, ctx=ctx, init_std=_out_std(cfg), seed=seed, key=prefix + ".proj",
-                                      sequence_parallel=sp)
+        self.proj = RowParallelLinear(f, h, ctx=ctx, bias=bias, init_std=_out_std(cfg), seed=seed,
+                                      key=prefix + ".proj", sequence_parallel=sp)
         self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"  # GPT-2's gelu_new is the tanh one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x), approximate=self.approximate))  # (B, S, F/tp) inside, (B, S, H) out
+        if self.gate is not None:
+            return self.proj(F.silu(self.gate(x)) * self.fc(x))  # (B, S, F/tp) inside, (B, S, H) out
+        return self.proj(F.gelu(self.fc(x), approximate=self.approximate))
 
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, *, ctx: ParallelContext, seed: int, index: int, sp: bool = False):
         super().__init__()
-        eps = cfg.layernorm_epsilon
-        self.ln_1 = nn.LayerNorm(cfg.hidden_size, eps=eps)
+        self.ln_1 = norm(cfg)
         self.attn = Attention(cfg, ctx=ctx, seed=seed, prefix=f"h.{index}.attn", sp=sp)
-        self.ln_2 = nn.LayerNorm(cfg.hidden_size, eps=eps)
+        self.ln_2 = norm(cfg)
         self.mlp = MLP(cfg, ctx=ctx, seed=seed, prefix=f"h.{index}.mlp", sp=sp)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
         self.parallel_residual = cfg.parallel_residual
@@ -118,6 +146,13 @@ class Block(nn.Module):
             return self.dropout(self.mlp(self.ln_2(x))) + self.dropout(self.attn(self.ln_1(x), rope)) + x
         x = x + self.dropout(self.attn(self.ln_1(x), rope))
         return x + self.dropout(self.mlp(self.ln_2(x)))
+
+
+def norm(cfg: ModelConfig) -> nn.Module:
+    """The model's normalization: LayerNorm (weight 1, bias 0) or RMSNorm (weight 1, no bias)."""
+    if cfg.normalization == "rmsnorm":
+        return nn.RMSNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
+    return nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_epsilon)
 
 
 def _out_std(cfg: ModelConfig) -> float:
@@ -167,7 +202,8 @@ class GPT(nn.Module):
             self.rope_cos = self.rope_sin = None
         else:
             rot = rotary_dims(h // cfg.num_attention_heads, rotary_percent=cfg.rotary_percent)
-            cos, sin = rotary_tables(rot, max_positions=cfg.max_position_embeddings, base=cfg.rotary_base)
+            cos, sin = rotary_tables(rot, max_positions=cfg.max_position_embeddings, base=cfg.rotary_base,
+                                     scaling=scaling_of(cfg))
             # Not persistent: derived from the config, so checkpoints hold only trained weights.
             self.register_buffer("rope_cos", cos, persistent=False)  # (P, rot)
             self.register_buffer("rope_sin", sin, persistent=False)
@@ -179,10 +215,10 @@ class GPT(nn.Module):
         if self.wte is not None and not self.has_first:
             # The last stage's copy of the tied table: the gradient norm counts it once, on the first stage.
             self.wte.weight.pipeline_duplicate = True
-        self.ln_f: nn.LayerNorm | None = None
+        self.ln_f: nn.Module | None = None
         self.lm_head: ColumnParallelLinear | None = None
         if self.has_last:
-            self.ln_f = nn.LayerNorm(h, eps=cfg.layernorm_epsilon)
+            self.ln_f = norm(cfg)
             if not cfg.tie_embeddings:
                 self.lm_head = ColumnParallelLinear(h, padded_vocab, ctx=ctx, bias=False, init_std=std,
                                                     seed=seed, key="lm_head", sequence_parallel=sp)

@@ -15,17 +15,53 @@ Shape legend: B batch, nh heads (local to the TP rank), S sequence, hd head dim,
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 
+from megatron_hpc.config.schema import ModelConfig
 from megatron_hpc.plan.model_math import rotary_dims  # noqa: F401  (pure; the model and the planner share it)
 
 ROTARY_BASE = 10000.0
 """Megatron's --rotary-base default."""
 
 
-def rotary_tables(rot: int, *, max_positions: int, base: float = ROTARY_BASE) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Llama3Scaling:
+    """Llama 3.1's frequency scaling (model.rope_scaling=llama3; the fields are the model's rope_* keys)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+def scaling_of(cfg: ModelConfig) -> Llama3Scaling | None:
+    if cfg.rope_scaling == "none":
+        return None
+    return Llama3Scaling(factor=cfg.rope_scaling_factor, low_freq_factor=cfg.rope_low_freq_factor,
+                         high_freq_factor=cfg.rope_high_freq_factor,
+                         original_max_position=cfg.rope_original_max_position)
+
+
+def scale_frequencies(inv_freq: torch.Tensor, scaling: Llama3Scaling) -> torch.Tensor:
+    """Llama 3.1's rule: a frequency whose wavelength is longer than original / low_freq_factor turns `factor` times
+    slower; one shorter than original / high_freq_factor is kept; between the two, the result moves linearly (in
+    original / wavelength) from the slowed one to the kept one."""
+    wavelength = 2 * math.pi / inv_freq
+    ratio = scaling.original_max_position / wavelength  # how many wavelengths fit the original context
+    lo, hi = scaling.low_freq_factor, scaling.high_freq_factor
+    blend = ((ratio - lo) / (hi - lo)).clamp(0.0, 1.0)  # 0: long wavelengths (slowed), 1: short ones (kept)
+    return inv_freq / scaling.factor * (1.0 - blend) + inv_freq * blend
+
+
+def rotary_tables(rot: int, *, max_positions: int, base: float = ROTARY_BASE,
+                  scaling: Llama3Scaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin), each (max_positions, rot) fp32, laid out [freqs, freqs] to match rotate_half."""
     inv_freq = 1.0 / (base ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))  # (rot/2,)
+    if scaling is not None:
+        inv_freq = scale_frequencies(inv_freq, scaling)
     angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)  # (P, rot/2)
     angles = torch.cat([angles, angles], dim=-1)  # (P, rot)
     return angles.cos().float(), angles.sin().float()

@@ -115,11 +115,27 @@ def check_model_shape(model: ModelConfig, *, tensor_parallel: int) -> None:
             rotary_dims(model.hidden_size // model.num_attention_heads, rotary_percent=model.rotary_percent)
         except ValueError as exc:
             raise PlanError(f"model.{exc}; pick rotary_percent so that it is (1.0 and 0.25 usually are)") from None
-    if model.num_attention_heads % tensor_parallel or model.ffn_size % tensor_parallel:
+    groups = model.query_groups
+    if groups < 1 or model.num_attention_heads % groups:
+        counts = [g for g in range(1, model.num_attention_heads + 1) if model.num_attention_heads % g == 0]
+        raise PlanError(f"model.num_query_groups={groups} does not divide model.num_attention_heads="
+                        f"{model.num_attention_heads}; use one of {', '.join(map(str, counts))}")
+    if model.rope_scaling != "none" and model.position_embedding != "rope":
+        raise PlanError(f"model.rope_scaling={model.rope_scaling} scales rotary frequencies, but "
+                        f"model.position_embedding={model.position_embedding}; set model.position_embedding=rope or "
+                        f"model.rope_scaling=none")
+    if model.rope_scaling == "llama3" and not model.rope_high_freq_factor > model.rope_low_freq_factor:
+        raise PlanError(f"model.rope_high_freq_factor={model.rope_high_freq_factor} must be above "
+                        f"model.rope_low_freq_factor={model.rope_low_freq_factor} (Llama 3.1: 4.0 and 1.0)")
+    if model.num_attention_heads % tensor_parallel or model.ffn_size % tensor_parallel or groups % tensor_parallel:
         heads = model.num_attention_heads
-        choices = [d for d in range(1, heads + 1) if heads % d == 0 and model.ffn_size % d == 0]
+        choices = [d for d in range(1, heads + 1)
+                   if heads % d == 0 and model.ffn_size % d == 0 and groups % d == 0]
         what = (f"parallel.tensor={tensor_parallel} must divide model.num_attention_heads ({heads}) and the FFN size "
                 f"({model.ffn_size})")
+        if groups != heads:
+            what = (f"parallel.tensor={tensor_parallel} must divide model.num_query_groups ({groups}: TP splits the "
+                    f"key/value groups), model.num_attention_heads ({heads}) and the FFN size ({model.ffn_size})")
 
         def wording(kept: list[Fix]) -> str:
             sizes = values_of(kept, "parallel.tensor")

@@ -17,7 +17,7 @@ from megatron_hpc.errors import CheckpointError
 
 Split = Literal["rows", "columns", "vocab", "replicated"]
 
-_ROWS = (".attn.qkv.weight", ".attn.qkv.bias", ".mlp.fc.weight", ".mlp.fc.bias")
+_ROWS = (".attn.qkv.weight", ".attn.qkv.bias", ".mlp.fc.weight", ".mlp.fc.bias", ".mlp.gate.weight", ".mlp.gate.bias")
 _COLUMNS = (".attn.proj.weight", ".mlp.proj.weight")
 _VOCAB = ("wte.weight", "lm_head.weight")
 
