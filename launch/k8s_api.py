@@ -1,7 +1,7 @@
 """The Kubernetes API calls of a k8s run: the kube context, job states, waiting, cancelling and pod logs.
 
 Apart from launch/k8s_submit.py so that `status`, `logs` and `cancel` (launch/run_status.py) reach them without
-importing the submit path. Never run against a cluster by our tests (README "Kubernetes"), except
+importing the submit path. Never run against a cluster by our tests (docs/kubernetes.md), except
 state_from_conditions, which is pure.
 """
 

@@ -6,7 +6,7 @@ with apply.sh: the same order with `kubectl apply` and `kubectl wait`. A real su
 objects with the Kubernetes Python client to the current kube context, waits for the preprocessing Job and
 the compile PyTorchJob to succeed (Kubernetes has no afterok), then creates the run PyTorchJob.
 
-Never run against a cluster by our tests (README "Kubernetes"): submit_k8s's applying and waiting, and the calls
+Never run against a cluster by our tests (docs/kubernetes.md): submit_k8s's applying and waiting, and the calls
 of launch/k8s_api.py, are the untested part, kept small.
 """
 

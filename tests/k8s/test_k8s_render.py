@@ -1,7 +1,7 @@
 """`submit --cluster k8s --dry-run`: every recipe at 1, 16 and 64 nodes (where its plan is valid) renders Kubernetes
 objects that round-trip through the Kubernetes client's and the Kubeflow SDK's models, that kubectl parses offline,
 and that carry the plan: replicas, processes per node, the instance type's resources, the SLURM node script's
-environment, the volume claim. No cluster: nothing is applied (README "Kubernetes" says what never ran on one)."""
+environment, the volume claim. No cluster: nothing is applied (docs/kubernetes.md says what never ran on one)."""
 
 from __future__ import annotations
 
