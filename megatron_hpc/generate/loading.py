@@ -99,12 +99,14 @@ def leave_group() -> None:
 
 
 def check_tp_size(cfg: ModelConfig, *, tp: int, source_tp: int) -> None:
-    """A TP size the model splits into: it must divide the attention heads and the MLP's hidden size."""
-    whole = math.gcd(cfg.num_attention_heads, cfg.ffn_size)
+    """A TP size the model splits into: it must divide the attention heads, the key/value groups (each rank holds
+    whole groups) and the MLP's hidden size."""
+    whole = math.gcd(cfg.num_attention_heads, cfg.query_groups, cfg.ffn_size)
     if whole % tp:
         valid = [d for d in range(1, whole + 1) if whole % d == 0]
+        groups = f", {cfg.query_groups} key/value groups" if cfg.query_groups != cfg.num_attention_heads else ""
         raise GenerationError(f"{tp} processes run the model at tp {tp}, which does not divide its "
-                              f"{cfg.num_attention_heads} attention heads and MLP size {cfg.ffn_size}; run "
+                              f"{cfg.num_attention_heads} attention heads{groups} and MLP size {cfg.ffn_size}; run "
                               f"torchrun --nproc_per_node={source_tp} (the checkpoint's tp) or another of "
                               f"{valid}, or no torchrun for tp 1")
 

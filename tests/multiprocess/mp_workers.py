@@ -111,6 +111,13 @@ def spawn(fn: Callable[..., Any], *, world: int, out_dir: Path, args: tuple = ()
 # Workers
 
 
+def metrics(run_dir: Path) -> list[dict]:
+    """The records of a run's metrics.jsonl, one per logged iteration."""
+    import json
+
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def train_runs(rank: int, world: int, ports: list[int], configs: list[RunConfig], run_root: str) -> None:
     """run_training once per config (a fresh process group each, on its own port)."""
     from megatron_hpc.train.entry import plan_for_torchrun, run_training
@@ -118,6 +125,25 @@ def train_runs(rank: int, world: int, ports: list[int], configs: list[RunConfig]
     for i, cfg in enumerate(configs):
         os.environ["MASTER_PORT"] = str(ports[i])
         assert run_training(plan_for_torchrun(cfg), run_dir=Path(run_root) / f"run{i}") == 0
+
+
+def cli_runs(rank: int, world: int, ports: list[int], commands: list[list[str]]) -> list[tuple[int, str, str]]:
+    """Each command through the CLI's main() on every rank, as torchrun starts it (_entry set RANK, WORLD_SIZE and
+    MASTER_ADDR; each command its own MASTER_PORT, as it joins and leaves its own process group): (exit status,
+    stdout, stderr) of each, without torchrun's new interpreters."""
+    import contextlib
+    import io
+
+    from megatron_hpc.cli.main import main
+
+    out = []
+    for port, args in zip(ports, commands):
+        os.environ["MASTER_PORT"] = str(port)
+        stdout, stderr = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            code = main(args)
+        out.append((code, stdout.getvalue(), stderr.getvalue()))
+    return out
 
 
 def _init(rank: int, world: int, port: int) -> None:
@@ -277,18 +303,62 @@ def _break(fault: str) -> None:
     elif fault == "scatter_collectives":
         # Not a bug: the distributed optimizer's NCCL collectives (reduce-scatter, all-gather), run on gloo.
         distributed_optimizer.DistributedOptimizer.ALL_REDUCE_ON_GLOO = False
+    elif fault in ("ungrouped_qkv", "swapped_gate"):
+        _break_tp_split(fault)
     elif fault:
         raise ValueError(f"unknown fault {fault!r}")
 
 
+def faulty_shard(fault: str, full: torch.Tensor, *, key: str, tp: int, rank: int) -> torch.Tensor | None:
+    """Rank `rank`'s rows of the full column-parallel weight `full` as a sharder that ignores the layout would cut
+    them (None: not the faulted weight), on tiny_config's 4 heads with LLAMA's groups. At TP 1 each is the whole
+    weight in its own order, so only a split can go wrong. ungrouped_qkv: the rank's QKV rows are its contiguous
+    share of [all queries; all keys; all values] (the order before grouping, Hugging Face's q/k/v_proj stacked), read
+    as its nh/tp queries, G/tp keys and G/tp values, instead of its whole groups. swapped_gate: rank r holds the gate
+    rows of rank tp-1-r, so its gate and up halves come from different hidden units."""
+    if fault == "swapped_gate" and key.endswith(".mlp.gate"):
+        return full.chunk(tp)[tp - 1 - rank]
+    if fault != "ungrouped_qkv" or not key.endswith(".attn.qkv"):
+        return None
+    heads, groups, h = 4, LLAMA["num_query_groups"], full.shape[1]
+    hd = h // heads
+    assert full.shape[0] == (heads + 2 * groups) * hd, full.shape
+    grouped = full.view(groups, heads // groups + 2, hd, h)  # Megatron's [G, (nh/G queries, key, value), hd, H]
+    ungrouped = torch.cat([grouped[:, :-2].reshape(-1, h), grouped[:, -2].reshape(-1, h),
+                           grouped[:, -1].reshape(-1, h)])
+    q, k, v = ungrouped.chunk(tp)[rank].split([heads // tp * hd, groups // tp * hd, groups // tp * hd])
+    per_rank = groups // tp
+    return torch.cat([q.view(per_rank, -1, hd, h), k.view(per_rank, 1, hd, h), v.view(per_rank, 1, hd, h)],
+                     dim=1).reshape(-1, h)
+
+
+def _break_tp_split(fault: str) -> None:
+    """Column-parallel layers built with faulty_shard's rows for `fault`."""
+    from megatron_hpc.parallel import layers
+
+    original = layers.ColumnParallelLinear.__init__
+
+    def init(self: Any, in_features: int, out_features: int, *, ctx: Any, init_std: float, seed: int, key: str,
+             **kwargs: Any) -> None:
+        original(self, in_features, out_features, ctx=ctx, init_std=init_std, seed=seed, key=key, **kwargs)
+        full = layers.seeded_normal((out_features, in_features), std=init_std, seed=seed, key=key)
+        shard = faulty_shard(fault, full, key=key, tp=ctx.tp_size, rank=ctx.tp_rank)
+        if shard is not None:
+            with torch.no_grad():
+                self.weight.copy_(shard)
+
+    layers.ColumnParallelLinear.__init__ = init
+
+
 def _breakable() -> list[tuple[Any, str]]:
     """(owner, attribute) of everything _break may replace."""
-    from megatron_hpc.parallel import pipeline
+    from megatron_hpc.parallel import layers, pipeline
     from megatron_hpc.train import distributed_optimizer, optim
 
     return [(pipeline.PipelineRunner, "sync_embedding_grads"), (pipeline.PipelineRunner, "_run"),
             (optim, "all_reduce_sequence_parallel_grads"), (distributed_optimizer.DistributedOptimizer, "step"),
-            (distributed_optimizer.DistributedOptimizer, "ALL_REDUCE_ON_GLOO")]
+            (distributed_optimizer.DistributedOptimizer, "ALL_REDUCE_ON_GLOO"),
+            (layers.ColumnParallelLinear, "__init__")]
 
 
 def fault_runs(rank: int, world: int, ports: list[int], configs: list[RunConfig], faults: list[str],
@@ -334,6 +404,28 @@ def neox(cfg: RunConfig, **model: Any) -> RunConfig:
     return dataclasses.replace(cfg, model=dataclasses.replace(
         cfg.model, parallel_residual=True, position_embedding="rope", rotary_percent=0.25, tie_embeddings=False,
         **model))
+
+
+LLAMA = {"normalization": "rmsnorm", "swiglu": True, "num_query_groups": 2, "add_bias_linear": False,
+         "tie_embeddings": False, "position_embedding": "rope", "rope_scaling": "llama3", "ffn_hidden_size": 128}
+"""The Llama keys on tiny_config's 4 heads: 2 key/value groups (so TP 2 splits the groups, one per rank, and each
+group is shared by 2 queries), SwiGLU at 2 x hidden, RMSNorm, no linear biases, untied output layer, Llama 3.1's
+RoPE scaling (with head_dim 16 and base 10000 its three bands all occur: kept, interpolated, divided)."""
+
+
+LLAMA_LR = 2e-3
+"""The Llama runs' peak LR. At tiny_config's 3e-3 this model's loss spikes make its grad norm depend on the order of
+summation at the 1e-5 level (two micro-batchings of one process: up to 1.5e-5 apart, the RTOL of the proofs); at
+2e-3 they are 2e-7 apart, as GPT's are at 3e-3, and it still learns (loss 6.2 -> 4.3 in 20 steps)."""
+
+
+def llama(cfg: RunConfig, *, qkv_bias: bool = False, **model: Any) -> RunConfig:
+    """`cfg` as a tiny Llama (LLAMA, at LLAMA_LR); with qkv_bias as Qwen2 (a bias on the QKV projection only)."""
+    import dataclasses
+
+    model = {**LLAMA, "add_qkv_bias": qkv_bias, **model}
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **model),
+                               optim=dataclasses.replace(cfg.optim, lr=LLAMA_LR, min_lr=LLAMA_LR / 10))
 
 
 def distributed_optimizer(cfg: RunConfig) -> RunConfig:

@@ -2,7 +2,9 @@
 
 Each resume runs in new processes (forked from the clean fork server: no state of the first run's processes, a new
 process group), world 1, TP=2 and PP=2 (with dropout, so each stage's RNG must come back too), and TP=2 with
-checkpoint.async_save (whose files must equal the synchronous run's).
+checkpoint.async_save (whose files must equal the synchronous run's); and a tiny Llama (grouped QKV shards, SwiGLU's
+gate and up, RMSNorm weights with no biases, an untied output layer) at TP=2 with async saves and the distributed
+optimizer (its state written in the plain layout's two groups, matrices and the 1-D norm weights).
 The LR schedule spans 20 steps in both (optim.lr_decay_iters), as when train_iters is raised on
 a resumed Megatron run.
 """
@@ -22,8 +24,9 @@ from megatron_hpc.config.schema import CheckpointConfig, RunConfig
 pytestmark = pytest.mark.multiprocess
 
 
-MESHES = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2), "tp2_async": (2, 1)}
-"""name -> (tensor parallel, pipeline parallel); names ending in _async save with checkpoint.async_save"""
+MESHES = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2), "tp2_async": (2, 1), "tp2_llama_dist_opt_async": (2, 1)}
+"""name -> (tensor parallel, pipeline parallel); names ending in _async save with checkpoint.async_save, names with
+llama train mp_workers.llama's model with the distributed optimizer"""
 
 
 def _config(mesh: str, *, num_steps: int, load: str | None = None) -> RunConfig:
@@ -34,6 +37,9 @@ def _config(mesh: str, *, num_steps: int, load: str | None = None) -> RunConfig:
     if pp > 1:
         model = dataclasses.replace(model, hidden_dropout=0.1, attention_dropout=0.1)
         parallel = dataclasses.replace(parallel, pipeline=pp)
+    if "llama" in mesh:
+        model = mp_workers.llama(dataclasses.replace(cfg, model=model)).model
+        parallel = dataclasses.replace(parallel, distributed_optimizer=True)
     return dataclasses.replace(cfg, model=model, parallel=parallel,
                                optim=dataclasses.replace(cfg.optim, lr_decay_iters=20),
                                checkpoint=CheckpointConfig(load=load, save_interval=5, keep_last=2,

@@ -1,5 +1,5 @@
 """The distributed optimizer (parallel.distributed_optimizer, ZeRO-1) changes nothing numerically, resumes exactly, and
-its checkpoints load at another DP size: real gloo processes against one process."""
+its checkpoints load at another DP size: real gloo processes against one process; a tiny Llama too."""
 
 from __future__ import annotations
 
@@ -32,20 +32,29 @@ SMALL_BUCKETS = 0.02
 """MiB: 5,242 fp32 elements, so the tiny model's parameters fall into a dozen buckets."""
 
 
+def _llama_config() -> RunConfig:
+    """conftest's llama_reference at TP 2 (DP 2 in a world of 4) with sequence parallelism and small buckets."""
+    cfg = mp_workers.llama(mp_workers.pipeline_config(tp=2))
+    parallel = dataclasses.replace(cfg.parallel, sequence_parallel=True, grad_bucket_mb=SMALL_BUCKETS)
+    return mp_workers.distributed_optimizer(dataclasses.replace(cfg, parallel=parallel))
+
+
 def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
-    """A spawn of 4 (DP 4 for 10 steps, saved; TP 2 x DP 2; with sequence parallelism and a dozen buckets; DP 4 with
-    the NCCL path's reduce-scatter and all-gather), then a spawn of 2: the one-process references, DP 2 straight
-    (the reduce overlapped with backward, the default; not overlapped; a dozen buckets; the NCCL path's
-    collectives), DP 2 in two halves, DP 2 continuing the DP 4 checkpoint, and DP 2 without the all-gather."""
+    """A spawn of 4 (DP 4 for 10 steps, saved; TP 2 x DP 2; with sequence parallelism and a dozen buckets, GPT and
+    conftest's Llama; DP 4 with the NCCL path's reduce-scatter and all-gather), then a spawn of 2: the one-process
+    references, DP 2 straight (the reduce overlapped with backward, the default; not overlapped; a dozen buckets;
+    the NCCL path's collectives), DP 2 in two halves, DP 2 continuing the DP 4 checkpoint, and DP 2 without the
+    all-gather."""
     root = tmp_path_factory.mktemp("distopt")
     four, two = root / "four", root / "two"
     plan4 = [(4, _config(num_steps=10), "dp4_part1"), (4, _config(tp=2), "tp2dp2"),
              (4, _config(tp=2, sequence_parallel=True, grad_bucket_mb=SMALL_BUCKETS), "tp2dp2_sp_buckets"),
+             (4, _llama_config(), "tp2dp2_sp_buckets_llama"),
              (4, _config(grad_bucket_mb=SMALL_BUCKETS), "dp4_scatter_buckets", "scatter_collectives")]
     mp_workers.spawn(mp_workers.sized_runs, world=4, out_dir=four, num_ports=len(plan4), args=(plan4, str(four)))
     plan2 = [
@@ -76,6 +85,14 @@ def _series(rows: list[dict], key: str, steps: range = range(1, 21)) -> torch.Te
 @pytest.mark.parametrize("key", ["lm_loss", "grad_norm"])
 def test_distributed_optimizer_matches_single_process(runs: dict[str, list[dict]], name: str, key: str) -> None:
     torch.testing.assert_close(_series(runs[name], key), _series(runs["dense"], key), rtol=RTOL, atol=0.0)
+
+
+@pytest.mark.parametrize("key", ["lm_loss", "grad_norm"])
+def test_distributed_optimizer_llama_matches_single_process(runs: dict[str, list[dict]],
+                                                            llama_reference: dict[str, list[dict]], key: str) -> None:
+    # No biases: the flat buffers hold matrices and the RMSNorm weights (the no-decay group) only.
+    torch.testing.assert_close(_series(runs["tp2dp2_sp_buckets_llama"], key), _series(llama_reference["llama"], key),
+                               rtol=RTOL, atol=0.0)
 
 
 def test_resume_from_distributed_optimizer_checkpoint_is_exact(runs: dict[str, list[dict]]) -> None:

@@ -119,3 +119,40 @@ def test_torchrun_tp2_generates_what_tp1_generates(tp2_checkpoint, cli_in_proces
     assert bad.returncode != 0
     assert "tp 3, which does not divide its 4 attention heads" in bad.stderr, bad.stderr[-2000:]
     assert "torchrun --nproc_per_node=2 (the checkpoint's tp)" in bad.stderr
+
+
+def test_llama_at_tp2_generates_and_evaluates_what_tp1_does(generate_checkpoints, tmp_path, cli_in_process):
+    """The Qwen-style Llama of conftest's generate_checkpoints at its own TP 2 (two real gloo ranks running the CLI as
+    torchrun would, each loading only its shard: one key/value group, its gate and up rows) against the merged TP 1
+    run in this process: the same greedy tokens, log-probs, split loss and zero-shot perplexity."""
+    from test_evaluate_test_split import LAMBADA, write_random_corpus
+
+    ckpt = str(generate_checkpoints["llama"])
+    write_random_corpus(tmp_path / "corpus", seed=4, documents=150)
+    (tmp_path / "wiki.txt").write_text(" ".join(LAMBADA * 6) + " \n")
+    generate = ["generate", ckpt, "--max-new-tokens", "8", "--json"]
+    for p in PROMPTS:
+        generate += ["--prompt-ids", ",".join(map(str, p))]
+    evaluate = ["evaluate", ckpt, "--json", "--split", "valid", "--data-path", str(tmp_path / "corpus"),
+                "--eval-iters", "2", "--task", "wikitext", "--file", str(tmp_path / "wiki.txt"), "--overlapping-eval",
+                "8", "--vocab-file", str(FIXTURE / "vocab.json"), "--merge-file", str(FIXTURE / "merges.txt")]
+    ranks = mp_workers.spawn(mp_workers.cli_runs, world=2, out_dir=tmp_path / "tp2", num_ports=2,
+                             args=([generate, evaluate],))
+    for code, _, err in ranks[0] + ranks[1]:
+        assert code == 0, err[-2000:]
+    assert ranks[1][0][1] == ranks[1][1][1] == ""  # rank 0 alone prints
+    gen2, ev2 = (json.loads(out) for _, out, _ in ranks[0])
+    merged = [cli_in_process(*args) for args in (generate, evaluate)]
+    assert all(proc.returncode == 0 for proc in merged), [proc.stderr[-2000:] for proc in merged]
+    gen1, ev1 = (json.loads(proc.stdout) for proc in merged)
+    assert gen2["tensor_parallel"] == ev2["tensor_parallel"] == 2
+    assert [r["tokens"] for r in gen2["results"]] == [r["tokens"] for r in gen1["results"]]
+    assert len({tuple(r["tokens"]) for r in gen1["results"]}) > 1  # the prompts lead to different continuations
+    for a, b in zip(gen1["results"], gen2["results"]):
+        torch.testing.assert_close(torch.tensor(b["logprobs"]), torch.tensor(a["logprobs"]), rtol=0, atol=1e-4)
+    valid1, valid2 = ev1["splits"]["valid"], ev2["splits"]["valid"]
+    assert valid1["samples"] == valid2["samples"] > 0
+    assert valid2["loss"] == pytest.approx(valid1["loss"], rel=1e-6)
+    wiki1, wiki2 = ev1["tasks"]["wikitext"], ev2["tasks"]["wikitext"]
+    assert (wiki1["tokens"], wiki1["words"]) == (wiki2["tokens"], wiki2["words"]) and wiki1["tokens"] > 32
+    assert wiki2["token_ppl"] == pytest.approx(wiki1["token_ppl"], rel=1e-5)

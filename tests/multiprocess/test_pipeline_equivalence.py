@@ -1,7 +1,7 @@
 """Pipeline parallelism changes nothing numerically: PP=2, PP=4, PP=2 x TP=2, PP=2 x DP=2, interleaved PP=2 with
 2 virtual stages, all-forward-all-backward and uneven stages, each against one process (gloo, float32, 20 steps,
-same seed and global batch); and the proof is sharp: a missing embedding all-reduce or a mis-ordered micro-batch
-breaks it."""
+same seed and global batch); a tiny Llama at TP 2 x PP 2 interleaved against its one-process run; and the proof is
+sharp: a missing embedding all-reduce or a mis-ordered micro-batch breaks it."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from pathlib import Path
 import mp_workers
 import pytest
 import torch
+
+from megatron_hpc.config.schema import RunConfig
 
 pytestmark = pytest.mark.multiprocess
 
@@ -31,7 +33,16 @@ RUNS: dict[str, tuple[int, dict, str]] = {
     "pp4": (4, {"pp": 4}, ""),
     "pp2_tp2": (4, {"pp": 2, "tp": 2}, ""),
     "pp2_dp2": (4, {"pp": 2}, ""),
+    "pp2_v2_tp2_llama": (4, {"pp": 2, "virtual": 2, "tp": 2, "llama": True}, ""),
 }
+
+
+def _config(options: dict) -> RunConfig:
+    """pipeline_config of `options`; with "llama", as conftest's llama_reference at those sizes."""
+    options = dict(options)
+    llama = options.pop("llama", False)
+    cfg = mp_workers.pipeline_config(**options)
+    return mp_workers.llama(cfg) if llama else cfg
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -45,7 +56,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     out: dict[str, list[dict]] = {}
     for world in sorted({w for w, _, _ in RUNS.values()}):
         names = [n for n, (w, _, _) in RUNS.items() if w == world]
-        configs = [mp_workers.pipeline_config(**RUNS[n][1]) for n in names]
+        configs = [_config(RUNS[n][1]) for n in names]
         faults = [RUNS[n][2] for n in names]
         run_root = root / f"world{world}"
         mp_workers.spawn(mp_workers.fault_runs, world=world, out_dir=run_root, num_ports=len(names),
@@ -78,6 +89,15 @@ SAME = [("pp2", "dense"), ("pp4", "dense"), ("pp2_tp2", "dense"), ("pp2_dp2", "d
 @pytest.mark.parametrize("key", ["lm_loss", "grad_norm"])
 def test_pipeline_matches_single_process(runs: dict[str, list[dict]], name: str, reference: str, key: str) -> None:
     _assert_same(runs[name], runs[reference], key)
+
+
+@pytest.mark.parametrize("key", ["lm_loss", "grad_norm"])
+def test_llama_at_tp2_pp2_interleaved_matches_single_process(runs: dict[str, list[dict]],
+                                                             llama_reference: dict[str, list[dict]],
+                                                             key: str) -> None:
+    # Four one-layer chunks, two per pipeline rank, each split over TP 2 by key/value group; the untied output
+    # layer and the RMSNorm ln_f on the last stage only.
+    _assert_same(runs["pp2_v2_tp2_llama"], llama_reference["llama"], key)
 
 
 @pytest.mark.parametrize("fault", ["pp2_no_embedding_allreduce", "pp2_misordered"])

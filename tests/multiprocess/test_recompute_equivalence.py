@@ -1,4 +1,5 @@
-"""Every recompute setting trains exactly like the plain run: real trainer processes, 20 steps, TP 1 and TP 2."""
+"""Every recompute setting trains exactly like the plain run: real trainer processes, 20 steps, TP 1 and TP 2; and a
+tiny Llama, selective at TP 2 and full at PP 2, like its plain one-process run."""
 
 from __future__ import annotations
 
@@ -38,14 +39,17 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
-    """Fourteen training runs over two spawns (world 1, then world 2 at TP 2 or PP 2)."""
+    """Sixteen training runs over two spawns (world 1, then world 2 at TP 2 or PP 2; two of them Llama)."""
     root = tmp_path_factory.mktemp("recompute")
     plan = {
         1: {**{name: _config(name) for name in SETTINGS},
             **{f"{name}_dropout": _config(name, dropout=True) for name in ("plain", "selective", "uniform2")}},
         2: {**{f"{name}_tp2": _config(name, tp=2) for name in ("plain", "selective", "uniform1")},
             # Two stages of two layers: groups and blocks are cut within each stage's own layers.
-            **{f"{name}_pp2": _config(name, pp=2) for name in ("plain", "uniform2", "block1")}},
+            **{f"{name}_pp2": _config(name, pp=2) for name in ("plain", "uniform2", "block1")},
+            # conftest's llama_reference recomputed: the grouped attention core alone, and whole layers.
+            "selective_tp2_llama": mp_workers.llama(_config("selective", tp=2)),
+            "uniform1_pp2_llama": mp_workers.llama(_config("uniform1", pp=2))},
     }
     out: dict[str, list[dict]] = {}
     for world, configs in plan.items():
@@ -76,6 +80,13 @@ def test_plain_run_learns(runs: dict[str, list[dict]]) -> None:
 @pytest.mark.parametrize("key", ["lm_loss", "grad_norm"])
 def test_recompute_matches_plain(runs: dict[str, list[dict]], name: str, reference: str, key: str) -> None:
     _assert_same(runs[name], runs[reference], key)
+
+
+@pytest.mark.parametrize("name", ["selective_tp2_llama", "uniform1_pp2_llama"])
+@pytest.mark.parametrize("key", ["lm_loss", "grad_norm"])
+def test_recomputed_llama_matches_plain(runs: dict[str, list[dict]], llama_reference: dict[str, list[dict]],
+                                        name: str, key: str) -> None:
+    _assert_same(runs[name], llama_reference["llama"], key)
 
 
 @pytest.mark.parametrize("name", ["selective_dropout", "uniform2_dropout"])

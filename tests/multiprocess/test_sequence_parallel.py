@@ -1,4 +1,5 @@
-"""Sequence parallelism (parallel.sequence_parallel) changes nothing numerically: real gloo processes against one."""
+"""Sequence parallelism (parallel.sequence_parallel) changes nothing numerically: real gloo processes against one,
+GPT, GPT-NeoX and a tiny Qwen (RMSNorm, SwiGLU, grouped-query attention with a QKV bias)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def _metrics(run_dir: Path) -> list[dict]:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     """Real 20-step runs: dense references in one process, SP at TP=2 (and one with the TP grad all-reduce of
     the replicated params removed), SP at TP=2 x DP=2 and at TP=2 x PP=2 (rotary, 4 layers; and GPT-NeoX's parallel
-    residual, untied, with full recomputation)."""
+    residual, untied, with full recomputation); and SP at TP=2 for the Qwen of conftest's llama_reference."""
     root = tmp_path_factory.mktemp("sp")
     sp = mp_workers.sequence_parallel
     plan = {
@@ -30,7 +31,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
             "dense_pp_ref": (mp_workers.pipeline_config(rope=True), ""),
             "dense_pp_neox": (mp_workers.neox(mp_workers.pipeline_config(), recompute=True), "")},
         2: {"sp_tp2": (sp(mp_workers.tiny_config(tp=2)), ""),
-            "sp_tp2_no_allreduce": (sp(mp_workers.tiny_config(tp=2)), "no_sp_grad_allreduce")},
+            "sp_tp2_no_allreduce": (sp(mp_workers.tiny_config(tp=2)), "no_sp_grad_allreduce"),
+            "sp_tp2_qwen": (sp(mp_workers.llama(mp_workers.pipeline_config(tp=2), qkv_bias=True)), "")},
         4: {"sp_tp2dp2": (sp(mp_workers.tiny_config(tp=2)), ""),
             "sp_tp2pp2": (sp(mp_workers.pipeline_config(tp=2, pp=2, rope=True)), ""),
             "sp_tp2pp2_neox": (sp(mp_workers.neox(mp_workers.pipeline_config(tp=2, pp=2), recompute=True)), "")},
@@ -58,6 +60,15 @@ def _series(rows: list[dict], key: str) -> torch.Tensor:
 def test_sequence_parallel_matches_single_process(runs: dict[str, list[dict]], name: str, ref: str,
                                                   key: str) -> None:
     torch.testing.assert_close(_series(runs[name], key), _series(runs[ref], key), rtol=RTOL, atol=0.0)
+
+
+@pytest.mark.parametrize("key", ["lm_loss", "grad_norm"])
+def test_sequence_parallel_qwen_matches_single_process(runs: dict[str, list[dict]],
+                                                       llama_reference: dict[str, list[dict]], key: str) -> None:
+    # The RMSNorm weights see one sequence shard per rank (tagged, their grads all-reduced over TP); the QKV bias
+    # is column-parallel, a shard of its own per rank, and needs no such reduction.
+    torch.testing.assert_close(_series(runs["sp_tp2_qwen"], key), _series(llama_reference["qwen"], key), rtol=RTOL,
+                               atol=0.0)
 
 
 def test_missing_layernorm_grad_allreduce_is_caught(runs: dict[str, list[dict]]) -> None:

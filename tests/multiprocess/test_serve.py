@@ -1,7 +1,9 @@
 """`megatron-hpc serve`: Megatron's `PUT /api` over real HTTP on a checkpoint trained at TP=2 (conftest's
 tp2_checkpoint, which the generate tests load too). Greedy answers equal `megatron-hpc generate`'s; log-probs equal
 a direct forward; bad requests get a one-line 400 and the server goes on; concurrent clients get what they would get
-alone; at TP=2 (real gloo processes, rank 0 serving and rank 1 following) the answers equal TP=1's."""
+alone; at TP=2 (real gloo processes, rank 0 serving and rank 1 following) the answers equal TP=1's, for that GPT and
+a Qwen-style Llama (conftest's generate_checkpoints: grouped-query attention with one key/value group per TP rank,
+SwiGLU, RMSNorm, QKV bias)."""
 
 from __future__ import annotations
 
@@ -173,8 +175,9 @@ REQUESTS = [{"prompts": PROMPTS, "tokens_to_generate": 6, "top_k": 1, "logprobs"
             {"prompts": PROMPTS[:2], "tokens_to_generate": 5, "temperature": 1.2, "top_p": 0.8, "random_seed": 6}]
 
 
-def serve_at_tp(rank: int, world: int, ports: list[int], ckpt: str) -> Any:
-    """Rank 0 serves real HTTP on a free port and sends REQUESTS to itself; the other ranks follow."""
+def serve_at_tp(rank: int, world: int, ports: list[int], ckpts: list[str]) -> list[Any]:
+    """For each checkpoint: rank 0 serves real HTTP on a free port and sends REQUESTS to itself; the other ranks
+    follow."""
     import torch.distributed as dist
 
     from megatron_hpc.generate.loading import load_for_generation
@@ -184,28 +187,45 @@ def serve_at_tp(rank: int, world: int, ports: list[int], ckpt: str) -> Any:
 
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{ports[0]}")
     ctx = ParallelContext.build(Mesh(num_nodes=1, workers_per_node=world, tensor_parallel=world), rank=rank)
-    loaded = load_for_generation(Path(ckpt), vocab_file=FIXTURE / "vocab.json", merge_file=FIXTURE / "merges.txt",
-                                 ctx=ctx if world > 1 else None)
-    assert loaded.model.tp_size == world
-    if rank > 0:
-        out: Any = follow(loaded.model)
-    else:
-        tok = loaded.tokenizer
-        service = Service(model=loaded.model, tokenizer=tok, eod=tok.vocab["<|endoftext|>"], log=False)
-        httpd = start(service, host="127.0.0.1", port=0)
-        thread = threading.Thread(target=httpd.serve_forever)
-        thread.start()
-        out = [put(f"http://127.0.0.1:{httpd.server_port}/api", body) for body in REQUESTS]
-        httpd.shutdown()
-        thread.join()
-        service.stop_followers()
+    results = []
+    for ckpt in ckpts:
+        loaded = load_for_generation(Path(ckpt), vocab_file=FIXTURE / "vocab.json",
+                                     merge_file=FIXTURE / "merges.txt", ctx=ctx if world > 1 else None)
+        assert loaded.model.tp_size == world
+        if rank > 0:
+            out: Any = follow(loaded.model)
+        else:
+            tok = loaded.tokenizer
+            service = Service(model=loaded.model, tokenizer=tok, eod=tok.vocab["<|endoftext|>"], log=False)
+            httpd = start(service, host="127.0.0.1", port=0)
+            thread = threading.Thread(target=httpd.serve_forever)
+            thread.start()
+            out = [put(f"http://127.0.0.1:{httpd.server_port}/api", body) for body in REQUESTS]
+            httpd.shutdown()
+            thread.join()
+            service.stop_followers()
+        results.append(out)
     dist.destroy_process_group()
+    return results
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory, generate_checkpoints: dict[str, Path]) -> dict[str, Any]:
+    """serve_at_tp at world 1 and world 2 over the GPT and the Qwen-style Llama checkpoint (one spawn each):
+    (checkpoint, world size) -> each rank's answers."""
+    root = tmp_path_factory.mktemp("serve_tp")
+    names = list(generate_checkpoints)
+    ckpts = [str(generate_checkpoints[name]) for name in names]
+    out = {}
+    for world in (1, 2):
+        ranks = mp_workers.spawn(serve_at_tp, world=world, out_dir=root / f"tp{world}", args=(ckpts,))
+        out.update({(name, world): [rank[i] for rank in ranks] for i, name in enumerate(names)})
     return out
 
 
-def test_tp2_serving_equals_tp1(tmp_path, tp2_checkpoint):
-    one = mp_workers.spawn(serve_at_tp, world=1, out_dir=tmp_path / "tp1", args=(str(tp2_checkpoint),))[0]
-    two = mp_workers.spawn(serve_at_tp, world=2, out_dir=tmp_path / "tp2", args=(str(tp2_checkpoint),))
+@pytest.mark.parametrize("checkpoint", ["gpt", "llama"])
+def test_tp2_serving_equals_tp1(served: dict[str, Any], checkpoint: str) -> None:
+    one, two = served[checkpoint, 1][0], served[checkpoint, 2]
     assert two[1] == len(REQUESTS) - 1  # rank 1 ran every accepted request, then the stop message ended it
     assert [status for status, _ in two[0]] == [200, 400, 200, 200]
     for (s1, r1), (s2, r2) in zip(one, two[0]):
@@ -218,6 +238,7 @@ def test_tp2_serving_equals_tp1(tmp_path, tp2_checkpoint):
             for a, b in zip(r1["logprobs"], r2["logprobs"]):
                 assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
     assert one[0][1]["tokens"] != one[2][1]["tokens"]  # the sampled requests are not greedy in disguise
+    assert served["gpt", 1][0][0][1]["tokens"] != served["llama", 1][0][0][1]["tokens"]  # two models, really
 
 
 def test_torchrun_tp2_cli_serves_what_tp1_serves(server, tp2_checkpoint):

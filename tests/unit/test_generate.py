@@ -1,7 +1,9 @@
-"""Generation at TP=1: the KV-cached loop against plain full forward passes, sampling options, bad input."""
+"""Generation at TP=1: the KV-cached loop against plain full forward passes (GPT, GPT-NeoX, Llama and Qwen: grouped
+keys and values in the cache), sampling options, bad input."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,12 +24,31 @@ VOCAB = 500
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [1, 2], [300]]
 
 
+LLAMA = dict(normalization="rmsnorm", swiglu=True, num_query_groups=2, add_bias_linear=False, tie_embeddings=False,
+             position_embedding="rope", rope_scaling="llama3", ffn_hidden_size=128)
+"""Llama on the 4 heads: 2 key/value groups of 2 queries, SwiGLU, RMSNorm, no biases, Llama 3.1's RoPE scaling."""
+MODELS = ["learned", "rotary", "neox", "llama", "qwen"]
+
+
 def _cfg(position_embedding: str) -> ModelConfig:
     # a large init std makes the logits spread out, so argmax ties between the two paths are not a concern
+    cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, max_position_embeddings=32,
+                      vocab_size=VOCAB, init_method_std=0.2, position_embedding="learned")
+    if position_embedding in ("llama", "qwen"):  # Qwen2: Llama with a bias on the QKV projection
+        return dataclasses.replace(cfg, **LLAMA, add_qkv_bias=position_embedding == "qwen")
     neox = position_embedding == "neox"  # GPT-NeoX: parallel residual, partial rotary, untied output layer
-    return ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, max_position_embeddings=32,
-                       vocab_size=VOCAB, init_method_std=0.2, position_embedding="rope" if neox else position_embedding,
-                       parallel_residual=neox, rotary_percent=0.25 if neox else 1.0, tie_embeddings=not neox)
+    return dataclasses.replace(cfg, position_embedding="rope" if neox else position_embedding, parallel_residual=neox,
+                               rotary_percent=0.25 if neox else 1.0, tie_embeddings=not neox)
+
+
+def _model(ctx: ParallelContext, position_embedding: str) -> GPT:
+    model = GPT(_cfg(position_embedding), ctx=ctx, padded_vocab=512, seed=1).eval()
+    with torch.no_grad():  # biases start at zero: random ones, so that a bias left out of a path shows
+        gen = torch.Generator().manual_seed(2)
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    return model
 
 
 @pytest.fixture
@@ -48,9 +69,9 @@ def _full_forward_greedy(model: GPT, prompt: list[int], n: int) -> tuple[list[in
     return ids[len(prompt):], logps
 
 
-@pytest.mark.parametrize("position_embedding", ["learned", "rotary", "neox"])
+@pytest.mark.parametrize("position_embedding", MODELS)
 def test_cached_greedy_equals_full_forward_passes(ctx: ParallelContext, position_embedding: str) -> None:
-    model = GPT(_cfg(position_embedding), ctx=ctx, padded_vocab=512, seed=1).eval()
+    model = _model(ctx, position_embedding)
     out = generate(model, PROMPTS, SamplingParams(max_new_tokens=12))  # one batch, three lengths (left-padded)
     for prompt, gen in zip(PROMPTS, out):
         tokens, logps = _full_forward_greedy(model, prompt, 12)
@@ -66,13 +87,13 @@ def _prefilled(model: GPT, prompts: list[list[int]]) -> tuple[KVCache, torch.Ten
     return cache, cached_forward(model, ids, cache)
 
 
-@pytest.mark.parametrize("position_embedding", ["learned", "rotary", "neox"])
+@pytest.mark.parametrize("position_embedding", MODELS)
 @pytest.mark.parametrize("prompts", [PROMPTS, PROMPTS[:1]], ids=["padded", "unpadded"])
 def test_decode_step_equals_the_general_cached_forward(ctx: ParallelContext, position_embedding: str,
                                                        prompts: list[list[int]]) -> None:
     """The decode fast path against cached_forward with one column (the plain path), token for token: the same
     greedy tokens, logits and log-probs close, and the same keys and values in the cache."""
-    model = GPT(_cfg(position_embedding), ctx=ctx, padded_vocab=512, seed=1).eval()
+    model = _model(ctx, position_embedding)
     shard, params = vocab_shard(model), SamplingParams(max_new_tokens=10)
     (fast, fast_logits), (plain, plain_logits) = _prefilled(model, prompts), _prefilled(model, prompts)
     assert (fast.key_mask is None) == (len(prompts) == 1)
@@ -88,6 +109,8 @@ def test_decode_step_equals_the_general_cached_forward(ctx: ParallelContext, pos
             plain_logits = cached_forward(model, tokens[:, None], plain)
             torch.testing.assert_close(fast_logits, plain_logits, rtol=0, atol=1e-5)
     assert fast.length == plain.length
+    kv_heads = 2 if position_embedding in ("llama", "qwen") else 4  # one per key/value group, not per query head
+    assert [t.shape for t in fast.keys + fast.values] == [(len(prompts), kv_heads, fast.keys[0].shape[2], 16)] * 4
     for a, b in zip(fast.keys + fast.values, plain.keys + plain.values):
         torch.testing.assert_close(a[:, :, :fast.length], b[:, :, :plain.length], rtol=0, atol=1e-6)
 
@@ -169,3 +192,8 @@ def test_a_tp_size_that_does_not_split_the_model_is_refused_with_the_sizes_that_
         check_tp_size(cfg, tp=3, source_tp=2)
     with pytest.raises(GenerationError, match=r"another of \[1, 2, 4\]"):
         check_tp_size(cfg, tp=8, source_tp=2)
+    llama = dataclasses.replace(cfg, num_query_groups=2)  # each TP rank holds whole key/value groups
+    check_tp_size(llama, tp=2, source_tp=2)
+    with pytest.raises(GenerationError, match=r"tp 4, which does not divide its 4 attention heads, 2 key/value groups "
+                                              r"and MLP size 96; .* another of \[1, 2\]"):
+        check_tp_size(llama, tp=4, source_tp=2)

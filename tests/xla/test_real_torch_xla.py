@@ -30,7 +30,7 @@ pytestmark = pytest.mark.xla
 # reference share one (XLA's first: a CPU backward before the XLA device exists leaves autograd's engine without a
 # queue for it), which saves the CPU run's start-up (torch, the trainer): about 8 CPU seconds each.
 TRAIN = r"""
-import json, sys, warnings
+import dataclasses, json, sys, warnings
 # torch-xla 2.9's deprecated calls (xm.mark_step, xm.xla_device: "Use torch_xla.sync instead") fail the run.
 warnings.filterwarnings("error", message="Use torch_xla", category=DeprecationWarning, module="megatron_hpc")
 from pathlib import Path
@@ -39,6 +39,10 @@ from megatron_hpc.config.schema import (CheckpointConfig, CompilePhaseConfig, Da
 from megatron_hpc.errors import TrainingError
 from megatron_hpc.train.entry import plan_for_torchrun, run_training
 runs, calls = json.loads(sys.argv[1]), []
+# llama: a tiny Qwen-style Llama (RMSNorm, SwiGLU, 4 heads sharing 2 key/value groups, QKV bias and no other, untied,
+# Llama 3.1 RoPE scaling), the model of tests/multiprocess/mp_workers.py's llama(qkv_bias=True)
+LLAMA = dict(normalization="rmsnorm", swiglu=True, num_query_groups=2, add_bias_linear=False, add_qkv_bias=True,
+             tie_embeddings=False, position_embedding="rope", rope_scaling="llama3", ffn_hidden_size=128)
 # poison_after_step: every loss from that step on is NaN, as a poisoned batch would make it (the run's own opts)
 if any(opts.get("poison_after_step") for opts in runs):
     import megatron_hpc.train.step as step_module
@@ -53,11 +57,11 @@ if any(opts.get("poison_after_step") for opts in runs):
 for opts in runs:
     calls.clear()
     dropout, run_dir = opts.get("dropout", 0.0), Path(opts["run_dir"])
+    model = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
+                        max_position_embeddings=32, vocab_size=500, hidden_dropout=dropout, attention_dropout=dropout)
     cfg = RunConfig(
         name="tiny",
-        model=ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
-                          max_position_embeddings=32, vocab_size=500, hidden_dropout=dropout,
-                          attention_dropout=dropout),
+        model=dataclasses.replace(model, **LLAMA) if opts.get("llama") else model,
         train=TrainConfig(num_steps=opts["steps"], micro_batch_size=2, global_batch_size=4, log_interval=2,
                           precision=opts.get("precision", "fp32"),
                           max_skipped_steps=opts.get("max_skipped_steps", 5)),
@@ -123,10 +127,29 @@ def _banner(stdout: str) -> str:
     return next(line for line in stdout.splitlines() if line.startswith("> megatron-hpc run:"))
 
 
-def test_fp32_on_xla_trains_the_cpu_model_even_with_xla_use_bf16_set(env: dict[str, str], tmp_path: Path) -> None:
+LLAMA = {"llama": True, "lr": 2e-3}
+"""The Llama runs' options (the LR of tests/multiprocess/mp_workers.py's Llama runs)."""
+
+
+@pytest.fixture(scope="module")
+def fp32_runs(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """In one process with XLA_USE_BF16=1 left in the environment: fp32 runs of 8 steps (saved at 4 and 8) of GPT and
+    the Llama on XLA (trn1's backend), the Llama again stopped after 4 steps and resumed from there to 8 in a run of
+    its own, then (after every XLA run) GPT and the Llama on the CPU."""
+    tmp = tmp_path_factory.mktemp("fp32")
+    runs = {"xla": ("trn1", 8, {}), "xla_llama": ("trn1", 8, LLAMA), "xla_llama_part1": ("trn1", 4, LLAMA),
+            "xla_llama_part2": ("trn1", 8, {**LLAMA, "load": str(tmp / "xla_llama_part1" / "checkpoints")}),
+            "cpu": ("cpu", 8, {}), "cpu_llama": ("cpu", 8, LLAMA)}
+    results = _train_all({**env, "XLA_USE_BF16": "1"}, *({"platform": platform, "run_dir": str(tmp / name),
+                                                          "steps": steps, **opts}
+                                                         for name, (platform, steps, opts) in runs.items()))
+    return {"dir": tmp, **dict(zip(runs, results))}
+
+
+def test_fp32_on_xla_trains_the_cpu_model_even_with_xla_use_bf16_set(fp32_runs: dict[str, Any]) -> None:
     """train.precision fp32 is the truth: XLA_USE_BF16=1 left in the environment is cleared, with a warning."""
-    # trn1's backend is xla; XLA_USE_BF16 is read by nothing on the CPU path, which runs after the XLA run
-    xla, cpu = _xla_then_cpu({**env, "XLA_USE_BF16": "1"}, tmp_path, 8)
+    # trn1's backend is xla; XLA_USE_BF16 is read by nothing on the CPU path, which runs after the XLA runs
+    xla, cpu, tmp_path = fp32_runs["xla"], fp32_runs["cpu"], fp32_runs["dir"]
     assert [i for i, _ in xla["losses"]] == [i for i, _ in cpu["losses"]] == [2, 4, 6, 8]
     # In bf16 the losses would differ from the CPU's in the third digit.
     assert [loss for _, loss in xla["losses"]] == pytest.approx([loss for _, loss in cpu["losses"]], rel=1e-5)
@@ -136,6 +159,28 @@ def test_fp32_on_xla_trains_the_cpu_model_even_with_xla_use_bf16_set(env: dict[s
     assert saved["precision"] == {"train_precision": "fp32", "weights_hold": "float32"}
     weights = [v for k, v in saved["tensors"].items() if k.startswith("model.") and k.endswith("weight")]
     assert not all(w["bf16_exact"] for w in weights)  # fp32 values, not bf16 ones stored as float32
+
+
+def test_llama_on_xla_trains_the_cpu_model_and_resumes_exactly(fp32_runs: dict[str, Any]) -> None:
+    """Grouped-query attention on XLA repeats each key/value group for its queries (model/gpt.py expand_groups) where
+    the CPU lets scaled_dot_product_attention share them: the same losses; and a resume is the same run, bit for
+    bit."""
+    xla, cpu, tmp = fp32_runs["xla_llama"], fp32_runs["cpu_llama"], fp32_runs["dir"]
+    assert [i for i, _ in xla["losses"]] == [i for i, _ in cpu["losses"]] == [2, 4, 6, 8]
+    assert [loss for _, loss in xla["losses"]] == pytest.approx([loss for _, loss in cpu["losses"]], rel=1e-5)
+    assert xla["losses"][-1][1] < xla["losses"][0][1] - 0.3  # it trains
+    assert xla["losses"] != fp32_runs["xla"]["losses"]  # another model than GPT, really
+    saved = _read(tmp / "xla_llama", 8)["tensors"]
+    assert "model.h.0.mlp.gate.weight" in saved and "model.h.0.attn.qkv.bias" in saved
+    assert "model.h.0.ln_1.bias" not in saved and "model.h.0.attn.proj.bias" not in saved
+    assert len(saved["model.h.0.attn.qkv.weight"]["values"]) == (4 + 2 * 2) * 16 * 64  # 4 queries, 2 keys, 2 values
+    part2 = fp32_runs["xla_llama_part2"]
+    assert "at iteration 4" in part2["stdout"]
+    assert [i for i, _ in part2["losses"]] == [6, 8]
+    assert part2["losses"] == xla["losses"][-2:]  # exactly
+    theirs, ours = saved, _read(tmp / "xla_llama_part2", 8)["tensors"]
+    assert theirs.keys() == ours.keys() and any(k.startswith("optimizer.") for k in ours)
+    assert [k for k in theirs if theirs[k]["values"] != ours[k]["values"]] == []
 
 
 @pytest.fixture(scope="module")
