@@ -105,8 +105,11 @@ def plan_warnings(resolved: Resolved) -> list[str]:
 
 
 def format_plan(resolved: Resolved, *, data: DataSummary | None = None) -> str:
+    from megatron_hpc.plan.architecture import describe
+
     plan = resolved.plan
     vocab_size = resolved.cfg.model.vocab_size
+    architecture = describe(resolved.cfg.model)
     workers = "worker" if plan.workers_per_node == 1 else "workers"
     if plan.idle_workers_per_node:
         workers = f"of {plan.workers_per_node + plan.idle_workers_per_node} workers"
@@ -118,7 +121,8 @@ def format_plan(resolved: Resolved, *, data: DataSummary | None = None) -> str:
         ("pipeline", _pipeline_line(plan)),
         ("batch", f"global {plan.global_batch_size} = micro {plan.micro_batch_size} x DP {plan.data_parallel} "
                   f"x {plan.num_micro_batches} micro-batches; {plan.tokens_per_step:,} tokens per step"),
-        ("model", f"{_count(plan.num_parameters)} parameters; padded vocab {plan.padded_vocab_size} "
+        ("model", f"{_count(plan.num_parameters)} parameters{f' ({architecture})' if architecture else ''}; "
+                  f"padded vocab {plan.padded_vocab_size} "
                   f"({vocab_size} + {plan.padded_vocab_size - vocab_size} padding)"),
         ("memory", _memory_line(plan)),
         ("flops", f"{plan.flops_per_token / 1e9:.2f} GFLOP per token ({plan.flops_formula}); "
@@ -132,8 +136,12 @@ def format_plan(resolved: Resolved, *, data: DataSummary | None = None) -> str:
 
 
 def plan_json(resolved: Resolved, *, data: DataSummary) -> dict[str, object]:
-    """The plan's fields, with the data summary and the warnings (as `submit --json` has them) beside them."""
-    return {**resolved.plan.to_json(), "data": data.to_json(), "warnings": plan_warnings(resolved)}
+    """The plan's fields, with the data summary, the model's architecture as the planner counted it
+    (plan/architecture.py) and the warnings (as `submit --json` has them) beside them."""
+    from megatron_hpc.plan.architecture import features
+
+    return {**resolved.plan.to_json(), "data": data.to_json(), "model": features(resolved.cfg.model),
+            "warnings": plan_warnings(resolved)}
 
 
 def run(args: argparse.Namespace) -> int:

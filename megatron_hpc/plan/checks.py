@@ -153,7 +153,7 @@ def check_sequence_parallel(cfg: RunConfig, *, tensor_parallel: int) -> None:
     if tensor_parallel < 2:
         model = cfg.model
         sizes = [t for t in range(2, model.num_attention_heads + 1) if model.num_attention_heads % t == 0
-                 and model.ffn_size % t == 0 and model.seq_length % t == 0]
+                 and model.query_groups % t == 0 and model.ffn_size % t == 0 and model.seq_length % t == 0]
 
         def wording(kept: list[Fix]) -> str:
             # dropping sequence parallelism is the other way out whatever it then needs (advice, not a --set)

@@ -16,11 +16,13 @@ TP 2, 7.5B at TP 4, 18.4B at TP 8, then 39.1B..310.1B at TP 8 and PP 2, 4, 8, 16
 
 Activations per layer and micro-batch follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models") without sequence parallelism: s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes in 16-bit (doubled for
-fp32). Selective recomputation (plan/recompute.py) drops the attention core's 5*a*s/(h*t) term. Full
-recomputation keeps only the input of each checkpointed unit, 2*s*b*h: per group of recompute_num_layers with the
-uniform method (plus one group's full activations while it is recomputed), per layer for the first
-recompute_num_layers layers of a chunk with the block method (the others keep everything; plus one layer while
-recomputed). `model.recompute: true` is full / uniform / 1: each layer's input plus one layer.
+fp32) for their GPT (LayerNorm, GeLU MLP of 4h, learned positions). Other shapes change the terms as the model
+saves them (layer_activations): grouped-query attention's smaller K and V, SwiGLU's four FFN-wide tensors, RMSNorm's
+normalized input, rotary's rotated Q and K. Selective recomputation (plan/recompute.py) drops the attention core's
+5*a*s/(h*t) term. Full recomputation keeps only the input of each checkpointed unit, 2*s*b*h: per group of
+recompute_num_layers with the uniform method (plus one group's full activations while it is recomputed), per layer
+for the first recompute_num_layers layers of a chunk with the block method (the others keep everything; plus one
+layer while recomputed). `model.recompute: true` is full / uniform / 1: each layer's input plus one layer.
 With sequence parallelism (their eq. 4) the LayerNorm and dropout parts (the 10) are split t ways too:
 s*b*h/t*(34 + 5*a*s/h), and the kept unit inputs are sequence shards, 2*s*b*h/t.
 
@@ -45,7 +47,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_hpc.config.schema import ModelConfig
-from megatron_hpc.plan.model_math import embedding_parameters_per_rank, layer_parameters_per_rank
+from megatron_hpc.plan.model_math import (
+    embedding_parameters_per_rank,
+    layer_parameters_per_rank,
+    mlp_matrices,
+    norm_parameters,
+    qkv_rows,
+)
 from megatron_hpc.plan.recompute import resolve_recompute
 
 GIB = 1024**3
@@ -243,13 +251,13 @@ def _rank_memory(model: ModelConfig, pp_rank: int, *, pipe: PipelineShape, padde
 def rank_parameters(model: ModelConfig, *, padded_vocab: int, tensor_parallel: int, layers: int, first: bool,
                     last: bool, pipeline: int = 1) -> int:
     """Parameters one rank holds, exactly as the model builds them: the TP-sharded matrices and column biases
-    divided by TP, the LayerNorms, row-parallel biases and the position table whole on every TP rank."""
+    divided by TP, the norms, row-parallel biases and the position table whole on every TP rank."""
     h, t = model.hidden_size, tensor_parallel
     params = layers * layer_parameters_per_rank(model, tensor_parallel=t)
     if first:
         params += embedding_parameters_per_rank(model, padded_vocab=padded_vocab, tensor_parallel=t)
     if last:
-        params += 2 * h  # final LayerNorm
+        params += norm_parameters(model)  # the final norm
         if not model.tie_embeddings or pipeline > 1:
             params += padded_vocab // t * h  # the output layer (tied: the last stage's copy of the word embedding)
     return params
@@ -291,40 +299,57 @@ def activation_bytes(model: ModelConfig, *, precision: str, backend: str) -> Act
 
 def layer_activations(model: ModelConfig, *, tensor_parallel: int, micro_batch: int, act: ActivationBytes,
                       selective: bool, sequence_parallel: bool = False) -> float:
-    """Bytes one layer keeps for its backward, Korthikanti et al.'s count: in 16-bit with dropout
+    """Bytes one layer keeps for its backward, Korthikanti et al.'s count for their GPT: in 16-bit with dropout
     s*b*h*(10 + 24/t + 5*a*s/(h*t)).
 
-    In elements of s*b*h: 4 whole on every TP rank (the inputs of QKV, of the MLP and of the two LayerNorms; 3 with
-    model.parallel_residual, whose two LayerNorms read the same tensor) and 2 dropout masks (when
-    hidden_dropout > 0), sharded with sequence parallelism; 12 split over TP (Q, K, V, the attention output, the
-    GeLU's input and output, 4h wide). The attention core keeps a*s*s*b/t elements of softmax output, plus a mask
-    and the dropout's output with attention dropout, unless `selective` recomputation or a kernel that recomputes
-    them (ActivationBytes.attention_scores). Left out: the LayerNorms' statistics and the
-    log-sum-exp (2*s*b and a*s*b/t floats, under 1% from h = 64 on).
+    In elements of s*b*h (what autograd saves for model/gpt.py's layer, measured with saved-tensor hooks,
+    tests/unit/test_plan_model_families.py), whole on every TP rank and sharded with sequence parallelism: the
+    inputs of QKV and of the MLP (the norms' outputs) and what each of the two norms keeps besides (norm_inputs):
+    4 in all with LayerNorm, 6 with RMSNorm, one less with model.parallel_residual (both norms read the block
+    input); and 2 dropout masks (when hidden_dropout > 0). Split
+    over TP: the QKV output, (nh + 2G)/nh of it (3 with one key/value head per query head), which the attention
+    core's V is a view of; with rotary positions the rotated Q and K, (nh + G)/nh; the attention output (1); and
+    the MLP's FFN-wide tensors, ffn/h each: the GeLU's input and output (2), or SwiGLU's gate output, its SiLU, the
+    up projection and their product (4). Korthikanti et al.'s 12 is 3 + 1 + 2 * 4. The attention core keeps
+    a*s*s*b/t elements of softmax output, plus a mask and the dropout's output with attention dropout, unless
+    `selective` recomputation or a kernel that recomputes them (ActivationBytes.attention_scores). Left out: the
+    norms' statistics and the log-sum-exp (2*s*b and a*s*b/t floats, under 1% from h = 64 on).
     """
     t, s, b, h, a = (tensor_parallel, model.seq_length, micro_batch, model.hidden_size, model.num_attention_heads)
     masks = 2 * act.mask if model.hidden_dropout > 0 else 0
-    inputs = 3 if model.parallel_residual else 4
+    inputs = 2 + norm_inputs(model) * 2 - (1 if model.parallel_residual else 0)
     whole = (inputs * act.value + masks) / (t if sequence_parallel else 1)
+    groups = model.query_groups
+    split = qkv_rows(model) / h + 1.0 + 2 * (mlp_matrices(model) - 1) * model.ffn_size / h
+    if model.position_embedding == "rope":
+        split += (a + groups) / a  # rotary's Q and K are new tensors; the QKV output stays saved for V
     core = 0.0
     if act.attention_scores and not selective:
         per_score = act.value + (act.mask + act.value if model.attention_dropout > 0 else 0)
         core = per_score * a * s / (h * t)
-    return s * b * h * (whole + 12 * act.value / t + core)
+    return s * b * h * (whole + split * act.value / t + core)
+
+
+def norm_inputs(model: ModelConfig) -> int:
+    """Tensors of s*b*h a norm keeps for its backward besides the next linear's input (its output): LayerNorm its
+    input; RMSNorm, as torch composes it (measured on the CPU), its input and the normalized input, which the
+    weight's gradient needs."""
+    return 2 if model.normalization == "rmsnorm" else 1
 
 
 def stage_io_activations(model: ModelConfig, *, first: bool, last: bool, tensor_parallel: int, micro_batch: int,
                          act: ActivationBytes, sequence_parallel: bool = False) -> float:
-    """What one micro-batch keeps outside the layers: the embedding's dropout mask on the first stage; the final
-    LayerNorm's input and the output layer's input on the last (sequence shards with sequence parallelism, whose
-    output layer gathers the sequence again in backward). The logits and their loss are logits_gib's."""
+    """What one micro-batch keeps outside the layers: the embedding's dropout mask on the first stage; what the
+    final norm keeps (norm_inputs) and the output layer's input on the last (sequence shards with sequence
+    parallelism, whose output layer gathers the sequence again in backward). The logits and their loss are
+    logits_gib's."""
     sbh = model.seq_length * micro_batch * model.hidden_size
     shard = tensor_parallel if sequence_parallel else 1
     kept = 0.0
     if first and model.hidden_dropout > 0:
         kept += sbh * act.mask / shard
     if last:
-        kept += 2 * sbh * act.value / shard
+        kept += (norm_inputs(model) + 1) * sbh * act.value / shard
     return kept
 
 

@@ -1,17 +1,27 @@
-"""Parameter count and FLOPs per token of a dense GPT. Pure.
+"""Parameter count and FLOPs per token of a dense decoder: GPT, GPT-NeoX, Llama and Qwen2 shapes. Pure.
 
-FLOPs use Megatron's classic formula (Narayanan et al. 2021, "Efficient Large-Scale Language
-Model Training on GPU Clusters"; shared/reference/megatron-and-launchers.md 4.4), which counts
-forward + backward, no activation recomputation, full (not causal-halved) attention and the
-padded vocabulary: per token 12*L*h^2*(2 + s/h + ffn/h) + 6*h*V, i.e. 72*L*h^2 + 12*L*h*s + 6*h*V
-for ffn = 4h. GPT-3 6.7B gives 43.11 GFLOP/token.
+Counts follow the model as model/gpt.py builds it: a fused QKV of (nh + 2G) * hd rows (grouped-query attention keeps
+G key/value heads; G = nh is multi-head attention), the attention output projection, the MLP's up and down
+projections plus SwiGLU's gate, biases on the linears unless model.add_bias_linear is false (the QKV bias also with
+model.add_qkv_bias), two norms per layer and a final one (LayerNorm: weight and bias; RMSNorm: weight only), the word
+embedding, a learned position table, and the output layer unless tied.
+
+FLOPs extend Megatron's classic formula (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on
+GPU Clusters"; shared/reference/megatron-and-launchers.md 4.4): forward + backward, no activation recomputation,
+full (not causal-halved) attention, the padded vocabulary. Per token and layer that is 6 FLOPs per weight of the
+linears plus 12*s*h for the attention scores and their product with V, and 6*h*V for the output layer:
+12*L*h^2*((1 + G/nh + s/h) + m/2 * ffn/h) + 6*h*V, with m = 3 MLP matrices under SwiGLU, else 2. With G = nh and
+m = 2 it is the classic 12*L*h^2*(2 + s/h + ffn/h) + 6*h*V (72*L*h^2 + 12*L*h*s + 6*h*V for ffn = 4h: GPT-3 6.7B
+gives 43.11 GFLOP/token); the G/nh and 3/2 factors are how Megatron-LM's num_floating_point_operations
+(megatron/training/training.py) counts grouped-query attention and SwiGLU.
 """
 
 from __future__ import annotations
 
 from megatron_hpc.config.schema import ModelConfig
 
-FLOPS_FORMULA = "megatron-classic: 12*L*h^2*(2 + s/h + ffn/h) + 6*h*V_padded per token (Narayanan et al. 2021)"
+FLOPS_FORMULA = ("megatron-classic: 12*L*h^2*(1 + G/nh + s/h + m/2*ffn/h) + 6*h*V_padded, m MLP matrices "
+                 "(Narayanan et al. 2021)")
 
 
 def rotary_dims(head_dim: int, *, rotary_percent: float) -> int:
@@ -23,24 +33,47 @@ def rotary_dims(head_dim: int, *, rotary_percent: float) -> int:
     return rot
 
 
+def qkv_rows(model: ModelConfig) -> int:
+    """Output rows of the fused QKV projection: nh query heads and G key and G value heads of hd each."""
+    return (model.num_attention_heads + 2 * model.query_groups) * model.head_dim
+
+
+def mlp_matrices(model: ModelConfig) -> int:
+    """Weight matrices of the MLP: up and down, plus SwiGLU's gate."""
+    return 3 if model.swiglu else 2
+
+
+def norm_parameters(model: ModelConfig) -> int:
+    """One norm's parameters: LayerNorm's weight and bias, or RMSNorm's weight."""
+    return model.hidden_size * (1 if model.normalization == "rmsnorm" else 2)
+
+
+def _layer_split(model: ModelConfig) -> tuple[int, int]:
+    """One layer's parameters as (split over TP, whole on every TP rank) (parallel/layers.py): the column-parallel
+    QKV, gate and up weights and their biases and the row-parallel weights are split; the row-parallel biases and
+    the norms are not."""
+    h, f, bias = model.hidden_size, model.ffn_size, model.add_bias_linear
+    rows = qkv_rows(model)
+    column_in = mlp_matrices(model) - 1  # gate and up, or up alone
+    split = (rows * h + (rows if model.qkv_bias else 0)  # fused QKV
+             + h * h  # attention output projection (weight)
+             + column_in * (h * f + (f if bias else 0))  # MLP gate and up
+             + f * h)  # MLP down (weight)
+    whole = (2 * h if bias else 0) + 2 * norm_parameters(model)  # the two row-parallel biases, the two norms
+    return split, whole
+
+
 def layer_parameters(model: ModelConfig) -> int:
-    """Parameters of one transformer layer: fused QKV, attention output, MLP up and down, two LayerNorms."""
-    h, f = model.hidden_size, model.ffn_size
-    return (
-        3 * h * h + 3 * h  # fused QKV
-        + h * h + h  # attention output projection
-        + h * f + f  # MLP up
-        + f * h + h  # MLP down
-        + 4 * h  # two LayerNorms
-    )
+    """Parameters of one transformer layer: fused QKV, attention output, the MLP, two norms."""
+    split, whole = _layer_split(model)
+    return split + whole
 
 
 def layer_parameters_per_rank(model: ModelConfig, *, tensor_parallel: int) -> int:
-    """One layer's parameters on one TP rank: QKV, projections and MLP matrices and the column-parallel biases split
-    over TP; the two row-parallel biases and the two LayerNorms whole (parallel/layers.py)."""
-    h, _f = model.hidden_size, model.ffn_size
-    replicated = h + h + 4 * h
-    return (layer_parameters(model) - replicated) // tensor_parallel + replicated
+    """One layer's parameters on one TP rank: the QKV, projection and MLP matrices and the column-parallel biases
+    split over TP; the row-parallel biases and the two norms whole (parallel/layers.py)."""
+    split, whole = _layer_split(model)
+    return split // tensor_parallel + whole
 
 
 def embedding_parameters_per_rank(model: ModelConfig, *, padded_vocab: int, tensor_parallel: int) -> int:
@@ -58,17 +91,17 @@ def embedding_parameters(model: ModelConfig, *, padded_vocab: int) -> int:
 
 def num_parameters(model: ModelConfig, *, padded_vocab: int) -> int:
     """Parameters of the full (unsharded) model."""
-    h = model.hidden_size
-    output = 0 if model.tie_embeddings else padded_vocab * h
+    output = 0 if model.tie_embeddings else padded_vocab * model.hidden_size
     return (model.num_layers * layer_parameters(model) + embedding_parameters(model, padded_vocab=padded_vocab)
-            + output + 2 * h)
+            + output + norm_parameters(model))
 
 
 def flops_per_token(model: ModelConfig, *, padded_vocab: int) -> float:
-    """Training FLOPs (forward + backward) per token, Megatron's classic convention."""
+    """Training FLOPs (forward + backward) per token, Megatron's classic convention with GQA and SwiGLU."""
     h, layers, s = model.hidden_size, model.num_layers, model.seq_length
-    dense = 12.0 * layers * h * h * (2.0 + s / h + model.ffn_size / h)
-    return dense + 6.0 * h * padded_vocab
+    attention = 1.0 + model.query_groups / model.num_attention_heads + s / h
+    mlp = mlp_matrices(model) / 2.0 * model.ffn_size / h
+    return 12.0 * layers * h * h * (attention + mlp) + 6.0 * h * padded_vocab
 
 
 def flops_per_token_6n(model: ModelConfig, *, padded_vocab: int) -> float:

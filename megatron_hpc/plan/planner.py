@@ -344,6 +344,9 @@ def _check_tensor_parallel(cfg: RunConfig, platform: Platform, *, per_node: int)
         reasons.append(f"it must divide the {per_node} workers per node")
     if cfg.model.num_attention_heads % tp:
         reasons.append(f"it must divide the {cfg.model.num_attention_heads} attention heads")
+    if cfg.model.query_groups % tp and cfg.model.query_groups != cfg.model.num_attention_heads:
+        reasons.append(f"it must divide the {cfg.model.query_groups} key/value groups of model.num_query_groups: "
+                       "each TP rank holds whole groups")
     if cfg.model.ffn_size % tp:
         reasons.append(f"it must divide the FFN size {cfg.model.ffn_size}")
     if platform.tp_choices and tp not in platform.tp_choices:

@@ -204,10 +204,12 @@ def check_micro_batches(cfg: RunConfig, *, pp: int, micro_batches: int, data_par
 
 
 def tensor_candidates(cfg: RunConfig, platform: Platform, *, per_node: int) -> list[int]:
-    """TP sizes that divide workers per node, heads and FFN size and that the runtime supports, ascending."""
+    """TP sizes that divide workers per node, heads, key/value groups and FFN size and that the runtime supports,
+    ascending. With grouped-query attention the groups bound TP: each rank holds whole groups (plan/checks.py)."""
     choices = platform.tp_choices or tuple(range(1, per_node + 1))
-    return [t for t in choices if per_node % t == 0 and cfg.model.num_attention_heads % t == 0
-            and cfg.model.ffn_size % t == 0]
+    model = cfg.model
+    return [t for t in choices if per_node % t == 0 and model.num_attention_heads % t == 0
+            and model.query_groups % t == 0 and model.ffn_size % t == 0]
 
 
 def auto_tensor_candidates(cfg: RunConfig, platform: Platform, *, per_node: int) -> list[int]:

@@ -2,7 +2,8 @@
 Adam's moments byte for byte, and the activations one micro-batch leaves for backward (saved-tensor hooks) within
 10%, on every rank of real gloo processes, for each mode: plain, each recompute setting (with and without dropout,
 which decides whether the CPU's attention kernel keeps its scores), the distributed optimizer, TP with and without
-sequence parallelism, pipeline stages."""
+sequence parallelism, pipeline stages, and the Llama and Qwen2 layers (RMSNorm, SwiGLU, grouped-query attention, no
+linear biases or a QKV bias only)."""
 
 from __future__ import annotations
 
@@ -34,14 +35,22 @@ def _config(*, dropout: float = 0.0, tp: int = 1, pp: int = 1, sp: bool = False,
     return dataclasses.replace(cfg, model=m, parallel=parallel)
 
 
+LLAMA = {"normalization": "rmsnorm", "swiglu": True, "num_query_groups": 2, "add_bias_linear": False,
+         "position_embedding": "rope", "tie_embeddings": False, "ffn_hidden_size": 96}
+"""A Llama-shaped layer: RMSNorm, SwiGLU (FFN 1.5h), 4 heads sharing 2 key/value groups, no linear biases, rotary."""
+
 CASES = {
-    1: {f"{name}_dropout{d}": _config(dropout=d, **keys) for name, keys in RECOMPUTE.items() for d in (0.0, 0.1)},
+    1: {**{f"{name}_dropout{d}": _config(dropout=d, **keys) for name, keys in RECOMPUTE.items() for d in (0.0, 0.1)},
+        "llama": _config(**LLAMA)},
     2: {"distopt_dp2": _config(dist_opt=True), "tp2": _config(tp=2, dropout=0.1),
         "tp2_sp": _config(tp=2, sp=True, dropout=0.1), "tp2_sp_selective": _config(tp=2, sp=True, dropout=0.1,
                                                                                     **RECOMPUTE["selective"]),
         "pp2": _config(pp=2, dropout=0.1),
         "tp2_neox": _config(tp=2, dropout=0.1, parallel_residual=True, position_embedding="rope",
-                            rotary_percent=0.25, tie_embeddings=False)},
+                            rotary_percent=0.25, tie_embeddings=False),
+        # TP 2 splits the 2 key/value groups, SwiGLU's gate and up rows; Qwen2's QKV bias is column-parallel too.
+        "tp2_sp_llama": _config(tp=2, sp=True, dropout=0.1, **LLAMA),
+        "tp2_qwen_selective": _config(tp=2, add_qkv_bias=True, **LLAMA, **RECOMPUTE["selective"])},
     4: {"tp2_dp2_sp_distopt": _config(tp=2, sp=True, dist_opt=True, dropout=0.1),
         "pp2_dp2_distopt_uniform1": _config(pp=2, dist_opt=True, **RECOMPUTE["uniform1"])},
 }
