@@ -88,8 +88,11 @@ def run(args: argparse.Namespace) -> int:
                               f"pass {TOKENIZER_FLAGS}, or token ids with --prompt-ids")
     prompts = [tok.encode(p) for p in args.prompt] + id_prompts if tok is not None else id_prompts
     stops = list(args.stop_token)
-    if tok is not None and not args.ignore_eos and EOD_TOKEN in tok.vocab:
-        stops.append(tok.vocab[EOD_TOKEN])
+    if tok is not None and not args.ignore_eos:
+        if hasattr(tok, "vocab"):  # GPT-2's BPE: the EOD token when the vocabulary has one
+            stops += [tok.vocab[EOD_TOKEN]] if EOD_TOKEN in tok.vocab else []
+        else:  # the run's tokenizer.json or SentencePiece model: its end-of-sequence id
+            stops.append(tok.eod)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop_tokens=tuple(stops))
     results = generate(loaded.model, prompts, params)  # under torchrun: every rank, the same call

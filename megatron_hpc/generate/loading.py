@@ -17,8 +17,9 @@ from megatron_hpc.checkpoint.conversion import pp_layout, read_whole, tokenizer_
 from megatron_hpc.config.loader import from_dict
 from megatron_hpc.config.platforms import PLATFORMS, resolve_platform
 from megatron_hpc.config.schema import ModelConfig
+from megatron_hpc.data.text_tokenizers import TextTokenizer, build_tokenizer, tokenizer_spec
 from megatron_hpc.data.tokenizer import GPT2BPETokenizer
-from megatron_hpc.errors import CheckpointError, GenerationError, TrainingError
+from megatron_hpc.errors import CheckpointError, GenerationError, MegatronHpcError, TrainingError
 from megatron_hpc.model.gpt import GPT
 from megatron_hpc.model.init_skip import skip_random_init
 from megatron_hpc.parallel.context import ParallelContext
@@ -35,7 +36,7 @@ class LoadedModel:
     iteration: int
     source_tp: int
     source_pp: int
-    tokenizer: GPT2BPETokenizer | None
+    tokenizer: GPT2BPETokenizer | TextTokenizer | None
     no_tokenizer: str
     """Why there is no tokenizer (empty when there is one)."""
     resolved_config: dict[str, Any] = field(default_factory=dict)
@@ -121,6 +122,19 @@ def load_tokenizer(whole_reason: tuple[Path, Path] | str, *, vocab_file: Path | 
     return GPT2BPETokenizer(*files), ""
 
 
+def run_tokenizer(resolved: dict[str, Any]) -> TextTokenizer | None:
+    """The run's own tokenizer when its data section names one by a model file or folder (HuggingFaceTokenizer's
+    tokenizer.json, a SentencePiece model such as Llama2Tokenizer's); None when it names none or GPT-2's."""
+    data = resolved.get("data") or {}
+    kind, model = data.get("tokenizer_type"), data.get("tokenizer_model")
+    if not model or kind in (None, "GPT2BPETokenizer"):
+        return None
+    try:
+        return build_tokenizer(tokenizer_spec(kind, model=model))
+    except MegatronHpcError as exc:
+        raise GenerationError(f"the run's tokenizer ({kind}, {model}) cannot be read: {exc}") from None
+
+
 def load_for_generation(path: Path, *, iteration: int | None = None, vocab_file: Path | None = None,
                         merge_file: Path | None = None, ctx: ParallelContext | None = None,
                         keep_padded_vocab: bool = False) -> LoadedModel:
@@ -150,6 +164,8 @@ def load_for_generation(path: Path, *, iteration: int | None = None, vocab_file:
     mine = full if tp == 1 else tp_layout.split_model(full, tp)[model.tp_rank]
     model.load_state_dict({k: v.to(torch.float32) for k, v in mine.items()})
     tokenizer, why = load_tokenizer(tokenizer_files(whole), vocab_file=vocab_file, merge_file=merge_file)
+    if tokenizer is None and vocab_file is None:
+        tokenizer = run_tokenizer(whole.first["resolved_config"]) or tokenizer
     if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
         raise GenerationError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only "
                               f"{cfg.vocab_size}; pass the run's {TOKENIZER_FLAGS}")

@@ -27,7 +27,7 @@ def test_config_json_picks_its_module_by_architecture_or_model_type() -> None:
 def test_neox_is_picked_by_architecture_or_model_type() -> None:
     from megatron_hpc.checkpoint.foreign import hf_neox
 
-    assert hf_formats.supported() == ["GPT2LMHeadModel", "GPTNeoXForCausalLM"]
+    assert hf_formats.supported() == ["GPT2LMHeadModel", "GPTNeoXForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM"]
     assert hf_formats.for_config({"model_type": "gpt_neox"}, where="c").module is hf_neox
     assert hf_formats.for_config({"architectures": ["GPTNeoXForCausalLM"]}, where="c").module is hf_neox
 
@@ -65,3 +65,20 @@ def test_a_run_folder_with_its_config_json_is_not_taken_for_a_model_folder(tmp_p
     assert is_hf_folder(tmp_path)
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("3")
     assert not is_hf_folder(tmp_path)
+
+
+def test_export_picks_llama_or_qwen2_by_the_qkv_bias_and_gpt_formats_refuse_llama_layers() -> None:
+    llama = {**GPT2, "position_embedding": "rope", "normalization": "rmsnorm", "swiglu": True, "num_query_groups": 2,
+             "add_bias_linear": False, "tie_embeddings": False}
+    assert hf_formats.for_model(llama, where="ckpt")[0].architecture == "LlamaForCausalLM"
+    qwen = {**llama, "add_qkv_bias": True}
+    fmt, config = hf_formats.for_model(qwen, where="ckpt")
+    assert (fmt.architecture, config["num_key_value_heads"], config["use_sliding_window"]) == ("Qwen2ForCausalLM", 2,
+                                                                                               False)
+    assert fmt.model_config_from_hf(config)["add_qkv_bias"] is True
+    from megatron_hpc.checkpoint.foreign import hf_neox
+
+    with pytest.raises(CheckpointError, match="GPTNeoXForCausalLM has no RMSNorm, SwiGLU, grouped-query attention"):
+        hf_neox.hf_config_from_model({**llama, "parallel_residual": True}, eos_token_id=None)
+    with pytest.raises(CheckpointError, match="not a LlamaForCausalLM: LlamaForCausalLM needs SwiGLU"):
+        hf_formats.for_model({**llama, "swiglu": False, "parallel_residual": False}, where="ckpt")

@@ -164,10 +164,10 @@ def test_bad_folders_fail_in_one_line_and_write_nothing(tmp_path: Path, tokenize
     out = tmp_path / "out"
     llama = save(hf_model(), tmp_path / "llama", "safetensors")
     config = json.loads((llama / "config.json").read_text())
-    (llama / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLM"]}))
+    (llama / "config.json").write_text(json.dumps({**config, "architectures": ["MistralForCausalLM"]}))
     assert convert(str(llama), "--to", "xser", "--out", str(out)) == 1
     err = _one_line_error(capsys)
-    assert "LlamaForCausalLM" in err and "supported: GPT2LMHeadModel" in err and not out.exists()
+    assert "MistralForCausalLM" in err and "supported: GPT2LMHeadModel" in err and not out.exists()
 
     bare = save(hf_model(), tmp_path / "bare", "safetensors")
     (bare / "model.safetensors").unlink()

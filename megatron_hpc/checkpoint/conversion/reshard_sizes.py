@@ -27,9 +27,11 @@ class ReshardResult:
 def check_tp(model: dict[str, Any], tp: int) -> None:
     heads = model["num_attention_heads"]
     ffn = model.get("ffn_hidden_size") or 4 * model["hidden_size"]
-    if tp < 1 or heads % tp or ffn % tp:
-        choices = [d for d in range(1, heads + 1) if heads % d == 0 and ffn % d == 0]
-        raise CheckpointError(f"--tp {tp} must be at least 1 and divide the {heads} attention heads and the FFN "
+    groups = model.get("num_query_groups") or heads
+    if tp < 1 or heads % tp or ffn % tp or groups % tp:
+        choices = [d for d in range(1, heads + 1) if heads % d == 0 and ffn % d == 0 and groups % d == 0]
+        what = "" if groups == heads else f" the {groups} key/value groups (model.num_query_groups),"
+        raise CheckpointError(f"--tp {tp} must be at least 1 and divide{what} the {heads} attention heads and the FFN "
                               f"size {ffn}; use --tp in {choices}")
 
 

@@ -45,6 +45,9 @@ def hf_tokenizer_files(whole: WholeCheckpoint) -> list[Path]:
     """The run's Hugging Face tokenizer files (data.tokenizer_type HuggingFaceTokenizer: tokenizer.json and the
     settings beside it in data.tokenizer_model), to copy as they are; empty when the run names none."""
     data = (whole.first.get("resolved_config") or {}).get("data") or {}
+    if data.get("tokenizer_type") == "Llama2Tokenizer" and data.get("tokenizer_model"):
+        model = Path(data["tokenizer_model"]).expanduser()  # Llama 2's SentencePiece tokenizer.model
+        return [model] if model.is_file() and os.access(model, os.R_OK) else []
     if data.get("tokenizer_type") != "HuggingFaceTokenizer" or not data.get("tokenizer_model"):
         return []
     given = Path(data["tokenizer_model"]).expanduser()

@@ -24,9 +24,12 @@ from megatron_hpc.errors import CheckpointError
 MODULES = {
     "GPT2LMHeadModel": "megatron_hpc.checkpoint.foreign.hf_gpt2",
     "GPTNeoXForCausalLM": "megatron_hpc.checkpoint.foreign.hf_neox",
+    "LlamaForCausalLM": "megatron_hpc.checkpoint.foreign.hf_llama",
+    "Qwen2ForCausalLM": "megatron_hpc.checkpoint.foreign.hf_qwen2",
 }
 # config.json without `architectures` (hand-written ones): model_type -> architecture.
-MODEL_TYPES = {"gpt2": "GPT2LMHeadModel", "gpt_neox": "GPTNeoXForCausalLM"}
+MODEL_TYPES = {"gpt2": "GPT2LMHeadModel", "gpt_neox": "GPTNeoXForCausalLM", "llama": "LlamaForCausalLM",
+               "qwen2": "Qwen2ForCausalLM"}
 
 
 @dataclass(frozen=True, slots=True)

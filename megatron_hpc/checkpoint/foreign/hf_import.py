@@ -29,7 +29,10 @@ SAFETENSORS, BIN = "model.safetensors", "pytorch_model.bin"
 TOKENIZER_DIR = "tokenizer"
 """Where the tokenizer files go, inside the output checkpoint folder."""
 GPT2_TOKENIZER = ("vocab.json", "merges.txt")
-TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model")
+SENTENCEPIECE = "tokenizer.model"
+"""Llama 2's SentencePiece model (Megatron's Llama2Tokenizer), when no tokenizer.json comes with it."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -141,6 +144,8 @@ def data_config(files: list[Path], out: Path) -> dict[str, Any]:
                 "merge_file": str(where / GPT2_TOKENIZER[1])}
     if "tokenizer.json" in names:
         return {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": str(where)}
+    if SENTENCEPIECE in names:
+        return {"tokenizer_type": "Llama2Tokenizer", "tokenizer_model": str(where / SENTENCEPIECE)}
     return {}
 
 
@@ -150,6 +155,8 @@ def _check_tokenizer(folder: Path, data: dict[str, Any], vocab_size: int) -> Non
 
     source = {k: str(folder / Path(v).name) if k != "tokenizer_model" else str(folder)
               for k, v in data.items() if k != "tokenizer_type"}
+    if data["tokenizer_type"] == "Llama2Tokenizer":
+        source["tokenizer_model"] = str(folder / SENTENCEPIECE)
     try:
         tok = build_tokenizer(tokenizer_spec(data["tokenizer_type"], vocab_file=source.get("vocab_file"),
                                              merge_file=source.get("merge_file"), model=source.get("tokenizer_model")))
@@ -174,7 +181,8 @@ def import_hf(folder: Path, *, out: Path, fmt: str) -> HfImport:
     if data:
         _check_tokenizer(folder, data, model["vocab_size"])
     else:
-        notes.append(f"{folder} holds no tokenizer files (vocab.json and merges.txt, or tokenizer.json); generate "
+        notes.append(f"{folder} holds no tokenizer files (vocab.json and merges.txt, tokenizer.json or "
+                     "tokenizer.model); generate "
                      "needs --vocab-file and --merge-file")
     weights, files = read_weights(folder)
     full = hf.state_from_hf(weights, model)

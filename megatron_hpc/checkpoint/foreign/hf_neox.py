@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from megatron_hpc.checkpoint.foreign.hf_llama import llama_layers
 from megatron_hpc.errors import CheckpointError
 
 ARCHITECTURE = "GPTNeoXForCausalLM"
@@ -109,6 +110,9 @@ def hf_config_from_model(model: dict[str, Any], *, eos_token_id: int | None) -> 
     if model.get("position_embedding", "learned") != "rope":
         raise CheckpointError(f"this model uses {model.get('position_embedding', 'learned')} position embeddings; "
                               f"{ARCHITECTURE} has rotary ones only: export it as GPT2LMHeadModel instead")
+    llama = llama_layers(model)
+    if llama:
+        raise CheckpointError(f"{ARCHITECTURE} has no {', '.join(llama)}")
     act = model.get("activation", "gelu")
     if act not in _HIDDEN_ACT:
         raise CheckpointError(f"model.activation {act!r} has no GPT-NeoX hidden_act; supported: {sorted(_HIDDEN_ACT)}")

@@ -1,0 +1,176 @@
+"""`ckpt convert` of Hugging Face Llama and Qwen2 folders both ways: tiny random LlamaForCausalLM /
+Qwen2ForCausalLM of the real `transformers` (grouped-query attention with G < heads and G = 1, SwiGLU, RMSNorm,
+Llama 3.1's RoPE scaling, Qwen2's QKV bias), saved by save_pretrained in shards with their index, become our
+checkpoint; our GPT then computes transformers' logits, greedy generation gives its tokens, and the export loads back
+in transformers with the same tensors."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import tokenizers
+import torch
+import torch.distributed as dist
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
+from hf_models import VOCAB, hf_logits, save
+from test_checkpoint_hf_import import convert, ctx, our_logits, tokenizer  # noqa: F401  (fixtures)
+
+from megatron_hpc.checkpoint.conversion import read_whole
+from megatron_hpc.checkpoint.foreign.hf_llama import model_config_from_hf
+from megatron_hpc.cli.main import main
+
+SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 8}
+CASES = {  # name -> (architecture, key/value heads, rope scaling)
+    "llama_gqa": ("llama", 2, SCALING),
+    "llama_mqa": ("llama", 1, None),
+    "qwen2": ("qwen2", 2, None),
+}
+
+
+def hf_llama(kind: str, groups: int, scaling: dict | None, *, tied: bool = False) -> transformers.PreTrainedModel:
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=groups, intermediate_size=48, max_position_embeddings=32, rms_norm_eps=1e-6,
+                  tie_word_embeddings=tied, bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1)
+    if kind == "llama":
+        config = transformers.LlamaConfig(**common, rope_theta=500.0, rope_scaling=scaling)
+        cls = transformers.LlamaForCausalLM
+    else:
+        config = transformers.Qwen2Config(**common, rope_theta=1000.0)
+        cls = transformers.Qwen2ForCausalLM
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    with torch.no_grad():  # non-trivial norms and biases, so a swapped or dropped one shows
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.1 if name.endswith("bias") or "norm" in name else 0.2)
+                    + (1.0 if "norm" in name else 0.0))
+    return model
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_imported_llama_and_qwen_give_transformers_logits_and_export_back(
+        case: str, tmp_path: Path, tokenizer: Path, ctx, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: F811
+    kind, groups, scaling = CASES[case]
+    theirs = hf_llama(kind, groups, scaling)
+    folder = save(theirs, tmp_path / "hf", "shards")
+    assert len(list(folder.glob("model-*.safetensors"))) > 1  # read through model.safetensors.index.json
+    assert convert(str(folder), "--to", "torch", "--out", str(tmp_path / "ours"), "--json") == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["architecture"] == type(theirs).__name__
+    model = read_whole(tmp_path / "ours").first["resolved_config"]["model"]
+    assert (model["num_query_groups"], model["add_qkv_bias"]) == (groups, kind == "qwen2")
+    want = hf_logits(theirs)
+    torch.testing.assert_close(our_logits(tmp_path / "ours", ctx), want, rtol=0, atol=1e-4)
+    if scaling is not None:  # the scaling is what makes it match (positions past 8 / low_freq_factor)
+        assert (our_logits(tmp_path / "ours", ctx, rope_scaling="none") - want).abs().max() > 1e-3
+    assert convert(str(tmp_path / "ours"), "--to", "hf", "--out", str(tmp_path / "back")) == 0
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert config["architectures"] == [type(theirs).__name__]
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    torch.testing.assert_close(hf_logits(again), want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_tp2_pp2_conversion_gives_back_the_same_tensors(tied: bool, tmp_path: Path) -> None:
+    theirs = hf_llama("qwen2", 2, None, tied=tied)
+    folder = save(theirs, tmp_path / "hf", "safetensors")
+    assert convert(str(folder), "--to", "xser", "--tp", "2", "--pp", "2", "--out", str(tmp_path / "ours")) == 0
+    whole = read_whole(tmp_path / "ours")
+    assert (whole.tensor_parallel, whole.pipeline_parallel) == (2, 2)
+    # TP 2 splits the two key/value groups: rank r holds group r's queries, key and value rows, and its gate rows
+    # beside the same up rows.
+    rank0 = whole.grid[0][0]["model"]
+    q, k = theirs.model.layers[0].self_attn.q_proj.weight, theirs.model.layers[0].self_attn.k_proj.weight
+    torch.testing.assert_close(rank0["h.0.attn.qkv.weight"][:16], q[:16], rtol=0, atol=0)
+    torch.testing.assert_close(rank0["h.0.attn.qkv.weight"][16:24], k[:8], rtol=0, atol=0)
+    torch.testing.assert_close(rank0["h.0.mlp.gate.weight"], theirs.model.layers[0].mlp.gate_proj.weight[:24])
+    assert convert(str(tmp_path / "ours"), "--to", "hf", "--out", str(tmp_path / "back")) == 0
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    for name, tensor in theirs.state_dict().items():
+        assert torch.equal(again.state_dict()[name], tensor), name
+
+
+def test_generate_continues_like_transformers(tmp_path: Path, tokenizer: Path,  # noqa: F811
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    theirs = hf_llama("llama", 2, SCALING)
+    folder = save(theirs, tmp_path / "hf", "safetensors")
+    # As Llama 3 and Qwen ship it: tokenizer.json (with tokenizer_config.json), no vocab.json / merges.txt.
+    _fast_tokenizer(tokenizer).save_pretrained(folder)
+    for name in ("vocab.json", "merges.txt"):
+        (folder / name).unlink(missing_ok=True)
+    ids = torch.tensor([tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json")).encode("the quick").ids])
+    assert ids.shape[1] > 0
+    want = theirs.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=VOCAB - 1)[0, ids.shape[1]:].tolist()
+    assert convert(str(folder), "--to", "xser", "--out", str(tmp_path / "ours")) == 0
+    capsys.readouterr()
+    try:
+        assert main(["generate", str(tmp_path / "ours"), "--prompt", "the quick", "--max-new-tokens", "8",
+                     "--ignore-eos", "--json"]) == 0
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    result = json.loads(capsys.readouterr().out)["results"][0]
+    assert result["prompt_ids"] == ids[0].tolist() and result["tokens"] == want
+
+
+class _fast_tokenizer:  # noqa: N801  (reads as the function it stands for)
+    """The test's byte-level BPE, saved as the tokenizer.json of the `tokenizers` library."""
+
+    def __init__(self, folder: Path) -> None:
+        self.bpe = tokenizers.ByteLevelBPETokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"))
+
+    def save_pretrained(self, folder: Path) -> None:
+        self.bpe.save(str(folder / "tokenizer.json"))
+
+
+def test_transformers_4_and_5_configs_read_alike() -> None:
+    five = hf_llama("llama", 2, SCALING).config.to_dict()
+    assert "rope_parameters" in five
+    four = {k: v for k, v in five.items() if k != "rope_parameters"}
+    four.update(rope_theta=500.0, rope_scaling={"type": "llama3", **{k: v for k, v in SCALING.items()
+                                                                      if k != "rope_type"}})
+    assert model_config_from_hf(four) == model_config_from_hf(five)
+    assert model_config_from_hf(five)["rope_scaling"] == "llama3"
+    assert model_config_from_hf(five)["rotary_base"] == 500.0
+
+
+def _refused(folder: Path, out: Path, capsys: pytest.CaptureFixture[str], *extra: str) -> str:
+    assert convert(str(folder), "--to", "xser", "--out", str(out), *extra) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("megatron-hpc: error: "), err
+    assert not out.exists()
+    return err
+
+
+def _edited(tmp_path: Path, name: str, **config: object) -> Path:
+    folder = save(hf_llama("llama", 2, None), tmp_path / name, "safetensors")
+    data = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**data, **config}))
+    return folder
+
+
+def test_what_we_cannot_express_is_refused_in_one_line(tmp_path: Path, tokenizer: Path,  # noqa: F811
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    for arch in ("MistralForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Gemma2ForCausalLM"):
+        err = _refused(_edited(tmp_path, arch, architectures=[arch]), out, capsys)
+        assert arch in err and "LlamaForCausalLM" in err and "Qwen2ForCausalLM" in err
+    err = _refused(_edited(tmp_path, "yarn", rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                              "rope_theta": 500.0}), out, capsys)
+    assert "rope_type 'yarn'" in err and "llama3" in err
+    assert "mlp_bias" in _refused(_edited(tmp_path, "mlpb", mlp_bias=True), out, capsys)
+    assert "attention_bias" in _refused(_edited(tmp_path, "attb", attention_bias=True), out, capsys)
+    err = _refused(_edited(tmp_path, "window", architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+                           use_sliding_window=True, sliding_window=16), out, capsys)
+    assert "sliding-window" in err
+    assert "do not divide" in _refused(_edited(tmp_path, "groups", num_key_value_heads=3), out, capsys)
+    err = _refused(_edited(tmp_path, "tp4"), out, capsys, "--tp", "4")
+    assert "2 key/value groups" in err and "use --tp in [1, 2]" in err
+    small = _edited(tmp_path, "small", vocab_size=64)  # fewer rows than the tokenizer has tokens
+    _fast_tokenizer(tokenizer).save_pretrained(small)
+    assert "tokens but config.json's vocab_size is 64" in _refused(small, out, capsys)
