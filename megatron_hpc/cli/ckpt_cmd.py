@@ -134,7 +134,13 @@ def _out(args: argparse.Namespace) -> Path:
 
 def _convert(args: argparse.Namespace) -> int:
     from megatron_hpc.checkpoint.conversion import read_whole
-    from megatron_hpc.checkpoint.foreign import foreign_folder, import_foreign, read_foreign
+    from megatron_hpc.checkpoint.foreign import (
+        foreign_folder,
+        import_foreign,
+        import_torch_dist,
+        is_torch_dist,
+        read_foreign,
+    )
     from megatron_hpc.checkpoint.store import iteration_dir
     from megatron_hpc.errors import CheckpointError
 
@@ -150,7 +156,12 @@ def _convert(args: argparse.Namespace) -> int:
     notes: list[str] = []
     family = "megatron-hpc"
     streamed = None
-    if folder is not None:
+    saved = None
+    if folder is not None and is_torch_dist(folder):
+        # Read whole (global tensors, TP 1 x PP 1); written at the sizes it was saved at unless --tp / --pp say.
+        dist = import_torch_dist(folder, vocab_size=args.vocab_size)
+        whole, family, notes, saved = dist.imported.whole, dist.imported.family, list(dist.imported.notes), dist.saved
+    elif folder is not None:
         # Except for --to hf (which needs the whole model), the source is mapped and its weights are read one
         # output rank at a time by stream.reshard.
         lazy = args.to != "hf"
@@ -160,8 +171,11 @@ def _convert(args: argparse.Namespace) -> int:
         if args.vocab_size is not None:
             raise CheckpointError("--vocab-size is for checkpoints of other trainers; ours record their vocabulary")
         whole = read_whole(source, iteration=args.iteration)
+    from_tp, from_pp = (whole.tensor_parallel, whole.pipeline_parallel) if saved is None else saved[:2]
+    if saved is not None:
+        args.tp, args.pp = (from_tp if args.tp is None else args.tp), (from_pp if args.pp is None else args.pp)
     report = {"source": str(whole.found.folder), "family": family, "iteration": whole.iteration, "to": args.to,
-              "out": str(out), "from_tp": whole.tensor_parallel, "from_pp": whole.pipeline_parallel}
+              "out": str(out), "from_tp": from_tp, "from_pp": from_pp}
     if args.to != "hf":  # the export writes fp32 whatever the source held
         report["weights_dtype"] = _weights_dtype(whole)
     if args.to == "hf":
@@ -189,8 +203,8 @@ def _convert(args: argparse.Namespace) -> int:
                                           f"parallel.pipeline={pp}")
         at = "" if args.to == "hf" else f" at tp {tp} x pp {pp}"
         kept = "" if args.to == "hf" else f", weights in {report['weights_dtype']}"
-        print(f"converted {whole.found.folder} ({family}, iteration {whole.iteration}, tp {whole.tensor_parallel} x "
-              f"pp {whole.pipeline_parallel}) to {args.to}{at}{kept}: {written}{sets}")
+        print(f"converted {whole.found.folder} ({family}, iteration {whole.iteration}, tp {from_tp} x pp {from_pp}) "
+              f"to {args.to}{at}{kept}: {written}{sets}")
     for note in notes:
         print(f"megatron-hpc: warning: {note}", file=sys.stderr)
     return 0

@@ -1,0 +1,202 @@
+"""megatron-core's torch_dist checkpoint folder: recognise it, check it is whole, read it through torch's own
+torch.distributed.checkpoint (one process, no process group), never by parsing .distcp files ourselves.
+
+What Megatron-LM's `--ckpt-format torch_dist` (its default) writes into iter_XXXXXXX (megatron-core 0.16.1
+dist_checkpointing/serialization.py save, strategies/torch.py, strategies/common.py, core.py):
+
+    metadata.json   {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+                    "common_backend_version": 1}, written last (a folder without it is an unfinished save)
+    common.pt       torch.save of everything not sharded, by rank 0: args, iteration, checkpoint_version,
+                    opt_param_scheduler, the optimizer's param groups and step, content_metadata
+    .metadata       torch.distributed.checkpoint's pickled Metadata: each key's global shape, dtype and chunks, and
+                    where each chunk lies (storage_data: file name, offset, length)
+    __R_T.distcp    the data, one or more files per saving rank; each tensor chunk a torch.save'd tensor, each
+                    ShardedObject (rng_state, the distributed optimizer's settings) torch.save'd bytes
+
+Tensors are stored by global key with their global shape: the TP shards of a weight are chunks of one tensor, and
+the layers of a stage are a leading layer axis (decoder.layers.* is [num_layers, ...]), so reading a key gives the
+whole tensor whatever TP x PP x DP wrote it.
+
+Nothing in the files runs: .metadata is read by a restricted unpickler that knows torch.distributed.checkpoint's
+own record classes only, tensors by torch's weights-only loader (FileSystemReader does that), and the bytes of
+common.pt and of ShardedObjects by our safe_load (store/file_io.py).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+from megatron_hpc.checkpoint.foreign.megatron_family import TORCH_DIST_FILES
+from megatron_hpc.checkpoint.store import safe_load
+from megatron_hpc.errors import CheckpointAccessError, CheckpointError
+
+CONFIG, METADATA, COMMON = TORCH_DIST_FILES
+BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+           "common_backend_version": 1}
+"""The only metadata.json megatron-core has written for torch_dist (its CheckpointingConfig defaults)."""
+
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
+                "torch.distributed.checkpoint.filesystem")
+_TORCH_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("torch._utils", "_get_layout")}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TorchDistFolder:
+    folder: Path
+    common: dict[str, Any]
+    """common.pt as written (args, iteration, opt_param_scheduler, optimizer settings, content_metadata, ...)."""
+    metadata: Metadata
+
+    @property
+    def keys(self) -> dict[str, Any]:
+        """Each stored key's record: TensorStorageMetadata (size, properties.dtype, chunks) or BytesStorageMetadata."""
+        return self.metadata.state_dict_metadata
+
+    @property
+    def content(self) -> dict[str, Any]:
+        """Megatron-LM's sharded_state_dict metadata (distrib_optim_sharding_type, ...); empty before mcore 0.13."""
+        found = self.common.get("content_metadata")
+        return found if isinstance(found, dict) else {}
+
+    def tensor_keys(self) -> list[str]:
+        return [k for k, v in self.keys.items() if isinstance(v, TensorStorageMetadata)]
+
+    def object_keys(self) -> list[str]:
+        return [k for k, v in self.keys.items() if isinstance(v, BytesStorageMetadata)]
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """pickle.load of .metadata that builds torch.distributed.checkpoint's records, torch.Size and dtypes, and
+    refuses any other global before looking it up."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _DCP_MODULES or (module, name) in _TORCH_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"global {module}.{name}")
+
+
+class _SafeReader(FileSystemReader):
+    """torch's FileSystemReader with .metadata read by _MetadataUnpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = Path(self.path) / METADATA
+        try:
+            with path.open("rb") as fh:
+                metadata = _MetadataUnpickler(fh).load()
+        except PermissionError as exc:
+            raise CheckpointAccessError(path, exc) from None
+        except FileNotFoundError:
+            raise CheckpointError(f"{path.parent} has no {METADATA} (torch.distributed.checkpoint's index of the "
+                                  ".distcp files); the save did not finish, pass another iteration") from None
+        except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError, OSError) as exc:
+            raise CheckpointError(f"{path} is not torch.distributed.checkpoint metadata ({type(exc).__name__}: "
+                                  f"{str(exc)[:120]}); it is damaged or of another tool, copy it again") from None
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not torch.distributed.checkpoint "
+                                  "metadata; it is damaged, copy it again")
+        return metadata
+
+
+class _Planner(DefaultLoadPlanner):
+    """The default planner (tensors copied into the tensors given), with ShardedObject bytes kept raw."""
+
+    def __init__(self, raw: dict[str, bytes]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.raw = raw
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        self.raw[read_item.dest_index.fqn] = value.getvalue()
+
+
+def _check_config(folder: Path) -> None:
+    path = folder / CONFIG
+    if not path.is_file():
+        raise CheckpointError(f"{folder} has no {CONFIG} (megatron-core writes it last, once every rank's files are "
+                              "written); the save did not finish, pass another iteration")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except PermissionError as exc:
+        raise CheckpointAccessError(path, exc) from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(f"{path} is not JSON ({exc}); it is damaged, copy it again") from None
+    if not isinstance(config, dict) or any(config.get(k) != v for k, v in BACKEND.items()):
+        seen = {k: config.get(k) for k in BACKEND} if isinstance(config, dict) else config
+        raise CheckpointError(f"{path} says {seen}; only megatron-core's torch_dist format version 1 ({BACKEND}) is "
+                              "read: save it with Megatron-LM's --ckpt-format torch_dist, or as --ckpt-format torch "
+                              "(--ckpt-convert-format torch --ckpt-convert-save DIR) and convert that")
+
+
+def _check_files(folder: Path, metadata: Metadata) -> None:
+    """Every data file the index names is there (a plain name, inside the folder)."""
+    names = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
+    bad = [n for n in names if Path(n).name != n or n in ("", ".", "..")]
+    if bad or not names:
+        raise CheckpointError(f"{folder / METADATA} names data files {bad[:2] or 'none'}, not files of this folder; "
+                              "it is damaged or of another tool, copy the checkpoint again")
+    missing = [n for n in names if not (folder / n).is_file()]
+    if missing:
+        raise CheckpointError(f"{folder} has no {missing[0]} ({len(missing)} of its {len(names)} .distcp data files "
+                              "missing); the checkpoint is incomplete, copy the missing files or pass another "
+                              "iteration")
+
+
+def open_folder(folder: Path) -> TorchDistFolder:
+    """The checked folder with its common.pt and index read (no tensor data yet)."""
+    _check_config(folder)
+    common_path = folder / COMMON
+    if not common_path.is_file():
+        raise CheckpointError(f"{folder} has no {COMMON} (the args, iteration and optimizer settings rank 0 saves); "
+                              "the checkpoint is incomplete, copy common.pt from the run's save folder or pass "
+                              "another iteration")
+    common = safe_load(common_path, what=common_path)
+    if not isinstance(common, dict):
+        raise CheckpointError(f"{common_path} holds a {type(common).__name__}, not megatron-core's common state "
+                              "dict; it is damaged, copy it again")
+    metadata = _SafeReader(folder).read_metadata()
+    _check_files(folder, metadata)
+    return TorchDistFolder(folder=folder, common=common, metadata=metadata)
+
+
+def read(src: TorchDistFolder, keys: Iterable[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(tensors, objects) of `keys`, whole: each tensor at its global shape and saved dtype, each ShardedObject
+    key's value (the list of its shards' data megatron-core saved) unpickled by safe_load."""
+    tensors: dict[str, torch.Tensor] = {}
+    request: dict[str, Any] = {}
+    for key in keys:
+        record = src.keys[key]
+        if isinstance(record, TensorStorageMetadata):
+            tensors[key] = request[key] = torch.empty(record.size, dtype=record.properties.dtype)
+        else:
+            request[key] = io.BytesIO()
+    raw: dict[str, bytes] = {}
+    if request:
+        try:
+            with warnings.catch_warnings():  # one process on purpose: no_dist says so, torch warns anyway
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(request, storage_reader=_SafeReader(src.folder), planner=_Planner(raw), no_dist=True)
+        except CheckpointError:
+            raise
+        except PermissionError as exc:
+            raise CheckpointAccessError(exc.filename or src.folder, exc) from None
+        except Exception as exc:  # torch wraps a reader's failure in CheckpointException (one per rank)
+            raise CheckpointError(f"torch.distributed.checkpoint could not read {src.folder} "
+                                  f"({type(exc).__name__}: {str(exc).strip()[:300]}); a .distcp file is truncated "
+                                  "or damaged, copy the checkpoint again") from None
+    objects = {key: safe_load(io.BytesIO(data), what=src.folder / f"{key} (in a .distcp file)")
+               for key, data in raw.items()}
+    return tensors, objects
