@@ -20,12 +20,14 @@ from megatron_hpc.checkpoint.foreign.megatron_family import (
     read_foreign,
 )
 from megatron_hpc.checkpoint.foreign.torch_dist import import_torch_dist, torch_dist_summary
+from megatron_hpc.checkpoint.foreign.torch_dist_export import export_torch_dist
 
 __all__ = [
     "OURS",
     "arg",
     "copy_tokenizer",
     "export_hf",
+    "export_torch_dist",
     "family_of",
     "foreign_folder",
     "import_foreign",

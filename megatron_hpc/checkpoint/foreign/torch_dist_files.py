@@ -50,7 +50,10 @@ BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "commo
 
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
                 "torch.distributed.checkpoint.filesystem")
-_TORCH_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("torch._utils", "_get_layout")}
+_TORCH_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("torch._utils", "_get_layout"),
+                  # StorageMeta.checkpoint_id is the writer's path, a str or a pathlib path (built, never opened)
+                  ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+                  ("pathlib", "PureWindowsPath")}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
