@@ -26,27 +26,33 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import pickle
 import warnings
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from megatron_hpc.checkpoint.foreign.megatron_family import TORCH_DIST_FILES
 from megatron_hpc.checkpoint.store import safe_load
 from megatron_hpc.errors import CheckpointAccessError, CheckpointError
 
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
+
+# torch.distributed.checkpoint is imported where it is used: it takes 0.7 s to import (DTensor and its ops), which
+# every `ckpt convert` and every importer of the foreign face would pay otherwise.
+
 CONFIG, METADATA, COMMON = TORCH_DIST_FILES
 BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
            "common_backend_version": 1}
 """The only metadata.json megatron-core has written for torch_dist (its CheckpointingConfig defaults)."""
+READ_THREADS = 4
 
 _DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
                 "torch.distributed.checkpoint.filesystem")
@@ -75,10 +81,15 @@ class TorchDistFolder:
         return found if isinstance(found, dict) else {}
 
     def tensor_keys(self) -> list[str]:
-        return [k for k, v in self.keys.items() if isinstance(v, TensorStorageMetadata)]
+        return [k for k, v in self.keys.items() if _is_tensor(v)]
 
     def object_keys(self) -> list[str]:
-        return [k for k, v in self.keys.items() if isinstance(v, BytesStorageMetadata)]
+        return [k for k, v in self.keys.items() if not _is_tensor(v)]
+
+
+def _is_tensor(record: Any) -> bool:
+    """A TensorStorageMetadata (the other kind, BytesStorageMetadata, has no size)."""
+    return hasattr(record, "size") and hasattr(record, "chunks")
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -93,37 +104,45 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"global {module}.{name}")
 
 
-class _SafeReader(FileSystemReader):
-    """torch's FileSystemReader with .metadata read by _MetadataUnpickler."""
+@cache
+def _classes() -> tuple[type, type]:
+    """(_SafeReader, _Planner): torch's FileSystemReader with .metadata read by _MetadataUnpickler, and its default
+    load planner (tensors copied into the tensors given) with ShardedObject bytes kept raw."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import Metadata
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = Path(self.path) / METADATA
-        try:
-            with path.open("rb") as fh:
-                metadata = _MetadataUnpickler(fh).load()
-        except PermissionError as exc:
-            raise CheckpointAccessError(path, exc) from None
-        except FileNotFoundError:
-            raise CheckpointError(f"{path.parent} has no {METADATA} (torch.distributed.checkpoint's index of the "
-                                  ".distcp files); the save did not finish, pass another iteration") from None
-        except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError, OSError) as exc:
-            raise CheckpointError(f"{path} is not torch.distributed.checkpoint metadata ({type(exc).__name__}: "
-                                  f"{str(exc)[:120]}); it is damaged or of another tool, copy it again") from None
-        if not isinstance(metadata, Metadata):
-            raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not torch.distributed.checkpoint "
-                                  "metadata; it is damaged, copy it again")
-        return metadata
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            return _read_metadata(Path(self.path) / METADATA, Metadata)
+
+    class Planner(DefaultLoadPlanner):
+        def __init__(self, raw: dict[str, bytes]) -> None:
+            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+            self.raw = raw
+
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            self.raw[read_item.dest_index.fqn] = value.getvalue()
+
+    return SafeReader, Planner
 
 
-class _Planner(DefaultLoadPlanner):
-    """The default planner (tensors copied into the tensors given), with ShardedObject bytes kept raw."""
-
-    def __init__(self, raw: dict[str, bytes]) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.raw = raw
-
-    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        self.raw[read_item.dest_index.fqn] = value.getvalue()
+def _read_metadata(path: Path, kind: type) -> Any:
+    try:
+        with path.open("rb") as fh:
+            metadata = _MetadataUnpickler(fh).load()
+    except PermissionError as exc:
+        raise CheckpointAccessError(path, exc) from None
+    except FileNotFoundError:
+        raise CheckpointError(f"{path.parent} has no {METADATA} (torch.distributed.checkpoint's index of the "
+                              ".distcp files); the save did not finish, pass another iteration") from None
+    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError, OSError) as exc:
+        raise CheckpointError(f"{path} is not torch.distributed.checkpoint metadata ({type(exc).__name__}: "
+                              f"{str(exc)[:120]}); it is damaged or of another tool, copy it again") from None
+    if not isinstance(metadata, kind):
+        raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not torch.distributed.checkpoint "
+                              "metadata; it is damaged, copy it again")
+    return metadata
 
 
 def _check_config(folder: Path) -> None:
@@ -170,36 +189,76 @@ def open_folder(folder: Path) -> TorchDistFolder:
     if not isinstance(common, dict):
         raise CheckpointError(f"{common_path} holds a {type(common).__name__}, not megatron-core's common state "
                               "dict; it is damaged, copy it again")
-    metadata = _SafeReader(folder).read_metadata()
+    reader, _ = _classes()
+    metadata = reader(str(folder)).read_metadata()
     _check_files(folder, metadata)
     return TorchDistFolder(folder=folder, common=common, metadata=metadata)
 
 
+def _batches(src: TorchDistFolder, request: dict[str, Any], count: int) -> list[dict[str, Any]]:
+    """`request` in up to `count` parts of about equal bytes, each key with the others of the .distcp file that holds
+    its first chunk, so that each file is read by one load."""
+    home: dict[str, str] = {}
+    for index, info in (src.metadata.storage_data or {}).items():
+        home.setdefault(index.fqn, info.relative_path)
+    by_file: dict[str, list[str]] = {}
+    for key in request:
+        by_file.setdefault(home.get(key, ""), []).append(key)
+
+    def size(key: str) -> int:
+        value = request[key]
+        return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+
+    parts: list[dict[str, Any]] = [{} for _ in range(max(1, min(count, len(by_file))))]
+    loads = [0] * len(parts)
+    for keys in sorted(by_file.values(), key=lambda ks: -sum(map(size, ks))):
+        i = loads.index(min(loads))
+        parts[i].update((k, request[k]) for k in keys)
+        loads[i] += sum(map(size, keys))
+    return parts
+
+
+def _load(src: TorchDistFolder, request: dict[str, Any], raw: dict[str, bytes]) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    reader, planner = _classes()
+    try:
+        dcp.load(request, storage_reader=reader(str(src.folder)), planner=planner(raw), no_dist=True)
+    except CheckpointError:
+        raise
+    except PermissionError as exc:
+        raise CheckpointAccessError(exc.filename or src.folder, exc) from None
+    except Exception as exc:  # torch wraps a reader's failure in CheckpointException (one per rank)
+        raise CheckpointError(f"torch.distributed.checkpoint could not read {src.folder} "
+                              f"({type(exc).__name__}: {str(exc).strip()[:300]}); a .distcp file is truncated "
+                              "or damaged, copy the checkpoint again") from None
+
+
 def read(src: TorchDistFolder, keys: Iterable[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(tensors, objects) of `keys`, whole: each tensor at its global shape and saved dtype, each ShardedObject
-    key's value (the list of its shards' data megatron-core saved) unpickled by safe_load."""
+    key's value (the list of its shards' data megatron-core saved) unpickled by safe_load.
+
+    The .distcp files are read by up to READ_THREADS loads side by side (each its own files): torch's reader copies
+    every chunk twice (out of the file into a storage, then into the tensor asked for), one file after another, and
+    those copies, not the disk, bound it (benchmarks/convert_torch_dist_cpu.py)."""
     tensors: dict[str, torch.Tensor] = {}
     request: dict[str, Any] = {}
     for key in keys:
         record = src.keys[key]
-        if isinstance(record, TensorStorageMetadata):
+        if _is_tensor(record):
             tensors[key] = request[key] = torch.empty(record.size, dtype=record.properties.dtype)
         else:
             request[key] = io.BytesIO()
     raw: dict[str, bytes] = {}
-    if request:
-        try:
-            with warnings.catch_warnings():  # one process on purpose: no_dist says so, torch warns anyway
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.load(request, storage_reader=_SafeReader(src.folder), planner=_Planner(raw), no_dist=True)
-        except CheckpointError:
-            raise
-        except PermissionError as exc:
-            raise CheckpointAccessError(exc.filename or src.folder, exc) from None
-        except Exception as exc:  # torch wraps a reader's failure in CheckpointException (one per rank)
-            raise CheckpointError(f"torch.distributed.checkpoint could not read {src.folder} "
-                                  f"({type(exc).__name__}: {str(exc).strip()[:300]}); a .distcp file is truncated "
-                                  "or damaged, copy the checkpoint again") from None
+    parts = _batches(src, request, min(READ_THREADS, os.cpu_count() or 1)) if request else []
+    with warnings.catch_warnings():  # one process on purpose: no_dist says so, torch warns anyway
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        if len(parts) == 1:
+            _load(src, parts[0], raw)
+        elif parts:
+            with ThreadPoolExecutor(len(parts)) as pool:
+                for done in [pool.submit(_load, src, part, raw) for part in parts]:
+                    done.result()  # the first failure, re-raised here
     objects = {key: safe_load(io.BytesIO(data), what=src.folder / f"{key} (in a .distcp file)")
                for key, data in raw.items()}
     return tensors, objects

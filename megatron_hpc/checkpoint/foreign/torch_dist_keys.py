@@ -110,7 +110,9 @@ def to_ours(key: str, tensor: torch.Tensor, *, swiglu: bool, num_layers: int) ->
             out[f"h.{i}.{ours.replace('fc', 'gate', 1)}"] = gate
             out[f"h.{i}.{ours}"] = up
         else:
-            out[f"h.{i}.{ours}"] = layer
+            # A vector (norm, bias) is copied out of the stack: a writer saving the view would save the whole
+            # stack's storage, once per layer. Matrices are copied as they are split (stream.reshard).
+            out[f"h.{i}.{ours}"] = layer.clone() if layer.ndim == 1 else layer
     return out
 
 
