@@ -202,7 +202,8 @@ def _bucket_space(src: TorchDistFolder, model: dict[str, torch.Tensor], *, tp: i
         match = _BUCKET.match(key)
         if match:
             if int(match.group(2)) != 0:
-                raise ValueError("it has several grad buffers per rank (mixed parameter dtypes), which are not read")
+                raise ValueError("it has several grad buffers per rank (virtual pipeline chunks or mixed parameter "
+                                 "dtypes), which are not read; save with --dist-ckpt-optim-fully-reshardable")
             found.setdefault(int(match.group(1)), {}).setdefault(int(match.group(4)), {})[match.group(5)] = key
     if sorted(found) != list(range(tp * pp)):
         raise ValueError(f"its distributed optimizer holds model-parallel ranks {sorted(found)}, not the tp {tp} x "
