@@ -10,7 +10,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from megatron_hpc.checkpoint.foreign import OURS, arg, family_of, foreign_folder, rank_files
+from megatron_hpc.checkpoint.foreign import (
+    OURS,
+    arg,
+    family_of,
+    foreign_folder,
+    is_torch_dist,
+    rank_files,
+    torch_dist_summary,
+)
 from megatron_hpc.checkpoint.store import (
     FoundCheckpoint,
     find_checkpoint,
@@ -118,7 +126,7 @@ def _summarize(path: Path, *, verify: bool) -> dict[str, Any]:
         return _single_file(path)
     folder = foreign_folder(path)
     if folder is not None:
-        return _foreign(folder)
+        return torch_dist_summary(folder) if is_torch_dist(folder) else _foreign(folder)
     if (path / paths.MAIN_FILE).is_file():
         return _single_file(path / paths.MAIN_FILE)
     if (path / paths.MANIFEST).is_file():

@@ -1,12 +1,13 @@
 """`megatron-hpc ckpt inspect | convert | reshard`: look into a checkpoint (ours, or one of the Neuron reference,
-Megatron-LM or megatron-core), make one of those ours, export it to Hugging Face or the other file format, or change
-its TP and PP sizes."""
+Megatron-LM or megatron-core, torch_dist included), make one of those ours, export it to Hugging Face, megatron-core's
+torch_dist or the other file format, or change its TP and PP sizes."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +38,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON")
 
     c = sub.add_parser("convert", help="a checkpoint of ours or of the Neuron reference / Megatron-LM / megatron-core "
-                                       "as ours (--to torch|xser, optionally at --tp N --pp M), to a Hugging Face "
+                                       "(mp_rank_* or torch_dist) as ours (--to torch|xser, optionally at --tp N --pp "
+                                       "M), as megatron-core's torch_dist (--to torch_dist), to a Hugging Face "
                                        "folder (--to hf), or a Hugging Face folder (config.json and weights) as ours")
     c.add_argument("path", type=Path, help="checkpoint folder (the tracker picks the iteration), iter_XXXXXXX folder, "
                                            "or a local Hugging Face model folder (config.json and weights)")
-    c.add_argument("--to", required=True, choices=("hf", "torch", "xser"), help="what to write")
+    c.add_argument("--to", required=True, choices=("hf", "torch", "xser", "torch_dist"),
+                   help="what to write (torch_dist: megatron-core's format, for Megatron-LM's --ckpt-format torch_dist "
+                        "--load)")
     c.add_argument("out", type=Path, nargs="?", help="output folder (or --out)")
     c.add_argument("--out", dest="out_option", type=Path, metavar="OUT", help="output folder")
     c.add_argument("--tp", "--tensor-parallel", dest="tp", type=int,
@@ -51,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--vocab-size", type=int, help="the tokenizer's true vocabulary, when a checkpoint of another "
                                                   "trainer records only the padded size")
     c.add_argument("--iteration", type=int, help="convert this iteration instead of the tracker's")
+    c.add_argument("--distributed-optimizer", action="store_true",
+                   help="with --to torch_dist: Adam's state for a run with --use-distributed-optimizer (its "
+                        "fully_reshardable form) instead of plain Adam's")
     c.add_argument("--json", action="store_true", help="print JSON")
 
     r = sub.add_parser("reshard", help="the checkpoint at other tensor- and pipeline-parallel sizes (same iteration)")
@@ -132,13 +139,52 @@ def _out(args: argparse.Namespace) -> Path:
     return given[0]
 
 
-def _convert(args: argparse.Namespace) -> int:
+@dataclass(frozen=True, slots=True)
+class _Source:
+    whole: Any
+    family: str
+    notes: list[str]
+    streamed: Any = None
+    """stream.Source over a mapped foreign checkpoint (its whole's weights are meta), or None."""
+    saved: tuple[int, int] | None = None
+    """(tp, pp) a source read whole at TP 1 x PP 1 (torch_dist) was saved at."""
+    ours: bool = False
+
+
+def _read_source(args: argparse.Namespace) -> _Source:
     from megatron_hpc.checkpoint.conversion import read_whole
-    from megatron_hpc.checkpoint.foreign import foreign_folder, import_foreign, read_foreign
+    from megatron_hpc.checkpoint.foreign import (
+        foreign_folder,
+        import_foreign,
+        import_torch_dist,
+        is_torch_dist,
+        read_foreign,
+    )
     from megatron_hpc.checkpoint.store import iteration_dir
     from megatron_hpc.errors import CheckpointError
 
+    source = args.path
+    folder = foreign_folder(source if args.iteration is None else iteration_dir(source, args.iteration))
+    if folder is not None and is_torch_dist(folder):
+        dist = import_torch_dist(folder, vocab_size=args.vocab_size)
+        return _Source(dist.imported.whole, dist.imported.family, list(dist.imported.notes), saved=dist.saved[:2])
+    if folder is not None:
+        # Except for --to hf and torch_dist (which need the whole model), the source is mapped and its weights are
+        # read one output rank at a time by stream.reshard.
+        lazy = args.to not in ("hf", "torch_dist")
+        imported = import_foreign(read_foreign(folder, mmap=lazy), vocab_size=args.vocab_size, lazy=lazy)
+        return _Source(imported.whole, imported.family, list(imported.notes), streamed=imported.source)
+    if args.vocab_size is not None:
+        raise CheckpointError("--vocab-size is for checkpoints of other trainers; ours record their vocabulary")
+    return _Source(read_whole(source, iteration=args.iteration), "megatron-hpc", [], ours=True)
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from megatron_hpc.errors import CheckpointError
+
     source, out = args.path, _out(args)
+    if args.distributed_optimizer and args.to != "torch_dist":
+        raise CheckpointError("--distributed-optimizer chooses the optimizer layout of --to torch_dist; drop it")
     if args.to == "hf" and (args.tp is not None or args.pp is not None):
         raise CheckpointError("--tp and --pp choose the layout of a Megatron checkpoint; a Hugging Face folder has "
                               "none, drop them")
@@ -146,54 +192,57 @@ def _convert(args: argparse.Namespace) -> int:
 
     if is_hf_folder(source):
         return _import_hf(args, out)
-    folder = foreign_folder(source if args.iteration is None else iteration_dir(source, args.iteration))
-    notes: list[str] = []
-    family = "megatron-hpc"
-    streamed = None
-    if folder is not None:
-        # Except for --to hf (which needs the whole model), the source is mapped and its weights are read one
-        # output rank at a time by stream.reshard.
-        lazy = args.to != "hf"
-        imported = import_foreign(read_foreign(folder, mmap=lazy), vocab_size=args.vocab_size, lazy=lazy)
-        whole, family, notes, streamed = imported.whole, imported.family, list(imported.notes), imported.source
-    else:
-        if args.vocab_size is not None:
-            raise CheckpointError("--vocab-size is for checkpoints of other trainers; ours record their vocabulary")
-        whole = read_whole(source, iteration=args.iteration)
-    report = {"source": str(whole.found.folder), "family": family, "iteration": whole.iteration, "to": args.to,
-              "out": str(out), "from_tp": whole.tensor_parallel, "from_pp": whole.pipeline_parallel}
+    src = _read_source(args)
+    whole, notes = src.whole, src.notes
+    # A torch_dist source is read whole at TP 1 x PP 1 and written at the sizes it was saved at unless told.
+    from_tp, from_pp = src.saved or (whole.tensor_parallel, whole.pipeline_parallel)
+    tp, pp = from_tp if args.tp is None else args.tp, from_pp if args.pp is None else args.pp
+    report = {"source": str(whole.found.folder), "family": src.family, "iteration": whole.iteration, "to": args.to,
+              "out": str(out), "from_tp": from_tp, "from_pp": from_pp}
     if args.to != "hf":  # the export writes fp32 whatever the source held
         report["weights_dtype"] = _weights_dtype(whole)
-    if args.to == "hf":
+    if args.to == "torch_dist":
+        from megatron_hpc.checkpoint.foreign import export_torch_dist
+
+        exported = export_torch_dist(whole, out, tp=tp, pp=pp, distributed=args.distributed_optimizer)
+        written, report["optimizer"] = exported.folder, exported.optimizer
+        notes += exported.notes
+    elif args.to == "hf":
         written, report["tokenizer"] = _export_hf(whole, out)
         tp, pp = whole.tensor_parallel, whole.pipeline_parallel
-    elif folder is None and args.tp is None and args.pp is None:
+    elif src.ours and args.tp is None and args.pp is None:
         from megatron_hpc.checkpoint.conversion import convert_format
 
-        written, tp, pp = convert_format(whole, to=args.to, out=out), whole.tensor_parallel, whole.pipeline_parallel
+        written = convert_format(whole, to=args.to, out=out)
     else:
         from megatron_hpc.checkpoint.conversion import stream
 
-        tp = whole.tensor_parallel if args.tp is None else args.tp
-        pp = whole.pipeline_parallel if args.pp is None else args.pp
         # One output rank at a time; whole is not read again (its weights are released as they are used).
-        result = stream.reshard(streamed or stream.in_memory(whole), tp=tp, pp=pp, out=out, fmt=args.to)
+        result = stream.reshard(src.streamed or stream.in_memory(whole), tp=tp, pp=pp, out=out, fmt=args.to)
         written, report["optimizer"] = result.folder, result.optimizer
         if result.note and not any("Adam" in n for n in notes):
             notes.append(result.note)
     report.update(tensor_parallel=tp, pipeline_parallel=pp, written=str(written), notes=notes)
+    _print_converted(args, report)
+    return 0
+
+
+def _print_converted(args: argparse.Namespace, report: dict[str, Any]) -> None:
     if args.json:
         print(json.dumps(report, indent=1))
     else:
+        out, tp, pp = report["out"], report["tensor_parallel"], report["pipeline_parallel"]
         sets = "" if args.to == "hf" else (f"; continue from it with checkpoint.load={out} parallel.tensor={tp} "
                                           f"parallel.pipeline={pp}")
+        if args.to == "torch_dist":
+            sets = (f"; continue from it with Megatron-LM's --ckpt-format torch_dist --load {out} "
+                    f"--tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp}")
         at = "" if args.to == "hf" else f" at tp {tp} x pp {pp}"
         kept = "" if args.to == "hf" else f", weights in {report['weights_dtype']}"
-        print(f"converted {whole.found.folder} ({family}, iteration {whole.iteration}, tp {whole.tensor_parallel} x "
-              f"pp {whole.pipeline_parallel}) to {args.to}{at}{kept}: {written}{sets}")
-    for note in notes:
+        print(f"converted {report['source']} ({report['family']}, iteration {report['iteration']}, tp "
+              f"{report['from_tp']} x pp {report['from_pp']}) to {args.to}{at}{kept}: {report['written']}{sets}")
+    for note in report["notes"]:
         print(f"megatron-hpc: warning: {note}", file=sys.stderr)
-    return 0
 
 
 def _weights_dtype(whole: Any) -> str:

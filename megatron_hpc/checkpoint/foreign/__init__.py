@@ -1,6 +1,7 @@
 """Checkpoints of other trainers, read and turned into ours: the Megatron family (the Neuron reference,
 Megatron-LM, megatron-core: find and read their shards, name the family, map their keys, QKV order and optimizer
-state, distributed-optimizer buffers included) and Hugging Face model folders (GPT-2, GPT-NeoX; in and out).
+state, distributed-optimizer buffers included; megatron-core's torch_dist folders in and out) and Hugging Face
+model folders (GPT-2, GPT-NeoX; in and out).
 
 The top room: it reads through store/ and hands whole checkpoints to conversion/ (stream.reshard), and neither
 imports it. Everything outside the room imports from here, never from a module inside it.
@@ -14,20 +15,27 @@ from megatron_hpc.checkpoint.foreign.megatron_family import (
     arg,
     family_of,
     foreign_folder,
+    is_torch_dist,
     rank_files,
     read_foreign,
 )
+from megatron_hpc.checkpoint.foreign.torch_dist import import_torch_dist, torch_dist_summary
+from megatron_hpc.checkpoint.foreign.torch_dist_export import export_torch_dist
 
 __all__ = [
     "OURS",
     "arg",
     "copy_tokenizer",
     "export_hf",
+    "export_torch_dist",
     "family_of",
     "foreign_folder",
     "import_foreign",
     "import_hf",
+    "import_torch_dist",
     "is_hf_folder",
+    "is_torch_dist",
     "rank_files",
     "read_foreign",
+    "torch_dist_summary",
 ]

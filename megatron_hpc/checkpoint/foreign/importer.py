@@ -163,7 +163,7 @@ def _progress(src: ForeignCheckpoint, notes: list[str]) -> tuple[int, int, int]:
     return iteration, consumed, int(num_steps) // int(gbs)
 
 
-def _rng(state: dict[str, Any], notes: list[str]) -> list[dict[str, Any]] | None:
+def rng_states(state: dict[str, Any], notes: list[str]) -> list[dict[str, Any]] | None:
     """Megatron's RNG states (one per DP rank) in our form: lists for tuples, numpy's keys as ints; the CUDA
     generator's state (the reference's is the CPU one again) is not carried: devices differ."""
     per_rank = state.get("rng_state")
@@ -190,7 +190,7 @@ def _rng(state: dict[str, Any], notes: list[str]) -> list[dict[str, Any]] | None
     return out
 
 
-def _vocab(state: dict[str, Any], padded: int, given: int | None, notes: list[str]) -> int:
+def true_vocab(state: dict[str, Any], padded: int, given: int | None, notes: list[str]) -> int:
     if given is not None:
         if not 0 < given <= padded:
             raise CheckpointError(f"--vocab-size {given} must be between 1 and the checkpoint's {padded} "
@@ -231,7 +231,7 @@ def model_config(src: ForeignCheckpoint, full: dict[str, torch.Tensor], *, vocab
                                                                  or arg(state, "seq_length"))
     cfg = {"num_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
            "seq_length": int(arg(state, "seq_length") or max_pos), "max_position_embeddings": max_pos,
-           "vocab_size": _vocab(state, padded, vocab_size, notes),
+           "vocab_size": true_vocab(state, padded, vocab_size, notes),
            "ffn_hidden_size": full["h.0.mlp.fc.weight"].shape[0] if layers else 4 * hidden,
            "make_vocab_size_divisible_by": int(arg(state, "make_vocab_size_divisible_by", 128) or 128),
            "position_embedding": "rope" if rope else "learned",
@@ -344,7 +344,7 @@ def _optimizers(src: ForeignCheckpoint, ranks: list[list[dict[str, torch.Tensor]
     return out
 
 
-def _adam_groups(hyper: dict[str, Any]) -> list[dict[str, Any]]:
+def adam_groups(hyper: dict[str, Any]) -> list[dict[str, Any]]:
     """Our trainer's two AdamW groups (weight decay, then none) with the source's settings."""
     template = torch.optim.AdamW([torch.zeros(1)]).state_dict()["param_groups"][0]
     decay = {**{k: v for k, v in template.items() if k != "params"}, **hyper}
@@ -360,7 +360,7 @@ def _our_optimizer(opt: foreign_optim.ForeignOptimizer, model: dict[str, torch.T
         step = float(step.item() if isinstance(step, torch.Tensor) else step)
         moments[name] = {"step": torch.tensor(step, dtype=torch.float32), "exp_avg": m["exp_avg"].float().contiguous(),
                          "exp_avg_sq": m["exp_avg_sq"].float().contiguous()}
-    return optim_layout.indexed(moments, model=model, groups=_adam_groups(opt.hyper))
+    return optim_layout.indexed(moments, model=model, groups=adam_groups(opt.hyper))
 
 
 def import_foreign(src: ForeignCheckpoint, *, vocab_size: int | None = None, lazy: bool = False) -> Imported:
@@ -412,7 +412,7 @@ def import_foreign(src: ForeignCheckpoint, *, vocab_size: int | None = None, laz
         models = _our_models(src, ranks, optimizers, version=version, heads_per_shard=heads // tp)
         full = pp_layout.merged_shapes(models)  # shapes only: a merged copy would hold the model twice
     cfg = model_config(src, full, vocab_size=vocab_size, notes=notes)
-    rng = _rng(state, notes)
+    rng = rng_states(state, notes)
     scaler = optimizers[0][0].grad_scaler if optimizers else None
     grid = []
     for p, row in enumerate(models):

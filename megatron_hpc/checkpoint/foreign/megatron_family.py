@@ -11,6 +11,9 @@ with pipeline parallelism, each with `model_optim_rng.pt` (a plain torch file, o
   an `args` Namespace;
 - megatron-core: an `args` Namespace and megatron-core's flat model keys (embedding., decoder.layers.N., output_layer).
 
+A folder of megatron-core's torch_dist format (metadata.json, .metadata, common.pt, *.distcp) is found here too and
+read by torch_dist.py.
+
 Reading goes through the restricted unpickler (store/file_io.py, safe_pickle.py): nothing in the files runs.
 """
 
@@ -25,8 +28,8 @@ from megatron_hpc.errors import CheckpointAccessError, CheckpointError
 
 FAMILIES = ("neuron-reference", "megatron-lm", "megatron-core")
 OURS = "megatron-hpc"
-
-_DIST_MARKERS = (".metadata", "common.pt", "metadata.json")
+TORCH_DIST_FILES = ("metadata.json", ".metadata", "common.pt")
+"""The files megatron-core's torch_dist format writes beside its *.distcp data (torch_dist_files.py)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -77,16 +80,15 @@ def rank_dirs(folder: Path) -> list[Path]:
         return []
 
 
-def _check_not_torch_dist(folder: Path) -> None:
-    if any((folder / m).is_file() for m in _DIST_MARKERS) or any(folder.glob("*.distcp")):
-        raise CheckpointError(f"{folder} is in Megatron's torch_dist format (.distcp shards), which is not read here; "
-                              "save it in the torch format with Megatron's --ckpt-convert-format torch "
-                              "--ckpt-convert-save DIR and convert that")
+def is_torch_dist(folder: Path) -> bool:
+    """Whether `folder` holds (a part of) a megatron-core torch_dist checkpoint rather than mp_rank_* shards."""
+    return any((folder / name).is_file() for name in TORCH_DIST_FILES) or any(folder.glob("*.distcp"))
 
 
 def foreign_folder(path: Path) -> Path | None:
     """The iteration folder of a foreign checkpoint at `path` (a save folder with the tracker, or an iter_XXXXXXX or
-    release folder), None when `path` is ours (it has a manifest) or no checkpoint folder at all."""
+    release folder; mp_rank_* shards or megatron-core's torch_dist files), None when `path` is ours (it has a
+    manifest) or no checkpoint folder at all."""
     try:
         return _foreign_folder(path)
     except PermissionError as exc:  # a probe (is_dir, is_file) into a folder this user may not enter
@@ -118,7 +120,8 @@ def _foreign_folder(path: Path) -> Path | None:
         path = folder
     if (path / paths.MANIFEST).is_file():
         return None
-    _check_not_torch_dist(path)
+    if is_torch_dist(path):  # megatron-core's torch_dist: read by torch_dist.py
+        return path
     return path if rank_dirs(path) else None
 
 

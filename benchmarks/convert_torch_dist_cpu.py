@@ -1,0 +1,174 @@
+"""`ckpt convert` of a megatron-core torch_dist checkpoint against `cp -r` of the same files (issue 27).
+
+Writes a synthetic GPT checkpoint as megatron-core's torch_dist format stores it (megatron-core 0.16.1; what
+tests/fixtures/megatron_core_torch_dist holds at toy size): the model's sharded keys with decoder layers stacked on a
+leading axis and Transformer Engine's fused norm names, bf16 weights, the .distcp data written by
+torch.distributed.checkpoint's own writer in several files (`--files`, as several saving ranks and threads make),
+common.pt with Megatron-LM's args, metadata.json; with `--optimizer`, plain Adam's model-space state beside it
+(fp32 master, exp_avg, exp_avg_sq: 7x the bytes). Then, one after the other in one run, each as a child process
+timed from start until its dirty pages are on the disk (a `sync` inside the timed region, as benchmarks/convert_cpu.py
+times them):
+
+- anchor: `cp -r SRC DST`;
+- ours:   `megatron-hpc ckpt convert SRC --to torch --tp N --out DIR` (one file per output rank);
+- ours:   the same `--to xser` (one file per tensor, the trainer's default format);
+- ours:   the same `--to torch_dist` (read and written back in megatron-core's format).
+
+    python benchmarks/convert_torch_dist_cpu.py --dir ./td-bench                       # 12 layers, hidden 1024
+    python benchmarks/convert_torch_dist_cpu.py --dir ./td-bench --repeat 3            # medians of 3
+    python benchmarks/convert_torch_dist_cpu.py --dir ./td-bench --layers 24 --hidden 2048 --optimizer
+
+Goal: each convert within 2x of the copy's wall time. Peak RSS is reported: the torch_dist reader holds the whole
+checkpoint (it reads every key whole through torch.distributed.checkpoint), unlike the legacy reader's mapped files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import convert_cpu
+from convert_cpu import GIB, Row, Shape, du, median_row, padded_vocab, ratio, run_child
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dir", type=Path, required=True, help="work folder (emptied first, removed after)")
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=50257, help="true vocabulary; padded as Megatron pads it")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--from-tp", type=int, default=2, help="the TP size the source's args record")
+    p.add_argument("--to-tp", type=int, default=2)
+    p.add_argument("--files", type=int, default=4, help=".distcp files the source's data is spread over")
+    p.add_argument("--optimizer", action="store_true", help="also plain Adam's fp32 masters and moments")
+    p.add_argument("--to", nargs="+", choices=("torch", "xser", "torch_dist"), default=["torch", "xser", "torch_dist"])
+    p.add_argument("--repeat", type=int, default=1, help="runs of each, alternating; the table gives medians")
+    p.add_argument("--keep", action="store_true", help="keep the work folder")
+    p.add_argument("--write-source-only", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.hidden % args.heads or args.heads % args.from_tp or args.heads % args.to_tp:
+        p.error(f"--heads {args.heads} must divide --hidden {args.hidden} and be divisible by --from-tp and --to-tp")
+    if args.repeat < 1 or args.files < 1:
+        p.error("--repeat and --files take 1 or more")
+    return args
+
+
+def write_source(root: Path, shape: Shape, *, tp: int, files: int, optimizer: bool) -> None:
+    """The torch_dist checkpoint under `root` (tracker + iter_0000100), as megatron-core lays it out."""
+    import argparse as ap
+    import json
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    g = torch.Generator().manual_seed(1)
+    h, f, n = shape.hidden, shape.ffn, shape.layers
+    padded = padded_vocab(shape.vocab, tp=tp)
+
+    def w(*dims: int) -> torch.Tensor:
+        return (torch.randn(*dims, generator=g) * 0.02).to(torch.bfloat16)
+
+    layer = "decoder.layers."
+    model = {"embedding.word_embeddings.weight": w(padded, h), "embedding.position_embeddings.weight": w(shape.seq, h),
+             layer + "self_attention.linear_qkv.layer_norm_weight": w(n, h),
+             layer + "self_attention.linear_qkv.layer_norm_bias": w(n, h),
+             layer + "self_attention.linear_qkv.weight": w(n, 3 * h, h),
+             layer + "self_attention.linear_qkv.bias": w(n, 3 * h),
+             layer + "self_attention.linear_proj.weight": w(n, h, h),
+             layer + "self_attention.linear_proj.bias": w(n, h),
+             layer + "mlp.linear_fc1.layer_norm_weight": w(n, h), layer + "mlp.linear_fc1.layer_norm_bias": w(n, h),
+             layer + "mlp.linear_fc1.weight": w(n, f, h), layer + "mlp.linear_fc1.bias": w(n, f),
+             layer + "mlp.linear_fc2.weight": w(n, h, f), layer + "mlp.linear_fc2.bias": w(n, h),
+             "decoder.final_layernorm.weight": w(h), "decoder.final_layernorm.bias": w(h)}
+    state: dict[str, object] = dict(model)
+    common: dict[str, object] = {"checkpoint_version": 3.0, "iteration": 100,
+                                 "content_metadata": {"singleton_local_shards": False,
+                                                      "chained_optim_avoid_prefix": True}}
+    if optimizer:
+        for key, t in model.items():
+            state[f"optimizer.state.fp32_param.{key}"] = t.float()
+            state[f"optimizer.state.exp_avg.{key}"] = t.float() * 0.1
+            state[f"optimizer.state.exp_avg_sq.{key}"] = t.float().square()
+        group = {"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False, "lr": 1e-4,
+                 "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+        common["optimizer"] = {"state": {"common_step": torch.tensor(100.0)},
+                               "param_groups": [group, {**group, "wd_mult": 0.0, "weight_decay": 0.0}]}
+        common["opt_param_scheduler"] = {"max_lr": 1e-4, "lr_warmup_steps": 80, "num_steps": 800,
+                                         "lr_decay_style": "cosine", "lr_decay_steps": 8000, "min_lr": 1e-5,
+                                         "start_wd": 0.1, "end_wd": 0.1, "wd_incr_style": "constant",
+                                         "wd_incr_steps": 8000}
+    common["args"] = ap.Namespace(
+        num_layers=n, hidden_size=h, ffn_hidden_size=f, num_attention_heads=shape.heads, seq_length=shape.seq,
+        max_position_embeddings=shape.seq, padded_vocab_size=padded, vocab_size=shape.vocab,
+        make_vocab_size_divisible_by=128, tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+        data_parallel_size=1, position_embedding_type="learned_absolute", normalization="LayerNorm",
+        swiglu=False, add_bias_linear=True, untie_embeddings_and_output_weights=False,
+        tokenizer_type="GPT2BPETokenizer",
+        global_batch_size=8, micro_batch_size=1, train_iters=1000, consumed_train_samples=800, lr=1e-4, min_lr=1e-5,
+        lr_warmup_iters=10, lr_decay_iters=1000, lr_decay_style="cosine", weight_decay=0.1, clip_grad=1.0,
+        adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, bf16=True, ckpt_format="torch_dist")
+    folder = root / "iter_0000100"
+    folder.mkdir(parents=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, storage_writer=FileSystemWriter(str(folder), thread_count=files),
+                 planner=DefaultSavePlanner(flatten_state_dict=False), no_dist=True)
+    torch.save(common, folder / "common.pt")
+    (folder / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                                                      "common_backend": "torch", "common_backend_version": 1}))
+    (root / "latest_checkpointed_iteration.txt").write_text("100")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    shape = Shape(layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab, seq=args.seq)
+    work = args.dir
+    src, copy = work / "src", work / "copy"
+    if args.write_source_only:
+        write_source(src, shape, tp=args.from_tp, files=args.files, optimizer=args.optimizer)
+        return
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    t0 = time.perf_counter()
+    # In a child: a child's peak RSS starts from its parent's at the fork, so this process stays small (no torch).
+    subprocess.run([sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--write-source-only"],
+                   check=True)
+    params = convert_cpu.num_params(shape, padded=padded_vocab(shape.vocab, tp=args.from_tp))
+    print(f"source: {params / 1e9:.3f} B parameters, torch_dist in {args.files} .distcp files, "
+          f"{'with' if args.optimizer else 'without'} optimizer, {du(src) / GIB:.2f} GiB, written in "
+          f"{time.perf_counter() - t0:.0f} s; load {os.getloadavg()[0]:.2f}", flush=True)
+    commands = {"cp -r": (["cp", "-r", str(src), str(copy)], copy)}
+    for to in args.to:
+        out = work / f"ours-{to}"
+        commands[f"convert --to {to} --tp {args.to_tp}"] = (
+            [sys.executable, "-m", "megatron_hpc", "ckpt", "convert", str(src), "--to", to, "--tp", str(args.to_tp),
+             "--out", str(out)], out)
+    runs: dict[str, list[Row]] = {name: [] for name in commands}
+    for i in range(args.repeat):  # alternating, so a change in the machine's load falls on all alike
+        for name, (cmd, dst) in commands.items():
+            shutil.rmtree(dst, ignore_errors=True)
+            runs[name].append(run_child(name, cmd))
+            print(f"  run {i + 1}: {name}: {runs[name][-1].wall_s:.2f} s", flush=True)
+    rows = [median_row(done) for done in runs.values()]
+    sizes = {"source": du(src), **{f"output {n}": du(dst) for n, (_, dst) in commands.items() if n != "cp -r"}}
+    print(convert_cpu.table(rows, sizes))
+    worst = max(ratio(r.wall_s, rows[0].wall_s) for r in rows[1:])
+    print(f"time goal (each convert <= 2x copy): {'met' if worst <= 2.0 else 'NOT met'}; worst {worst:.2f}x; "
+          f"convert peak RSS / source {max(r.peak_rss or 0 for r in rows[1:]) / du(src):.2f}x")
+    print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

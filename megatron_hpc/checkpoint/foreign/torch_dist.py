@@ -1,0 +1,277 @@
+"""A megatron-core torch_dist checkpoint as ours: `ckpt inspect` of it, and `ckpt convert` into our layout.
+
+The folder is read whole through torch.distributed.checkpoint (torch_dist_files.py): each key's global tensor, so the
+TP x PP x DP it was saved at does not matter. Its keys become our names (torch_dist_keys.py), the model config comes
+from the saved `args` (Megatron-LM's argument names) checked against the tensors, Adam's state from whichever layout
+the optimizer saved (torch_dist_optim.py), progress from iteration, consumed samples and the scheduler's num_steps
+(samples: applied steps = num_steps / global batch), and the RNG from the (pp 0, tp 0) rng_state object. The result
+is one rank (TP 1 x PP 1) of our checkpoint that stream.reshard writes at any TP x PP; `saved` says what the source
+was saved at, the default the CLI keeps.
+
+The learning-rate settings (Megatron-LM's args) go into the resolved config's optim and train sections, so a
+checkpoint converted back to torch_dist (torch_dist_export.py) carries the scheduler megatron-core checks on load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_hpc.checkpoint.conversion import WholeCheckpoint, optim_layout, pp_layout
+from megatron_hpc.checkpoint.foreign import torch_dist_keys, torch_dist_optim
+from megatron_hpc.checkpoint.foreign.importer import Imported, adam_groups, rng_states, true_vocab
+from megatron_hpc.checkpoint.foreign.megatron_family import arg
+from megatron_hpc.checkpoint.foreign.torch_dist_files import TorchDistFolder, open_folder, read
+from megatron_hpc.checkpoint.store import FoundCheckpoint, Manifest
+from megatron_hpc.errors import CheckpointError
+
+FAMILY = "megatron-core"
+# Architecture switches in Megatron-LM's args our GPT cannot follow: (arg, its harmless value, what it means).
+_UNSUPPORTED = (("num_experts", None, "mixture-of-experts layers"), ("qk_layernorm", False, "QK layer norms"),
+                ("apply_residual_connection_post_layernorm", False, "residuals taken after the norm"),
+                ("apply_layernorm_1p", False, "zero-centred (1 + weight) norms"), ("squared_relu", False,
+                "squared-ReLU MLPs"), ("rotary_interleaved", False, "interleaved rotary pairs"),
+                ("mtp_num_layers", None, "multi-token prediction layers"))
+_NORMS = {"LayerNorm": "layernorm", "RMSNorm": "rmsnorm"}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TorchDistImport:
+    imported: Imported
+    saved: tuple[int, int, int]
+    """(tp, pp, dp) the source was saved at, from its args."""
+
+
+def _args(src: TorchDistFolder) -> Any:
+    args = src.common.get("args")
+    if args is None or not hasattr(args, "num_attention_heads"):
+        raise CheckpointError(f"{src.folder}/common.pt has no Megatron-LM args (num_attention_heads, ...); the model "
+                              "cannot be rebuilt without them, save it with Megatron-LM's training loop")
+    return args
+
+
+def _check_architecture(args: Any, *, where: Path) -> None:
+    for name, harmless, what in _UNSUPPORTED:
+        value = getattr(args, name, harmless)
+        if value is not None and value != harmless:
+            raise CheckpointError(f"{where} was trained with {name}={value!r} ({what}), which our GPT does not "
+                                  "have; it cannot be converted")
+    if getattr(args, "normalization", "LayerNorm") not in _NORMS:
+        raise CheckpointError(f"{where} was trained with normalization={args.normalization!r}; our GPT has "
+                              f"{' and '.join(_NORMS)}, it cannot be converted")
+    if getattr(args, "position_embedding_type", "learned_absolute") not in ("learned_absolute", "rope"):
+        raise CheckpointError(f"{where} uses position_embedding_type={args.position_embedding_type!r}; our GPT has "
+                              "learned_absolute and rope, it cannot be converted")
+
+
+def _num_layers(src: TorchDistFolder, model_keys: list[str], args: Any) -> int:
+    stacked = {src.keys[k].size[0] for k in model_keys if torch_dist_keys.layer_slots(k) is not None}
+    recorded = getattr(args, "num_layers", None)
+    if len(stacked) != 1 or (recorded is not None and stacked != {recorded}):
+        raise CheckpointError(f"{src.folder}: its decoder.layers tensors stack {sorted(stacked)} layers but its args "
+                              f"say num_layers={recorded}; the checkpoint is not one model, pass another iteration")
+    return stacked.pop()
+
+
+def model_config(args: Any, full: dict[str, torch.Tensor], *, where: Path, vocab_size: int | None,
+                 notes: list[str]) -> dict[str, Any]:
+    """Our model config (config/schema.py ModelConfig keys) from Megatron-LM's args, checked against `full`."""
+    heads = int(args.num_attention_heads)
+    hidden = full["wte.weight"].shape[1]
+    groups = int(args.num_query_groups) if getattr(args, "group_query_attention", False) else heads
+    kv = getattr(args, "kv_channels", None) or hidden // heads
+    if hidden % heads or kv != hidden // heads or heads % groups:
+        raise CheckpointError(f"{where}: {heads} heads of {kv} channels in {groups} query groups do not fit hidden "
+                              f"size {hidden}; our GPT needs kv_channels = hidden / heads, it cannot be converted")
+    qkv_rows = full["h.0.attn.qkv.weight"].shape[0] if "h.0.attn.qkv.weight" in full else (heads + 2 * groups) * kv
+    if qkv_rows != (heads + 2 * groups) * kv:
+        raise CheckpointError(f"{where}: linear_qkv has {qkv_rows} rows, not ({heads} + 2 x {groups}) x {kv}; its args "
+                              "do not fit its weights, it cannot be converted")
+    rope = getattr(args, "position_embedding_type", "learned_absolute") == "rope"
+    if rope == ("wpe.weight" in full):
+        raise CheckpointError(f"{where}: position_embedding_type={args.position_embedding_type!r} but the position "
+                              f"table is {'there' if not rope else 'missing'}; it cannot be converted")
+    max_pos = full["wpe.weight"].shape[0] if not rope else int(args.max_position_embeddings or args.seq_length)
+    padded = full["wte.weight"].shape[0]
+    bias = "h.0.attn.proj.bias" in full
+    cfg = {"num_layers": 1 + max(pp_layout.layer_of(n) or 0 for n in full), "hidden_size": hidden,
+           "num_attention_heads": heads, "num_query_groups": groups if groups != heads else None,
+           "seq_length": min(int(getattr(args, "seq_length", max_pos) or max_pos), max_pos),
+           "max_position_embeddings": max_pos,
+           "vocab_size": true_vocab({"args": args}, padded, vocab_size, notes),
+           "ffn_hidden_size": full["h.0.mlp.fc.weight"].shape[0] if "h.0.mlp.fc.weight" in full else 4 * hidden,
+           "make_vocab_size_divisible_by": int(getattr(args, "make_vocab_size_divisible_by", 128) or 128),
+           "position_embedding": "rope" if rope else "learned",
+           "rotary_percent": float(getattr(args, "rotary_percent", 1.0) or 1.0),
+           "rotary_base": float(getattr(args, "rotary_base", 10000) or 10000),
+           "tie_embeddings": "lm_head.weight" not in full,
+           "init_method_std": float(getattr(args, "init_method_std", 0.02) or 0.02),
+           "layernorm_epsilon": float(getattr(args, "norm_epsilon", getattr(args, "layernorm_epsilon", 1e-5))),
+           "normalization": _NORMS[getattr(args, "normalization", "LayerNorm")],
+           "swiglu": bool(getattr(args, "swiglu", False)), "add_bias_linear": bias,
+           "add_qkv_bias": "h.0.attn.qkv.bias" in full and not bias,
+           # megatron-core's fused bias-GeLU is the tanh approximation; unfused (or bias-free) GeLU is exact.
+           "activation": "gelu_tanh" if bias and (getattr(args, "bias_gelu_fusion", False)
+                                                   or getattr(args, "openai_gelu", False)) else "gelu"}
+    if getattr(args, "use_rope_scaling", False):
+        cfg.update(rope_scaling="llama3", rope_scaling_factor=float(getattr(args, "rope_scaling_factor", 8.0) or 8.0))
+    return cfg
+
+
+def _train_settings(args: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Our optim and train sections from Megatron-LM's args (the keys it has)."""
+    optim = {ours: getattr(args, name) for ours, name in (
+        ("lr", "lr"), ("min_lr", "min_lr"), ("weight_decay", "weight_decay"), ("adam_beta1", "adam_beta1"),
+        ("adam_beta2", "adam_beta2"), ("adam_eps", "adam_eps"), ("clip_grad", "clip_grad"),
+        ("lr_decay_style", "lr_decay_style"), ("lr_warmup_iters", "lr_warmup_iters"),
+        ("lr_decay_iters", "lr_decay_iters")) if getattr(args, name, None) is not None}
+    train = {ours: getattr(args, name) for ours, name in (
+        ("global_batch_size", "global_batch_size"), ("micro_batch_size", "micro_batch_size"),
+        ("num_steps", "train_iters")) if getattr(args, name, None) is not None}
+    return optim, train
+
+
+def _progress(src: TorchDistFolder, args: Any, notes: list[str]) -> tuple[int, int, int]:
+    """(iteration, consumed samples, applied LR steps)."""
+    iteration = 0 if src.folder.name == "release" else int(src.common.get("iteration", 0) or 0)
+    consumed = int(getattr(args, "consumed_train_samples", 0) or 0)
+    sched = src.common.get("opt_param_scheduler")
+    gbs = getattr(args, "global_batch_size", None)
+    if not isinstance(sched, dict) or sched.get("num_steps") is None or not gbs:
+        if iteration:
+            notes.append("the source records no scheduler position or global batch size; a resumed run takes the "
+                         "iteration count as the applied steps")
+        return iteration, consumed, iteration
+    return iteration, consumed, int(sched["num_steps"]) // int(gbs)
+
+
+def _read_model(src: TorchDistFolder, args: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], int]:
+    """(megatron-core model tensors by key, ours by name, layers)."""
+    keys = [k for k in src.tensor_keys() if torch_dist_keys.is_model_key(k)]
+    for key in keys:
+        torch_dist_keys.check_known(key)
+    layers = _num_layers(src, keys, args)
+    tensors, _ = read(src, keys)
+    swiglu = bool(getattr(args, "swiglu", False))
+    ours: dict[str, torch.Tensor] = {}
+    for key, tensor in tensors.items():
+        ours.update(torch_dist_keys.to_ours(key, tensor, swiglu=swiglu, num_layers=layers))
+    return tensors, ours, layers
+
+
+def import_torch_dist(folder: Path, *, vocab_size: int | None = None) -> TorchDistImport:
+    """The torch_dist checkpoint in `folder` (an iteration folder) as our WholeCheckpoint at TP 1 x PP 1."""
+    src = open_folder(folder)
+    args = _args(src)
+    _check_architecture(args, where=folder)
+    notes: list[str] = []
+    tp, pp = int(getattr(args, "tensor_model_parallel_size", 1)), int(getattr(args, "pipeline_model_parallel_size", 1))
+    dp = int(getattr(args, "data_parallel_size", 0) or 0) or 1
+    megatron, model, layers = _read_model(src, args)
+    cfg = model_config(args, model, where=folder, vocab_size=vocab_size, notes=notes)
+    iteration, consumed, lr_steps = _progress(src, args, notes)
+    optimizer = None
+    try:
+        adam = torch_dist_optim.read_adam(src, megatron, tp=tp, pp=pp, swiglu=cfg["swiglu"], num_layers=layers)
+    except ValueError as exc:
+        notes.append(f"the source's optimizer state was not carried over: {exc}; a resumed run starts Adam's "
+                     "moments at zero")
+    else:
+        optimizer = _our_adam(adam, model, swiglu=cfg["swiglu"], num_layers=layers, lr_steps=lr_steps)
+    model = {n: model[n] for n in pp_layout.model_order(model)}
+    optim, train = _train_settings(args)
+    state = _state(src, args, cfg, model, iteration=iteration, consumed=consumed, lr_steps=lr_steps,
+                   rng=rng_states({"rng_state": _rng_entries(src)}, notes), saved=(tp, pp, dp))
+    state["resolved_config"].update(optim=optim, train=train)
+    if optimizer is not None:
+        state["optimizer"] = optimizer
+    manifest = Manifest(iteration=iteration, format="torch", tensor_parallel=1, pipeline_parallel=1,
+                        data_parallel=1, world_size=1)
+    whole = WholeCheckpoint(found=FoundCheckpoint(folder=folder, manifest=manifest), grid=[[state]])
+    return TorchDistImport(imported=Imported(whole=whole, family=FAMILY, notes=list(dict.fromkeys(notes))),
+                           saved=(tp, pp, dp))
+
+
+def _our_adam(adam: torch_dist_optim.Adam, model: dict[str, torch.Tensor], *, swiglu: bool, num_layers: int,
+              lr_steps: int) -> dict[str, Any]:
+    """Our AdamW state_dict for `model` (whose weights become the fp32 masters where the source kept them)."""
+    step = torch.tensor(float(adam.step if adam.step is not None else lr_steps), dtype=torch.float32)
+    moments: dict[str, dict[str, Any]] = {}
+    for key, tensors in adam.state.items():
+        per = {what: torch_dist_keys.to_ours(key, t, swiglu=swiglu, num_layers=num_layers)
+               for what, t in tensors.items()}
+        for name in per["exp_avg"]:
+            moments[name] = {"step": step.clone(), "exp_avg": per["exp_avg"][name].float().contiguous(),
+                             "exp_avg_sq": per["exp_avg_sq"][name].float().contiguous()}
+            if "param" in per:
+                model[name] = per["param"][name].float().contiguous()
+    missing = sorted(set(model) - set(moments))
+    if missing:
+        raise CheckpointError(f"the checkpoint's Adam state has no moments for {missing[:3]}; it is damaged")
+    ordered = {n: model[n] for n in pp_layout.model_order(model)}
+    return optim_layout.indexed(moments, model=ordered, groups=adam_groups(adam.hyper))
+
+
+def _rng_entries(src: TorchDistFolder) -> list[Any]:
+    """Megatron's per-DP-rank RNG dicts of the (pp 0, tp 0) rank: the rng_state ShardedObject holds its shards'
+    data, each the list Megatron-LM's get_rng_state made."""
+    first = [k for k in src.object_keys() if k.startswith("rng_state/shard_0.0_")]
+    if not first:
+        return []
+    _, objects = read(src, first)
+    value = objects[first[0]]
+    return value[0] if isinstance(value, list) and value and isinstance(value[0], list) else []
+
+
+def _state(src: TorchDistFolder, args: Any, cfg: dict[str, Any], model: dict[str, torch.Tensor], *, iteration: int,
+           consumed: int, lr_steps: int, rng: list[dict[str, Any]] | None,
+           saved: tuple[int, int, int]) -> dict[str, Any]:
+    """Our one rank's state (checkpoint/store/contents.py keys)."""
+    out: dict[str, Any] = {
+        "num_layers": cfg["num_layers"], "hidden_size": cfg["hidden_size"],
+        "num_attention_heads": cfg["num_attention_heads"], "tensor_model_parallel_size": 1,
+        "pipeline_model_parallel_size": 1, "consumed_train_samples": consumed,
+        "consumed_valid_samples": int(getattr(args, "consumed_valid_samples", 0) or 0),
+        "max_position_embeddings": cfg["max_position_embeddings"],
+        "make_vocab_size_divisible_by": cfg["make_vocab_size_divisible_by"],
+        "padded_vocab_size": model["wte.weight"].shape[0], "tokenizer_type": getattr(args, "tokenizer_type", None),
+        "checkpoint_version": 3.0, "iteration": iteration, "model": model,
+        "lr_scheduler": {"successful_steps": lr_steps},
+        "resolved_config": {"model": cfg, "data": {k: v for k in ("tokenizer_type", "vocab_file", "merge_file")
+                                                   if isinstance(v := getattr(args, k, None), str)}},
+        "converted_from": {"family": FAMILY, "folder": str(src.folder), "format": "torch_dist",
+                           "tensor_parallel": saved[0], "pipeline_parallel": saved[1], "data_parallel": saved[2],
+                           "checkpoint_version": float(src.common.get("checkpoint_version", 0) or 0),
+                           "iteration": iteration},
+    }
+    if rng is not None:
+        out.update(rng[0])
+        out["rng_state"] = rng
+    return out
+
+
+def torch_dist_summary(folder: Path) -> dict[str, Any]:
+    """What `ckpt inspect` prints of a torch_dist folder: the args' sizes and every stored key (from the index: no
+    tensor data is read)."""
+    src = open_folder(folder)
+    args = src.common.get("args")
+    top = {"args": args} if args is not None else {}
+    rows = [{"name": k, "shape": list(v.size), "dtype": str(v.properties.dtype).removeprefix("torch.")}
+            for k, v in src.keys.items() if hasattr(v, "size")]
+    rows += [{"name": k, "shape": [], "dtype": "object"} for k in src.object_keys()]
+    return {"path": str(folder), "family": FAMILY, "iteration": src.common.get("iteration"), "format": "torch_dist",
+            "tensor_parallel": arg(top, "tensor_model_parallel_size"),
+            "pipeline_parallel": arg(top, "pipeline_model_parallel_size"), "virtual_pipeline": None,
+            "data_parallel": arg(top, "data_parallel_size"), "world_size": arg(top, "world_size"),
+            "files": len(list(folder.iterdir())), "bytes": sum(p.stat().st_size for p in folder.iterdir()
+                                                             if p.is_file()),
+            "checkpoint_version": src.common.get("checkpoint_version"),
+            "optimizer": (src.common.get("optimizer") or {}).get("param_state_sharding_type", "adam")
+            if isinstance(src.common.get("optimizer"), dict) else None,
+            "model": {k: arg(top, k) for k in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                                                "padded_vocab_size", "max_position_embeddings", "normalization",
+                                                "swiglu", "tokenizer_type")},
+            "consumed_train_samples": arg(top, "consumed_train_samples"), "precision": None, "tensors": rows}

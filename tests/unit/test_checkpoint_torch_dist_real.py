@@ -1,0 +1,258 @@
+"""torch_dist checkpoints written by the real megatron-core 0.16.1 (tests/fixtures/make_megatron_core_torch_dist.py,
+run by hand; its expected.json holds what megatron-core computed): GPT at TP 2, GPT at PP 2, GPT with the
+distributed optimizer at DP 2 (dp_reshardable buckets), and a Llama-shaped model (RMSNorm, SwiGLU, 4 heads in 2
+query groups, no biases, untied output, RoPE) at TP 2 with the distributed optimizer saved fully reshardable.
+`ckpt inspect` and `ckpt convert` read them through torch.distributed.checkpoint; our GPT from the converted
+checkpoint gives megatron-core's logits, Adam's state comes through, and our trainer resumed from it takes the step
+megatron-core took next (LR, gradient norm, loss)."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_hpc.checkpoint.conversion import read_whole
+from megatron_hpc.checkpoint.conversion.optim_layout import by_name
+from megatron_hpc.checkpoint.foreign import torch_dist_optim
+from megatron_hpc.cli.main import main
+from megatron_hpc.config.loader import from_dict
+from megatron_hpc.config.schema import CheckpointConfig, DataConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
+from megatron_hpc.data.indexed import IndexedDatasetWriter
+from megatron_hpc.model.gpt import GPT
+from megatron_hpc.parallel.context import ParallelContext
+from megatron_hpc.parallel.device import DeviceInfo
+from megatron_hpc.plan.mesh import Mesh
+from megatron_hpc.run_folder import IterationRecord
+from megatron_hpc.train.entry import plan_for_torchrun
+from megatron_hpc.train.loop import train
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "megatron_core_torch_dist"
+CASES = ("gpt_tp2", "gpt_pp2", "gpt_dp2_distopt", "llama_tp2_distopt")
+ITER = "iter_0000003"
+
+# megatron-core's module names (the local spec's named_parameters, as the generator summarised the moments) ->
+# ours, written out here rather than taken from the code under test. SwiGLU's linear_fc1 is our gate and fc
+# together: the summaries (sums of values, of |values|, of squares) of the two add up to the fused tensor's.
+_NAMES = [(r"embedding\.word_embeddings\.weight", ["wte.weight"]),
+          (r"embedding\.position_embeddings\.weight", ["wpe.weight"]),
+          (r"output_layer\.weight", ["lm_head.weight"]),
+          (r"decoder\.layers\.(\d+)\.input_layernorm\.(\w+)", [r"h.\1.ln_1.\2"]),
+          (r"decoder\.layers\.(\d+)\.self_attention\.linear_qkv\.(\w+)", [r"h.\1.attn.qkv.\2"]),
+          (r"decoder\.layers\.(\d+)\.self_attention\.linear_proj\.(\w+)", [r"h.\1.attn.proj.\2"]),
+          (r"decoder\.layers\.(\d+)\.pre_mlp_layernorm\.(\w+)", [r"h.\1.ln_2.\2"]),
+          (r"decoder\.layers\.(\d+)\.mlp\.linear_fc1\.(\w+)", [r"h.\1.mlp.fc.\2", r"h.\1.mlp.gate.\2"]),
+          (r"decoder\.layers\.(\d+)\.mlp\.linear_fc2\.(\w+)", [r"h.\1.mlp.proj.\2"]),
+          (r"decoder\.final_layernorm\.(\w+)", [r"ln_f.\1"])]
+
+
+def _ours(name: str, model: dict[str, torch.Tensor]) -> list[str]:
+    for pattern, replacements in _NAMES:
+        if re.fullmatch(pattern, name):
+            return [n for n in (re.sub(pattern, r, name) for r in replacements) if n in model]
+    raise AssertionError(f"no mapping for {name}")
+
+
+def _expected(case: str) -> dict[str, Any]:
+    return json.loads((FIXTURES / case / "expected.json").read_text())
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *args: object) -> tuple[int, str, str]:
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def ctx(tmp_path: Path) -> Iterator[ParallelContext]:
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.FileStore(str(tmp_path / "store"), 1))
+    yield ParallelContext.build(Mesh(num_nodes=1, workers_per_node=1, tensor_parallel=1), rank=0)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each fixture converted to our xser layout at TP 1 x PP 1 (what the in-process trainer loads)."""
+    out = {}
+    for case in CASES:
+        dest = tmp_path_factory.mktemp(case) / "ours"
+        assert main(["ckpt", "convert", str(FIXTURES / case), "--to", "xser", "--tp", "1", "--pp", "1",
+                     "--out", str(dest)]) == 0
+        out[case] = dest
+    return out
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_inspect_reads_what_megatron_core_wrote(case: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _cli(capsys, "ckpt", "inspect", FIXTURES / case, "--json")
+    assert code == 0, err
+    got = json.loads(out)
+    want = _expected(case)
+    assert (got["family"], got["format"], got["iteration"], got["checkpoint_version"]) == (
+        "megatron-core", "torch_dist", 3, 3.0)
+    assert (got["tensor_parallel"], got["pipeline_parallel"], got["data_parallel"]) == (
+        want["tensor_parallel"], want["pipeline_parallel"], want["data_parallel"])
+    names = {r["name"] for r in got["tensors"]}
+    assert "decoder.layers.self_attention.linear_qkv.weight" in names
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_converted_model_gives_megatron_cores_logits(case: str, converted: dict[str, Path],
+                                                     ctx: ParallelContext) -> None:
+    state = read_whole(converted[case]).first
+    cfg = from_dict(ModelConfig, state["resolved_config"]["model"], where="model")
+    model = GPT(cfg, ctx=ctx, padded_vocab=state["model"]["wte.weight"].shape[0], seed=1)
+    model.load_state_dict(state["model"])
+    want = _expected(case)
+    with torch.no_grad():
+        logits = model.eval()(torch.tensor(want["tokens"]))[0]
+    torch.testing.assert_close(logits, torch.tensor(want["logits"]), rtol=0, atol=1e-4)
+
+
+def _summary(tensors: list[torch.Tensor]) -> dict[str, float]:
+    out = {"sum": 0.0, "abs_sum": 0.0, "sq_sum": 0.0}
+    for t in tensors:
+        t = t.double()
+        out["sum"] += t.sum().item()
+        out["abs_sum"] += t.abs().sum().item()
+        out["sq_sum"] += (t * t).sum().item()
+    return out
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_adam_state_carries_over_as_megatron_core_kept_it(case: str, converted: dict[str, Path]) -> None:
+    """Every parameter's fp32 master and both moments, summed over the whole tensor as megatron-core summed them
+    over its TP and DP shards, and the step count."""
+    state = read_whole(converted[case]).first
+    model = state["model"]
+    moments = by_name(model, state["optimizer"])
+    want = _expected(case)["moments"]
+    assert sorted(moments) == sorted(n for name in want for n in _ours(name, model))
+    for name, summary in want.items():
+        ours = _ours(name, model)
+        assert sum(model[n].numel() for n in ours) == summary["numel"], name
+        got = {"param": [model[n] for n in ours], "exp_avg": [moments[n]["exp_avg"] for n in ours],
+               "exp_avg_sq": [moments[n]["exp_avg_sq"] for n in ours]}
+        for key, tensors in got.items():
+            for how, value in _summary(tensors).items():
+                assert value == pytest.approx(summary[f"{key}:{how}"], rel=1e-5, abs=1e-12), (name, key, how)
+        assert all(float(moments[n]["step"]) == 3.0 for n in ours)
+
+
+def _fixed_tokens(tmp_path: Path, tokens: list[int]) -> str:
+    """A corpus whose every sample is megatron-core's (tokens, labels) (see test_checkpoint_megatron_core_real.py)."""
+    prefix = tmp_path / "fixed"
+    writer = IndexedDatasetWriter(prefix, dtype=numpy.uint16)
+    for _ in range(4):
+        writer.add_document(tokens)
+    writer.finalize()
+    return str(prefix)
+
+
+def _resume(converted: Path, *, want: dict[str, Any], data: str, saves: Path,
+            ctx: ParallelContext) -> dict[int, IterationRecord]:
+    """Our trainer's own run (train/loop.py) from the converted checkpoint to iteration 5 on the fixed tokens, with
+    the fixture's optimizer settings and global batch (DP 2 there: the same tokens on both ranks, so a global batch
+    of 2 identical samples here)."""
+    model = from_dict(ModelConfig, read_whole(converted).first["resolved_config"]["model"], where="model")
+    gbs = want["global_batch_size"]
+    cfg = RunConfig(
+        name="continuation",
+        model=dataclasses.replace(model, hidden_dropout=0.0, attention_dropout=0.0),
+        train=TrainConfig(num_steps=5, micro_batch_size=1, global_batch_size=gbs, log_interval=1, tensorboard=False,
+                          eval_test=False),
+        optim=OptimConfig(**want["optimizer"]),
+        data=DataConfig(source="indexed", path=data, split="1,0,0", cache_path=str(saves / "index-cache")),
+        checkpoint=CheckpointConfig(load=str(converted), save=str(saves)))
+    device = DeviceInfo(kind="cpu", device=torch.device("cpu"), backend="gloo")
+    out = io.StringIO()
+    summary = train(plan_for_torchrun(cfg, environ={}), ctx, device=device, phase="run", out=out)
+    assert f"loaded checkpoint {converted}" in out.getvalue(), out.getvalue()
+    assert "optimizer afresh" not in out.getvalue(), out.getvalue()
+    return {r.iteration: r for r in summary.records}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_training_continues_where_megatron_core_would_have(case: str, converted: dict[str, Path], tmp_path: Path,
+                                                           ctx: ParallelContext) -> None:
+    """Our trainer restored from the converted checkpoint takes megatron-core's iteration 4: its LR (the scheduler
+    position), its gradient norm (megatron-core clipped it: above clip_grad 1), its loss (the saved weights), and the
+    loss after it equal to 1e-5, which needs both moments, the step count and the LR position to have come through
+    (test_checkpoint_megatron_core_real.py shows each of them alone moves it 500 times further)."""
+    want = _expected(case)
+    records = _resume(converted[case], want=want, data=_fixed_tokens(tmp_path, want["tokens"][0]),
+                      saves=tmp_path / "resumed", ctx=ctx)
+    assert sorted(records) == [4, 5]
+    assert records[4].lr == pytest.approx(want["next_lr"], rel=1e-12)
+    assert records[4].grad_norm == pytest.approx(want["next_grad_norm"], rel=1e-5)
+    assert records[4].lm_loss == pytest.approx(want["next_step_loss"], rel=1e-5)
+    assert records[5].lm_loss == pytest.approx(want["next_loss"], rel=1e-5)
+
+
+def test_the_dp_reshardable_layout_is_megatron_cores_grad_buffer() -> None:
+    """Worked by hand from param_and_grad_buffer.py: reverse order, 64-aligned starts from each bucket's start, a
+    bucket closes where its recorded unpadded length ends."""
+    assert torch_dist_optim._layout([3, 70, 5], [195], 64) == [(0, 192), (0, 64), (0, 0)]
+    assert torch_dist_optim._layout([3, 70, 5], [134, 3], 64) == [(1, 0), (0, 64), (0, 0)]
+    assert torch_dist_optim._layout([3, 70, 5], [78], 1) == [(0, 75), (0, 5), (0, 0)]
+    assert torch_dist_optim._layout([3, 70, 5], [200], 64) is None  # the lengths must come out exactly
+
+
+def test_a_dp_reshardable_buffer_out_of_place_is_not_taken(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no module order that puts every fp32 master on its weight, the moments are dropped with a note instead
+    of being assigned to the wrong parameters."""
+    monkeypatch.setattr(torch_dist_optim, "LAYER_ORDERS", (tuple(reversed(torch_dist_optim.LAYER_ORDERS[0])),))
+    code, out, err = _cli(capsys, "ckpt", "convert", FIXTURES / "gpt_dp2_distopt", "--to", "torch", "--json",
+                          "--out", tmp_path / "out")
+    assert code == 0, err
+    assert json.loads(out)["optimizer"] == "dropped"
+    assert "do not lay out as megatron-core's grad buffer" in err
+
+
+def _copy(case: str, tmp_path: Path) -> Path:
+    dest = tmp_path / case
+    shutil.copytree(FIXTURES / case, dest)
+    return dest
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str], src: Path, out: Path) -> str:
+    code, _, err = _cli(capsys, "ckpt", "convert", src, "--to", "torch", "--out", out)
+    assert code != 0
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert not out.exists()
+    return lines[0]
+
+
+def test_a_missing_distcp_file_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = _copy("gpt_tp2", tmp_path)
+    (src / ITER / "__1_0.distcp").unlink()
+    line = _one_line_error(capsys, src, tmp_path / "out")
+    assert "has no __1_0.distcp" in line and "1 of its 4 .distcp data files missing" in line
+    assert "copy the missing files" in line
+
+
+def test_an_unknown_metadata_json_version_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = _copy("gpt_tp2", tmp_path)
+    config = src / ITER / "metadata.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "sharded_backend_version": 2}))
+    line = _one_line_error(capsys, src, tmp_path / "out")
+    assert "'sharded_backend_version': 2" in line and "--ckpt-format torch" in line
+
+
+def test_a_folder_without_common_pt_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = _copy("gpt_tp2", tmp_path)
+    (src / ITER / "common.pt").unlink()
+    line = _one_line_error(capsys, src, tmp_path / "out")
+    assert "has no common.pt" in line and "copy common.pt" in line
