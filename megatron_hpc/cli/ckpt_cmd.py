@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -269,18 +270,23 @@ def _import_hf(args: argparse.Namespace, out: Path) -> int:
     # One output rank at a time; the weights are released as they are used (not read again).
     result = stream.reshard(stream.in_memory(imported.whole), tp=tp, pp=pp, out=out, fmt=args.to)
     tokenizer = copy_tokenizer(imported.tokenizer, out)
-    model = imported.whole.first["resolved_config"]["model"]
-    sets = " ".join(f"model.{k}={v}" for k, v in model.items() if v is not None)
+    resolved = imported.whole.first["resolved_config"]
+    model = resolved["model"]
+    # Every key a run needs to take it as it is, pasted after `submit --recipe R`: the model, the mesh and the
+    # tokenizer files copied beside it.
+    sets = [f"checkpoint.load={out}", "checkpoint.finetune=true", f"parallel.tensor={tp}", f"parallel.pipeline={pp}",
+            *(f"model.{k}={v}" for k, v in model.items() if v is not None),
+            *(f"data.{k}={v}" for k, v in resolved["data"].items())]
     report = {"source": str(source), "family": "huggingface", "architecture": imported.architecture, "iteration": 0,
               "to": args.to, "out": str(out), "tensor_parallel": tp, "pipeline_parallel": pp,
               "written": str(result.folder), "weights": [str(p) for p in imported.weights],
-              "tokenizer": [str(p) for p in tokenizer] or None, "model": model, "notes": imported.notes}
+              "tokenizer": [str(p) for p in tokenizer] or None, "model": model, "sets": sets,
+              "notes": imported.notes}
     if args.json:
         print(json.dumps(report, indent=1))
     else:
         print(f"imported {source} ({imported.architecture}) to {args.to} at tp {tp} x pp {pp}: {result.folder}; "
-              f"fine-tune from it with checkpoint.load={out} checkpoint.finetune=true parallel.tensor={tp} "
-              f"parallel.pipeline={pp} {sets}")
+              f"fine-tune from it with {' '.join(f'--set {shlex.quote(s)}' for s in sets)}")
     for note in imported.notes:
         print(f"megatron-hpc: warning: {note}", file=sys.stderr)
     return 0

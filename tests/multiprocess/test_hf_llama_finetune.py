@@ -10,6 +10,7 @@ import json
 import math
 import os
 import random
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -71,12 +72,14 @@ def test_an_hf_llama_imports_at_tp2_fine_tunes_evaluates_generates_and_exports(t
     assert made.returncode == 0, made.stderr
     converted = cli_in_process("ckpt", "convert", str(hf), "--to", "xser", "--tp", "2", "--out", str(tmp_path / "ours"))
     assert converted.returncode == 0, converted.stderr
-    sets = converted.stdout.strip().split("fine-tune from it with ", 1)[1].split()
-    assert "checkpoint.finetune=true" in sets and "parallel.tensor=2" in sets and "model.num_query_groups=2" in sets
+    # The line as printed, pasted after `submit --recipe tiny` (it names the tokenizer copied beside the checkpoint)
+    printed = shlex.split(converted.stdout.strip().split("fine-tune from it with ", 1)[1])
+    sets = printed[1::2]
+    assert set(printed[::2]) == {"--set"} and "checkpoint.finetune=true" in sets and "parallel.tensor=2" in sets
+    assert "model.num_query_groups=2" in sets and "data.tokenizer_type=HuggingFaceTokenizer" in sets
 
     run = tmp_path / "run"
-    sets += [f"data.path={tmp_path / 'corpus_text_document'}", "data.tokenizer_type=HuggingFaceTokenizer",
-             f"data.tokenizer_model={tok_dir}", "data.vocab_file=null", "data.merge_file=null", "data.split=80,10,10",
+    sets += [f"data.path={tmp_path / 'corpus_text_document'}", "data.split=80,10,10",
              "launch.workers_per_node=2", "train.num_steps=2", "train.micro_batch_size=4",
              "train.global_batch_size=4", "train.log_interval=1", "train.eval_iters=1", "train.tensorboard=false",
              "optim.lr=1e-4", "optim.lr_warmup_iters=0"]

@@ -27,7 +27,8 @@ def test_config_json_picks_its_module_by_architecture_or_model_type() -> None:
 def test_neox_is_picked_by_architecture_or_model_type() -> None:
     from megatron_hpc.checkpoint.foreign import hf_neox
 
-    assert hf_formats.supported() == ["GPT2LMHeadModel", "GPTNeoXForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM"]
+    assert hf_formats.supported() == ["GPT2LMHeadModel", "GPTNeoXForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM",
+                                      "MistralForCausalLM"]
     assert hf_formats.for_config({"model_type": "gpt_neox"}, where="c").module is hf_neox
     assert hf_formats.for_config({"architectures": ["GPTNeoXForCausalLM"]}, where="c").module is hf_neox
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
-from hf_models import VOCAB, hf_logits, save
+from hf_models import VOCAB, hf_llama_model, hf_logits, save, save_llama
 from test_checkpoint_hf_import import convert, ctx, our_logits, tokenizer  # noqa: F401  (fixtures)
 
 from megatron_hpc.checkpoint.conversion import read_whole
@@ -157,9 +157,15 @@ def _edited(tmp_path: Path, name: str, **config: object) -> Path:
 def test_what_we_cannot_express_is_refused_in_one_line(tmp_path: Path, tokenizer: Path,  # noqa: F811
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
-    for arch in ("MistralForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Gemma2ForCausalLM"):
+    supported = "supported: GPT2LMHeadModel, GPTNeoXForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM"
+    for arch, lacks in (("MixtralForCausalLM", "mixture-of-experts MLPs"),
+                        ("Qwen2MoeForCausalLM", "mixture-of-experts"), ("Gemma2ForCausalLM", "soft-capping")):
         err = _refused(_edited(tmp_path, arch, architectures=[arch]), out, capsys)
-        assert arch in err and "LlamaForCausalLM" in err and "Qwen2ForCausalLM" in err
+        assert f"{arch} (" in err and lacks in err and supported in err
+    # transformers' MistralConfig gives a window of 4096 where config.json names none; only null is full attention
+    for name, window in (("mistral_default", {}), ("mistral_4096", {"sliding_window": 4096})):
+        err = _refused(_edited(tmp_path, name, architectures=["MistralForCausalLM"], **window), out, capsys)
+        assert "sliding-window attention in every layer (a 4096-token window)" in err and supported in err
     err = _refused(_edited(tmp_path, "yarn", rope_parameters={"rope_type": "yarn", "factor": 4.0,
                                                               "rope_theta": 500.0}), out, capsys)
     assert "rope_type 'yarn'" in err and "llama3" in err
@@ -174,3 +180,55 @@ def test_what_we_cannot_express_is_refused_in_one_line(tmp_path: Path, tokenizer
     small = _edited(tmp_path, "small", vocab_size=64)  # fewer rows than the tokenizer has tokens
     _fast_tokenizer(tokenizer).save_pretrained(small)
     assert "tokens but config.json's vocab_size is 64" in _refused(small, out, capsys)
+
+
+def test_a_mistral_without_its_window_imports_and_exports_as_mistral(tmp_path: Path, ctx) -> None:  # noqa: F811
+    theirs = hf_llama_model("MistralForCausalLM", vocab=VOCAB, seed=2)  # sliding_window null, as Mistral 7B v0.3
+    folder = save_llama(theirs, tmp_path / "hf", tokenizer=False)
+    assert convert(str(folder), "--to", "torch", "--out", str(tmp_path / "ours")) == 0
+    want = hf_logits(theirs)
+    torch.testing.assert_close(our_logits(tmp_path / "ours", ctx), want, rtol=0, atol=1e-5)
+    assert convert(str(tmp_path / "ours"), "--to", "hf", "--out", str(tmp_path / "back")) == 0
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert type(again).__name__ == "MistralForCausalLM" and again.config.sliding_window is None
+    torch.testing.assert_close(hf_logits(again), want, rtol=0, atol=1e-5)
+
+
+BAD_CONFIGS = {  # name: (config.json changes, what the one line says)
+    "linear_v4": ({"rope_parameters": None, "rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_type 'linear'"),
+    "dynamic": ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "rope_type 'dynamic'"),
+    "longrope": ({"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}},
+                 "rope_type 'longrope'"),
+    "llama3_no_factor": ({"rope_parameters": {"rope_type": "llama3", "low_freq_factor": 1.0,
+                                              "high_freq_factor": 4.0}}, "llama3 rope scaling has no usable 'factor'"),
+    "partial_rotary": ({"partial_rotary_factor": 0.5}, "rotates 0.5 of each head"),
+    "head_dim": ({"head_dim": 16}, "head_dim 16 x 4 heads is not its hidden_size 32"),
+    "no_hidden_size": ({"hidden_size": None}, "has no usable hidden_size"),
+    "qwen2_layer_types": ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+                           "layer_types": ["full_attention", "sliding_attention"]},
+                          "sliding-window attention in 1 of its 2 layers"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_CONFIGS))
+def test_configs_we_cannot_run_are_refused_in_one_line(name: str, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    changes, needle = BAD_CONFIGS[name]
+    assert needle in _refused(_edited(tmp_path, name, **changes), tmp_path / "out", capsys)
+
+
+def test_llama3_scaling_without_an_original_context_takes_max_positions_as_transformers_does() -> None:
+    config = hf_llama("llama", 2, SCALING).config.to_dict()
+    del config["rope_parameters"]["original_max_position_embeddings"]
+    assert model_config_from_hf(config)["rope_original_max_position"] == config["max_position_embeddings"] == 32
+
+
+def test_a_qwen2_folder_tokenizes_with_its_tokenizer_json(tmp_path: Path, tokenizer: Path) -> None:  # noqa: F811
+    # Qwen2 folders ship a GPT-2 style vocab.json and merges.txt beside tokenizer.json; GPT-2's BPE would split the
+    # text by GPT-2's rules instead of the model's, so the tokenizer.json is the one named.
+    folder = save(hf_llama("qwen2", 2, None), tmp_path / "hf", "safetensors", tokenizer)
+    _fast_tokenizer(tokenizer).save_pretrained(folder)
+    assert convert(str(folder), "--to", "xser", "--out", str(tmp_path / "ours")) == 0
+    data = read_whole(tmp_path / "ours").first["resolved_config"]["data"]
+    assert data == {"tokenizer_type": "HuggingFaceTokenizer",
+                    "tokenizer_model": str((tmp_path / "ours" / "tokenizer").absolute())}

@@ -19,7 +19,10 @@ def export_hf(whole: WholeCheckpoint, out: Path, *, eos_token_id: int | None = N
     """Write config.json and the weights (model.safetensors, or pytorch_model.bin without safetensors) of the first
     Hugging Face architecture (hf_formats.py) that can express the model."""
     model = model_config(whole)
-    fmt, hf_config = hf_formats.for_model(model, eos_token_id=eos_token_id, where=whole.found.folder)
+    # An import goes back as the architecture it came as (a Mistral without its window would pass for a Llama too).
+    source = whole.first.get("converted_from")
+    prefer = source.get("architecture") if isinstance(source, dict) else None
+    fmt, hf_config = hf_formats.for_model(model, eos_token_id=eos_token_id, where=whole.found.folder, prefer=prefer)
     full = pp_layout.merge_grid([[s["model"] for s in row] for row in whole.grid], num_layers=model["num_layers"])
     sd = fmt.state_to_hf(full, model)
     out.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,8 @@ Each module is pure and has the same four functions (hf_gpt2.py is the model):
 - `state_from_hf(hf: dict[str, Tensor], model: dict) -> dict[str, Tensor]`: our whole unsharded weights (fp32, the
   vocabulary not padded) from the HF state dict;
 - `state_to_hf(full: dict[str, Tensor], model: dict) -> dict[str, Tensor]`: the HF state dict from ours.
+Optional: `TOKENIZER_JSON_FIRST = True` when the folder's tokenizer.json wins over a vocab.json and merges.txt
+beside it (hf_import.data_config).
 """
 
 from __future__ import annotations
@@ -26,10 +28,22 @@ MODULES = {
     "GPTNeoXForCausalLM": "megatron_hpc.checkpoint.foreign.hf_neox",
     "LlamaForCausalLM": "megatron_hpc.checkpoint.foreign.hf_llama",
     "Qwen2ForCausalLM": "megatron_hpc.checkpoint.foreign.hf_qwen2",
+    "MistralForCausalLM": "megatron_hpc.checkpoint.foreign.hf_mistral",
 }
 # config.json without `architectures` (hand-written ones): model_type -> architecture.
 MODEL_TYPES = {"gpt2": "GPT2LMHeadModel", "gpt_neox": "GPTNeoXForCausalLM", "llama": "LlamaForCausalLM",
-               "qwen2": "Qwen2ForCausalLM"}
+               "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+# Architectures people bring that our GPT cannot run, and what it lacks for them (the refusal names it).
+CANNOT = {
+    "MixtralForCausalLM": "mixture-of-experts MLPs",
+    "Qwen2MoeForCausalLM": "mixture-of-experts MLPs",
+    "Qwen3MoeForCausalLM": "mixture-of-experts MLPs",
+    "DeepseekV3ForCausalLM": "mixture-of-experts MLPs and multi-head latent attention",
+    "GemmaForCausalLM": "GeGLU MLPs, (1 + weight) RMSNorms and a scaled embedding",
+    "Gemma2ForCausalLM": "attention and final-logit soft-capping and sliding-window layers",
+    "Gemma3ForCausalLM": "sliding-window layers and RMSNorms on queries and keys",
+    "Qwen3ForCausalLM": "RMSNorms on queries and keys",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +62,10 @@ class HfFormat:
 
     def state_to_hf(self, full: dict[str, Any], model: dict[str, Any]) -> dict[str, Any]:
         return self.module.state_to_hf(full, model)
+
+    @property
+    def tokenizer_json_first(self) -> bool:
+        return bool(getattr(self.module, "TOKENIZER_JSON_FIRST", False))
 
 
 def _load(architecture: str) -> HfFormat:
@@ -72,17 +90,19 @@ def for_config(config: dict[str, Any], *, where: object) -> HfFormat:
         raise CheckpointError(f"{where} names no architectures (nor a known model_type); supported: "
                               f"{', '.join(supported())}")
     if names[0] not in MODULES:
-        raise CheckpointError(f"{where} is a {names[0]}, which megatron-hpc does not import; supported: "
+        lacks = f" ({CANNOT[names[0]]}, which our GPT does not have)" if names[0] in CANNOT else ""
+        raise CheckpointError(f"{where} is a {names[0]}{lacks}, which megatron-hpc does not import; supported: "
                               f"{', '.join(supported())}")
     return _load(names[0])
 
 
-def for_model(model: dict[str, Any], *, eos_token_id: int | None = None,
-              where: object) -> tuple[HfFormat, dict[str, Any]]:
-    """The first format that can express our model config, with its config.json; CheckpointError with each
-    format's reason when none can."""
+def for_model(model: dict[str, Any], *, eos_token_id: int | None = None, where: object,
+              prefer: str | None = None) -> tuple[HfFormat, dict[str, Any]]:
+    """The first format that can express our model config (`prefer`, the architecture it was imported as, before
+    the others), with its config.json; CheckpointError with each format's reason when none can."""
     reasons = []
-    for fmt in available():
+    formats = sorted(available(), key=lambda f: f.architecture != prefer)  # stable: the rest keep MODULES' order
+    for fmt in formats:
         try:
             return fmt, fmt.hf_config_from_model(model, eos_token_id=eos_token_id)
         except CheckpointError as exc:

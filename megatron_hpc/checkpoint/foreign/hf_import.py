@@ -134,11 +134,14 @@ def tokenizer_files(folder: Path) -> list[Path]:
     return [folder / name for name in TOKENIZER_FILES if (folder / name).is_file()]
 
 
-def data_config(files: list[Path], out: Path) -> dict[str, Any]:
+def data_config(files: list[Path], out: Path, *, tokenizer_json_first: bool = False) -> dict[str, Any]:
     """resolved_config.data naming the copies of `files` in OUT/tokenizer (absolute: generate reads them from
-    anywhere); empty without a tokenizer."""
+    anywhere); empty without a tokenizer. GPT-2's vocab.json and merges.txt win over a tokenizer.json beside them
+    unless `tokenizer_json_first`: Qwen2 ships both, and GPT-2's BPE would split its text otherwise."""
     names = {p.name for p in files}
     where = (out / TOKENIZER_DIR).absolute()
+    if tokenizer_json_first and "tokenizer.json" in names:
+        return {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": str(where)}
     if set(GPT2_TOKENIZER) <= names:
         return {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": str(where / GPT2_TOKENIZER[0]),
                 "merge_file": str(where / GPT2_TOKENIZER[1])}
@@ -176,7 +179,7 @@ def import_hf(folder: Path, *, out: Path, fmt: str) -> HfImport:
     # Recorded even at its default: the printed --set list must pin it, as a recipe may pad otherwise.
     model = {"make_vocab_size_divisible_by": 128, **hf.model_config_from_hf(config)}
     tokenizer = tokenizer_files(folder)
-    data = data_config(tokenizer, out)
+    data = data_config(tokenizer, out, tokenizer_json_first=hf.tokenizer_json_first)
     notes = []
     if data:
         _check_tokenizer(folder, data, model["vocab_size"])

@@ -1,5 +1,6 @@
 """Llama 2/3 (Hugging Face `LlamaForCausalLM`) and Qwen2/2.5 (`Qwen2ForCausalLM`) <-> our GPT: configs and whole
-(TP 1) state dicts. Pure. hf_qwen2.py binds the same functions to Qwen2's names.
+(TP 1) state dicts. Pure. hf_qwen2.py and hf_mistral.py bind the same functions to Qwen2's and Mistral's names
+(Mistral is Llama's layers without biases; only a checkpoint without its sliding window, as Mistral 7B v0.3, is ours).
 
 Our GPT with RMSNorm, SwiGLU, grouped-query attention, rotary positions, no linear biases and an untied output layer
 is Llama's architecture; with a bias on the QKV projection only it is Qwen2's (transformers models/llama and
@@ -30,6 +31,10 @@ import torch
 from megatron_hpc.errors import CheckpointError
 
 ARCHITECTURE = "LlamaForCausalLM"
+MISTRAL = "MistralForCausalLM"
+TOKENIZER_JSON_FIRST = True
+"""The folder's tokenizer.json is the tokenizer, even beside a GPT-2 style vocab.json and merges.txt (Qwen2 ships
+both, and its pre-tokenizer splits text otherwise than GPT-2's): hf_import.data_config."""
 _LAYER = {  # ours (under h.N.) -> theirs (under model.layers.N.), the weights copied as they are
     "ln_1": "input_layernorm", "ln_2": "post_attention_layernorm", "attn.proj": "self_attn.o_proj",
     "mlp.gate": "mlp.gate_proj", "mlp.fc": "mlp.up_proj", "mlp.proj": "mlp.down_proj",
@@ -56,34 +61,84 @@ def llama_layers(model: dict[str, Any]) -> list[str]:
     return used
 
 
+def _rope_params(cfg: dict[str, Any], name: str) -> dict[str, Any]:
+    """The one rope parameter dict of a config.json: transformers 5's rope_parameters, else 4's rope_scaling (with
+    rope_theta beside it), else empty. transformers 5 nests it per layer type where layer types differ
+    (modeling_rope_utils.py nested_rope_parameter_keys); one dict shared by every layer type is taken as it is."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise CheckpointError(f"the {name} config's rope parameters {params!r} are not a JSON object; fix config.json")
+    nested = [v for v in params.values() if isinstance(v, dict)]
+    if nested and any(n != nested[0] for n in nested):
+        raise CheckpointError(f"the {name} config gives its layer types different rotary embeddings; megatron-hpc "
+                              "has one for every layer, so it cannot be converted")
+    return nested[0] if nested else params
+
+
 def _rope(cfg: dict[str, Any], name: str) -> dict[str, Any]:
     """Our rotary keys from transformers 4's rope_theta / rope_scaling or 5's rope_parameters."""
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    params = _rope_params(cfg, name)
     kind = params.get("rope_type", params.get("type", "default"))
+    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise CheckpointError(f"the {name} config rotates {partial} of each head (partial_rotary_factor); Llama's "
+                              "layers rotate all of it, so this config is not one they run")
     out: dict[str, Any] = {"position_embedding": "rope",
                            "rotary_base": float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))}
     if kind == "llama3":
-        out.update(rope_scaling="llama3", rope_scaling_factor=float(params["factor"]),
-                   rope_low_freq_factor=float(params["low_freq_factor"]),
-                   rope_high_freq_factor=float(params["high_freq_factor"]),
-                   rope_original_max_position=int(params["original_max_position_embeddings"]))
+        # transformers' standardize_rope_params: the original context defaults to max_position_embeddings.
+        given = {"original_max_position_embeddings": cfg.get("max_position_embeddings"), **params}
+        try:
+            out.update(rope_scaling="llama3", rope_scaling_factor=float(given["factor"]),
+                       rope_low_freq_factor=float(given["low_freq_factor"]),
+                       rope_high_freq_factor=float(given["high_freq_factor"]),
+                       rope_original_max_position=int(given["original_max_position_embeddings"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"the {name} config's llama3 rope scaling has no usable {exc}; it needs factor, "
+                                  "low_freq_factor and high_freq_factor (Llama 3.1: 8, 1 and 4)") from None
     elif kind != "default":
         raise CheckpointError(f"the {name} config uses rope_type {kind!r}, which megatron-hpc does not implement; "
                               "supported: default and llama3 (Llama 3.1's); convert a model trained with those")
     return out
 
 
+_REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size",
+             "max_position_embeddings")
+
+
+def _sliding_window(cfg: dict[str, Any], name: str) -> str:
+    """Where the config attends through a sliding window, in words ('' for full attention everywhere), as
+    transformers decides it: Mistral's sliding_window (4096 when config.json omits the key), Qwen2's
+    use_sliding_window, or transformers 5's layer_types naming sliding_attention."""
+    layer_types = cfg.get("layer_types")
+    if isinstance(layer_types, list) and "sliding_attention" in layer_types:
+        return f"{layer_types.count('sliding_attention')} of its {len(layer_types)} layers"
+    if name == MISTRAL and cfg.get("sliding_window", 4096) is not None:
+        return f"every layer (a {cfg.get('sliding_window', 4096)}-token window)"
+    if cfg.get("use_sliding_window", False) or (name == ARCHITECTURE and cfg.get("sliding_window")):
+        return "its layers"
+    return ""
+
+
 def config_from_hf(cfg: dict[str, Any], *, name: str, qkv_bias: bool) -> dict[str, Any]:
     """Our `model:` keys for a Llama or Qwen2 config.json (CheckpointError for what our GPT cannot express)."""
+    missing = [k for k in _REQUIRED if not isinstance(cfg.get(k), int) or isinstance(cfg.get(k), bool)]
+    if missing:
+        raise CheckpointError(f"the {name} config has no usable {missing[0]}; pass the folder save_pretrained wrote")
     if cfg.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"the {name} config uses hidden_act {cfg['hidden_act']!r}; only silu (SwiGLU) is "
                               "supported")
     if cfg.get("mlp_bias", False):
         raise CheckpointError(f"the {name} config has mlp_bias true (biases in the MLP), which megatron-hpc's Llama "
                               "does not have; it cannot be converted")
-    if cfg.get("use_sliding_window", False) or (name == ARCHITECTURE and cfg.get("sliding_window")):
-        raise CheckpointError(f"the {name} config uses sliding-window attention, which megatron-hpc does not "
-                              "have; convert a model with full attention (use_sliding_window false)")
+    window = _sliding_window(cfg, name)
+    if window:
+        from megatron_hpc.checkpoint.foreign.hf_formats import supported  # here: hf_formats loads this module
+
+        raise CheckpointError(f"the {name} config uses sliding-window attention in {window}, which megatron-hpc "
+                              "does not have (every layer attends to all earlier tokens); convert a model with full "
+                              f"attention (sliding_window null, use_sliding_window false); supported: "
+                              f"{', '.join(supported())}")
     if name == ARCHITECTURE and cfg.get("attention_bias", False):
         raise CheckpointError(f"the {name} config has attention_bias true (biases on q, k, v and o_proj); "
                               "megatron-hpc has a QKV-only bias (Qwen2's) or biases on every linear, not this; it "
@@ -149,8 +204,8 @@ def config_to_hf(model: dict[str, Any], *, name: str, model_type: str, qkv_bias:
         "rope_theta": rope["rope_theta"], "rope_scaling": None if rope["rope_type"] == "default" else rope,
         "rope_parameters": rope, "attention_dropout": model.get("attention_dropout", 0.0),
         "use_cache": True, "bos_token_id": eos, "eos_token_id": eos, "torch_dtype": "float32",
-        **({"attention_bias": False, "mlp_bias": False} if model_type == "llama" else
-           {"use_sliding_window": False, "sliding_window": None}),
+        **{"llama": {"attention_bias": False, "mlp_bias": False}, "mistral": {"sliding_window": None}}.get(
+            model_type, {"use_sliding_window": False, "sliding_window": None}),
     }
 
 

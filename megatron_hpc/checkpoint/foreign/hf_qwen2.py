@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from megatron_hpc.checkpoint.foreign.hf_llama import TOKENIZER_JSON_FIRST as TOKENIZER_JSON_FIRST
 from megatron_hpc.checkpoint.foreign.hf_llama import config_from_hf, config_to_hf, state_from
 from megatron_hpc.checkpoint.foreign.hf_llama import state_to_hf as state_to_hf  # the same names both ways
 
