@@ -2,8 +2,8 @@
 transformers' step, on generate_cpu.py's model.
 
 Per batch size it times, alternating within each round so that machine drift hits all of them:
-- floor: only the weight matmuls of one token (F.linear of every layer's four weights with their biases, and the
-  output layer as ours computes it), i.e. the bytes every implementation must read per step;
+- floor: only the weight matmuls of one token (F.linear of every layer's weights with their biases: four, five with
+  SwiGLU's gate; and the output layer as ours computes it), i.e. the bytes every implementation must read per step;
 - ours: one `decode_step` plus the greedy choice (the path `generate` runs);
 - ours (plain): one `cached_forward` of one column plus the same choice (the general path, before the fast path);
 - transformers: one GPT2LMHeadModel forward with its DynamicCache (cropped back after each step) plus argmax, i.e.
@@ -51,8 +51,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"copy bandwidth ({args.copy_mib} MiB read + written, best of 5): {gbs:.1f} GB/s", flush=True)
 
     weights = [(m.weight, m.bias) for block in ours.h.values()
-               for m in (block.attn.qkv, block.attn.proj, block.mlp.fc, block.mlp.proj)]
-    weights.append((ours.wte.weight, None))
+               for m in (block.attn.qkv, block.attn.proj, block.mlp.gate, block.mlp.fc, block.mlp.proj)
+               if m is not None]  # mlp.gate: SwiGLU's (--family llama)
+    output = ours.wte if ours.lm_head is None else ours.lm_head
+    weights.append((output.weight, None))
     nbytes = sum(w.numel() * 4 + (0 if b is None else b.numel() * 4) for w, b in weights)
     print(f"weights read per step: {nbytes / 1e6:.0f} MB -> floor at that bandwidth {nbytes / gbs / 1e6:.1f} ms")
 
