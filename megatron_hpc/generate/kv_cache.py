@@ -133,9 +133,11 @@ def cached_forward(model: GPT, ids: torch.Tensor, cache: KVCache) -> torch.Tenso
 def decode_step(model: GPT, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
     """One new column: `tokens` (B,) through the model, their keys and values appended to `cache`; this rank's logits
     (B, V/tp). The same arithmetic as cached_forward with S = 1, minus its per-step overhead (measured in
-    benchmarks/RESULTS.md, issue 17): 2-D (B, H) activations, q/k/v as strided views of the QKV output (no
-    transposes), the key mask sliced from the cache instead of rebuilt, and the column-parallel linears called as
-    plain F.linear (their forward is the identity; the autograd wrapper only costs time here)."""
+    benchmarks/RESULTS.md, issues 17 and 27): 2-D (B, H) activations, q/k/v as strided views of the QKV output (no
+    transposes), queries and keys rotated in one pass, each key/value group's queries attending as rows of their own
+    (no grouped-query kernel), the widening linears as weight @ x^T for a few rows on the CPU, the key mask sliced
+    from the cache instead of rebuilt, and the column-parallel linears called as plain matmuls (their forward is the
+    identity; the autograd wrapper only costs time here)."""
     b = tokens.shape[0]
     start = cache.length
     if start + 1 > cache.capacity:
@@ -151,19 +153,21 @@ def decode_step(model: GPT, tokens: torch.Tensor, cache: KVCache) -> torch.Tenso
         x = x + model.wpe(positions)
     for layer, block in enumerate(model.h.values()):
         attn = block.attn
-        qkv = F.linear(block.ln_1(x), attn.qkv.weight, attn.qkv.bias)  # (B, rows/tp)
+        qkv = _widening_linear(block.ln_1(x), attn.qkv.weight, attn.qkv.bias)  # (B, rows/tp)
         per_group = attn.local_heads // attn.local_groups
-        # Megatron's grouped [G, (nh/G queries, key, value), hd] layout (per head [nh, (q, k, v), hd] without groups)
-        grouped = qkv.view(b, attn.local_groups, per_group + 2, 1, attn.head_dim)
-        q = grouped[:, :, 0] if per_group == 1 else grouped[:, :, :per_group].reshape(b, attn.local_heads, 1, -1)
-        k, v = grouped[:, :, per_group], grouped[:, :, per_group + 1]  # (B, G/tp, 1, hd) views
-        if rope is not None:
-            q, k = rotate(q, *rope), rotate(k, *rope)
+        # Megatron's grouped [G, (nh/G queries, key, value), hd] layout (per head [nh, (q, k, v), hd] without groups).
+        # A group's queries and key are adjacent, so one rotation turns them all (B, G/tp, nh/G + 1, hd).
+        grouped = qkv.view(b, attn.local_groups, per_group + 2, attn.head_dim)
+        turned = grouped[:, :, :per_group + 1] if rope is None else rotate(grouped[:, :, :per_group + 1], *rope)
         keys, values = cache.keys[layer], cache.values[layer]
-        keys[:, :, start:start + 1] = k
-        values[:, :, start:start + 1] = v
-        y = _attend(q, keys[:, :, :start + 1], values[:, :, :start + 1], mask)
-        y = attn.proj(y.view(b, attn.local_heads * attn.head_dim))  # (B, H): S = 1, so no transpose is needed
+        keys[:, :, start] = turned[:, :, per_group]
+        values[:, :, start] = grouped[:, :, per_group + 1]
+        # Each group's nh/G queries as nh/G query rows against the group's keys (transformers' pack_gqa): plain
+        # attention, where enable_gqa's kernel took about 3x as long at batch 8 (benchmarks/RESULTS.md, issue 27).
+        # One column attends to every cached one, so no causal mask; a padding mask (B, 1, 1, L) broadcasts.
+        y = F.scaled_dot_product_attention(turned[:, :, :per_group], keys[:, :, :start + 1], values[:, :, :start + 1],
+                                           attn_mask=mask)  # (B, G/tp, nh/G, hd)
+        y = attn.proj(y.reshape(b, attn.local_heads * attn.head_dim))  # (B, H), heads in the model's order
         mlp = block.mlp
         if block.parallel_residual:
             x = mlp.proj(_mlp_hidden(mlp, block.ln_2(x))) + y + x
@@ -181,11 +185,23 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 
 
 def _mlp_hidden(mlp: MLP, x: torch.Tensor) -> torch.Tensor:
-    """The MLP's activation (B, F/tp) before its output projection, with plain F.linear (see decode_step)."""
-    up = F.linear(x, mlp.fc.weight, mlp.fc.bias)
+    """The MLP's activation (B, F/tp) before its output projection, with plain matmuls (see decode_step)."""
+    up = _widening_linear(x, mlp.fc.weight, mlp.fc.bias)
     if mlp.gate is not None:  # SwiGLU
-        return F.silu(F.linear(x, mlp.gate.weight, mlp.gate.bias)) * up
+        return F.silu(_widening_linear(x, mlp.gate.weight, mlp.gate.bias)) * up
     return F.gelu(up, approximate=mlp.approximate)
+
+
+def _widening_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (B, K) through a column-parallel weight (N/tp, K) with N > K (QKV, SwiGLU's gate and up, the GeLU MLP's fc).
+    For a few rows on the CPU as weight @ x^T, as output_logits: the same dot products, and at batch 8 with 2 threads
+    the Llama benchmark's decode step took about 0.88x the time this way (benchmarks/RESULTS.md, issue 27; the
+    narrowing projections were slower so, and one row gains nothing). The result is a transposed view (B, N/tp):
+    the views and element-wise ops after it read it as it is."""
+    if x.shape[0] == 1 or x.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    y = torch.mm(weight, x.t()).t()
+    return y if bias is None else y + bias
 
 
 def output_logits(model: GPT, x: torch.Tensor) -> torch.Tensor:
