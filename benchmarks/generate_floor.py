@@ -2,12 +2,13 @@
 transformers' step, on generate_cpu.py's model.
 
 Per batch size it times, alternating within each round so that machine drift hits all of them:
-- floor: only the weight matmuls of one token (F.linear of every layer's four weights with their biases, and the
-  output layer as ours computes it), i.e. the bytes every implementation must read per step;
+- floor: only the weight matmuls of one token (every layer's weights with their biases: four, five with SwiGLU's gate;
+  and the output layer; each in the form ours computes it, kv_cache.inference_linear), i.e. the bytes every
+  implementation must read per step;
 - ours: one `decode_step` plus the greedy choice (the path `generate` runs);
 - ours (plain): one `cached_forward` of one column plus the same choice (the general path, before the fast path);
-- transformers: one GPT2LMHeadModel forward with its DynamicCache (cropped back after each step) plus argmax, i.e.
-  the model alone, without `generate`'s per-step logits processors and stopping criteria.
+- transformers: one GPT2LMHeadModel (or LlamaForCausalLM) forward with its DynamicCache (cropped back after each
+  step) plus argmax, i.e. the model alone, without `generate`'s per-step logits processors and stopping criteria.
 It also prints the machine's copy bandwidth (a 256 MiB tensor copy) and what the floor reads per step.
 
     python benchmarks/generate_floor.py --rounds 20
@@ -51,8 +52,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"copy bandwidth ({args.copy_mib} MiB read + written, best of 5): {gbs:.1f} GB/s", flush=True)
 
     weights = [(m.weight, m.bias) for block in ours.h.values()
-               for m in (block.attn.qkv, block.attn.proj, block.mlp.fc, block.mlp.proj)]
-    weights.append((ours.wte.weight, None))
+               for m in (block.attn.qkv, block.attn.proj, block.mlp.gate, block.mlp.fc, block.mlp.proj)
+               if m is not None]  # mlp.gate: SwiGLU's (--family llama)
+    output = ours.wte if ours.lm_head is None else ours.lm_head
+    weights.append((output.weight, None))
     nbytes = sum(w.numel() * 4 + (0 if b is None else b.numel() * 4) for w, b in weights)
     print(f"weights read per step: {nbytes / 1e6:.0f} MB -> floor at that bandwidth {nbytes / gbs / 1e6:.1f} ms")
 
@@ -63,10 +66,9 @@ def main(argv: list[str] | None = None) -> None:
 
 def _time_batch(ours, theirs, batch: int, weights: list, nbytes: int, args: argparse.Namespace) -> None:
     import torch
-    import torch.nn.functional as F
 
     from megatron_hpc.generate.engine import vocab_shard
-    from megatron_hpc.generate.kv_cache import KVCache, cached_forward, decode_step, output_logits
+    from megatron_hpc.generate.kv_cache import KVCache, cached_forward, decode_step, inference_linear, output_logits
     from megatron_hpc.generate.sampling import SamplingParams, next_tokens
 
     shard, params = vocab_shard(ours), SamplingParams(max_new_tokens=1)
@@ -82,7 +84,7 @@ def _time_batch(ours, theirs, batch: int, weights: list, nbytes: int, args: argp
 
     def floor() -> None:
         for w, b in weights[:-1]:
-            F.linear(inputs[w.shape[1]], w, b)
+            inference_linear(inputs[w.shape[1]], w, b)  # the matmuls in the form decode_step runs them
         output_logits(ours, inputs[weights[-1][0].shape[1]])  # the output layer as ours runs it
 
     def step_ours() -> None:

@@ -1,4 +1,5 @@
-"""CPU training-step throughput: megatron-hpc's GPT against Hugging Face GPT2LMHeadModel (sdpa).
+"""CPU training-step throughput: megatron-hpc's GPT against Hugging Face GPT2LMHeadModel (sdpa), or (--family llama)
+our Llama-shaped GPT against LlamaForCausalLM (sdpa).
 
 Issue 4's figure: one training step (forward, backward, AdamW) on the same config, fp32,
 dropout 0, 2 threads: 6 layers, hidden 512, 8 heads, seq 512, batch 8, vocab 8192. Each
@@ -13,6 +14,7 @@ trainer calls at start on CPU). So that the gain of the allocator setting is not
 third contender runs HF with the same setting ("hf-kept"); "hf" is HF as its users run it.
 
     python benchmarks/train_step_cpu.py --rounds 5
+    python benchmarks/train_step_cpu.py --rounds 5 --family llama   # issue 27's figure (see Shape)
     python benchmarks/train_step_cpu.py --rounds 1 --steps 1 --warmup 0 --layers 1 --hidden 32 --heads 2 \
         --seq 16 --batch 1 --vocab 64      # smoke test (the suite runs it): the script, not the figure
 """
@@ -30,21 +32,59 @@ from dataclasses import asdict, dataclass
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Shape:
-    """The model and batch both implementations train (the defaults are issue 4's figure)."""
+    """The model and batch both implementations train (the defaults are issue 4's figure; with family llama, issue
+    27's: the same sizes with RMSNorm, SwiGLU, grouped-query attention, rotary positions, no biases, untied)."""
 
+    family: str = "gpt2"
     layers: int = 6
     hidden: int = 512
     heads: int = 8
+    groups: int = 2
+    """Key/value heads (query groups) of the llama family: 8 heads in 2 groups is issue 27's GQA 8:2."""
+    ffn: int = 1408
+    """The llama family's SwiGLU width (Llama's 8/3 x hidden rounded up to a multiple of 64)."""
     seq: int = 512
     batch: int = 8
     vocab: int = 8192
+
+
+FAMILIES = ("gpt2", "llama")
+
+
+def llama_configs(*, layers: int, hidden: int, heads: int, groups: int, ffn: int, positions: int, vocab: int):
+    """Our ModelConfig and transformers' LlamaConfig of one Llama-shaped model (also generate_cpu.py's)."""
+    from transformers import LlamaConfig
+
+    from megatron_hpc.config.schema import ModelConfig
+
+    ours = ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups,
+                       ffn_hidden_size=ffn, seq_length=positions, max_position_embeddings=positions, vocab_size=vocab,
+                       position_embedding="rope", normalization="rmsnorm", swiglu=True, add_bias_linear=False,
+                       tie_embeddings=False, layernorm_epsilon=1e-5)
+    theirs = LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                         num_key_value_heads=groups, intermediate_size=ffn, max_position_embeddings=positions,
+                         vocab_size=vocab, rms_norm_eps=ours.layernorm_epsilon, tie_word_embeddings=False,
+                         rope_parameters={"rope_type": "default", "rope_theta": ours.rotary_base},
+                         bos_token_id=vocab - 1, eos_token_id=vocab - 1)
+    theirs._attn_implementation = "sdpa"  # transformers 5 takes the choice from the config
+    return ours, theirs
+
+
+def _model_config(shape: Shape):
+    from megatron_hpc.config.schema import ModelConfig
+
+    if shape.family == "llama":
+        return llama_configs(layers=shape.layers, hidden=shape.hidden, heads=shape.heads, groups=shape.groups,
+                             ffn=shape.ffn, positions=shape.seq, vocab=shape.vocab)[0]
+    return ModelConfig(num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
+                       seq_length=shape.seq, max_position_embeddings=shape.seq, vocab_size=shape.vocab)
 
 
 def _ours(shape: Shape):
     import torch
     import torch.distributed as dist
 
-    from megatron_hpc.config.schema import ModelConfig, OptimConfig
+    from megatron_hpc.config.schema import OptimConfig
     from megatron_hpc.model.gpt import GPT
     from megatron_hpc.parallel.context import ParallelContext
     from megatron_hpc.plan.mesh import Mesh
@@ -53,9 +93,7 @@ def _ours(shape: Shape):
 
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
     ctx = ParallelContext.build(Mesh(num_nodes=1, workers_per_node=1, tensor_parallel=1), rank=0)
-    cfg = ModelConfig(num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
-                      seq_length=shape.seq, max_position_embeddings=shape.seq, vocab_size=shape.vocab)
-    model = GPT(cfg, ctx=ctx, padded_vocab=shape.vocab, seed=1234)
+    model = GPT(_model_config(shape), ctx=ctx, padded_vocab=shape.vocab, seed=1234)
     optimizer = PlainOptimizer(model, optim=OptimConfig(lr=1e-4), ctx=ctx, device_kind="cpu")
     forward_backward = MicroBatches(model, ctx=ctx, autocast_dtype=None, device_type="cpu")
     tokens = torch.randint(0, shape.vocab, (shape.batch, shape.seq + 1), generator=torch.Generator().manual_seed(0))
@@ -68,13 +106,18 @@ def _ours(shape: Shape):
 
 def _hf(shape: Shape):
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 
-    config = GPT2Config(n_layer=shape.layers, n_embd=shape.hidden, n_head=shape.heads, n_positions=shape.seq,
-                        vocab_size=shape.vocab, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        bos_token_id=shape.vocab - 1, eos_token_id=shape.vocab - 1)
-    config._attn_implementation = "sdpa"  # transformers 5 takes the choice from the config
-    model = GPT2LMHeadModel(config)
+    if shape.family == "llama":
+        model = LlamaForCausalLM(llama_configs(layers=shape.layers, hidden=shape.hidden, heads=shape.heads,
+                                               groups=shape.groups, ffn=shape.ffn, positions=shape.seq,
+                                               vocab=shape.vocab)[1])
+    else:
+        config = GPT2Config(n_layer=shape.layers, n_embd=shape.hidden, n_head=shape.heads, n_positions=shape.seq,
+                            vocab_size=shape.vocab, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                            bos_token_id=shape.vocab - 1, eos_token_id=shape.vocab - 1)
+        config._attn_implementation = "sdpa"  # transformers 5 takes the choice from the config
+        model = GPT2LMHeadModel(config)
     assert model.config._attn_implementation == "sdpa"
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
@@ -90,7 +133,13 @@ def _hf(shape: Shape):
     return step
 
 
-IMPLS = {"ours": "megatron-hpc GPT", "hf": "HF GPT2LMHeadModel (sdpa)", "hf-kept": "HF + keep_freed_memory"}
+IMPLS = ("ours", "hf", "hf-kept")
+
+
+def labels(family: str) -> dict[str, str]:
+    hf = "HF LlamaForCausalLM (sdpa)" if family == "llama" else "HF GPT2LMHeadModel (sdpa)"
+    ours = "megatron-hpc GPT, Llama-shaped" if family == "llama" else "megatron-hpc GPT"
+    return {"ours": ours, "hf": hf, "hf-kept": "HF + keep_freed_memory"}
 
 
 def worker(impl: str, *, shape: Shape, steps: int, warmup: int, threads: int) -> None:
@@ -117,13 +166,14 @@ def worker(impl: str, *, shape: Shape, steps: int, warmup: int, threads: int) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--worker", choices=tuple(IMPLS))
+    parser.add_argument("--worker", choices=IMPLS)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     for name, value in asdict(Shape()).items():
-        parser.add_argument(f"--{name}", type=int, default=value)
+        parser.add_argument(f"--{name}", type=type(value), default=value,
+                            **({"choices": FAMILIES} if name == "family" else {}))
     args = parser.parse_args()
     args.shape = Shape(**{name: getattr(args, name) for name in asdict(Shape())})
     if args.worker:
@@ -160,13 +210,16 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace) -> None:
                   "peak_rss_mib": statistics.median(r["peak_rss_mib"] for r in rows)}
            for impl, rows in results.items()}
     s = args.shape
-    print(f"config: {s.layers} layers, hidden {s.hidden}, {s.heads} heads, seq {s.seq}, batch {s.batch}, vocab "
-          f"{s.vocab}, fp32, {args.threads} threads; {args.rounds} rounds x {args.steps} timed steps "
+    llama = ""
+    if s.family == "llama":
+        llama = f" in {s.groups} query groups, SwiGLU {s.ffn}, RMSNorm, rotary, no biases, untied"
+    print(f"config: {s.family}, {s.layers} layers, hidden {s.hidden}, {s.heads} heads{llama}, seq {s.seq}, batch "
+          f"{s.batch}, vocab {s.vocab}, fp32, {args.threads} threads; {args.rounds} rounds x {args.steps} timed steps "
           f"(+{args.warmup} warm-up)")
-    for impl, label in IMPLS.items():
+    for impl, label in labels(s.family).items():
         rows = results[impl]
         tps = [round(r["tokens_per_s"]) for r in rows]
-        print(f"{label:<28} tokens/s median step {med[impl]['tokens_per_s']:6.0f}, best step "
+        print(f"{label:<30} tokens/s median step {med[impl]['tokens_per_s']:6.0f}, best step "
               f"{med[impl]['best']:6.0f} (per process {tps}); peak RSS median {med[impl]['peak_rss_mib']:6.0f} MiB")
     for other in ("hf", "hf-kept"):
         print(f"ratio ours/{other}: throughput {med['ours']['tokens_per_s'] / med[other]['tokens_per_s']:.2f}x "

@@ -22,6 +22,7 @@ hd head dim, V/tp this rank's vocabulary shard.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 
 from megatron_hpc.model.gpt import GPT, MLP, expand_groups
 from megatron_hpc.model.rotary import rotate
+from megatron_hpc.parallel.layers import RowParallelLinear
 
 
 @dataclass(kw_only=True, slots=True)
@@ -133,9 +135,11 @@ def cached_forward(model: GPT, ids: torch.Tensor, cache: KVCache) -> torch.Tenso
 def decode_step(model: GPT, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
     """One new column: `tokens` (B,) through the model, their keys and values appended to `cache`; this rank's logits
     (B, V/tp). The same arithmetic as cached_forward with S = 1, minus its per-step overhead (measured in
-    benchmarks/RESULTS.md, issue 17): 2-D (B, H) activations, q/k/v as strided views of the QKV output (no
-    transposes), the key mask sliced from the cache instead of rebuilt, and the column-parallel linears called as
-    plain F.linear (their forward is the identity; the autograd wrapper only costs time here)."""
+    benchmarks/RESULTS.md, issues 17 and 27): 2-D (B, H) activations, q/k/v as strided views of the QKV output (no
+    transposes), queries and keys rotated in one pass, each key/value group's queries attending as rows of their own
+    (no grouped-query kernel), the key mask sliced from the cache instead of rebuilt, and the linears as
+    inference_linear's matmuls (the column-parallel ones' forward is the identity on the input, and the autograd wrapper
+    only costs time here)."""
     b = tokens.shape[0]
     start = cache.length
     if start + 1 > cache.capacity:
@@ -151,25 +155,27 @@ def decode_step(model: GPT, tokens: torch.Tensor, cache: KVCache) -> torch.Tenso
         x = x + model.wpe(positions)
     for layer, block in enumerate(model.h.values()):
         attn = block.attn
-        qkv = F.linear(block.ln_1(x), attn.qkv.weight, attn.qkv.bias)  # (B, rows/tp)
+        qkv = inference_linear(block.ln_1(x), attn.qkv.weight, attn.qkv.bias)  # (B, rows/tp)
         per_group = attn.local_heads // attn.local_groups
-        # Megatron's grouped [G, (nh/G queries, key, value), hd] layout (per head [nh, (q, k, v), hd] without groups)
-        grouped = qkv.view(b, attn.local_groups, per_group + 2, 1, attn.head_dim)
-        q = grouped[:, :, 0] if per_group == 1 else grouped[:, :, :per_group].reshape(b, attn.local_heads, 1, -1)
-        k, v = grouped[:, :, per_group], grouped[:, :, per_group + 1]  # (B, G/tp, 1, hd) views
-        if rope is not None:
-            q, k = rotate(q, *rope), rotate(k, *rope)
+        # Megatron's grouped [G, (nh/G queries, key, value), hd] layout (per head [nh, (q, k, v), hd] without groups).
+        # A group's queries and key are adjacent, so one rotation turns them all (B, G/tp, nh/G + 1, hd).
+        grouped = qkv.view(b, attn.local_groups, per_group + 2, attn.head_dim)
+        turned = grouped[:, :, :per_group + 1] if rope is None else rotate(grouped[:, :, :per_group + 1], *rope)
         keys, values = cache.keys[layer], cache.values[layer]
-        keys[:, :, start:start + 1] = k
-        values[:, :, start:start + 1] = v
-        y = _attend(q, keys[:, :, :start + 1], values[:, :, :start + 1], mask)
-        y = attn.proj(y.view(b, attn.local_heads * attn.head_dim))  # (B, H): S = 1, so no transpose is needed
+        keys[:, :, start] = turned[:, :, per_group]
+        values[:, :, start] = grouped[:, :, per_group + 1]
+        # Each group's nh/G queries as nh/G query rows against the group's keys (transformers' pack_gqa): plain
+        # attention, where enable_gqa's kernel took about 3x as long at batch 8 (benchmarks/RESULTS.md, issue 27).
+        # One column attends to every cached one, so no causal mask; a padding mask (B, 1, 1, L) broadcasts.
+        y = F.scaled_dot_product_attention(turned[:, :, :per_group], keys[:, :, :start + 1], values[:, :, :start + 1],
+                                           attn_mask=mask)  # (B, G/tp, nh/G, hd)
+        y = _row_parallel(attn.proj, y.reshape(b, attn.local_heads * attn.head_dim))  # (B, H), the model's head order
         mlp = block.mlp
         if block.parallel_residual:
-            x = mlp.proj(_mlp_hidden(mlp, block.ln_2(x))) + y + x
+            x = _row_parallel(mlp.proj, _mlp_hidden(mlp, block.ln_2(x))) + y + x
         else:
             x = x + y
-            x = x + mlp.proj(_mlp_hidden(mlp, block.ln_2(x)))
+            x = x + _row_parallel(mlp.proj, _mlp_hidden(mlp, block.ln_2(x)))
     cache.length = start + 1
     return output_logits(model, model.ln_f(x))
 
@@ -181,20 +187,45 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 
 
 def _mlp_hidden(mlp: MLP, x: torch.Tensor) -> torch.Tensor:
-    """The MLP's activation (B, F/tp) before its output projection, with plain F.linear (see decode_step)."""
-    up = F.linear(x, mlp.fc.weight, mlp.fc.bias)
+    """The MLP's activation (B, F/tp) before its output projection, with plain matmuls (see decode_step)."""
+    up = inference_linear(x, mlp.fc.weight, mlp.fc.bias)
     if mlp.gate is not None:  # SwiGLU
-        return F.silu(F.linear(x, mlp.gate.weight, mlp.gate.bias)) * up
+        return F.silu(inference_linear(x, mlp.gate.weight, mlp.gate.bias)) * up
     return F.gelu(up, approximate=mlp.approximate)
+
+
+def _row_parallel(layer: RowParallelLinear, x: torch.Tensor) -> torch.Tensor:
+    """A row-parallel linear of (B, K/tp) rows: inference_linear at TP 1, else the layer (partial sums all-reduced)."""
+    return inference_linear(x, layer.weight, layer.bias) if layer.tp_size == 1 else layer(x)
+
+
+def inference_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (B, K) @ weight (N, K)^T (+ bias) for a decode step's few rows, in the form the CPU's BLAS ran fastest
+    (benchmarks/RESULTS.md, issues 17 and 27; the same dot products, rounded in another order):
+    - one row on the CPU: the weight's rows split in p blocks, one batched product (bmm) of them; 2.5-3.5x faster than
+      the matrix-vector product F.linear makes (about 12 GB/s of weights there, 36 GB/s here, on 2 cores), and a
+      decode step at batch 1 is mostly these reads;
+    - a few rows against a widening weight (N > K: QKV, gate, up, fc, the output layer): weight @ x^T, returned as a
+      transposed view (the views and element-wise ops after it read it as it is); on every device, as output_logits
+      did before (on XLA, cached_forward's output layer is the only caller);
+    - otherwise F.linear."""
+    n, k = weight.shape
+    if x.shape[0] == 1:
+        p = math.gcd(n, max(2, torch.get_num_threads()))  # blocks for every thread, whole rows each
+        if x.device.type != "cpu" or p == 1 or not weight.is_contiguous():
+            return F.linear(x, weight, bias)  # a matrix-vector product (on the GPU or XLA, the BLAS's choice)
+        y = torch.bmm(weight.view(p, n // p, k), x.t().expand(p, k, 1)).view(1, n)
+    elif n > k:
+        y = torch.mm(weight, x.t()).t()
+    else:
+        return F.linear(x, weight, bias)
+    return y if bias is None else y + bias
 
 
 def output_logits(model: GPT, x: torch.Tensor) -> torch.Tensor:
     """This rank's logits (B, V/tp) of final hidden states (B, H), for inference only (no autograd wrappers: the
     column-parallel output layer's forward is the identity on its input)."""
     weight = model.wte.weight if model.lm_head is None else model.lm_head.weight  # (V/tp, H)
-    if x.shape[0] == 1:
-        return F.linear(x, weight)  # a matrix-vector product either way
-    # Table times x^T rather than x times table^T: the same dot products, but on the CPU the BLAS ran this
-    # orientation about 1.5-1.9x faster for a few rows against the 50304 x 768 fp32 table (benchmarks/RESULTS.md,
-    # issue 17), and the output layer is half of the bytes a decode step reads.
-    return torch.mm(weight, x.t()).t().contiguous()
+    # For a few rows as table @ x^T: the BLAS ran it about 1.5-1.9x faster than x @ table^T at 8 rows against the
+    # 50304 x 768 fp32 table (benchmarks/RESULTS.md, issue 17); the output layer can be half of a step's bytes.
+    return inference_linear(x, weight).contiguous()

@@ -24,12 +24,20 @@ def test_defaults_are_the_issues_figure():
     assert (args.batches, args.new_tokens) == ([1, 8], 128)
 
 
+def test_the_llama_family_defaults_to_the_training_benchmarks_shape():
+    args = _bench().parse_args(["--family", "llama"])
+    assert (args.layers, args.hidden, args.heads, args.groups, args.ffn, args.vocab) == (6, 512, 8, 2, 1408, 8192)
+    assert _bench().parse_args(["--family", "llama", "--hidden", "256"]).hidden == 256  # a flag still wins
+
+
 def test_arguments_that_cannot_run_are_refused():
     bench = _bench()
     with pytest.raises(SystemExit):
         bench.parse_args(["--context", "100", "--prompt-len", "32", "--new-tokens", "128"])
     with pytest.raises(SystemExit):
         bench.parse_args(["--hidden", "100", "--heads", "12"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--family", "llama", "--heads", "8", "--groups", "3"])
 
 
 def test_ratios_and_table():

@@ -5,7 +5,8 @@ smallest model and the fewest rounds that still take every path of the script to
 nothing at that size (benchmarks/RESULTS.md has the real ones), so only the shape of the summary is checked. Two
 scripts time us against another project's tool that the suite does not install (megatron-core, Megatron-LM): their
 smoke runs time megatron-hpc against itself (--self-anchor), so everything but the other tool's command runs. The
-GPU benchmark runs its CPU path (--allow-cpu) and, without it, must refuse with the fix.
+GPU benchmark runs its CPU path (--allow-cpu) and, without it, must refuse with the fix. A script with a second model
+family (--family llama) runs once per family: a case named "script.py[family]".
 """
 
 from __future__ import annotations
@@ -60,6 +61,10 @@ CASES: dict[str, tuple[list[str], str]] = {
     "generate_cpu.py": (["--layers", "1", "--hidden", "64", "--heads", "4", "--vocab", "300", "--context", "16",
                          "--prompt-len", "4", "--new-tokens", "2", "--batches", "1", "--rounds", "1", "--threads", "1"],
                         r"^    1 +[\d.]+, +[\d.]+ +[\d.]+, +[\d.]+ +[\d.]+x +[\d.]+x  (met|missed)$"),
+    "generate_cpu.py[llama]": (["--family", "llama", "--layers", "1", "--hidden", "64", "--heads", "4", "--groups",
+                                "2", "--ffn", "96", "--vocab", "300", "--context", "16", "--prompt-len", "4",
+                                "--new-tokens", "2", "--batches", "1", "--rounds", "1", "--threads", "1"],
+                               r"^    1 +[\d.]+, +[\d.]+ +[\d.]+, +[\d.]+ +[\d.]+x +[\d.]+x  (met|missed)$"),
     "generate_floor.py": (["--rounds", "1", "--batches", "1", "--cached", "4", "--copy-mib", "1", "--threads", "1",
                            "--layers", "1", "--hidden", "64", "--heads", "4", "--vocab", "300", "--context", "16",
                            "--prompt-len", "1", "--new-tokens", "1"],
@@ -84,6 +89,10 @@ CASES: dict[str, tuple[list[str], str]] = {
                            "--batch", "1"],
                           r"^ratio ours/hf-kept: throughput [\d.]+x \(median steps\), [\d.]+x \(best steps\), peak "
                           r"memory [\d.]+x$"),
+    "train_step_cpu.py[llama]": (["--rounds", "1", "--steps", "1", "--warmup", "0", "--threads", "1", *TINY,
+                                  "--batch", "1", "--family", "llama", "--groups", "1", "--ffn", "64"],
+                                 r"^ratio ours/hf-kept: throughput [\d.]+x \(median steps\), [\d.]+x \(best steps\), "
+                                 r"peak memory [\d.]+x$"),
 }
 
 SMOKED_ELSEWHERE = {
@@ -101,25 +110,32 @@ def _run(script: str, args: list[str], tmp: Path, **env_vars: str) -> subprocess
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
+def _script(case: str) -> str:
+    return case.split("[")[0]
+
+
 def test_every_benchmark_has_a_smoke_run() -> None:
     scripts = {p.name for p in BENCHMARKS.glob("*.py")}
-    assert scripts == CASES.keys() | SMOKED_ELSEWHERE.keys()
+    assert scripts == {_script(case) for case in CASES} | SMOKED_ELSEWHERE.keys()
     for script, module in SMOKED_ELSEWHERE.items():
         assert script in (Path(__file__).with_name(module)).read_text(), (script, module)
 
 
-@pytest.mark.parametrize("script", sorted(CASES))
-def test_the_script_runs_end_to_end_and_prints_its_ratios(script: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_script_runs_end_to_end_and_prints_its_ratios(case: str, tmp_path: Path) -> None:
+    script = _script(case)
     if script == "preprocess_throughput.py":  # its --demo folder: a corpus and the tokenizer that encodes it
         (tmp_path / "demo").mkdir()
         shutil.copy(PREPROCESS / "corpus.jsonl", tmp_path / "demo" / "stdlib.jsonl")
         for name in ("vocab.json", "merges.txt"):
             shutil.copy(PREPROCESS / name, tmp_path / "demo" / name)
-    args, ratios = CASES[script]
+    args, ratios = CASES[case]
     proc = _run(script, args, tmp_path)
-    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, f"{case} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert [line for line in proc.stdout.splitlines() if re.search(ratios, line)], proc.stdout[-3000:]
+    if script == "generate_cpu.py":  # the two models are one: the weights' mapping into transformers holds
+        assert re.search(r"^batch 1: 1/1 rows identical over 2 greedy tokens$", proc.stdout, re.M), proc.stdout
 
 
 def test_the_gpu_benchmark_refuses_a_machine_without_one_and_names_the_fix(tmp_path: Path) -> None:
