@@ -111,8 +111,8 @@ def test_decode_step_equals_the_general_cached_forward(ctx: ParallelContext, pos
     assert fast.length == plain.length
     kv_heads = 2 if position_embedding in ("llama", "qwen") else 4  # one per key/value group, not per query head
     assert [t.shape for t in fast.keys + fast.values] == [(len(prompts), kv_heads, fast.keys[0].shape[2], 16)] * 4
-    for a, b in zip(fast.keys + fast.values, plain.keys + plain.values):
-        torch.testing.assert_close(a[:, :, :fast.length], b[:, :, :plain.length], rtol=0, atol=1e-6)
+    for a, b in zip(fast.keys + fast.values, plain.keys + plain.values):  # decode_step sums in another order (bmm)
+        torch.testing.assert_close(a[:, :, :fast.length], b[:, :, :plain.length], rtol=0, atol=1e-5)
 
 
 def test_training_forward_untouched_by_generation(ctx: ParallelContext) -> None:
