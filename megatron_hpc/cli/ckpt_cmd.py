@@ -322,18 +322,23 @@ def _export_hf(whole: Any, out: Path) -> tuple[Path, list[str] | None]:
 
 
 def _export_hf_with_tokenizer_json(whole: Any, out: Path) -> tuple[Path, list[str]]:
-    """The model with the run's tokenizer.json (HuggingFaceTokenizer) and its settings, copied as they are."""
+    """The model with the run's tokenizer.json (HuggingFaceTokenizer) and its settings, or Llama 2's
+    tokenizer.model (Llama2Tokenizer), copied as they are."""
     import shutil
 
     from megatron_hpc.checkpoint.conversion import hf_tokenizer_files
     from megatron_hpc.checkpoint.foreign import export_hf
     from megatron_hpc.data.hf_tokenizer import HuggingFaceTokenizer
+    from megatron_hpc.data.text_tokenizers import build_tokenizer, tokenizer_spec
     from megatron_hpc.errors import CheckpointError, DataError
 
     files = hf_tokenizer_files(whole)
     model = whole.first["resolved_config"]["model"]
     try:
-        tok = HuggingFaceTokenizer(files[0].parent if len(files) > 1 else files[0])
+        if files[0].name == "tokenizer.model":  # SentencePiece: transformers' LlamaTokenizer reads it alone
+            tok: Any = build_tokenizer(tokenizer_spec("Llama2Tokenizer", model=str(files[0])))
+        else:
+            tok = HuggingFaceTokenizer(files[0].parent if len(files) > 1 else files[0])
     except DataError as exc:
         raise CheckpointError(f"the run's tokenizer cannot be exported ({exc})") from None
     try:
@@ -343,8 +348,22 @@ def _export_hf_with_tokenizer_json(whole: Any, out: Path) -> tuple[Path, list[st
     if tok.vocab_size > model["vocab_size"]:
         raise CheckpointError(f"the run's {files[0]} has {tok.vocab_size} tokens but the model only "
                               f"{model['vocab_size']}; it is not this model's tokenizer")
-    written = export_hf(whole, out, eos_token_id=eod)
+    written = export_hf(whole, out, eos_token_id=eod, token_ids=_generation_ids(files))
     return written, [shutil.copyfile(p, out / p.name) for p in files]
+
+
+def _generation_ids(files: list[Path]) -> dict[str, Any]:
+    """bos_token_id and eos_token_id of an imported model's generation_config.json among `files`, for its
+    config.json (transformers' generate reads either); empty without one or when it cannot be read."""
+    for path in files:
+        if path.name == "generation_config.json":
+            try:
+                given = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, ValueError):
+                return {}
+            keys = ("bos_token_id", "eos_token_id")
+            return {k: given[k] for k in keys if isinstance(given, dict) and given.get(k) is not None}
+    return {}
 
 
 def _reshard(args: argparse.Namespace) -> int:

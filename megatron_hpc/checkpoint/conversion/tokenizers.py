@@ -38,7 +38,8 @@ def resolved_tokenizer_files(resolved: Any) -> tuple[Path, Path] | str:
     return found
 
 
-HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+"""generation_config.json is an imported model's (checkpoint/foreign/hf_import.py), carried to the export."""
 
 
 def hf_tokenizer_files(whole: WholeCheckpoint) -> list[Path]:
@@ -47,7 +48,10 @@ def hf_tokenizer_files(whole: WholeCheckpoint) -> list[Path]:
     data = (whole.first.get("resolved_config") or {}).get("data") or {}
     if data.get("tokenizer_type") == "Llama2Tokenizer" and data.get("tokenizer_model"):
         model = Path(data["tokenizer_model"]).expanduser()  # Llama 2's SentencePiece tokenizer.model
-        return [model] if model.is_file() and os.access(model, os.R_OK) else []
+        if not model.is_file() or not os.access(model, os.R_OK):
+            return []
+        generation = model.parent / HF_TOKENIZER_FILES[-1]
+        return [model, *([generation] if generation.is_file() else [])]
     if data.get("tokenizer_type") != "HuggingFaceTokenizer" or not data.get("tokenizer_model"):
         return []
     given = Path(data["tokenizer_model"]).expanduser()

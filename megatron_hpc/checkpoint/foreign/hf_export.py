@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import stat
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -15,14 +16,17 @@ from megatron_hpc.checkpoint.conversion import WholeCheckpoint, model_config, pp
 from megatron_hpc.checkpoint.foreign import hf_formats
 
 
-def export_hf(whole: WholeCheckpoint, out: Path, *, eos_token_id: int | None = None) -> Path:
+def export_hf(whole: WholeCheckpoint, out: Path, *, eos_token_id: int | None = None,
+              token_ids: dict[str, Any] | None = None) -> Path:
     """Write config.json and the weights (model.safetensors, or pytorch_model.bin without safetensors) of the first
-    Hugging Face architecture (hf_formats.py) that can express the model."""
+    Hugging Face architecture (hf_formats.py) that can express the model. `token_ids` (bos_token_id and
+    eos_token_id of an imported model's generation_config.json) replace the ones derived from `eos_token_id`."""
     model = model_config(whole)
     # An import goes back as the architecture it came as (a Mistral without its window would pass for a Llama too).
     source = whole.first.get("converted_from")
     prefer = source.get("architecture") if isinstance(source, dict) else None
     fmt, hf_config = hf_formats.for_model(model, eos_token_id=eos_token_id, where=whole.found.folder, prefer=prefer)
+    hf_config.update(token_ids or {})
     full = pp_layout.merge_grid([[s["model"] for s in row] for row in whole.grid], num_layers=model["num_layers"])
     sd = fmt.state_to_hf(full, model)
     out.mkdir(parents=True, exist_ok=True)

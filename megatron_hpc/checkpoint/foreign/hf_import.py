@@ -30,7 +30,9 @@ TOKENIZER_DIR = "tokenizer"
 """Where the tokenizer files go, inside the output checkpoint folder."""
 GPT2_TOKENIZER = ("vocab.json", "merges.txt")
 TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "tokenizer.model")
+                   "tokenizer.model", "generation_config.json")
+"""Copied with the checkpoint. generation_config.json is not the tokenizer's, but it names the ids generation starts
+and stops at (Llama 3.1 Instruct stops at three), which the export writes back."""
 SENTENCEPIECE = "tokenizer.model"
 """Llama 2's SentencePiece model (Megatron's Llama2Tokenizer), when no tokenizer.json comes with it."""
 

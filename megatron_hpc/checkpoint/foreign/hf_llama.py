@@ -39,6 +39,8 @@ _LAYER = {  # ours (under h.N.) -> theirs (under model.layers.N.), the weights c
     "ln_1": "input_layernorm", "ln_2": "post_attention_layernorm", "attn.proj": "self_attn.o_proj",
     "mlp.gate": "mlp.gate_proj", "mlp.fc": "mlp.up_proj", "mlp.proj": "mlp.down_proj",
 }
+_BIASED = ("attn.proj", "mlp.gate", "mlp.fc", "mlp.proj")
+"""Those of _LAYER with a bias where the model has biases on every linear (Llama's attention_bias + mlp_bias)."""
 _BUFFERS = (".rotary_emb.inv_freq",)
 """A buffer older transformers saved in Llama checkpoints."""
 
@@ -120,6 +122,21 @@ def _sliding_window(cfg: dict[str, Any], name: str) -> str:
     return ""
 
 
+def _bias_linear(cfg: dict[str, Any], name: str) -> bool:
+    """Our add_bias_linear for Llama's attention_bias (q, k, v and o_proj) and mlp_bias (gate, up and down_proj):
+    both true is a bias on every linear, as ours; one without the other is refused. transformers' Qwen2 and
+    Mistral read neither key, so neither do we for them."""
+    if name != ARCHITECTURE:
+        return False
+    attention, mlp = bool(cfg.get("attention_bias", False)), bool(cfg.get("mlp_bias", False))
+    if attention != mlp:
+        given, other = ("attention_bias", "mlp_bias") if attention else ("mlp_bias", "attention_bias")
+        raise CheckpointError(f"the {name} config has {given} true but {other} false; megatron-hpc puts a bias on "
+                              "every linear (both true) or on the QKV projection only (Qwen2's), not on "
+                              f"{'the attention' if attention else 'the MLP'} alone, so it cannot be converted")
+    return attention
+
+
 def config_from_hf(cfg: dict[str, Any], *, name: str, qkv_bias: bool) -> dict[str, Any]:
     """Our `model:` keys for a Llama or Qwen2 config.json (CheckpointError for what our GPT cannot express)."""
     missing = [k for k in _REQUIRED if not isinstance(cfg.get(k), int) or isinstance(cfg.get(k), bool)]
@@ -128,9 +145,6 @@ def config_from_hf(cfg: dict[str, Any], *, name: str, qkv_bias: bool) -> dict[st
     if cfg.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"the {name} config uses hidden_act {cfg['hidden_act']!r}; only silu (SwiGLU) is "
                               "supported")
-    if cfg.get("mlp_bias", False):
-        raise CheckpointError(f"the {name} config has mlp_bias true (biases in the MLP), which megatron-hpc's Llama "
-                              "does not have; it cannot be converted")
     window = _sliding_window(cfg, name)
     if window:
         from megatron_hpc.checkpoint.foreign.hf_formats import supported  # here: hf_formats loads this module
@@ -139,10 +153,6 @@ def config_from_hf(cfg: dict[str, Any], *, name: str, qkv_bias: bool) -> dict[st
                               "does not have (every layer attends to all earlier tokens); convert a model with full "
                               f"attention (sliding_window null, use_sliding_window false); supported: "
                               f"{', '.join(supported())}")
-    if name == ARCHITECTURE and cfg.get("attention_bias", False):
-        raise CheckpointError(f"the {name} config has attention_bias true (biases on q, k, v and o_proj); "
-                              "megatron-hpc has a QKV-only bias (Qwen2's) or biases on every linear, not this; it "
-                              "cannot be converted")
     heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
     groups = cfg.get("num_key_value_heads") or heads
     if heads % groups:
@@ -157,7 +167,8 @@ def config_from_hf(cfg: dict[str, Any], *, name: str, qkv_bias: bool) -> dict[st
         "num_query_groups": groups, "ffn_hidden_size": cfg["intermediate_size"],
         "seq_length": cfg["max_position_embeddings"], "max_position_embeddings": cfg["max_position_embeddings"],
         "vocab_size": cfg["vocab_size"], "make_vocab_size_divisible_by": 1,
-        "normalization": "rmsnorm", "swiglu": True, "add_bias_linear": False, "add_qkv_bias": qkv_bias,
+        "normalization": "rmsnorm", "swiglu": True, "add_bias_linear": _bias_linear(cfg, name),
+        "add_qkv_bias": qkv_bias,
         "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
         "init_method_std": cfg.get("initializer_range", 0.02), "layernorm_epsilon": cfg.get("rms_norm_eps", 1e-6),
         "attention_dropout": float(cfg.get("attention_dropout", 0.0)), "hidden_dropout": 0.0,
@@ -177,7 +188,8 @@ def config_to_hf(model: dict[str, Any], *, name: str, model_type: str, qkv_bias:
         ("RMSNorm", model.get("normalization", "layernorm") == "rmsnorm"), ("SwiGLU", model.get("swiglu", False)),
         ("rotary positions", model.get("position_embedding", "learned") == "rope"),
         ("full-width rotary", model.get("rotary_percent", 1.0) == 1.0),
-        ("no linear biases", not model.get("add_bias_linear", True)),
+        # Llama's attention_bias + mlp_bias are our biases on every linear; Qwen2 and Mistral have no such keys.
+        ("no linear biases", model_type == "llama" or not model.get("add_bias_linear", True)),
         ("sequential residuals", not model.get("parallel_residual", False)),
         ("a QKV bias" if qkv_bias else "no QKV bias", bool(model.get("add_qkv_bias", False)) == qkv_bias)) if not ok]
     if missing:
@@ -204,7 +216,9 @@ def config_to_hf(model: dict[str, Any], *, name: str, model_type: str, qkv_bias:
         "rope_theta": rope["rope_theta"], "rope_scaling": None if rope["rope_type"] == "default" else rope,
         "rope_parameters": rope, "attention_dropout": model.get("attention_dropout", 0.0),
         "use_cache": True, "bos_token_id": eos, "eos_token_id": eos, "torch_dtype": "float32",
-        **{"llama": {"attention_bias": False, "mlp_bias": False}, "mistral": {"sliding_window": None}}.get(
+        **{"llama": {"attention_bias": bool(model.get("add_bias_linear", True)),
+                     "mlp_bias": bool(model.get("add_bias_linear", True))},
+           "mistral": {"sliding_window": None}}.get(
             model_type, {"use_sliding_window": False, "sliding_window": None}),
     }
 
@@ -237,6 +251,10 @@ def split_qkv(qkv: torch.Tensor, model: dict[str, Any]) -> tuple[torch.Tensor, t
             grouped[:, per + 1].reshape(-1, *rest))
 
 
+def _qkv_bias(model: dict[str, Any]) -> bool:
+    return bool(model.get("add_qkv_bias", False) or model.get("add_bias_linear", False))
+
+
 def _take(sd: dict[str, torch.Tensor], key: str, used: set[str], name: str) -> torch.Tensor:
     if key not in sd:
         raise CheckpointError(f"the {name} weights have no {key}; the folder is incomplete or not {name}")
@@ -253,9 +271,12 @@ def _hf_shapes(model: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         "self_attn.v_proj.weight": (groups * hd, h), "self_attn.o_proj.weight": (h, heads * hd),
         "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f),
         "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
-    if model.get("add_qkv_bias", False):
+    if _qkv_bias(model):
         shapes.update({"self_attn.q_proj.bias": (heads * hd,), "self_attn.k_proj.bias": (groups * hd,),
                        "self_attn.v_proj.bias": (groups * hd,)})
+    if model.get("add_bias_linear", False):
+        shapes.update({"self_attn.o_proj.bias": (h,), "mlp.gate_proj.bias": (f,), "mlp.up_proj.bias": (f,),
+                       "mlp.down_proj.bias": (h,)})
     return shapes
 
 
@@ -280,9 +301,11 @@ def state_from(sd: dict[str, torch.Tensor], model: dict[str, Any], *, name: str)
         pre = f"model.layers.{i}."
         for ours, theirs in _LAYER.items():
             out[f"h.{i}.{ours}.weight"] = _take(sd, f"{pre}{theirs}.weight", used, name)
+            if model.get("add_bias_linear", False) and ours in _BIASED:
+                out[f"h.{i}.{ours}.bias"] = _take(sd, f"{pre}{theirs}.bias", used, name)
         q, k, v = (_take(sd, f"{pre}self_attn.{p}_proj.weight", used, name) for p in "qkv")
         out[f"h.{i}.attn.qkv.weight"] = join_qkv(q, k, v, model)
-        if model.get("add_qkv_bias", False):
+        if _qkv_bias(model):
             q, k, v = (_take(sd, f"{pre}self_attn.{p}_proj.bias", used, name) for p in "qkv")
             out[f"h.{i}.attn.qkv.bias"] = join_qkv(q, k, v, model)
     if model.get("tie_embeddings", False):
@@ -311,6 +334,8 @@ def state_to_hf(full: dict[str, torch.Tensor], model: dict[str, Any]) -> dict[st
         pre = f"model.layers.{i}."
         for ours, theirs in _LAYER.items():
             sd[f"{pre}{theirs}.weight"] = full[f"h.{i}.{ours}.weight"]
+            if f"h.{i}.{ours}.bias" in full:
+                sd[f"{pre}{theirs}.bias"] = full[f"h.{i}.{ours}.bias"]
         for p, t in zip("qkv", split_qkv(full[f"h.{i}.attn.qkv.weight"], model)):
             sd[f"{pre}self_attn.{p}_proj.weight"] = t
         if f"h.{i}.attn.qkv.bias" in full:
