@@ -3,8 +3,8 @@
 (Mistral is Llama's layers without biases; only a checkpoint without its sliding window, as Mistral 7B v0.3, is ours).
 
 Our GPT with RMSNorm, SwiGLU, grouped-query attention, rotary positions, no linear biases and an untied output layer
-is Llama's architecture; with a bias on the QKV projection only it is Qwen2's (transformers models/llama and
-models/qwen2):
+is Llama's architecture (with biases on every linear, Llama's attention_bias + mlp_bias); with a bias on the QKV
+projection only it is Qwen2's (transformers models/llama and models/qwen2):
 
     model.embed_tokens                                 wte            vocabulary rows
     model.layers.N.input_layernorm                     h.N.ln_1       RMSNorm weight
