@@ -15,8 +15,6 @@ tests/unit/test_checkpoint_stream.py holds it to tests/unit/whole_model_reshard.
 
 from __future__ import annotations
 
-import secrets
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +26,13 @@ from megatron_hpc.checkpoint.conversion import optim_layout, pp_layout, tp_layou
 from megatron_hpc.checkpoint.conversion.host_memory import give_back_freed
 from megatron_hpc.checkpoint.conversion.reshard_sizes import ReshardResult, check_pp, check_tp, resized_state
 from megatron_hpc.checkpoint.conversion.whole import WholeCheckpoint, model_config
-from megatron_hpc.checkpoint.store import PipelineLayout, RankInfo, commit_save, paths, write_rank_folder
+from megatron_hpc.checkpoint.store import (
+    PipelineLayout,
+    RankInfo,
+    commit_save,
+    staged_iteration,
+    write_rank_folder,
+)
 from megatron_hpc.errors import CheckpointError
 from megatron_hpc.plan.vocab import padded_vocab_size
 
@@ -342,10 +346,7 @@ def reshard(source: Source, *, tp: int, pp: int = 1, virtual: int = 1, first_sta
                 if (row_p, t, name) not in last:
                     source.release(row_p, t, name)
     buffers = _Buffers()
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = paths.temp_dir(out, whole.iteration, secrets.token_hex(4))
-    tmp.mkdir()
-    try:
+    with staged_iteration(out, whole.iteration) as tmp:
         for i, (p, t) in enumerate(ranks):
             state = resized_state(whole.first, tp=tp, layout=layout, padded=padded)
             weights: dict[str, torch.Tensor] = {}
@@ -371,11 +372,5 @@ def reshard(source: Source, *, tp: int, pp: int = 1, virtual: int = 1, first_sta
             give_back_freed()
         folder = commit_save(tmp, out, whole.iteration, ranks=RankInfo(world_size=tp * pp, tp_size=tp, pp_size=pp),
                          fmt=fmt, layout=layout)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"writing {out} failed ({exc}); nothing was left behind") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return ReshardResult(folder=folder, from_tp=whole.tensor_parallel, to_tp=tp, from_pp=whole.pipeline_parallel,
                          to_pp=pp, optimizer="dropped" if per_tp is None else "resharded", note=note)

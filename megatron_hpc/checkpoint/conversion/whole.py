@@ -8,8 +8,6 @@ result has the same layout, manifest and atomic tracker as a checkpoint the trai
 
 from __future__ import annotations
 
-import secrets
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +23,7 @@ from megatron_hpc.checkpoint.store import (
     paths,
     read_manifest,
     read_shard,
+    staged_iteration,
     write_rank_folder,
 )
 from megatron_hpc.errors import CheckpointAccessError, CheckpointError
@@ -112,18 +111,12 @@ def write_whole(root: Path, iteration: int, grid: list[list[dict[str, Any]]], *,
     layout = layout or PipelineLayout(pipeline=pp)
     if layout.pipeline != pp or any(len(row) != tp for row in grid):
         raise ValueError(f"a grid of {[len(row) for row in grid]} states for {layout.describe()}")
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = paths.temp_dir(root, iteration, secrets.token_hex(4))
-    tmp.mkdir()
-    try:
+    with staged_iteration(root, iteration) as tmp:
         for p, row in enumerate(grid):
             for t, state in enumerate(row):
                 write_rank_folder(state, tmp, tp_rank=t, pp_rank=p, pp_size=pp, fmt=fmt)
         ranks = RankInfo(world_size=tp * pp, tp_size=tp, pp_size=pp)
         return commit_save(tmp, root, iteration, ranks=ranks, fmt=fmt, layout=layout)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"writing {root} failed ({exc}); nothing was left behind") from None
 
 
 def convert_format(whole: WholeCheckpoint, *, to: str, out: Path) -> Path:

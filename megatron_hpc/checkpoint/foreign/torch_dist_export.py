@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import secrets
-import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +36,7 @@ from megatron_hpc.atomic_write import write_text_atomic
 from megatron_hpc.checkpoint.conversion import WholeCheckpoint, model_config, optim_layout, pp_layout, tp_layout
 from megatron_hpc.checkpoint.foreign import torch_dist_keys
 from megatron_hpc.checkpoint.foreign.torch_dist_files import BACKEND, COMMON, CONFIG
-from megatron_hpc.checkpoint.store import paths
+from megatron_hpc.checkpoint.store import paths, staged_iteration
 from megatron_hpc.errors import CheckpointError
 from megatron_hpc.plan.vocab import padded_vocab_size
 
@@ -246,10 +244,7 @@ def _write(out: Path, iteration: int, values: dict[str, Any], common: dict[str, 
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     final = paths.iteration_dir(out, iteration)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = paths.temp_dir(out, iteration, secrets.token_hex(4))
-    tmp.mkdir()
-    try:
+    with staged_iteration(out, iteration) as tmp:
         with warnings.catch_warnings():  # one process on purpose: no_dist says so, torch warns anyway
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             # Not flattened: a key holds a tensor, or an object torch.save'd as megatron-core saves a ShardedObject
@@ -259,11 +254,5 @@ def _write(out: Path, iteration: int, values: dict[str, Any], common: dict[str, 
         torch.save(common, tmp / COMMON)
         (tmp / CONFIG).write_text(json.dumps(BACKEND), encoding="utf-8")
         tmp.rename(final)
-    except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"writing {out} failed ({exc}); nothing was left behind") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     write_text_atomic(paths.tracker_file(out), str(iteration), durable=True)
     return final

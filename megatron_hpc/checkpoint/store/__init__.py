@@ -28,6 +28,7 @@ _EXPORTS = {
     "paths": ("iteration_dir", "parse_tracker", "tracker_file"),
     "ranks": ("RankInfo",),
     "saver": ("commit_save", "save_checkpoint", "write_rank_folder"),
+    "staging": ("staged_iteration",),
     "xser": ("Snapshot", "iter_tensors", "read_xser"),
 }
 _HOME = {name: module for module, names in _EXPORTS.items() for name in names}
