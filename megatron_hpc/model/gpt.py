@@ -68,7 +68,9 @@ class Attention(nn.Module):
         b, s = qkv.shape[:2]
         per_group = self.local_heads // self.local_groups  # queries sharing one key/value head
         grouped = qkv.view(b, s, self.local_groups, per_group + 2, self.head_dim)
-        q = grouped[:, :, :, :per_group].reshape(b, s, self.local_heads, self.head_dim)
+        # One query per group (multi-head attention) stays a strided view; several are gathered into one tensor.
+        q = grouped[:, :, :, 0] if per_group == 1 else grouped[:, :, :, :per_group].reshape(
+            b, s, self.local_heads, self.head_dim)
         return q, grouped[:, :, :, per_group], grouped[:, :, :, per_group + 1]
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
