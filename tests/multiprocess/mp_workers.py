@@ -146,6 +146,25 @@ def cli_runs(rank: int, world: int, ports: list[int], commands: list[list[str]])
     return out
 
 
+def gathered_tp_logits(ctx: Any, ckpt: str, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits of our GPT loaded from this TP rank's shard of `ckpt` (the model config its resolved one), gathered over
+    the TP group and cut to the real vocabulary: what every rank of an imported checkpoint computes together."""
+    from megatron_hpc.checkpoint.conversion import locate
+    from megatron_hpc.checkpoint.store import read_shard
+    from megatron_hpc.config.loader import from_dict
+    from megatron_hpc.model.gpt import GPT
+
+    state = read_shard(locate(Path(ckpt)), tp_rank=ctx.tp_rank)
+    cfg = from_dict(ModelConfig, state["resolved_config"]["model"], where="model")
+    model = GPT(cfg, ctx=ctx, padded_vocab=state["padded_vocab_size"], seed=1)
+    model.load_state_dict(state["model"])
+    with torch.no_grad():
+        local = model.eval()(tokens)
+    parts = [torch.empty_like(local) for _ in range(ctx.tp_size)]
+    dist.all_gather(parts, local.contiguous(), group=ctx.tp_group)
+    return torch.cat(parts, dim=-1)[..., :cfg.vocab_size]
+
+
 def _init(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
-from hf_models import TOKENS, VOCAB, hf_logits, hf_model, hf_neox_model, save
+from hf_models import TOKENS, hf_logits, hf_model, hf_neox_model, save
 
 from megatron_hpc.cli.main import main
 
@@ -22,29 +22,14 @@ pytestmark = pytest.mark.multiprocess
 
 def tp_logits(rank: int, world: int, ports: list[int], ckpts: list[str],
               tokens: torch.Tensor) -> list[torch.Tensor] | None:
-    """Logits of our GPT loaded from this rank's shard of each of `ckpts` at TP=world, gathered to the full vocabulary
-    on rank 0; the model config is the checkpoint's resolved one."""
-    from megatron_hpc.checkpoint.conversion import locate
-    from megatron_hpc.checkpoint.store import read_shard
-    from megatron_hpc.config.loader import from_dict
-    from megatron_hpc.config.schema import ModelConfig
-    from megatron_hpc.model.gpt import GPT
+    """Logits of our GPT loaded shard by shard from each of `ckpts` at TP=world, gathered to the full vocabulary on
+    rank 0."""
     from megatron_hpc.parallel.context import ParallelContext
     from megatron_hpc.plan.mesh import Mesh
 
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{ports[0]}")
     ctx = ParallelContext.build(Mesh(num_nodes=1, workers_per_node=world, tensor_parallel=world), rank=rank)
-    out = []
-    for ckpt in ckpts:
-        state = read_shard(locate(Path(ckpt)), tp_rank=rank)
-        cfg = from_dict(ModelConfig, state["resolved_config"]["model"], where="model")
-        model = GPT(cfg, ctx=ctx, padded_vocab=state["padded_vocab_size"], seed=1)
-        model.load_state_dict(state["model"])
-        with torch.no_grad():
-            local = model.eval()(tokens)
-        parts = [torch.empty_like(local) for _ in range(world)]
-        dist.all_gather(parts, local.contiguous())
-        out.append(torch.cat(parts, dim=-1)[..., :VOCAB])
+    out = [mp_workers.gathered_tp_logits(ctx, ckpt, tokens) for ckpt in ckpts]
     dist.destroy_process_group()
     return out if rank == 0 else None
 

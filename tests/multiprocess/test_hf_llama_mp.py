@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
-from hf_models import LLAMA3_ROPE, LLAMA_TOKENS, LLAMA_VOCAB, hf_llama_model, save_llama
+from hf_models import LLAMA3_ROPE, LLAMA_TOKENS, hf_llama_model, save_llama
 
 from megatron_hpc.cli.main import main
 
@@ -25,30 +25,15 @@ pytestmark = pytest.mark.multiprocess
 def _forwards(rank: int, world: int, ports: list[int], tp_ckpts: list[str], pp_ckpts: list[str],
               tokens: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Rank 0's (TP 2 logits per checkpoint, gathered to the full vocabulary; PP 2 per-token losses per checkpoint)."""
-    from megatron_hpc.checkpoint.conversion import locate
-    from megatron_hpc.checkpoint.store import read_shard
-    from megatron_hpc.config.loader import from_dict
-    from megatron_hpc.config.schema import ModelConfig
     from megatron_hpc.evaluate.pipelined import PipelinedScorer
     from megatron_hpc.evaluate.scoring import token_losses
     from megatron_hpc.evaluate.sharded import ShardRank, load_shard
-    from megatron_hpc.model.gpt import GPT
     from megatron_hpc.parallel.context import ParallelContext
     from megatron_hpc.plan.mesh import Mesh
 
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{ports[0]}")
     ctx = ParallelContext.build(Mesh(num_nodes=1, workers_per_node=world, tensor_parallel=world), rank=rank)
-    logits = []
-    for ckpt in tp_ckpts:
-        state = read_shard(locate(Path(ckpt)), tp_rank=rank)
-        cfg = from_dict(ModelConfig, state["resolved_config"]["model"], where="model")
-        model = GPT(cfg, ctx=ctx, padded_vocab=state["padded_vocab_size"], seed=1)
-        model.load_state_dict(state["model"])
-        with torch.no_grad():
-            local = model.eval()(tokens)
-        parts = [torch.empty_like(local) for _ in range(world)]
-        dist.all_gather(parts, local.contiguous())
-        logits.append(torch.cat(parts, dim=-1)[..., :LLAMA_VOCAB])
+    logits = [mp_workers.gathered_tp_logits(ctx, ckpt, tokens) for ckpt in tp_ckpts]
     losses = []
     for ckpt in pp_ckpts:
         shard = load_shard(Path(ckpt), ShardRank(rank=rank, world_size=world))

@@ -7,12 +7,10 @@ converter's folder (`ckpt convert HF_DIR --to torch`) must be a GPT with those l
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import transformers  # the real library (the `test` extra installs it)
 from safetensors.torch import load_file
 
@@ -22,7 +20,6 @@ from megatron_hpc.config.loader import from_dict
 from megatron_hpc.config.schema import ModelConfig
 from megatron_hpc.model.gpt import GPT
 from megatron_hpc.parallel.context import ParallelContext
-from megatron_hpc.plan.mesh import Mesh
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "hf_converter"
 # checkpoint_version 3.0; version 0 with the old `transformer` / `attention` names; 3.0 with bias_gelu_fusion
@@ -40,13 +37,6 @@ def hf_logits(folder: Path) -> torch.Tensor:
     model = transformers.GPT2LMHeadModel.from_pretrained(folder).eval()
     with torch.no_grad():
         return model(TOKENS).logits
-
-
-@pytest.fixture
-def ctx(tmp_path: Path) -> Iterator[ParallelContext]:
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.FileStore(str(tmp_path / "store"), 1))
-    yield ParallelContext.build(Mesh(num_nodes=1, workers_per_node=1, tensor_parallel=1), rank=0)
-    dist.destroy_process_group()
 
 
 def our_logits(ckpt: Path, ctx: ParallelContext) -> torch.Tensor:

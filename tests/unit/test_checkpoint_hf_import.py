@@ -8,7 +8,6 @@ import dataclasses
 import json
 import shlex
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,26 +26,9 @@ from megatron_hpc.config.schema import (
     ModelConfig,
 )
 from megatron_hpc.data.synthetic import SyntheticTokens
-from megatron_hpc.data.tokenizer import train_tokenizer
 from megatron_hpc.model.gpt import GPT
 from megatron_hpc.parallel.context import ParallelContext
-from megatron_hpc.plan.mesh import Mesh
 from megatron_hpc.train.entry import plan_for_torchrun, run_training
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    where = tmp_path_factory.mktemp("tok")
-    (where / "text.txt").write_text("the quick brown fox jumps over the lazy dog; " * 50 + "pack my box " * 30)
-    train_tokenizer([where / "text.txt"], vocab_size=300, output_dir=where)
-    return where
-
-
-@pytest.fixture
-def ctx(tmp_path: Path) -> Iterator[ParallelContext]:
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.FileStore(str(tmp_path / "store"), 1))
-    yield ParallelContext.build(Mesh(num_nodes=1, workers_per_node=1, tensor_parallel=1), rank=0)
-    dist.destroy_process_group()
 
 
 def our_logits(ckpt: Path, ctx: ParallelContext, **change: object) -> torch.Tensor:

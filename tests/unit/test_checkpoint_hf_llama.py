@@ -18,7 +18,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 from hf_models import VOCAB, hf_llama_model, hf_logits, save, save_llama
-from test_checkpoint_hf_import import convert, ctx, our_logits, tokenizer  # noqa: F401  (fixtures)
+from test_checkpoint_hf_import import convert, our_logits
 
 from megatron_hpc.checkpoint.conversion import read_whole
 from megatron_hpc.checkpoint.foreign.hf_llama import model_config_from_hf
@@ -54,7 +54,7 @@ def hf_llama(kind: str, groups: int, scaling: dict | None, *, tied: bool = False
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_imported_llama_and_qwen_give_transformers_logits_and_export_back(
-        case: str, tmp_path: Path, tokenizer: Path, ctx, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: F811
+        case: str, tmp_path: Path, tokenizer: Path, ctx, capsys: pytest.CaptureFixture[str]) -> None:
     kind, groups, scaling = CASES[case]
     theirs = hf_llama(kind, groups, scaling)
     folder = save(theirs, tmp_path / "hf", "shards")
@@ -95,7 +95,7 @@ def test_tp2_pp2_conversion_gives_back_the_same_tensors(tied: bool, tmp_path: Pa
         assert torch.equal(again.state_dict()[name], tensor), name
 
 
-def test_generate_continues_like_transformers(tmp_path: Path, tokenizer: Path,  # noqa: F811
+def test_generate_continues_like_transformers(tmp_path: Path, tokenizer: Path,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     theirs = hf_llama("llama", 2, SCALING)
     folder = save(theirs, tmp_path / "hf", "safetensors")
@@ -154,7 +154,7 @@ def _edited(tmp_path: Path, name: str, **config: object) -> Path:
     return folder
 
 
-def test_what_we_cannot_express_is_refused_in_one_line(tmp_path: Path, tokenizer: Path,  # noqa: F811
+def test_what_we_cannot_express_is_refused_in_one_line(tmp_path: Path, tokenizer: Path,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "out"
     supported = "supported: GPT2LMHeadModel, GPTNeoXForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM"
@@ -182,7 +182,7 @@ def test_what_we_cannot_express_is_refused_in_one_line(tmp_path: Path, tokenizer
     assert "tokens but config.json's vocab_size is 64" in _refused(small, out, capsys)
 
 
-def test_a_mistral_without_its_window_imports_and_exports_as_mistral(tmp_path: Path, ctx) -> None:  # noqa: F811
+def test_a_mistral_without_its_window_imports_and_exports_as_mistral(tmp_path: Path, ctx) -> None:
     theirs = hf_llama_model("MistralForCausalLM", vocab=VOCAB, seed=2)  # sliding_window null, as Mistral 7B v0.3
     folder = save_llama(theirs, tmp_path / "hf", tokenizer=False)
     assert convert(str(folder), "--to", "torch", "--out", str(tmp_path / "ours")) == 0
@@ -223,7 +223,7 @@ def test_llama3_scaling_without_an_original_context_takes_max_positions_as_trans
     assert model_config_from_hf(config)["rope_original_max_position"] == config["max_position_embeddings"] == 32
 
 
-def test_a_qwen2_folder_tokenizes_with_its_tokenizer_json(tmp_path: Path, tokenizer: Path) -> None:  # noqa: F811
+def test_a_qwen2_folder_tokenizes_with_its_tokenizer_json(tmp_path: Path, tokenizer: Path) -> None:
     # Qwen2 folders ship a GPT-2 style vocab.json and merges.txt beside tokenizer.json; GPT-2's BPE would split the
     # text by GPT-2's rules instead of the model's, so the tokenizer.json is the one named.
     folder = save(hf_llama("qwen2", 2, None), tmp_path / "hf", "safetensors", tokenizer)

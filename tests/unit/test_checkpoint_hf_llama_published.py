@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 from hf_models import LLAMA_TOKENIZER, LLAMA_TOKENS, LLAMA_VOCAB, hf_llama_model, save_llama
-from test_checkpoint_hf_import import convert, ctx  # noqa: F401  (fixture)
+from test_checkpoint_hf_import import convert
 
 from megatron_hpc.checkpoint.conversion import pp_layout, read_whole
 from megatron_hpc.cli.main import main
@@ -83,7 +83,7 @@ def _published(name: str, folder: Path) -> Path:
     return folder
 
 
-def _logits(ckpt: Path, ctx: ParallelContext) -> torch.Tensor:  # noqa: F811
+def _logits(ckpt: Path, ctx: ParallelContext) -> torch.Tensor:
     """Our GPT (TP 1) from a checkpoint, on LLAMA_TOKENS."""
     whole = read_whole(ckpt)
     cfg = from_dict(ModelConfig, whole.first["resolved_config"]["model"], where="model")
@@ -101,7 +101,7 @@ def _hf_logits(model: transformers.PreTrainedModel) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", list(PUBLISHED))
 def test_a_published_folder_imports_with_transformers_logits_and_exports_back(name: str, tmp_path: Path,
-                                                                              ctx: ParallelContext) -> None:  # noqa: F811
+                                                                              ctx: ParallelContext) -> None:
     folder = _published(name, tmp_path / "hf")
     theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     want = _hf_logits(theirs)
@@ -127,7 +127,7 @@ def test_a_published_folder_imports_with_transformers_logits_and_exports_back(na
 
 
 def test_llama_with_attention_and_mlp_biases_is_ours_with_biases_on_every_linear(
-        tmp_path: Path, ctx: ParallelContext) -> None:  # noqa: F811
+        tmp_path: Path, ctx: ParallelContext) -> None:
     theirs = hf_llama_model(seed=3, attention_bias=True, mlp_bias=True)
     with torch.no_grad():  # hf_llama_model draws every parameter, biases included; made larger, a dropped one shows
         for name, p in theirs.named_parameters():

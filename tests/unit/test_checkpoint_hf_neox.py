@@ -5,12 +5,10 @@ is one line."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import transformers  # the real library (the `test` extra installs it)
 from safetensors.torch import save_file
 
@@ -20,7 +18,6 @@ from megatron_hpc.config.schema import ModelConfig
 from megatron_hpc.errors import CheckpointError
 from megatron_hpc.model.gpt import GPT
 from megatron_hpc.parallel.context import ParallelContext
-from megatron_hpc.plan.mesh import Mesh
 from megatron_hpc.plan.model_math import num_parameters
 from megatron_hpc.plan.vocab import padded_vocab_size
 
@@ -41,13 +38,6 @@ def _hf_model(*, parallel_residual: bool, rotary_pct: float, base: float = 10000
         for p in model.parameters():
             p.normal_(0.0, 0.2)
     return model
-
-
-@pytest.fixture
-def ctx(tmp_path: Path) -> Iterator[ParallelContext]:
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.FileStore(str(tmp_path / "store"), 1))
-    yield ParallelContext.build(Mesh(num_nodes=1, workers_per_node=1, tensor_parallel=1), rank=0)
-    dist.destroy_process_group()
 
 
 def _ours(model_keys: dict, ctx: ParallelContext) -> tuple[GPT, int]:

@@ -11,14 +11,12 @@ import io
 import json
 import re
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron_hpc.checkpoint.conversion import read_whole
 from megatron_hpc.checkpoint.conversion.optim_layout import by_name
@@ -31,7 +29,6 @@ from megatron_hpc.data.indexed import IndexedDatasetWriter
 from megatron_hpc.model.gpt import GPT
 from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.parallel.device import DeviceInfo
-from megatron_hpc.plan.mesh import Mesh
 from megatron_hpc.run_folder import IterationRecord
 from megatron_hpc.train.entry import plan_for_torchrun
 from megatron_hpc.train.loop import train
@@ -67,13 +64,6 @@ def _cli(capsys: pytest.CaptureFixture[str], *args: object) -> tuple[int, str, s
     code = main([str(a) for a in args])
     out, err = capsys.readouterr()
     return code, out, err
-
-
-@pytest.fixture
-def ctx(tmp_path: Path) -> Iterator[ParallelContext]:
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.FileStore(str(tmp_path / "store"), 1))
-    yield ParallelContext.build(Mesh(num_nodes=1, workers_per_node=1, tensor_parallel=1), rank=0)
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

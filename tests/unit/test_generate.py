@@ -4,12 +4,9 @@ keys and values in the cache), sampling options, bad input."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron_hpc.config.schema import ModelConfig
 from megatron_hpc.errors import GenerationError
@@ -18,7 +15,6 @@ from megatron_hpc.generate.kv_cache import KVCache, cached_forward, decode_step
 from megatron_hpc.generate.sampling import SamplingParams, next_tokens, sampling_params
 from megatron_hpc.model.gpt import GPT
 from megatron_hpc.parallel.context import ParallelContext
-from megatron_hpc.plan.mesh import Mesh
 
 VOCAB = 500
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [1, 2], [300]]
@@ -49,13 +45,6 @@ def _model(ctx: ParallelContext, position_embedding: str) -> GPT:
             if name.endswith(".bias"):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
     return model
-
-
-@pytest.fixture
-def ctx(tmp_path: Path) -> Iterator[ParallelContext]:
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.FileStore(str(tmp_path / "store"), 1))
-    yield ParallelContext.build(Mesh(num_nodes=1, workers_per_node=1, tensor_parallel=1), rank=0)
-    dist.destroy_process_group()
 
 
 def _full_forward_greedy(model: GPT, prompt: list[int], n: int) -> tuple[list[int], list[float]]:

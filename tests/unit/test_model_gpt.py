@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron_hpc.config.schema import ModelConfig
 from megatron_hpc.errors import PlanError
@@ -16,17 +13,9 @@ from megatron_hpc.model.gpt import GPT
 from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megatron_hpc.plan.checks import check_model_shape
-from megatron_hpc.plan.mesh import Mesh
 
 CFG = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, max_position_embeddings=32,
                   vocab_size=500, init_method_std=0.02)
-
-
-@pytest.fixture
-def ctx(tmp_path: Path) -> Iterator[ParallelContext]:
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.FileStore(str(tmp_path / "store"), 1))
-    yield ParallelContext.build(Mesh(num_nodes=1, workers_per_node=1, tensor_parallel=1), rank=0)
-    dist.destroy_process_group()
 
 
 def test_parameter_count_matches_formula(ctx: ParallelContext) -> None:

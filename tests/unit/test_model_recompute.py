@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron_hpc.config.schema import ModelConfig
 from megatron_hpc.errors import PlanError
 from megatron_hpc.model.gpt import GPT, AttentionCore, Block
 from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megatron_hpc.plan.mesh import Mesh
 from megatron_hpc.plan.stages import StageLayout
 
 CFG = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=16, max_position_embeddings=32,
@@ -28,13 +24,6 @@ SETTINGS = {
     "uniform2": {"recompute_granularity": "full", "recompute_num_layers": 2},
     "block1": {"recompute_granularity": "full", "recompute_method": "block", "recompute_num_layers": 1},
 }
-
-
-@pytest.fixture
-def ctx(tmp_path: Path) -> Iterator[ParallelContext]:
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.FileStore(str(tmp_path / "store"), 1))
-    yield ParallelContext.build(Mesh(num_nodes=1, workers_per_node=1, tensor_parallel=1), rank=0)
-    dist.destroy_process_group()
 
 
 def _model(ctx: ParallelContext, setting: str, **extra: float) -> GPT:

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron_hpc.config.schema import ModelConfig
 from megatron_hpc.errors import PlanError
@@ -17,7 +14,6 @@ from megatron_hpc.model.gpt import GPT
 from megatron_hpc.model.rotary import apply_rotary, rotary_dims, rotary_tables
 from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.plan.checks import check_model_shape
-from megatron_hpc.plan.mesh import Mesh
 
 CFG = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, max_position_embeddings=32,
                   vocab_size=500, position_embedding="rope", rotary_percent=0.25)
@@ -65,13 +61,6 @@ def test_scores_depend_on_relative_position_only() -> None:
     scale = float(q.norm() * k.norm())
     assert score(7, 3) == pytest.approx(score(40, 36), abs=1e-6 * scale)
     assert score(7, 3) != pytest.approx(score(7, 5), rel=1e-3)
-
-
-@pytest.fixture
-def ctx(tmp_path: Path) -> Iterator[ParallelContext]:
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.FileStore(str(tmp_path / "store"), 1))
-    yield ParallelContext.build(Mesh(num_nodes=1, workers_per_node=1, tensor_parallel=1), rank=0)
-    dist.destroy_process_group()
 
 
 def test_rope_gpt_has_no_position_table_and_is_causal(ctx: ParallelContext) -> None:

@@ -2,27 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megatron_hpc.config.schema import ModelConfig, OptimConfig, RunConfig, TrainConfig
 from megatron_hpc.parallel.context import ParallelContext
-from megatron_hpc.plan.mesh import Mesh
 from megatron_hpc.train.loop import build_model
 from megatron_hpc.train.optim import build_adamw
-
-
-@pytest.fixture
-def ctx(tmp_path: Path) -> Iterator[ParallelContext]:
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.FileStore(str(tmp_path / "store"), 1))
-    yield ParallelContext.build(Mesh(num_nodes=1, workers_per_node=1, tensor_parallel=1), rank=0)
-    dist.destroy_process_group()
-
 
 LLAMA = {"normalization": "rmsnorm", "swiglu": True, "num_query_groups": 1, "add_bias_linear": False}
 """Llama's layers on the 2 heads (one key/value group); with add_qkv_bias, Qwen2's."""
