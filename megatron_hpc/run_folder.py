@@ -16,6 +16,11 @@ No torch, no clock beyond time stamps in records; safe for the launcher to impor
     <run>/stop-request, stopped.json, fatal.json   markers between node task and trainer (run_markers.py)
     <run>/checkpoints/           default checkpoint folder
     <run>/tensorboard/, debug/, compile-published/, submitit/
+    <run>/heartbeat/rank-<R>     each rank's progress, rewritten in place (issue 28: hang detection)
+    <run>/hangs/                 one report per node watchdog that tore a hung step down
+    <run>/stragglers.json        the nodes named slow (the trainer's last rank)
+    <run>/restarts.jsonl         one line per in-job restart (launch/in_job.py)
+    <run>/restart-request.json   `megatron-hpc restart RUN --exclude NODE` for the running job
 """
 
 from __future__ import annotations
@@ -49,6 +54,11 @@ TENSORBOARD_DIR = "tensorboard"
 DEBUG_DIR = "debug"
 PUBLISHED_DIR = "compile-published"
 SUBMITIT_DIR = "submitit"
+HEARTBEAT_DIR = "heartbeat"
+HANGS_DIR = "hangs"
+STRAGGLERS_FILE = "stragglers.json"
+RESTARTS_FILE = "restarts.jsonl"
+RESTART_REQUEST_FILE = "restart-request.json"
 
 
 def sbatch_file(phase: str) -> str:

@@ -328,6 +328,19 @@ class LaunchConfig:
     collective_timeout_s: int = 1800
     """How long one collective may block before the ranks fail (and the job requeues) instead of
     hanging: the process-group timeout. Long enough for the slowest checkpoint save between steps."""
+    spare_nodes: int = 0
+    """Hot spares (issue 28): SLURM allocates the run phase --nodes + spare_nodes with --no-kill and runs the
+    workers as a step on --nodes healthy ones; when the step fails, a new step starts in the same job on healthy
+    nodes (the failed ones excluded, spares filling in). The spares idle until then; the plan is unchanged."""
+    max_in_job_restarts: int = 3
+    """How many new steps one job starts after failed ones before falling back to requeueing the job."""
+    hang_timeout_s: float | None = None
+    """No rank's heartbeat moving for this long tears the step down (stacks first) and restarts it; None derives it
+    from the measured step time, with a floor, once the first steps are done."""
+    straggler_threshold: float = 1.2
+    """A node whose compute time per step stays above this multiple of the median node's is named a straggler."""
+    exclude_stragglers: bool = False
+    """Replace the nodes named as stragglers with spares at the next in-job restart."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

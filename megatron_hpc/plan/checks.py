@@ -73,6 +73,10 @@ def _rules() -> list[_Rule]:
         ("launch.compile_time_limit_min", *_AT_LEAST_1),
         ("launch.init_timeout_s", *_POSITIVE),
         ("launch.collective_timeout_s", *_POSITIVE),
+        ("launch.spare_nodes", *_NOT_NEGATIVE),
+        ("launch.max_in_job_restarts", *_NOT_NEGATIVE),
+        ("launch.hang_timeout_s", lambda v: v is None or v > 0, "above 0 (or unset to derive it from the step time)"),
+        ("launch.straggler_threshold", lambda v: v > 1.0, "above 1.0 (a multiple of the median node's step time)"),
     ]
 
 
