@@ -94,8 +94,9 @@ def our_name(name: str, *, family: str, tied: bool) -> str | None:
     for pattern, replacement in RULES[family]:
         if pattern.fullmatch(name):
             return pattern.sub(replacement, name)
-    raise CheckpointError(f"the checkpoint's weight {name} has no counterpart in our GPT (pre-LayerNorm blocks with "
-                          "biases, GeLU MLP, multi-head attention); its architecture cannot be converted")
+    raise CheckpointError(f"the checkpoint's weight {name} has no counterpart in our GPT (pre-norm blocks: LayerNorm "
+                          "or RMSNorm, GeLU or SwiGLU MLP, multi-head or grouped-query attention, no QK norms or "
+                          "experts); its architecture cannot be converted")
 
 
 def map_names(flat: dict[str, Any], *, family: str, tied: bool, where: object) -> dict[str, Any]:
