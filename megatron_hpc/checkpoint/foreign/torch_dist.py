@@ -198,7 +198,8 @@ def torch_dist_summary(folder: Path) -> dict[str, Any]:
     rows += [{"name": k, "shape": [], "dtype": "object"} for k in src.object_keys()]
     return {"path": str(folder), "family": FAMILY, "iteration": src.common.get("iteration"), "format": "torch_dist",
             "tensor_parallel": arg(top, "tensor_model_parallel_size"),
-            "pipeline_parallel": arg(top, "pipeline_model_parallel_size"), "virtual_pipeline": None,
+            "pipeline_parallel": arg(top, "pipeline_model_parallel_size"),
+            "virtual_pipeline": arg(top, "virtual_pipeline_model_parallel_size"),
             "data_parallel": arg(top, "data_parallel_size"), "world_size": arg(top, "world_size"),
             "files": len(list(folder.iterdir())), "bytes": sum(p.stat().st_size for p in folder.iterdir()
                                                              if p.is_file()),
