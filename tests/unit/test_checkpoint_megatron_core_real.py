@@ -303,3 +303,18 @@ def test_the_pre_2024_distrib_optim_layout_names_megatrons_fix(tmp_path: Path,
     torch.save(state, path)
     line = _one_line_error(capsys, src, tmp_path / "out")
     assert str(path) in line and "--ckpt-convert-update-legacy-dist-opt-format" in line
+
+
+def test_the_llama_exports_to_transformers_with_megatron_cores_logits(tmp_path: Path) -> None:
+    """`--to hf` reads the shards whole (not mapped one output rank at a time): transformers' model from the export
+    of megatron-core's Llama-shaped checkpoint gives the logits megatron-core computed."""
+    import transformers
+
+    assert main(["ckpt", "convert", str(FIXTURES / "llama_tp2_distopt"), "--to", "hf", "--out",
+                 str(tmp_path / "hf")]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(model).__name__ == "LlamaForCausalLM"
+    want = _expected("llama_tp2_distopt")
+    with torch.no_grad():
+        logits = model(torch.tensor(want["tokens"])).logits[0]
+    torch.testing.assert_close(logits, torch.tensor(want["logits"]), rtol=0, atol=1e-4)
