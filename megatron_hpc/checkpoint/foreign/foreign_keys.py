@@ -19,8 +19,9 @@ September 2023 the legacy norms are `input_norm`, `post_attention_norm` and `fin
     language_model.output_layer.weight (untied)        output_layer.weight (untied)                 lm_head.weight
     word_embeddings_for_head.weight                    output_layer.weight (tied, last stage, PP>1) wte.weight
 
-N counts the layers of one pipeline stage (one virtual chunk), from 0. Transformer Engine's `_extra_state` and rotary
-`inv_freq` buffers carry no weights and are skipped.
+N counts the layers of one pipeline stage (one virtual chunk), from 0. With SwiGLU, h.N.mlp.fc is here still the
+fused [gate; up] rows of one TP rank; importer.py cuts it into our mlp.gate and mlp.fc. Transformer Engine's
+`_extra_state` and rotary `inv_freq` buffers carry no weights and are skipped.
 
 QKV rows: ours are per head, [heads, (q, k, v), head dim], which is Megatron's layout from checkpoint_version 2.0
 and megatron-core's for multi-head attention. Version 1.0 stored [heads, head dim, 3] and version 0 [3, heads, head

@@ -353,10 +353,14 @@ def _check_sizes(src: ForeignCheckpoint, *, where: object) -> tuple[float, int]:
         raise CheckpointError(f"{where} records num_attention_heads={heads!r}, which tp {tp} does not divide; the "
                               "checkpoint's arguments do not fit its shards")
     groups = megatron_args.query_groups(state)
-    if groups != heads and (groups % tp or version < 2.0):
-        raise CheckpointError(f"{where} records {groups} query groups for {heads} heads at tp {tp} and "
-                              f"checkpoint_version {version}: Megatron splits whole groups over TP (from version "
-                              "2.0); the checkpoint's arguments do not fit its shards")
+    if groups != heads and groups % tp:
+        raise CheckpointError(f"{where} records {groups} query groups for {heads} heads, which tp {tp} does not "
+                              "divide: Megatron splits whole groups over TP; the checkpoint's arguments do not fit "
+                              "its shards")
+    if groups != heads and version < 2.0:
+        raise CheckpointError(f"{where} records {groups} query groups for {heads} heads in checkpoint_version "
+                              f"{version}, whose per-head QKV row orders predate grouped-query attention; the "
+                              "checkpoint's arguments do not fit its version")
     return version, heads
 
 
