@@ -7,6 +7,7 @@ MEGATRON_HPC_TEST_ONLY_NODE_PER_RANK), so that two processes on one machine make
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -51,7 +52,7 @@ def _wait_for_iteration(proc: subprocess.Popen, n: int, lines: list[str]) -> Non
         if f" iteration {n:8d}/" in line:
             return
         assert time.monotonic() < deadline, "".join(lines[-30:])
-    raise AssertionError("the run ended before iteration {n}:\n" + "".join(lines[-30:]))
+    raise AssertionError(f"the run ended before iteration {n}:\n" + "".join(lines[-30:]))
 
 
 def _kill(proc: subprocess.Popen, pids: dict[int, int]) -> None:
@@ -61,10 +62,8 @@ def _kill(proc: subprocess.Popen, pids: dict[int, int]) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     proc.wait(timeout=30)
 
 
