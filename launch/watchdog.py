@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import signal
 import socket
@@ -62,7 +63,8 @@ class RankView:
     beat: Beat | None
     """None: no beat of this attempt yet."""
     age_s: float
-    """Since the watchdog last saw its beat change (or since the watchdog started)."""
+    """Since the watchdog last saw its beat change (or since the watchdog started); NaN for another node's rank
+    (None in the report)."""
     state: str | None = None
     """Its process's /proc state ("R (running)", "T (stopped)"), for this node's ranks; None elsewhere."""
 
@@ -123,7 +125,8 @@ def hang_report(views: list[RankView], *, job_id: str, timeout_s: float, detecte
     """The hangs/<stamp>-<host>.json record."""
     named = suspects(views)
     ranks = {str(v.rank): {"iteration": v.beat.iteration if v.beat else None,
-                           "phase": v.beat.phase if v.beat else None, "age_s": round(v.age_s, 3),
+                           "phase": v.beat.phase if v.beat else None,
+                           "age_s": round(v.age_s, 3) if math.isfinite(v.age_s) else None,
                            "host": v.beat.host if v.beat else None, "state": v.state} for v in views}
     nodes = sorted({v.beat.host for v in views if v.rank in named and v.beat is not None})
     return {"detected_at": detected_at, "job_id": job_id, "timeout_s": timeout_s, "ranks": ranks,
