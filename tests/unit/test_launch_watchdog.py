@@ -44,6 +44,9 @@ def test_the_beat_is_rewritten_in_place_at_one_length_and_reads_back(tmp_path: P
     assert got is not None and (got.iteration, got.phase, got.step_s, got.host, got.pid) == \
         (123456, "save", 12.5, "node-a", os.getpid())
     assert read_beat(tmp_path, 4) is None  # no file: not started
+    # The writer's fast path writes format_beat's line exactly.
+    assert second == format_beat(iteration=123456, phase="save", wall=got.wall, step_s=12.5, pid=os.getpid(),
+                                 host="node-a")
     assert parse_beat(b"") is None and parse_beat(first[:20]) is None
     assert parse_beat(format_beat(iteration=1, phase="log", wall=1.5, step_s=0.0, pid=9, host="h")) == \
         Beat(iteration=1, phase="log", wall=1.5, step_s=0.0, pid=9, host="h")
