@@ -6,6 +6,7 @@ A node's compute time is its slowest rank's (one slow device sets the pace of it
 ranks' mean. The gather runs at log steps only, never per step: a (world, 2) tensor, each rank filling its row,
 summed over the world (all-reduce works on every backend; XLA has no all-gather of this shape cheaper than it).
 The last rank, which holds the metrics, decides and writes. Node names are the host names in the heartbeats.
+stragglers.json is rewritten while a node is named, when the named set changes, and at the first timed log.
 """
 
 from __future__ import annotations
@@ -132,6 +133,7 @@ class Stragglers:
         self.tensorboard: TensorBoardWriter | None = None
         """Set by the loop on the last rank with train.tensorboard."""
         self.named: list[int] = []
+        self.written = False
 
     def at_log(self, iteration: int) -> None:
         """The one collective of the interval (every rank calls it at the same log step)."""
@@ -155,10 +157,14 @@ class Stragglers:
                     "wait_s": by_node[n].wait_s, "ratio": node_ratios[n]} for n in named]
         if entries or self.named:
             print(self.line(entries, median=median), file=self.out or sys.stdout, flush=True)
+        # The file says who is named now: rewritten while someone is, when that changes, and once at the start;
+        # not at every log of a run without stragglers (a file create and rename, up to ms on a busy disk).
+        rewrite = bool(entries) or named != self.named or not self.written
         self.named = named
         if self.tensorboard is not None:
             self.tensorboard.stragglers(iteration, max_ratio=max(node_ratios.values()), count=len(named))
-        if self.run_dir is not None:
+        if self.run_dir is not None and rewrite:
+            self.written = True
             write_json(self.run_dir / STRAGGLERS_FILE, {
                 "updated_at": time.time(), "iteration": iteration, "threshold": self.window.threshold,
                 "window": self.window.window, "median_compute_s": median, "nodes": entries})
