@@ -374,7 +374,7 @@ class _StepLog:
         if not self.metrics.should_log(iteration):
             return
         if self.stragglers is not None:
-            self.stragglers.pulse.beat("log", iteration)
+            self.stragglers.log_begins(iteration)
         stats = self.sums.reduced(self.ctx)
         # The values reach the host after this step's graph ran (a step closure on XLA).
         when_step_done(self.device, _log_step, self.metrics, self.records, iteration, lr, stats, result.grad_norm,

@@ -135,6 +135,10 @@ class Stragglers:
         self.named: list[int] = []
         self.written = False
 
+    def log_begins(self, iteration: int) -> None:
+        """The heartbeat says log: the log step's collectives follow."""
+        self.pulse.beat("log", iteration)
+
     def at_log(self, iteration: int) -> None:
         """The one collective of the interval (every rank calls it at the same log step)."""
         compute, wait, steps = self.pulse.interval()
