@@ -32,6 +32,7 @@ import socket
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -204,7 +205,9 @@ def _report(run_dir: Path, views: list[RankView], workers: list[Worker], *, job_
     states = {w.rank: proc_state(w.pid) for w in workers}
     views = [RankView(rank=v.rank, beat=v.beat, age_s=v.age_s, state=states.get(v.rank)) for v in views]
     method = choose_method("auto")
-    dumped = [_dump(w, states.get(w.rank), run_dir=run_dir, method=method, host=host) for w in workers]
+    with ThreadPoolExecutor(max_workers=max(1, min(16, len(workers)))) as pool:  # 8 py-spy dumps at once, not 8 s
+        dumped = list(pool.map(lambda w: _dump(w, states.get(w.rank), run_dir=run_dir, method=method, host=host),
+                                workers))
     debug = DebugReport(run_dir=str(run_dir), job_id=job_id, world_size=world_size, ranks=dumped,
                         missing=[v.rank for v in views if v.rank not in mine], groups=group_ranks(dumped))
     stacks = run_dir / DEBUG_DIR / f"hang-{stamp}-{host}.txt"
