@@ -27,6 +27,7 @@ from megatron_hpc.run_folder import (
     CONFIG_FILE,
     METRICS_FILE,
     PLAN_FILE,
+    STRAGGLERS_FILE,
     SUBMISSION_FILE,
     AttemptRecord,
     IterationRecord,
@@ -70,6 +71,8 @@ class RunStatus:
     progress: Progress | None = None
     last_checkpoint: str | None = None
     """Folder of the newest complete checkpoint, per the tracker."""
+    stragglers: dict[str, Any] | None = None
+    """stragglers.json as the trainer last wrote it (its "nodes" are the ones named now); None before the first log."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -210,6 +213,7 @@ def read_status(run_dir: Path) -> RunStatus:
     status.progress = read_progress(trained_in, train_iters=config.get("train", {}).get("num_steps"))
     save = (config.get("checkpoint") or {}).get("save")
     status.last_checkpoint = last_checkpoint(Path(save).expanduser() if save else trained_in / CHECKPOINT_DIR)
+    status.stragglers = _read_json(trained_in / STRAGGLERS_FILE)
     return status
 
 
@@ -345,6 +349,10 @@ def format_status(status: RunStatus) -> str:
         lines.append(f"progress  {p.phase} iteration {p.iteration}{total} | lm loss {p.lm_loss:.4f} | "
                      f"{p.tokens_per_s:,.0f} tokens/s{eta}")
     lines.append(f"checkpoint {status.last_checkpoint or 'none yet'}")
+    named = (status.stragglers or {}).get("nodes") or []
+    if named:
+        lines.append("stragglers " + ", ".join(f"{n.get('node')} {n.get('ratio', 0):.2f}x the median node"
+                                               for n in named))
     return "\n".join(lines)
 
 

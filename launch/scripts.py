@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 
 from megatron_hpc.compile_cache.paths import cache_env
+from megatron_hpc.launch.watchdog import HANG_EXIT
 
 from megatron_hpc import __version__
 from megatron_hpc.plan.jobs import MASTER_PORT_BASE, MASTER_PORT_SPAN, PhaseSpec
@@ -92,6 +93,7 @@ def render_node_script(spec: PhaseSpec, *, recipe: str, run_dir: str, bin_dir: s
         # The run-folder names the node script shares with the trainer and the launcher (run_folder.py).
         "log_dir": LOG_DIR,
         "stop_request": STOP_REQUEST_FILE,
+        "hang_exit": HANG_EXIT,
     })
 
 

@@ -51,7 +51,13 @@ def _resume(args: argparse.Namespace) -> tuple[Resolved, Path, list[str]]:
     resume changes, in sentences for its summary."""
     from megatron_hpc.config.loader import load_recipe
     from megatron_hpc.config.platforms import resolve_platform
-    from megatron_hpc.launch.resume import check_not_active, check_overrides, keep_lr_horizon, stored_plan
+    from megatron_hpc.launch.resume import (
+        check_hang_timeout,
+        check_not_active,
+        check_overrides,
+        keep_lr_horizon,
+        stored_plan,
+    )
     from megatron_hpc.launch.run_status import find_run_dir, read_status
     from megatron_hpc.plan.planner import make_plan
     from megatron_hpc.run_folder import CONFIG_FILE, read_json
@@ -68,6 +74,7 @@ def _resume(args: argparse.Namespace) -> tuple[Resolved, Path, list[str]]:
             raise ConfigError(f"{run_dir} ran with {flag} {kept}; a resumed run keeps it (got {flag} {given})")
     extra, lr_note = keep_lr_horizon(read_json(run_dir / CONFIG_FILE), args.overrides)
     cfg = load_recipe(str(run_dir / CONFIG_FILE), [*args.overrides, *extra])
+    check_hang_timeout(run_dir, cfg.launch.hang_timeout_s)  # against the steps it measured
     platform = resolve_platform(stored.get("platform"), default=cfg.launch.platform)
     notes = [f"--set {item}" for item in args.overrides] + ([lr_note] if lr_note else [])
     return Resolved(cfg=cfg, platform=platform, plan=make_plan(cfg, num_nodes=stored["num_nodes"],
