@@ -80,7 +80,7 @@ def _step_line(plan: Plan) -> str:
     on = plan.hardware if plan.hardware == plan.platform else f"{plan.hardware} (runs as {plan.platform})"
     parts = ", ".join(f"{_TERM_NAMES.get(k, k)} {_seconds(v)}" for k, v in plan.step_time_breakdown_s.items() if v)
     return (f"predicted {_seconds(plan.predicted_step_time_s)}: {_count(plan.predicted_tokens_per_s)} tokens/s, MFU "
-            f"{plan.predicted_mfu:.1%} on {on} (calibration: {plan.calibration}); {parts}")
+            f"{plan.predicted_mfu:.1%} on {on}; {parts}; calibration: {plan.calibration}")
 
 
 def explain_lines(plan: Plan) -> list[str]:

@@ -135,8 +135,11 @@ def builtin_hardware(name: str) -> Hardware:
 
 
 # Largest plausible values, per worker or per node as the field says; a value above one is a unit slip.
-_BANDWIDTH_MAX = 2000.0
-"""GB/s of one link: above any shipped NVLink (900 GB/s each way per GPU) or node (3200 Gbit/s = 400 GB/s)."""
+_INTRA_MAX = 2000.0
+"""GB/s of one worker inside a node: above any shipped NVLink (900 GB/s each way per GPU)."""
+_INTER_MAX = 1000.0
+"""GB/s of one node's NICs together: above any shipped node (3200 Gbit/s = 400 GB/s on p5 and trn2), so a node's
+1600 or 3200 written in Gbit/s is caught; 800 Gbit/s written as GB/s is not (trn1's EFA is 100 GB/s)."""
 _MEMORY_BANDWIDTH_MAX = 20000.0
 _TFLOPS_MAX = 5000.0
 _MEMORY_MAX_GIB = 1024.0
@@ -205,7 +208,8 @@ def _check_magnitudes(hw: Hardware, *, where: str) -> None:
 
 def _unit_slip(key: str, value: float) -> str | None:
     """Why `value` cannot be right for field `key`, with the fix; None when it is plausible."""
-    if key.endswith("bandwidth_gbytes_per_s") and not key.startswith("memory") and value > _BANDWIDTH_MAX:
+    limit = {"intra_node.bandwidth_gbytes_per_s": _INTRA_MAX, "inter_node.bandwidth_gbytes_per_s": _INTER_MAX}
+    if key in limit and value > limit[key]:
         return (f"more than any link carries in GB/s: it looks like Gbit/s (bits); this field takes bytes: write "
                 f"{value / 8:g}")
     if key == "memory_bandwidth_gbytes_per_s" and value > _MEMORY_BANDWIDTH_MAX:

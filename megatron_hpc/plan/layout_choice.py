@@ -24,7 +24,7 @@ from megatron_hpc.plan.checks import check_overlap_param_gather, check_sequence_
 from megatron_hpc.plan.memory import MemoryEstimate
 from megatron_hpc.plan.model_math import flops_per_token
 from megatron_hpc.plan.recompute import check_recompute_stages
-from megatron_hpc.plan.sizing import Sizes, _fit, auto_tensor_candidates, pipeline_candidates
+from megatron_hpc.plan.sizing import Sizes, auto_tensor_candidates, fit_mesh, pipeline_candidates
 from megatron_hpc.plan.steptime import Layout, StepTime, predict_step_time
 
 CHOICE_MARGIN = 0.03
@@ -85,7 +85,7 @@ def fitting_layouts(cfg: RunConfig, platform: Platform, *, num_nodes: int, per_n
             if world % (tp * pp) or cfg.train.micro_batch_size * world // (tp * pp) * pp > cfg.train.global_batch_size:
                 continue  # no integer DP, or not a micro-batch per stage for every replica
             try:
-                sizes = _fit(cfg, platform, num_nodes=num_nodes, per_node=per_node, tp=tp, pp=pp)
+                sizes = fit_mesh(cfg, platform, num_nodes=num_nodes, per_node=per_node, tp=tp, pp=pp)
                 if isinstance(sizes, MemoryEstimate):
                     continue
                 check_recompute_stages(cfg.model, [len(r) for r in sizes.stage_layers])
