@@ -120,10 +120,10 @@ def _layer_times(cfg: RunConfig, layout: Layout, hw: Hardware, cal: Calibration)
     linears = [2.0 * tokens * h * qkv_rows(model) / t, 2.0 * tokens * heads_width / t * h, *mlp_in,
                2.0 * tokens * model.ffn_size / t * h]
     core = gemm(4.0 * tokens * s * heads_width / t)
-    act = activation_bytes(model, precision=train.precision, backend=cfg_backend(hw))
+    act = activation_bytes(model, precision=train.precision, backend=_backend(hw))
     # Flash-style kernels on CUDA never write the s x s scores; XLA's math path does (plan/memory.py's flag).
     scores = cal.attention_scores_in_memory
-    scores = act.attention_scores and cfg_backend(hw) != "nccl" if scores is None else scores
+    scores = act.attention_scores and _backend(hw) != "nccl" if scores is None else scores
     act = dataclasses.replace(act, attention_scores=scores)
     sp = cfg.parallel.sequence_parallel and t > 1
     saved = layer_activations(model, tensor_parallel=t, micro_batch=train.micro_batch_size, act=act,
@@ -137,7 +137,7 @@ def _layer_times(cfg: RunConfig, layout: Layout, hw: Hardware, cal: Calibration)
             "elementwise": elementwise, "all_reduce": all_reduce * (1.0 - cal.tp_comm_overlap)}
 
 
-def cfg_backend(hw: Hardware) -> str:
+def _backend(hw: Hardware) -> str:
     """The backend the hardware's runtime trains with (the activation layout depends on it)."""
     from megatron_hpc.config.platforms import get_platform
 
@@ -184,7 +184,7 @@ def _dp_and_optimizer(cfg: RunConfig, layout: Layout, hw: Hardware, cal: Calibra
     params = max(rank_parameters(cfg.model, padded_vocab=layout.padded_vocab, tensor_parallel=t,
                                  layers=sum(layout.stage_layers[k] for k in chunks), first=0 in chunks,
                                  last=last_stage in chunks, pipeline=p) for chunks in ranks)
-    backend = cfg_backend(hw)
+    backend = _backend(hw)
     sharded = cfg.parallel.distributed_optimizer
     pb = parameter_bytes(precision=cfg.train.precision, backend=backend)
     grad_bytes = params * pb.grads
