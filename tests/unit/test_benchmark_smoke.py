@@ -86,6 +86,7 @@ CASES: dict[str, tuple[list[str], str]] = {
                                  r"without start-up -?[\d.]+x; whole run [\d.]+x$"),
     "serve_latency.py": (["--rounds", "1", "--tokens", "1"],
                          r"^overhead \(median - median\): -?[\d.]+ ms; goal < 10 ms: (met|missed)$"),
+    "steptime_published.py": ([], r"^within 20%: \d+ of \d+ rows \(A100 \d+ of \d+, H100 \d+ of \d+\)$"),
     "tp_scaling_cpu.py": ([*TINY, "--batch", "1", "--steps", "1", "--warmup", "0", "--threads", "2"],
                           r"^ratio TP=2 / TP=1 step time: [\d.]+$"),
     "train_step_cpu.py": (["--rounds", "1", "--steps", "1", "--warmup", "0", "--threads", "1", *TINY,
