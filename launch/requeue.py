@@ -31,6 +31,7 @@ from typing import Literal
 
 from megatron_hpc.compile_cache import fingerprint
 
+from megatron_hpc.errors import MegatronHpcError
 from megatron_hpc.run_folder import (
     PLAN_FILE,
     PUBLISHED_DIR,
@@ -199,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_hpc.launch.requeue",
                                      description="Finish, fail or requeue the job after a phase ended on this node.")
     parser.add_argument("--run-dir", type=Path, required=True)
-    parser.add_argument("--phase", required=True, choices=("compile", "run"))
+    parser.add_argument("--phase", required=True, choices=("compile", "run", "tune"))
     parser.add_argument("--exit-code", type=int, required=True, help="the phase's exit code on this node")
     parser.add_argument("--node-rank", type=int, default=None,
                         help="this node's rank (node.sh's NODE_RANK; a PyTorchJob pod has no SLURM_NODEID)")
@@ -216,6 +217,14 @@ def main(argv: list[str] | None = None) -> int:
         record_attempt(args.run_dir, outcome, decision, requeued=requeued)
     if outcome.phase == "compile" and decision.action == "done":
         record_fingerprint(args.run_dir, node_rank=outcome.node_rank)
+    if outcome.phase == "tune" and decision.action == "done" and outcome.node_rank == 0:
+        from megatron_hpc.launch.tune_job import finish_tune_run  # the fit and tune.json, once per job
+
+        try:
+            print(finish_tune_run(args.run_dir), flush=True)
+        except MegatronHpcError as exc:
+            print(f"megatron-hpc: error: {exc}", file=sys.stderr, flush=True)
+            return 1
     # A stopped run that is not requeued is the phase's reason for failing: say it as an error, which
     # `submit` quotes. A plain failure is explained by the trainer's own output, so stay quieter.
     prefix = "megatron-hpc: error: " if decision.action == "fail" and outcome.stopped else "megatron-hpc: "

@@ -39,7 +39,7 @@ from megatron_hpc.config.loader import config_to_dict
 from megatron_hpc.config.platforms import Platform
 from megatron_hpc.config.schema import LaunchConfig, RunConfig
 from megatron_hpc.errors import LaunchError
-from megatron_hpc.plan.jobs import PhaseSpec, compile_left_out, make_phases
+from megatron_hpc.plan.jobs import PhaseSpec, compile_left_out, make_phases, make_tune_phase
 from megatron_hpc.plan.planner import Plan
 from megatron_hpc.plan.spec import RunSpec
 from megatron_hpc.run_folder import (
@@ -82,6 +82,8 @@ class SubmitRequest:
     """The cluster profile as JSON ({"path", "profile"}), kept in the run folder as cluster.json."""
     workdir: Path = field(default_factory=Path.cwd)
     """Where the jobs run (sbatch --chdir): the folder submit ran in, where relative recipe paths resolve."""
+    tune: bool = False
+    """Queue `megatron-hpc tune`'s one job (the tune phase, launch/tune_job.py) instead of compile and run."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -196,14 +198,17 @@ def decide_phases(req: SubmitRequest) -> RunFiles:
     req.recompile). Reads only that cache marker."""
     # Where the caches are is decided on each node (node.sh: a node-local cache, synced and published);
     # only the switches that make torch.compile reuse them are fixed here.
-    phases = make_phases(req.cfg, req.plan, req.platform,
-                         extra_env={**warm_start_env(backend=req.platform.backend, torch_compile=req.cfg.train.compile),
-                                    **launcher_env(req.cfg.launch), **req.extra_env})
+    env = {**warm_start_env(backend=req.platform.backend, torch_compile=req.cfg.train.compile),
+           **launcher_env(req.cfg.launch), **req.extra_env}
+    phases = make_phases(req.cfg, req.plan, req.platform, extra_env=env)
     config, plan = config_to_dict(req.cfg), req.plan.to_json()
     # The requeue cap and the timeouts change what happens around the graphs, not the graphs.
     graph_env = {k: v for k, v in phases[0].env.items() if k not in (MAX_REQUEUES_ENV, RDZV_CONF_ENV)}
     fp = fingerprint.compute(config, plan, env=graph_env,
                              compiler=fingerprint.compiler_identity(req.platform.backend))
+    if req.tune:
+        return RunFiles(phases=(make_tune_phase(req.cfg, req.plan, req.platform, extra_env=env),),
+                        fingerprint=fp.sha256, fingerprint_inputs=fp.inputs)
     left_out = compile_left_out(req.cfg, req.platform)
     marker = fingerprint.find(req.cache_root, fp.sha256) if left_out is None and not req.recompile else None
     if marker is not None:

@@ -59,6 +59,14 @@ HANGS_DIR = "hangs"
 STRAGGLERS_FILE = "stragglers.json"
 RESTARTS_FILE = "restarts.jsonl"
 RESTART_REQUEST_FILE = "restart-request.json"
+TUNE_CANDIDATES_FILE = "tune-candidates.json"
+"""What a tune job runs: each candidate's spec and its predicted parts (launcher -> trainer)."""
+TUNE_MEASURED_FILE = "tune-measured.json"
+"""What a tune job's rank 0 measured: each candidate's step time and each collective's time (trainer -> launcher)."""
+TUNE_FILE = "tune.json"
+"""What a tune job measured and fitted: every candidate predicted before and after, measured, error."""
+TUNE_OVERLAY_FILE = "tune-overlay.txt"
+"""The winning layout as --set arguments, one line."""
 
 
 def sbatch_file(phase: str) -> str:

@@ -15,6 +15,7 @@ from megatron_hpc.config.platforms import PLATFORMS, Platform, resolve_platform
 
 if TYPE_CHECKING:
     from megatron_hpc.config.schema import RunConfig
+    from megatron_hpc.plan.calibration import Calibration
     from megatron_hpc.plan.planner import Plan
     from megatron_hpc.plan.spec import RunSpec
 
@@ -38,6 +39,8 @@ class Resolved:
     cfg: RunConfig
     platform: Platform
     plan: Plan
+    calibration_note: str | None = None
+    """Why a calibration kept by `tune` was not used (stale or foreign), for a warning; None otherwise."""
 
     @property
     def spec(self) -> RunSpec:
@@ -88,4 +91,28 @@ def resolve(args: argparse.Namespace) -> Resolved:
     cfg = load_recipe(args.recipe, list(args.overrides))
     platform = chosen_platform(args, default=cfg.launch.platform)
     nodes = 1 if args.nodes is None else args.nodes
-    return Resolved(cfg=cfg, platform=platform, plan=make_plan(cfg, num_nodes=nodes, platform=platform))
+    plan = make_plan(cfg, num_nodes=nodes, platform=platform)
+    calibration, note = measured_calibration(plan)
+    if calibration is not None:
+        plan = make_plan(cfg, num_nodes=nodes, platform=platform, calibration=calibration)
+    return Resolved(cfg=cfg, platform=platform, plan=plan, calibration_note=note)
+
+
+def measured_calibration(plan: Plan) -> tuple[Calibration | None, str | None]:
+    """The calibration `tune` kept for the plan's hardware in the shared cache, when it may be used; else None and
+    the one line that says why not (None when tune never ran for this hardware)."""
+    import time
+
+    from megatron_hpc.compile_cache import calibrations
+    from megatron_hpc.compile_cache.paths import default_cache_root
+
+    stored = calibrations.find(default_cache_root(), plan.hardware)
+    if stored is None:
+        return None, None
+    now = time.time()
+    problem = calibrations.usable(stored, now_s=now, runtime=plan.platform,
+                                  workers_per_node=plan.workers_per_node + plan.idle_workers_per_node,
+                                  versions=calibrations.software_versions())
+    if problem is not None:
+        return None, problem
+    return calibrations.labelled(stored, now_s=now), None

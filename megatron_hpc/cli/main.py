@@ -19,6 +19,8 @@ from megatron_hpc.errors import MegatronHpcError, access_problem
 COMMANDS: dict[str, tuple[str, str]] = {
     "submit": ("megatron_hpc.cli.submit_cmd", "plan, write and queue the compile and run phases"),
     "plan": ("megatron_hpc.cli.plan_cmd", "check a recipe against a cluster and print the mesh, batch and memory"),
+    "tune": ("megatron_hpc.cli.tune_cmd", "run the best predicted layouts briefly, calibrate the step-time model, "
+                                          "pick the fastest"),
     "status": ("megatron_hpc.cli.status_cmd", "phase, SLURM state, requeues and progress of a run"),
     "logs": ("megatron_hpc.cli.logs_cmd", "print (or follow) a node's log of a run"),
     "cancel": ("megatron_hpc.cli.cancel_cmd", "cancel both phases of a run"),

@@ -123,6 +123,7 @@ def plan_warnings(resolved: Resolved) -> list[str]:
     idle = idle_workers_warning(resolved.plan)
     warnings = [idle] if idle else []
     warnings += [resolved.cfg.warning] if resolved.cfg.warning else []
+    warnings += [resolved.calibration_note] if resolved.calibration_note else []
     runtime = pipeline_runtime_warning(resolved.plan, cfg=resolved.cfg)
     warnings += [runtime] if runtime else []
     pointless = distributed_optimizer_warning(resolved.plan)

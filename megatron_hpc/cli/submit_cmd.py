@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatron_hpc.cli.common import Resolved, add_recipe_arguments, resolve
+from megatron_hpc.cli.tune_cmd import add_tune_arguments
 from megatron_hpc.errors import ConfigError, DataError
 
 if TYPE_CHECKING:  # imported where used: building the parser stays free of numpy, the launcher and the planner
@@ -41,6 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true",
                         help="write config, plan, node script, compile.sbatch, run.sbatch and submit.sh; queue nothing")
     parser.add_argument("--wait", action="store_true", help="with --cluster slurm, follow the jobs until they end")
+    parser.add_argument("--tune", action="store_true",
+                        help="first run `megatron-hpc tune` (one job: the --top best predicted layouts, a few steps "
+                             "each), then submit the run with the fastest measured layout")
+    add_tune_arguments(parser)
     parser.add_argument("--recompile", action="store_true",
                         help="run the compile phase even when the shared compile cache already holds this run's "
                              "fingerprint")
@@ -118,6 +123,11 @@ def _profile(args: argparse.Namespace, resumed_dir: Path | None) -> cluster_prof
 def run(args: argparse.Namespace) -> int:
     if not args.recipe and not args.resume:
         raise ConfigError("submit needs --recipe NAME (a new run) or --resume RUN (continue a run folder)")
+    if args.tune:
+        winner = _tune_first(args)
+        if winner is None:
+            return 0 if args.dry_run else 1
+        args.overrides = [*args.overrides, *winner]
     # The launcher, the planner and the data checks load here, not with the parser (tests/unit/test_cli_startup.py)
     from megatron_hpc.cli.plan_cmd import data_summary, format_plan
     from megatron_hpc.launch import cluster_profile, env_checks
@@ -183,6 +193,31 @@ def run(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
+def _tune_first(args: argparse.Namespace) -> list[str] | None:
+    """`submit --tune`: the tune job, run to its end; the winner's overrides, or None (a dry run wrote the tune
+    job's folder only: the run's plan depends on what it measures; or the job failed, said on stderr).
+
+    Not an sbatch afterok chain: the run's plan (mesh, batch, compile fingerprint) is made and checked before
+    it is queued, and a config changed after planning is refused, so the run is planned once the winner is known."""
+    import copy
+
+    from megatron_hpc.cli.tune_cmd import result_lines, run_tune_job
+
+    if args.resume or args.cluster == "k8s":
+        raise ConfigError("--tune plans a new run on --cluster slurm or local; drop --tune (a resumed run keeps its "
+                          "layout; on k8s run `megatron-hpc tune` on a SLURM or local cluster first)")
+    tune_args = copy.copy(args)
+    tune_args.out = None
+    echo = None if args.json else (lambda line: print(line, flush=True))
+    result = run_tune_job(tune_args, resolve(tune_args), echo=echo)
+    if result is None:
+        return None
+    if echo:
+        for line in result_lines(result):
+            echo(line)
+    return list(result["winner"]["overlay"])
+
+
 def _checks_before_writing(args: argparse.Namespace, resolved: Resolved) -> list[str]:
     """The cluster, the kube context and the data, checked before anything is written (a dry run warns about data
     these nodes cannot see instead), and the plan's warnings."""
@@ -194,6 +229,7 @@ def _checks_before_writing(args: argparse.Namespace, resolved: Resolved) -> list
     idle = idle_workers_warning(resolved.plan)
     warnings: list[str] = [idle] if idle else []
     warnings += [resolved.cfg.warning] if resolved.cfg.warning else []
+    warnings += [resolved.calibration_note] if resolved.calibration_note else []
     pointless = distributed_optimizer_warning(resolved.plan)
     warnings += [pointless] if pointless else []
     if source == "synthetic" and resolved.plan.platform != "cpu":

@@ -29,8 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override a recipe key (with --recipe)")
     parser.add_argument("--platform", choices=sorted(PLATFORMS), default=None,
                         help="with --recipe: the platform to plan for (default: the recipe's launch.platform)")
-    parser.add_argument("--phase", choices=("compile", "run"), default="run",
-                        help="compile: the short trial run; run: the real run (default)")
+    parser.add_argument("--phase", choices=("compile", "run", "tune"), default="run",
+                        help="compile: the short trial run; run: the real run (default); tune: the trials and "
+                             "micro-benchmark of a `megatron-hpc tune` job (its run folder's tune-candidates.json)")
 
 
 def load_run_spec(args: argparse.Namespace) -> RunSpec:
@@ -50,10 +51,17 @@ def run(args: argparse.Namespace) -> int:
         # `megatron-hpc debug` asks for stacks with SIGUSR1 where py-spy is missing.
         register_stack_dump(args.run_dir, rank=int(os.environ.get("RANK", "0")))
     try:
-        spec = load_run_spec(args)
-        from megatron_hpc.train.entry import run_training
+        if args.phase == "tune":
+            if args.run_dir is None:
+                raise ConfigError("--phase tune runs the trials a tune run folder lists; pass --run-dir RUN")
+            from megatron_hpc.train.tune_trials import run_tune
 
-        code = run_training(spec, phase=args.phase, run_dir=args.run_dir)
+            code = run_tune(args.run_dir)
+        else:
+            spec = load_run_spec(args)
+            from megatron_hpc.train.entry import run_training
+
+            code = run_training(spec, phase=args.phase, run_dir=args.run_dir)
     except Exception as exc:
         # Errors a retry cannot fix (our own: config, data, checkpoint, divergence; and the programming errors a
         # bad value provokes, such as a ValueError from torch) tell the node task not to requeue. Crashes, lost

@@ -33,6 +33,9 @@ class Calibration:
     """Ideal time at peak at which a GEMM reaches half of gemm_peak_fraction: its fixed cost."""
     collective_bandwidth_fraction: float = 0.8
     """Achieved ring bus bandwidth of a collective or send/receive over the link's nominal bandwidth."""
+    collective_latency_factor: float = 1.0
+    """Achieved over the platform's startup cost of a message or ring step (a collective library's software
+    overhead; 1.0 takes the datasheet's latency)."""
     memory_bandwidth_fraction: float = 0.7
     """Achieved over nominal device memory bandwidth of memory-bound kernels."""
     elementwise_bytes_per_saved_byte: float = 2.0

@@ -22,7 +22,7 @@ from megatron_hpc.config.schema import RunConfig
 from megatron_hpc.plan.memory import xla_fp32_master
 from megatron_hpc.plan.planner import Plan
 
-PhaseName = Literal["compile", "run"]
+PhaseName = Literal["compile", "run", "tune"]
 
 # torchrun's rendezvous port is derived from the job id so that two jobs sharing a first node
 # do not collide; the range stays clear of the Neuron runtime's root-comm port 62182 and the
@@ -96,3 +96,13 @@ def make_phases(cfg: RunConfig, plan: Plan, platform: Platform, *,
                          torchrun_wrapper=platform.compile_wrapper, requeue=True,
                          time_limit_min=cfg.launch.compile_time_limit_min, **common)
     return (compile_, run)
+
+
+def make_tune_phase(cfg: RunConfig, plan: Plan, platform: Platform, *, extra_env: dict[str, str]) -> PhaseSpec:
+    """`megatron-hpc tune`'s one job: the candidates' short trials and the collective micro-benchmark, with the
+    compile phase's time limit. No compiler wrapper: a graphs-only trial (neuron_parallel_compile) returns no
+    times; on Trainium the trials must run after the graphs are compiled (docs/planning.md#tune)."""
+    return PhaseSpec(phase="tune", job_name=f"{cfg.name}-tune", num_nodes=plan.num_nodes,
+                     nproc_per_node=plan.workers_per_node, env=phase_env(cfg, platform, extra=extra_env),
+                     gpus_per_node=platform.gpus_per_node, nofile_limit=cfg.launch.nofile_limit,
+                     exclusive=cfg.launch.exclusive, requeue=False, time_limit_min=cfg.launch.compile_time_limit_min)

@@ -97,6 +97,17 @@ def fitting_layouts(cfg: RunConfig, platform: Platform, *, num_nodes: int, per_n
     return found
 
 
+def rank_layouts(cfg: RunConfig, platform: Platform, *, num_nodes: int, per_node: int, hardware: Hardware,
+                 calibration: Calibration) -> list[Ranked]:
+    """Every layout that fits (fitting_layouts), fastest predicted first: what `megatron-hpc tune` takes its K
+    candidates from. On XLA, where a pipeline does not run in this release, only layouts without one."""
+    candidates = fitting_layouts(cfg, platform, num_nodes=num_nodes, per_node=per_node)
+    if platform.backend == "xla":
+        candidates = [s for s in candidates if s.mesh.pipeline_parallel == 1]
+    return sorted((Ranked(sizes=s, time=predict(cfg, s, hardware=hardware, calibration=calibration))
+                   for s in candidates), key=lambda r: r.time.step_time_s)
+
+
 def choose_layout(cfg: RunConfig, platform: Platform, *, rule: Sizes, hardware: Hardware,
                   calibration: Calibration) -> Choice:
     """With parallel.choose_layout=fastest the fastest predicted layout among those that fit (the rule's within

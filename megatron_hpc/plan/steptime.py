@@ -96,6 +96,8 @@ class _Links:
 
 def _links(hw: Hardware, layout: Layout, cal: Calibration) -> _Links:
     share = cal.collective_bandwidth_fraction
+    if cal.collective_latency_factor != 1.0:  # a measured calibration (plan/calibration_fit.py)
+        hw = dataclasses.replace(hw, intra_node=_slower(hw.intra_node, cal), inter_node=_slower(hw.inter_node, cal))
     intra = (hw.intra_node, hw.intra_node.bytes_per_s * share)
     # Every worker of a node talks across nodes at once (all DP rings, all stage boundaries): a NIC share each.
     inter_bw = min(hw.intra_node.bytes_per_s, hw.inter_node.bytes_per_s / layout.workers_per_node) * share
@@ -103,6 +105,10 @@ def _links(hw: Hardware, layout: Layout, cal: Calibration) -> _Links:
     t, d = layout.tensor_parallel, layout.data_parallel
     return _Links(tp=intra, dp=intra if t * d <= layout.workers_per_node else inter,
                   pp=intra if t * d < layout.workers_per_node else inter)
+
+
+def _slower(link: Link, cal: Calibration) -> Link:
+    return dataclasses.replace(link, latency_us=link.latency_us * cal.collective_latency_factor)
 
 
 def _layer_times(cfg: RunConfig, layout: Layout, hw: Hardware, cal: Calibration) -> dict[str, float]:

@@ -1,0 +1,202 @@
+"""`megatron-hpc tune`'s job: what it runs (written before it is queued) and what it leaves (written at its end).
+
+Before: the K best predicted layouts of the recipe (plan/layout_choice.py rank_layouts), each planned as its own
+RunSpec with TP and PP pinned, with the step-time model's parts of its prediction (plan/calibration_fit.py), and
+the collective micro-benchmark's sizes with the model's parts of each, go into the run folder's
+tune-candidates.json. The run folder's config.json and plan.json are the first candidate's, so the launcher's
+node script, sbatch file and local executor run the job as any other (one `tune` phase).
+
+After (rank 0 of the job, train/tune_trials.py): the fit, tune.json, the winner's overlay and the calibration kept
+in the shared cache (compile_cache/calibrations.py). Never imports torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megatron_hpc.compile_cache.calibrations import (
+    StoredCalibration,
+    calibration_from_json,
+    calibration_to_json,
+    keep,
+    software_versions,
+)
+
+from megatron_hpc.config.hardware import Hardware
+from megatron_hpc.config.loader import config_to_dict, load_recipe
+from megatron_hpc.config.platforms import Platform
+from megatron_hpc.errors import ConfigError
+from megatron_hpc.plan.calibration import Calibration
+from megatron_hpc.plan.calibration_fit import (
+    CollectiveSample,
+    Observation,
+    Parts,
+    Scales,
+    collective_parts,
+    median,
+    parts_of,
+    refit,
+    relative_error,
+)
+from megatron_hpc.plan.layout_choice import predict, rank_layouts
+from megatron_hpc.plan.planner import Plan, hardware_of, make_plan
+from megatron_hpc.plan.spec import RunSpec
+from megatron_hpc.run_folder import (
+    TUNE_CANDIDATES_FILE,
+    TUNE_FILE,
+    TUNE_MEASURED_FILE,
+    TUNE_OVERLAY_FILE,
+    read_json,
+    write_json,
+)
+
+WARMUP_STEPS = 2
+"""The trainer's untimed first steps (train/metrics.py WARMUP_STEPS, which a test holds equal): a trial's times
+are those of its later steps."""
+
+BENCH_OPS = ("all_reduce", "all_gather", "send_recv")
+BENCH_SIZES = (0.25, 1.0, 4.0)
+"""Micro-benchmark sizes as multiples of one micro-batch's activations (b * s * h at the recipe's precision): the
+messages TP and PP exchange, and a quarter and four times that around them."""
+MIN_BENCH_BYTES = 4096
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Candidate:
+    label: str
+    overlay: tuple[str, ...]
+    """The --set arguments that pin this layout on the recipe."""
+    spec: RunSpec
+    predicted_s: float
+    parts: Parts
+
+
+def plan_candidates(recipe: str, overrides: list[str], *, plan: Plan, platform: Platform, top: int,
+                    calibration: Calibration) -> list[Candidate]:
+    """The `top` best predicted layouts of the recipe planned as `plan` is, each with TP and PP pinned."""
+    if top < 1:
+        raise ConfigError(f"--top {top}: tune runs the K best predicted layouts, K at least 1; use --top 3 (the "
+                          "default), or --top 1 to calibrate on the chosen layout alone")
+    cfg = load_recipe(recipe, overrides)
+    if cfg.compile.num_steps <= WARMUP_STEPS + 1:
+        raise ConfigError(f"compile.num_steps={cfg.compile.num_steps} leaves fewer than 2 timed steps per trial after "
+                          f"the {WARMUP_STEPS} warm-up steps; use --set compile.num_steps={WARMUP_STEPS + 4}")
+    hardware = hardware_of(platform)
+    ranked = rank_layouts(cfg, platform, num_nodes=plan.num_nodes, per_node=plan.workers_per_node,
+                          hardware=hardware, calibration=calibration)[:top]
+    found = []
+    for r in ranked:
+        mesh = r.sizes.mesh
+        overlay = (f"parallel.tensor={mesh.tensor_parallel}", f"parallel.pipeline={mesh.pipeline_parallel}")
+        # Each step is logged, so that the trial's steps after the warm-up are timed one by one.
+        trial_cfg = load_recipe(recipe, [*overrides, *overlay, "train.log_interval=1"])
+        trial_plan = make_plan(trial_cfg, num_nodes=plan.num_nodes, platform=platform, calibration=calibration)
+        parts = parts_of(lambda cal, s=r.sizes: predict(cfg, s, hardware=hardware, calibration=cal).step_time_s,
+                         calibration)
+        found.append(Candidate(label=r.label, overlay=overlay, spec=RunSpec(config=trial_cfg, plan=trial_plan),
+                               predicted_s=r.time.step_time_s, parts=parts))
+    return found
+
+
+def benchmark_samples(plan: Plan, *, hidden_size: int, precision_bytes: int) -> list[tuple[str, int]]:
+    """(op, bytes) of each micro-benchmark collective over the job's world (none for a world of one)."""
+    if plan.world_size < 2:
+        return []
+    activation = plan.micro_batch_size * plan.seq_length * hidden_size * precision_bytes
+    sizes = sorted({max(MIN_BENCH_BYTES, int(activation * f) // 4 * 4) for f in BENCH_SIZES})
+    return [(op, n) for op in BENCH_OPS for n in sizes]
+
+
+def write_request(run_dir: Path, candidates: list[Candidate], *, platform: Platform, calibration: Calibration,
+                  cache_root: Path, cluster: str) -> dict[str, Any]:
+    """tune-candidates.json: what the job runs and what it needs to fit and keep the result."""
+    first = candidates[0].spec.plan
+    hardware = hardware_of(platform)
+    precision = 4 if candidates[0].spec.config.train.precision == "fp32" else 2
+    bench = benchmark_samples(first, hidden_size=candidates[0].spec.config.model.hidden_size,
+                              precision_bytes=precision)
+    request = {
+        "recipe": candidates[0].spec.config.name, "cluster": cluster, "cache_root": str(cache_root),
+        "hardware": {"name": hardware.name, "runtime": first.platform, "workers_per_node": first.workers_per_node,
+                     "memory_per_worker_gib": hardware.memory_per_worker_gib},
+        "versions": software_versions(), "base_calibration": calibration_to_json(calibration),
+        "trial_steps": candidates[0].spec.config.compile.num_steps,
+        "candidates": [{"label": c.label, "overlay": list(c.overlay), "predicted_s": c.predicted_s,
+                        "parts": dataclasses.asdict(c.parts), "config": config_to_dict(c.spec.config),
+                        "plan": c.spec.plan.to_json()} for c in candidates],
+        "benchmark": [list(b) for b in bench],
+        "benchmark_parts": [dataclasses.asdict(_bench_parts(op, n, ranks=first.world_size, hardware=hardware,
+                                                            base=calibration, per_node=first.workers_per_node))
+                            for op, n in bench],
+    }
+    write_json(run_dir / TUNE_CANDIDATES_FILE, request)
+    return request
+
+
+def _bench_parts(op: str, nbytes: int, *, ranks: int, hardware: Hardware, base: Calibration,
+                 per_node: int) -> Parts:
+    sample = CollectiveSample(op=op, ranks=2 if op == "send_recv" else ranks, nbytes=nbytes, seconds=0.0)  # type: ignore[arg-type]
+    return collective_parts(sample, hardware=hardware, base=base, workers_per_node=per_node)
+
+
+def finish_tune(run_dir: Path, request: dict[str, Any], *, measured_s: list[float], bench_s: list[float],
+                finished_at_s: float) -> dict[str, Any]:
+    """Fit the calibration to what the job measured; write tune.json and the overlay, keep the calibration."""
+    base = calibration_from_json(request["base_calibration"])
+    cands = request["candidates"]
+    trials = [Observation(label=c["label"], parts=Parts(**c["parts"]), measured_s=m) for c, m in zip(cands, measured_s)]
+    bench = [Observation(label=f"{op} {n} B", parts=Parts(**p), measured_s=m)
+             for (op, n), p, m in zip(request["benchmark"], request["benchmark_parts"], bench_s)]
+    hw = request["hardware"]
+    source = f"measured by tune on {hw['name']} ({request['cluster']}), run {run_dir}"
+    fit = refit(base, trials + bench, source=source)
+    after = [o.parts.at(fit.scales) for o in trials]
+    winner = min(range(len(trials)), key=lambda i: measured_s[i])
+    rows = [{"label": c["label"], "overlay": c["overlay"], "predicted_before_s": c["predicted_s"],
+             "predicted_after_s": a, "measured_s": m, "error_before": relative_error(c["predicted_s"], m),
+             "error_after": relative_error(a, m)} for c, a, m in zip(cands, after, measured_s)]
+    stored = StoredCalibration(calibration=fit.calibration, hardware=hw["name"], runtime=hw["runtime"],
+                               workers_per_node=hw["workers_per_node"], measured_at_s=finished_at_s,
+                               versions=request["versions"], run_dir=str(run_dir))
+    path = keep(Path(request["cache_root"]), stored)
+    result = {
+        "recipe": request["recipe"], "hardware": hw, "trial_steps": request["trial_steps"],
+        "fit": {"scales": dataclasses.asdict(fit.scales), "held": list(fit.held), "observations": fit.observations,
+                "calibration": calibration_to_json(fit.calibration)},
+        "candidates": rows,
+        "benchmark": [{"label": o.label, "measured_s": o.measured_s,
+                       "predicted_before_s": o.parts.at(Scales()), "predicted_after_s": o.parts.at(fit.scales)}
+                      for o in bench],
+        "median_abs_error_after": median([abs(r["error_after"]) for r in rows]),
+        "winner": {"label": rows[winner]["label"], "overlay": rows[winner]["overlay"]},
+        "calibration_path": str(path),
+    }
+    write_json(run_dir / TUNE_FILE, result)
+    (run_dir / TUNE_OVERLAY_FILE).write_text(overlay_line(rows[winner]["overlay"]) + "\n", encoding="ascii")
+    return result
+
+
+def finish_tune_run(run_dir: Path) -> str:
+    """After a tune job succeeded (launch/requeue.py, node 0): fit what the trainer measured; the winner line."""
+    measured = read_json(run_dir / TUNE_MEASURED_FILE)
+    result = finish_tune(run_dir, read_json(run_dir / TUNE_CANDIDATES_FILE), measured_s=measured["measured_s"],
+                         bench_s=measured["bench_s"], finished_at_s=measured["finished_at_s"])
+    return winner_line(result)
+
+
+def winner_line(result: dict[str, Any]) -> str:
+    win = result["winner"]
+    return (f"tune: fastest measured {win['label']}; median prediction error after calibration "
+            f"{result['median_abs_error_after']:.1%}; run it with {overlay_line(win['overlay'])}")
+
+
+def overlay_line(overlay: list[str] | tuple[str, ...]) -> str:
+    return " ".join(f"--set {shlex.quote(item)}" for item in overlay)
+
+
+def read_result(run_dir: Path) -> dict[str, Any]:
+    return read_json(run_dir / TUNE_FILE)

@@ -1,0 +1,113 @@
+"""The trainer side of a `megatron-hpc tune` job (`train --phase tune`): short trials and a collective benchmark.
+
+Every rank of the job reads the run folder's tune-candidates.json (written by launch/tune_job.py), then, in one
+process group: trains each candidate layout for compile.num_steps steps with the trainer's own trial path
+(train(..., phase="compile"), no checkpoints) and a fresh ParallelContext for its mesh, and times all-reduce,
+all-gather and send/receive of a few sizes over the whole world. A candidate's measured step time is the median of
+its steps after the warm-up (train/metrics.py WARMUP_STEPS), the slowest rank's; a collective's the median of its
+repetitions, the slowest rank's. The fit (plan/calibration_fit.py) writes tune.json,
+the winner's --set overlay and the calibration kept in the shared cache: rank 0 writes what it measured to
+tune-measured.json, and the node script's end-of-phase step fits it (launch/tune_job.py finish_tune_run).
+"""
+
+from __future__ import annotations
+
+import io
+import statistics
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_hpc.parallel.context import ParallelContext
+from megatron_hpc.parallel.device import DeviceInfo, init_method, resolve_device, set_cpu_threads, step_barrier
+from megatron_hpc.plan.planner import check_torchrun_world
+from megatron_hpc.plan.spec import RunSpec
+from megatron_hpc.run_folder import TUNE_CANDIDATES_FILE, TUNE_MEASURED_FILE, read_json, write_json
+from megatron_hpc.train.entry import read_dist_env
+from megatron_hpc.train.loop import train
+
+BENCH_REPEATS = 5
+"""Timed repetitions of each collective, after one untimed."""
+
+
+def run_tune(run_dir: Path) -> int:
+    """This rank's share of the tune job; rank 0 writes the results. Returns 0."""
+    request = read_json(run_dir / TUNE_CANDIDATES_FILE)
+    specs = [RunSpec.from_json(c["config"], c["plan"], where=str(run_dir)) for c in request["candidates"]]
+    env = read_dist_env()
+    for spec in specs:
+        check_torchrun_world(spec.plan, world_size=env.world_size, local_world_size=env.local_world_size)
+    first = specs[0]
+    device = resolve_device(first.plan.backend, local_rank=env.local_rank)
+    if device.kind == "cpu":
+        set_cpu_threads(local_world_size=env.local_world_size)
+    timeout = timedelta(seconds=first.config.launch.collective_timeout_s)
+    ranks = {} if device.kind == "xla" else {"rank": env.rank, "world_size": env.world_size}
+    dist.init_process_group(device.backend, init_method=init_method(device.kind, master_addr=env.master_addr,
+                                                                    master_port=env.master_port),
+                            timeout=timeout, **ranks)
+    try:
+        measured = [_trial(spec, rank=env.rank, device=device, timeout=timeout) for spec in specs]
+        samples = [_bench(op, nbytes, device=device) for op, nbytes in request["benchmark"]]
+    finally:
+        dist.destroy_process_group()
+    if env.rank == 0:  # the launcher fits them once the job succeeded (launch/tune_job.py finish_tune_run)
+        write_json(run_dir / TUNE_MEASURED_FILE, {"measured_s": measured, "bench_s": samples,
+                                                  "finished_at_s": time.time()})
+    return 0
+
+
+def _trial(spec: RunSpec, *, rank: int, device: DeviceInfo, timeout: timedelta) -> float:
+    """The candidate's step time: the median of its timed steps on this rank, the maximum over ranks."""
+    ctx = ParallelContext.build(spec.plan.mesh, rank=rank, kind=device.kind, timeout=timeout)
+    out = None if ctx.is_first_rank else io.StringIO()  # one banner and iteration lines per trial, in the log
+    summary = train(spec, ctx, device=device, phase="compile", run_dir=None, checkpoints=False, out=out)
+    timed = [r.elapsed_ms / 1e3 for r in summary.records if not r.warmup]
+    if not timed:  # fewer steps than the warm-up: the CLI refuses that, so a short run is a bug
+        raise RuntimeError(f"trial of {spec.plan.mesh} logged no step after its warm-up")
+    return _slowest(statistics.median(timed), device=device)
+
+
+def _slowest(seconds: float, *, device: DeviceInfo) -> float:
+    value = torch.tensor([seconds], dtype=torch.float64 if device.kind == "cpu" else torch.float32,
+                         device=device.device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    step_barrier(device)
+    return float(value.item())  # host sync: the result is a number for the fit
+
+
+def _bench(op: str, nbytes: int, *, device: DeviceInfo) -> float:
+    """Median seconds of one collective of `nbytes` (float32) over the world, the slowest rank's. send_recv pairs
+    rank 2i with 2i+1 (an odd last rank idles), one hand-over each way timed as two."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    numel = max(1, nbytes // 4)
+    buf = torch.ones(numel, dtype=torch.float32, device=device.device)
+    gathered = torch.empty(numel * world, dtype=torch.float32, device=device.device)
+    chunk = buf[: max(1, numel // world)]
+    peer = rank + 1 if rank % 2 == 0 else rank - 1
+
+    def once() -> None:
+        if op == "all_reduce":
+            dist.all_reduce(buf)
+        elif op == "all_gather":
+            dist.all_gather(list(gathered[: chunk.numel() * world].chunk(world)), chunk)
+        elif peer < world:
+            first, second = (dist.send, dist.recv) if rank % 2 == 0 else (dist.recv, dist.send)
+            first(buf, peer)
+            second(buf, peer)
+        step_barrier(device)
+
+    times = []
+    for i in range(BENCH_REPEATS + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        once()
+        # Host sync: on CUDA the collective is queued, not done, when the call returns; reading a value waits.
+        (gathered if op == "all_gather" else buf)[0].item()
+        if i:
+            times.append(time.perf_counter() - start)
+    per_op = statistics.median(times) / (2 if op == "send_recv" else 1)
+    return _slowest(per_op, device=device)

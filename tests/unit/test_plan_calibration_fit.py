@@ -1,0 +1,119 @@
+"""The refit of the step-time model (plan/calibration_fit.py) against measurements made by hand from known scales."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from megatron_hpc.config.loader import load_recipe
+from megatron_hpc.config.platforms import resolve_platform
+from megatron_hpc.errors import PlanError
+from megatron_hpc.plan.calibration import DEFAULT_CALIBRATION
+from megatron_hpc.plan.calibration_fit import (
+    CollectiveSample,
+    Observation,
+    Parts,
+    Scales,
+    collective_parts,
+    fit_scales,
+    parts_of,
+    refit,
+    scaled,
+)
+from megatron_hpc.plan.layout_choice import predict, rank_layouts
+from megatron_hpc.plan.planner import hardware_of
+
+TINY = ["launch.workers_per_node=2", "data.source=synthetic", "parallel.tensor=0", "parallel.pipeline=0"]
+
+
+@pytest.fixture(scope="module")
+def layouts():
+    cfg = load_recipe("tiny", TINY)
+    platform = resolve_platform(None, default="cpu")
+    hw = hardware_of(platform)
+    ranked = rank_layouts(cfg, platform, num_nodes=1, per_node=2, hardware=hw, calibration=DEFAULT_CALIBRATION)
+    assert {r.label for r in ranked} == {"TP 1 x PP 1 x DP 2", "TP 2 x PP 1 x DP 1", "TP 1 x PP 2 x DP 1"}
+    return cfg, hw, ranked
+
+
+def _predictor(cfg, hw, ranked):
+    return lambda cal: predict(cfg, ranked.sizes, hardware=hw, calibration=cal).step_time_s
+
+
+def test_parts_are_the_model_at_any_scales(layouts):
+    """The split read off the model predicts what the model itself says at a scaled calibration."""
+    cfg, hw, ranked = layouts
+    scales = Scales(compute=3.0, overhead=40.0, bandwidth=2.5, latency=6.0)
+    for r in ranked:
+        parts = parts_of(_predictor(cfg, hw, r), DEFAULT_CALIBRATION)
+        assert parts.compute_s > 0 and parts.overhead_s > 0
+        direct = _predictor(cfg, hw, r)(scaled(DEFAULT_CALIBRATION, scales))
+        assert parts.at(scales) == pytest.approx(direct, rel=1e-9)
+    tp2 = next(r for r in ranked if r.sizes.mesh.tensor_parallel == 2)
+    assert parts_of(_predictor(cfg, hw, tp2), DEFAULT_CALIBRATION).latency_s > 0  # TP all-reduces per layer
+
+
+def test_refit_recovers_known_scales_from_trials_and_collectives(layouts):
+    """Times made by hand from known scales (the trials' from the model, the collectives' by the ring formula):
+    the fit finds the scales and the refitted calibration predicts every trial exactly."""
+    cfg, hw, ranked = layouts
+    truth = Scales(compute=4.0, overhead=120.0, bandwidth=2.0, latency=5.0)
+    trials = [Observation(label=r.label, parts=(p := parts_of(_predictor(cfg, hw, r), DEFAULT_CALIBRATION)),
+                          measured_s=p.at(truth)) for r in ranked]
+    bench = []
+    for op in ("all_reduce", "all_gather", "send_recv"):
+        for nbytes in (1 << 17, 1 << 21):
+            # By hand: ring passes (ranks - 1) x steps, each the latency and nbytes / ranks at 5 GB/s x 0.8.
+            passes = {"all_reduce": 2, "all_gather": 1, "send_recv": 1}[op]
+            per_pass = nbytes / (1 if op == "send_recv" else 2)
+            seconds = passes * (50e-6 * truth.latency + per_pass / (5e9 * 0.8) * truth.bandwidth)
+            sample = CollectiveSample(op=op, ranks=2, nbytes=nbytes, seconds=seconds)
+            parts = collective_parts(sample, hardware=hw, base=DEFAULT_CALIBRATION, workers_per_node=2)
+            bench.append(Observation(label=op, parts=parts, measured_s=seconds))
+    fit = refit(DEFAULT_CALIBRATION, trials + bench, source="test")
+    assert fit.held == ()
+    for got, want in zip(fit.scales.vector(), truth.vector()):
+        assert got == pytest.approx(want, rel=1e-6)
+    for r, t in zip(ranked, trials):
+        assert _predictor(cfg, hw, r)(fit.calibration) == pytest.approx(t.measured_s, rel=1e-6)
+    assert fit.calibration.source == "test"
+    assert fit.calibration.gemm_peak_fraction == pytest.approx(0.85 / 4.0)
+
+
+def test_collectives_alone_fit_only_communication():
+    """Without trials the compute-side scales are held at 1 and named."""
+    obs = [Observation(label="a", parts=Parts(compute_s=0.0, bandwidth_s=1e-4, latency_s=1e-4), measured_s=6e-4),
+           Observation(label="b", parts=Parts(compute_s=0.0, bandwidth_s=1e-3, latency_s=1e-4), measured_s=2.4e-3)]
+    scales, held = fit_scales(obs)
+    assert held == ("compute", "overhead")
+    assert scales.bandwidth == pytest.approx(2.0) and scales.latency == pytest.approx(4.0)
+
+
+def test_one_trial_cannot_split_compute_from_overhead():
+    """One trial constrains one sum: the overhead is held, the compute scale takes the whole difference."""
+    obs = [Observation(label="t", parts=Parts(compute_s=0.1, overhead_s=0.01), measured_s=0.33)]
+    scales, held = fit_scales(obs)
+    assert "overhead" in held and scales.overhead == 1.0
+    assert scales.compute * 0.1 + 0.01 == pytest.approx(0.33)
+
+
+def test_nothing_measured_and_negative_speed_are_refused():
+    with pytest.raises(PlanError, match="nothing was measured"):
+        fit_scales([])
+    # A measurement below the part no scale touches can only be met by a negative compute time.
+    obs = [Observation(label="t", parts=Parts(compute_s=0.1, fixed_s=0.5), measured_s=0.2)]
+    with pytest.raises(PlanError, match=r"compile\.num_steps"):
+        fit_scales(obs)
+
+
+def test_latency_factor_reaches_the_step_time(layouts):
+    """The calibration's collective_latency_factor slows a TP layout (its per-layer all-reduces), not a DP 1 x TP 1
+    layout's compute."""
+    cfg, hw, ranked = layouts
+    tp2 = next(r for r in ranked if r.sizes.mesh.tensor_parallel == 2)
+    slow = dataclasses.replace(DEFAULT_CALIBRATION, collective_latency_factor=10.0)
+    base = predict(cfg, tp2.sizes, hardware=hw, calibration=DEFAULT_CALIBRATION)
+    slowed = predict(cfg, tp2.sizes, hardware=hw, calibration=slow)
+    assert slowed.breakdown_s["tp_comm"] > base.breakdown_s["tp_comm"]
+    assert slowed.breakdown_s["compute"] == base.breakdown_s["compute"]
