@@ -133,6 +133,7 @@ def usable(stored: StoredCalibration, *, now_s: float, runtime: str, workers_per
 def labelled(stored: StoredCalibration, *, now_s: float) -> Calibration:
     """The calibration with a source line that says where it was measured and how old it is."""
     age = stored.age_days(now_s)
-    when = f"{age * 24:.0f} h" if age < 2 else f"{age:.0f} days"
+    hours = age * 24
+    when = f"{hours * 60:.0f} min" if hours < 1 else f"{hours:.0f} h" if age < 2 else f"{age:.0f} days"
     return dataclasses.replace(stored.calibration,
                                source=f"measured by tune {when} ago ({stored.path or stored.run_dir})")

@@ -13,6 +13,7 @@ in the shared cache (compile_cache/calibrations.py). Never imports torch.
 from __future__ import annotations
 
 import dataclasses
+import math
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ from megatron_hpc.compile_cache.calibrations import (
 from megatron_hpc.config.hardware import Hardware
 from megatron_hpc.config.loader import config_to_dict, load_recipe
 from megatron_hpc.config.platforms import Platform
-from megatron_hpc.errors import ConfigError
+from megatron_hpc.errors import ConfigError, PlanError
 from megatron_hpc.plan.calibration import Calibration
 from megatron_hpc.plan.calibration_fit import (
     CollectiveSample,
@@ -122,6 +123,7 @@ def write_request(run_dir: Path, candidates: list[Candidate], *, platform: Platf
     request = {
         "recipe": candidates[0].spec.config.name, "cluster": cluster, "cache_root": str(cache_root),
         "hardware": {"name": hardware.name, "runtime": first.platform, "workers_per_node": first.workers_per_node,
+                     "platform_workers_per_node": hardware.workers_per_node,
                      "memory_per_worker_gib": hardware.memory_per_worker_gib},
         "versions": software_versions(), "base_calibration": calibration_to_json(calibration),
         "trial_steps": candidates[0].spec.config.compile.num_steps,
@@ -156,9 +158,11 @@ def finish_tune(run_dir: Path, request: dict[str, Any], *, measured_s: list[floa
     fit = refit(base, trials + bench, source=source)
     after = [o.parts.at(fit.scales) for o in trials]
     winner = min(range(len(trials)), key=lambda i: measured_s[i])
+    held_out = _left_out_errors(base, trials, bench)
     rows = [{"label": c["label"], "overlay": c["overlay"], "predicted_before_s": c["predicted_s"],
              "predicted_after_s": a, "measured_s": m, "error_before": relative_error(c["predicted_s"], m),
-             "error_after": relative_error(a, m)} for c, a, m in zip(cands, after, measured_s)]
+             "error_after": relative_error(a, m), "error_left_out": e}
+            for c, a, m, e in zip(cands, after, measured_s, held_out)]
     stored = StoredCalibration(calibration=fit.calibration, hardware=hw["name"], runtime=hw["runtime"],
                                workers_per_node=hw["workers_per_node"], measured_at_s=finished_at_s,
                                versions=request["versions"], run_dir=str(run_dir))
@@ -172,6 +176,7 @@ def finish_tune(run_dir: Path, request: dict[str, Any], *, measured_s: list[floa
                        "predicted_before_s": o.parts.at(Scales()), "predicted_after_s": o.parts.at(fit.scales)}
                       for o in bench],
         "median_abs_error_after": median([abs(r["error_after"]) for r in rows]),
+        "median_abs_error_left_out": median([abs(e) for e in held_out if e is not None] or [math.nan]),
         "winner": {"label": rows[winner]["label"], "overlay": rows[winner]["overlay"]},
         "calibration_path": str(path),
     }
@@ -191,7 +196,22 @@ def finish_tune_run(run_dir: Path) -> str:
 def winner_line(result: dict[str, Any]) -> str:
     win = result["winner"]
     return (f"tune: fastest measured {win['label']}; median prediction error after calibration "
-            f"{result['median_abs_error_after']:.1%}; run it with {overlay_line(win['overlay'])}")
+            f"{result['median_abs_error_after']:.1%} (each layout left out of the fit: "
+            f"{result['median_abs_error_left_out']:.1%}); run it with {overlay_line(win['overlay'])}")
+
+
+def _left_out_errors(base: Calibration, trials: list[Observation], bench: list[Observation]) -> list[float | None]:
+    """Each trial predicted by a calibration fitted without it: how well the fit predicts a layout it did not see
+    (the in-sample error says little when the trials are as few as the unknowns). None where the rest fit nothing."""
+    errors: list[float | None] = []
+    for i, trial in enumerate(trials):
+        try:
+            fit = refit(base, trials[:i] + trials[i + 1:] + bench, source="left out")
+        except PlanError:
+            errors.append(None)
+            continue
+        errors.append(relative_error(trial.parts.at(fit.scales), trial.measured_s))
+    return errors
 
 
 def overlay_line(overlay: list[str] | tuple[str, ...]) -> str:

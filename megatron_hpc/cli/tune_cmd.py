@@ -109,9 +109,11 @@ def result_lines(result: dict[str, Any]) -> list[str]:
     held = f"; held at 1 (not measurable here): {', '.join(fit['held'])}" if fit["held"] else ""
     lines = [f"calibration: {scales} of the previous prediction ({fit['observations']} measurements){held}; kept at "
              f"{result['calibration_path']}",
-             f"{'layout':<24}{'predicted':>11}{'after':>11}{'measured':>11}{'error':>9}"]
+             f"{'layout':<24}{'predicted':>11}{'after':>11}{'measured':>11}{'error':>9}{'left out':>10}"]
     for row in result["candidates"]:
+        left = row["error_left_out"]
         lines.append(f"{row['label']:<24}{row['predicted_before_s']:>10.4g}s{row['predicted_after_s']:>10.4g}s"
-                     f"{row['measured_s']:>10.4g}s{row['error_after']:>+9.1%}")
+                     f"{row['measured_s']:>10.4g}s{row['error_after']:>+9.1%}"
+                     + (f"{left:>+10.1%}" if left is not None else f"{'-':>10}"))
     lines.append(winner_line(result))
     return lines

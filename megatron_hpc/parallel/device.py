@@ -65,6 +65,14 @@ def resolve_device(backend: str, *, local_rank: int) -> DeviceInfo:
     return DeviceInfo(kind=kind, device=torch.device("cpu"), backend=backend)
 
 
+def node_devices(info: DeviceInfo) -> tuple[int, float] | None:
+    """(devices on this node, GiB of memory each) where the runtime says (CUDA); None on CPU, whose workers are
+    processes, and on XLA, whose NeuronCores torch-xla hands out per process."""
+    if info.kind != "cuda":
+        return None
+    return torch.cuda.device_count(), torch.cuda.get_device_properties(info.device).total_memory / 2**30
+
+
 _PROBE = 1.0 + 2.0**-10  # exact in float32; bfloat16 (8 mantissa bits) rounds it to 1.0
 
 

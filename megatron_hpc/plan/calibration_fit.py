@@ -197,6 +197,18 @@ def refit(base: Calibration, observations: Sequence[Observation], *, source: str
                held=held)
 
 
+def node_mismatch(*, hardware: str, workers_per_node: int, memory_gib: float, found_workers: int,
+                  found_memory_gib: float) -> str | None:
+    """Why a tune job's node is not the platform it calibrates (devices per node, or memory per device more than
+    10% off), with the fix; None when it is. A calibration measured there would be kept under the wrong name."""
+    if found_workers == workers_per_node and abs(found_memory_gib - memory_gib) <= 0.1 * memory_gib:
+        return None
+    return (f"tune runs on nodes with {found_workers} devices of {found_memory_gib:.0f} GiB, but platform {hardware} "
+            f"states {workers_per_node} of {memory_gib:.0f} GiB; tune on the platform's nodes (--constraint, "
+            f"--partition), or describe these with --platform-file (workers_per_node: {found_workers}, "
+            f"memory_per_worker_gib: {found_memory_gib:.0f})")
+
+
 def relative_error(predicted_s: float, measured_s: float) -> float:
     """(predicted - measured) / measured."""
     return (predicted_s - measured_s) / measured_s

@@ -21,8 +21,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_hpc.errors import PlanError
 from megatron_hpc.parallel.context import ParallelContext
-from megatron_hpc.parallel.device import DeviceInfo, init_method, resolve_device, set_cpu_threads, step_barrier
+from megatron_hpc.parallel.device import (
+    DeviceInfo,
+    init_method,
+    node_devices,
+    resolve_device,
+    set_cpu_threads,
+    step_barrier,
+)
+from megatron_hpc.plan.calibration_fit import node_mismatch
 from megatron_hpc.plan.planner import check_torchrun_world
 from megatron_hpc.plan.spec import RunSpec
 from megatron_hpc.run_folder import TUNE_CANDIDATES_FILE, TUNE_MEASURED_FILE, read_json, write_json
@@ -42,6 +51,7 @@ def run_tune(run_dir: Path) -> int:
         check_torchrun_world(spec.plan, world_size=env.world_size, local_world_size=env.local_world_size)
     first = specs[0]
     device = resolve_device(first.plan.backend, local_rank=env.local_rank)
+    _check_node(request["hardware"], device=device)
     if device.kind == "cpu":
         set_cpu_threads(local_world_size=env.local_world_size)
     timeout = timedelta(seconds=first.config.launch.collective_timeout_s)
@@ -58,6 +68,18 @@ def run_tune(run_dir: Path) -> int:
         write_json(run_dir / TUNE_MEASURED_FILE, {"measured_s": measured, "bench_s": samples,
                                                   "finished_at_s": time.time()})
     return 0
+
+
+def _check_node(hardware: dict, *, device: DeviceInfo) -> None:
+    """PlanError (not requeued) when this node is not the platform the calibration would be kept for."""
+    found = node_devices(device)
+    if found is None:
+        return
+    problem = node_mismatch(hardware=hardware["name"], workers_per_node=hardware["platform_workers_per_node"],
+                            memory_gib=hardware["memory_per_worker_gib"], found_workers=found[0],
+                            found_memory_gib=found[1])
+    if problem:
+        raise PlanError(problem)
 
 
 def _trial(spec: RunSpec, *, rank: int, device: DeviceInfo, timeout: timedelta) -> float:

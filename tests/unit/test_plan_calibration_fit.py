@@ -17,6 +17,7 @@ from megatron_hpc.plan.calibration_fit import (
     Scales,
     collective_parts,
     fit_scales,
+    node_mismatch,
     parts_of,
     refit,
     scaled,
@@ -117,3 +118,14 @@ def test_latency_factor_reaches_the_step_time(layouts):
     slowed = predict(cfg, tp2.sizes, hardware=hw, calibration=slow)
     assert slowed.breakdown_s["tp_comm"] > base.breakdown_s["tp_comm"]
     assert slowed.breakdown_s["compute"] == base.breakdown_s["compute"]
+
+
+def test_a_node_unlike_the_platform_is_one_line_with_the_fix():
+    assert node_mismatch(hardware="p5", workers_per_node=8, memory_gib=80, found_workers=8,
+                         found_memory_gib=79.2) is None
+    problem = node_mismatch(hardware="p5", workers_per_node=8, memory_gib=80, found_workers=4, found_memory_gib=40)
+    assert problem is not None and "\n" not in problem
+    assert "4 devices of 40 GiB" in problem and "states 8 of 80 GiB" in problem
+    assert "--platform-file (workers_per_node: 4, memory_per_worker_gib: 40)" in problem
+    assert node_mismatch(hardware="p5", workers_per_node=8, memory_gib=80, found_workers=8,
+                         found_memory_gib=40) is not None
