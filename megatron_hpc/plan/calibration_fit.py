@@ -14,8 +14,9 @@ is a small linear least squares:
 - `latency`: their per-message startup cost (multiplies collective_latency_factor).
 A trial's step time constrains all four, a collective's only the last two (its sizes tell them apart). The parts
 are read off the model itself (`parts_of`: five evaluations), never re-derived here. Each residual is relative
-to its measurement, so a 100 us all-reduce weighs as much as a 1 s step. An unknown nothing constrains, or one the
-data cannot tell from the others (one trial cannot split compute from overhead), stays at 1 and is named.
+to its measurement, so a 100 us all-reduce weighs as much as a 1 s step. An unknown nothing constrains, one the
+data cannot tell from the others (one trial cannot split compute from overhead), or one it puts at or below zero
+(a part too small to see) stays at 1 and is named.
 """
 
 from __future__ import annotations
@@ -138,25 +139,27 @@ def collective_parts(sample: CollectiveSample, *, hardware: Hardware, base: Cali
 
 
 def fit_scales(observations: Sequence[Observation]) -> tuple[Scales, tuple[str, ...]]:
-    """The scales minimising the squared relative residuals, and the unknowns held at 1. PlanError when nothing
-    was measured or the compute or bandwidth scale comes out not positive."""
+    """The scales minimising the squared relative residuals, and the unknowns held at 1: those nothing constrains,
+    those the data cannot tell apart (dropped in the order overhead, latency, bandwidth), and those it puts at or
+    below zero (a part too small to see: of those, the one whose holding fits best, never both of compute and
+    overhead, nor of bandwidth and latency). PlanError when nothing was measured or no positive fit is left."""
     if not observations:
         raise PlanError("nothing was measured: tune needs at least one trial step time or collective time")
     rows = [([p / o.measured_s for p in o.parts.vector()], 1.0 - o.parts.fixed_s / o.measured_s)
             for o in observations]
     free = [k for k in range(len(UNKNOWNS)) if any(abs(r[0][k]) > 0 for r in rows)]
-    while True:
-        solved = _least_squares(rows, free)
-        # A fixed cost or a latency the data puts below zero is one it cannot see: hold it, fit the rest.
-        bad = [k for k in (1, 3) if solved is not None and k in free and solved[free.index(k)] <= 0]
-        if solved is not None and not bad:
+    values = _least_squares(rows, free)
+    while values is None:
+        free.remove(next(k for k in (1, 3, 2, 0) if k in free))
+        values = _least_squares(rows, free)
+    # The trials' time must stay explained by compute or its fixed cost, the collectives' by bandwidth or latency.
+    needed = [pair for pair in ((0, 1), (2, 3)) if any(k in free for k in pair)]
+    while any(values[k] <= 0 for k in free):
+        tries = [(f, v) for f in ([j for j in free if j != k] for k in free if values[k] <= 0)
+                 if all(any(k in f for k in pair) for pair in needed) and (v := _least_squares(rows, f)) is not None]
+        if not tries:
             break
-        if not free:
-            break
-        free.remove(bad[0] if bad else next(k for k in (1, 3, 2, 0) if k in free))
-    values = [1.0] * len(UNKNOWNS)
-    for k, v in zip(free, solved or []):
-        values[k] = v
+        free, values = min(tries, key=lambda fv: _residual(rows, fv[1]))
     scales = Scales(**dict(zip(UNKNOWNS, values)))
     if not all(v > 0 and math.isfinite(v) for v in values):
         raise PlanError(f"the measured times fit no positive speed ({_describe(scales)} of the prediction); the "
@@ -165,9 +168,13 @@ def fit_scales(observations: Sequence[Observation]) -> tuple[Scales, tuple[str, 
     return scales, tuple(UNKNOWNS[k] for k in range(len(UNKNOWNS)) if k not in free)
 
 
+def _residual(rows: list[tuple[list[float], float]], values: list[float]) -> float:
+    return sum((sum(x * v for x, v in zip(r[0], values)) - r[1]) ** 2 for r in rows)
+
+
 def _least_squares(rows: list[tuple[list[float], float]], free: list[int]) -> list[float] | None:
-    """Solve the normal equations of the `free` columns (Gaussian elimination, partial pivoting); None when they
-    are singular (columns the data cannot tell apart)."""
+    """Every scale: the `free` ones solved from the normal equations (Gaussian elimination, partial pivoting), the
+    others 1; None when the equations are singular (columns the data cannot tell apart)."""
     n = len(free)
     held = [k for k in range(len(UNKNOWNS)) if k not in free]
     rhs = [r[1] - sum(r[0][k] for k in held) for r in rows]  # a held part counts at scale 1
@@ -183,7 +190,10 @@ def _least_squares(rows: list[tuple[list[float], float]], free: list[int]) -> li
             if r != col:
                 f = m[r][col] / m[col][col]
                 m[r] = [a - f * b for a, b in zip(m[r], m[col])]
-    return [m[i][n] / m[i][i] for i in range(n)]
+    values = [1.0] * len(UNKNOWNS)
+    for i, k in enumerate(free):
+        values[k] = m[i][n] / m[i][i]
+    return values
 
 
 def _describe(scales: Scales) -> str:

@@ -129,3 +129,15 @@ def test_a_node_unlike_the_platform_is_one_line_with_the_fix():
     assert "--platform-file (workers_per_node: 4, memory_per_worker_gib: 40)" in problem
     assert node_mismatch(hardware="p5", workers_per_node=8, memory_gib=80, found_workers=8,
                          found_memory_gib=40) is not None
+
+
+def test_a_part_too_small_to_see_is_held_not_fitted_negative():
+    """Two trials whose times grow with the GEMM count, not their size: compute alone would come out negative, so
+    it is held at 1 and the fixed cost explains them."""
+    obs = [Observation(label="a", parts=Parts(compute_s=0.02, overhead_s=0.002), measured_s=0.1),
+           Observation(label="b", parts=Parts(compute_s=0.04, overhead_s=0.003), measured_s=0.1)]
+    # By hand, fitting both: 0.02 a + 0.002 u = 0.1 and 0.04 a + 0.003 u = 0.1 give u = 100 and a = -5.
+    scales, held = fit_scales(obs)
+    assert held == ("compute", "bandwidth", "latency")
+    assert scales.compute == 1.0 and scales.overhead > 0
+
