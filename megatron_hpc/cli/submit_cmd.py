@@ -123,11 +123,8 @@ def _profile(args: argparse.Namespace, resumed_dir: Path | None) -> cluster_prof
 def run(args: argparse.Namespace) -> int:
     if not args.recipe and not args.resume:
         raise ConfigError("submit needs --recipe NAME (a new run) or --resume RUN (continue a run folder)")
-    if args.tune:
-        winner = _tune_first(args)
-        if winner is None:
-            return 0 if args.dry_run else 1
-        args.overrides = [*args.overrides, *winner]
+    if args.tune and not _tune_first(args):  # a dry run wrote the tune job only; a failed one said why
+        return 0 if args.dry_run else 1
     # The launcher, the planner and the data checks load here, not with the parser (tests/unit/test_cli_startup.py)
     from megatron_hpc.cli.plan_cmd import data_summary, format_plan
     from megatron_hpc.launch import cluster_profile, env_checks
@@ -193,9 +190,10 @@ def run(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
-def _tune_first(args: argparse.Namespace) -> list[str] | None:
-    """`submit --tune`: the tune job, run to its end; the winner's overrides, or None (a dry run wrote the tune
-    job's folder only: the run's plan depends on what it measures; or the job failed, said on stderr).
+def _tune_first(args: argparse.Namespace) -> bool:
+    """`submit --tune`: the tune job, run to its end, and the winner's overlay added to args.overrides; False when
+    there is no winner (a dry run wrote the tune job's folder only: the run's plan depends on what it measures; or
+    the job failed, said on stderr).
 
     Not an sbatch afterok chain: the run's plan (mesh, batch, compile fingerprint) is made and checked before
     it is queued, and a config changed after planning is refused, so the run is planned once the winner is known."""
@@ -211,11 +209,12 @@ def _tune_first(args: argparse.Namespace) -> list[str] | None:
     echo = None if args.json else (lambda line: print(line, flush=True))
     result = run_tune_job(tune_args, resolve(tune_args), echo=echo)
     if result is None:
-        return None
+        return False
     if echo:
         for line in result_lines(result):
             echo(line)
-    return list(result["winner"]["overlay"])
+    args.overrides = [*args.overrides, *result["winner"]["overlay"]]
+    return True
 
 
 def _checks_before_writing(args: argparse.Namespace, resolved: Resolved) -> list[str]:
