@@ -33,17 +33,19 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from megatron_hpc.launch import requeue as requeue_mod
+from megatron_hpc.launch.restart_log import RestartRecord, read_stragglers
+from megatron_hpc.launch.restart_request import RestartRequest
 from megatron_hpc.launch.restart_rules import (
     DriverState,
     Next,
     StepEnd,
     decide,
     healthy_nodes,
-    node_unusable,
     step_nodes,
     stragglers_to_exclude,
 )
 from megatron_hpc.launch.run_status import last_checkpoint
+from megatron_hpc.launch.slurm_nodes import allocation_nodes, unusable_nodes
 from megatron_hpc.launch.step_exit import IN_JOB_STEP_ENV, read_node_exits, step_folder
 
 from megatron_hpc.run_folder import (
@@ -54,83 +56,12 @@ from megatron_hpc.run_folder import (
     RESTART_REQUEST_FILE,
     RESTARTS_FILE,
     STOP_REQUEST_FILE,
-    STRAGGLERS_FILE,
     append_jsonl,
     read_json,
 )
 from megatron_hpc.run_markers import FATAL_FILE, STOPPED_FILE, job_attempt, read_marker, read_stopped, write_marker
 
 POLL_S = 0.5
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class RestartRecord:
-    """One line of restarts.jsonl: an in-job restart."""
-
-    step: int
-    """The new step's number in this job attempt."""
-    reason: str
-    nodes_lost: list[str]
-    nodes: list[str]
-    """The new step's nodes."""
-    failed_at: float
-    detected_at: float
-    new_step_started_at: float
-    job_id: str | None = None
-    attempt: int = 0
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class RestartRequest:
-    """restart-request.json, written by `megatron-hpc restart RUN --exclude NODE`."""
-
-    job_id: str
-    exclude: list[str]
-    requested_at: float
-
-    @classmethod
-    def read(cls, run_dir: Path) -> RestartRequest | None:
-        try:
-            data = read_json(run_dir / RESTART_REQUEST_FILE)
-            return cls(job_id=str(data["job_id"]), exclude=[str(n) for n in data["exclude"]],
-                       requested_at=float(data["requested_at"]))
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-
-
-# ------------------------------------------------------------------------------------------------- SLURM edges
-
-
-def _slurm(argv: list[str]) -> str:
-    try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-    return proc.stdout if proc.returncode == 0 else ""
-
-
-def hostnames(nodelist: str) -> tuple[str, ...]:
-    """`node[1-3]` -> (node1, node2, node3), by SLURM itself."""
-    if not nodelist or nodelist == "(null)":
-        return ()
-    return tuple(_slurm(["scontrol", "show", "hostnames", nodelist]).split())
-
-
-def allocation_nodes(job_id: str) -> tuple[str, ...]:
-    """The job's nodes now: under --no-kill SLURM drops a failed node from the job's NodeList."""
-    return hostnames(requeue_mod.job_fields(job_id).get("NodeList", ""))
-
-
-def unusable_nodes(nodes: tuple[str, ...]) -> frozenset[str]:
-    """The nodes SLURM reports DOWN, DRAIN, FAIL or NOT_RESPONDING."""
-    if not nodes:
-        return frozenset()
-    bad = set()
-    for line in _slurm(["scontrol", "show", "node", "-o", ",".join(nodes)]).splitlines():
-        fields = dict(tok.split("=", 1) for tok in line.split() if "=" in tok)
-        if node_unusable(fields.get("State", "")):
-            bad.add(fields.get("NodeName", ""))
-    return frozenset(bad)
 
 
 # --------------------------------------------------------------------------------------- run-folder edges
@@ -154,12 +85,8 @@ def hang_reports(run_dir: Path, *, since: float) -> tuple[tuple[str, ...], float
 
 def stragglers(run_dir: Path) -> tuple[str, ...]:
     """The nodes stragglers.json names, slowest first; () when there is none."""
-    try:
-        nodes = read_json(run_dir / STRAGGLERS_FILE).get("nodes") or []
-        ranked = sorted(nodes, key=lambda n: -float(n.get("ratio", 0.0)))
-        return tuple(str(n["node"]) for n in ranked)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return ()
+    ranked = sorted(read_stragglers(run_dir), key=lambda n: -float(n.get("ratio") or 0.0))
+    return tuple(str(n["node"]) for n in ranked)
 
 
 def _marker_since(run_dir: Path, name: str, since: float) -> bool:

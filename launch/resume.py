@@ -22,7 +22,7 @@ RESUMABLE_KEYS = frozenset({
     "train.max_skipped_steps", "checkpoint.save_interval", "checkpoint.keep_last", "checkpoint.time_budget_min",
     "checkpoint.on_save_failure", "checkpoint.io_workers_per_node", "checkpoint.async_save", "launch.time_limit_min",
     "launch.compile_time_limit_min", "compile.num_steps",
-    "compile.enabled",
+    "compile.enabled", "launch.spare_nodes", "launch.max_in_job_restarts", "launch.exclude_stragglers",
 })
 ACTIVE_STATES = frozenset({"PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPENDED",
                            "RESIZING", "REQUEUE_HOLD", "REQUEUE_FED", "SUBMITTED"})
