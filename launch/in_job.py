@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -241,6 +242,9 @@ class Driver:
         decision = requeue_mod.decide(outcome)
         requeued, message = False, decision.message
         if decision.action == "requeue":
+            # scontrol requeue sends SIGTERM to this batch script: outlive it long enough to record the attempt
+            # (SLURM kills what is left after KillWait).
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             requeued, why_not = requeue_mod.requeue(self.job_id, attempt=self.attempt)
             message += f"; {why_not}" if not requeued else ""
         requeue_mod.record_attempt(self.run_dir, outcome, decision, requeued=requeued)

@@ -213,7 +213,9 @@ VICTIM_WAIT_S = 2.0
 def record_step_exit(run_dir: Path, *, step: int, exit_code: int, node_rank: int) -> int:
     """An in-job step ended on this node: leave the record the driver decides on (launch/in_job.py); no requeue."""
     who = job_attempt()
-    record = node_exit_from_log(run_dir, host=socket.gethostname(), node_rank=node_rank, exit_code=exit_code)
+    # SLURM's name of the node (what scontrol and the driver use), not the host name, which may be qualified.
+    host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    record = node_exit_from_log(run_dir, host=host, node_rank=node_rank, exit_code=exit_code)
     folder = step_folder(run_dir, job_id=str(who["job_id"]), attempt=who["attempt"], step=step)
     first = not read_node_exits(folder)  # a node that reported before this one is what srun is ending the step for
     write_node_exit(folder, record)

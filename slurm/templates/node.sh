@@ -46,7 +46,7 @@ export MASTER_ADDR MASTER_PORT
 mkdir -p "$RUN_DIR/{{log_dir}}"
 LOG="$RUN_DIR/{{log_dir}}/$PHASE-node$NODE_RANK.log"
 # The first line of each attempt (a requeued job appends to the same log; launch/failure_reason.py reads the last).
-echo "megatron-hpc: $PHASE phase, node $NODE_RANK of $NNODES, master $MASTER_ADDR:$MASTER_PORT, job $JOB_ID${IN_JOB_STEP:+ step $IN_JOB_STEP on $(hostname)}" | tee -a "$LOG"
+echo "megatron-hpc: $PHASE phase, node $NODE_RANK of $NNODES, master $MASTER_ADDR:$MASTER_PORT, job $JOB_ID${IN_JOB_STEP:+ step $IN_JOB_STEP on ${SLURMD_NODENAME:-$(hostname)}}" | tee -a "$LOG"
 
 # Collective libraries open one descriptor per peer; 1024 is not enough at scale.
 if ! ulimit -n {{nofile_limit}} 2>/dev/null; then

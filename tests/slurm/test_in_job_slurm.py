@@ -31,10 +31,10 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_")) or k == "SLURM_CONF"}
 
 
-def submit(run_dir: Path, *, spares: int) -> str:
+def submit(run_dir: Path, *, spares: int, extra: list[str] = ()) -> str:
     cmd = [sys.executable, "-m", "megatron_hpc", "submit", "--recipe", "tiny", "--nodes", "2", "--platform", "cpu",
            "--cluster", "slurm", "--partition", "debug", "--json", "--out", str(run_dir)]
-    for item in [*SETS, f"launch.spare_nodes={spares}"]:
+    for item in [*SETS, f"launch.spare_nodes={spares}", *extra]:
         cmd += ["--set", item]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -173,3 +173,35 @@ def test_restart_exclude_moves_a_running_job_off_a_node(reference, tmp_path, cli
     assert re.search(r"> stopping at iteration \d+ on stop request", node0), node0[-3000:]
     finished = cli_in_process("restart", str(run_dir), "--exclude", moved)
     assert finished.returncode == 1 and "is not running" in finished.stderr
+
+
+def test_with_no_restart_left_the_job_is_requeued_as_without_spares(reference, tmp_path, worker_pids):
+    import torch
+
+    run_dir = tmp_path / "bounded"
+    job_id = submit(run_dir, spares=1, extra=["launch.max_in_job_restarts=0"])
+    wait_for_iteration(run_dir, 6)
+    os.kill(worker_pids(run_dir)[1], 9)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while job_fields(job_id).get("Restarts") != "1":  # requeued: the same job id runs again
+        assert time.monotonic() < deadline, driver_log(run_dir)[-3000:]
+        time.sleep(0.5)
+    assert wait_job_end(job_id) == "COMPLETED", driver_log(run_dir)[-3000:]
+    attempts = [json.loads(x) for x in (run_dir / "attempts.jsonl").read_text().splitlines()]
+    assert [(a["attempt"], a["action"], a["requeued"]) for a in attempts] == [(0, "requeue", True), (1, "done", False)]
+    assert "launch.max_in_job_restarts=0 restarts done in this job: requeueing instead" in driver_log(run_dir)
+    assert not (run_dir / "restarts.jsonl").exists()
+    want, got = final_tensors(reference), final_tensors(run_dir)
+    assert all(torch.equal(tensor, got[name]) for name, tensor in want.items())
+
+
+def test_spares_beyond_the_partition_are_refused_before_anything_is_queued(slurm_cluster, tmp_path):
+    cmd = [sys.executable, "-m", "megatron_hpc", "submit", "--recipe", "tiny", "--nodes", "2", "--platform", "cpu",
+           "--cluster", "slurm", "--partition", "debug", "--out", str(tmp_path / "run"),
+           "--set", "data.source=synthetic", "--set", "compile.enabled=false", "--set", "launch.spare_nodes=3"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_env())
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "megatron-hpc: error: --nodes 2 + launch.spare_nodes=3 asks for 5 nodes, but partition debug has 4; use "
+        "--set launch.spare_nodes=2, or a larger --partition")
+    assert not (tmp_path / "run" / "submission.json").exists()
