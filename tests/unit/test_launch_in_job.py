@@ -20,7 +20,7 @@ from megatron_hpc.launch.restart_rules import (
     step_nodes,
     stragglers_to_exclude,
 )
-from megatron_hpc.launch.run_status import JobStatus, RunStatus
+from megatron_hpc.launch.run_status import JobStatus, RunStatus, format_status
 from megatron_hpc.launch.step_exit import NodeExit, worker_signal
 
 from megatron_hpc.errors import LaunchError
@@ -144,6 +144,13 @@ def test_status_reads_restarts_with_their_cost(tmp_path):
     assert (first.reason, first.nodes_lost, first.cost_s) == ("node_lost", ["n2"], 9.0)
     assert first.breakdown_s == {"detection": 1.0, "restart": 0.5, "first_step": 7.5}
     assert second.cost_s is None  # the new step has not logged an iteration yet
+    status = RunStatus(run_dir=str(tmp_path), recipe="tiny", cluster="slurm", plan={}, spare_nodes=1,
+                       restarts=[first, second], nodes_lost=["n2", "n1"], stragglers=[{"node": "n4", "ratio": 1.5}])
+    assert format_status(status).splitlines()[-4:] == [
+        "spares    1 hot spare node(s), 2 in-job restart(s); nodes lost: n2, n1",
+        "restart   job 7 step 1: node_lost without n2, now on n1,n3; cost 9.0 s",
+        "restart   job 7 step 2: requested without n1, now on n3,n4; no step logged since",
+        "stragglers n4 (1.50x)"]
 
 
 def test_plan_counts_the_spares_and_the_sbatch_runs_the_driver(tmp_path, cli_in_process):
