@@ -235,7 +235,9 @@ class Driver:
         if nxt.action != "done":  # requeue.decide says "run phase finished" itself
             self.say(nxt.message)
         stopped = read_stopped(self.run_dir) if nxt.action == "stopped" else None
-        outcome = requeue_mod.Outcome(phase="run", exit_code=0 if nxt.action == "done" else (exit_code or 1),
+        # A step that failed must read as a failure to requeue.decide, whatever srun returned.
+        code = exit_code if nxt.action in ("done", "stopped") else (exit_code or 1)
+        outcome = requeue_mod.Outcome(phase="run", exit_code=code,
                                       node_rank=0, attempt=self.attempt, max_requeues=self.max_requeues,
                                       on_slurm=True, stopped=stopped,
                                       fatal=requeue_mod.read_fatal(self.run_dir) if nxt.action == "fail" else None)
