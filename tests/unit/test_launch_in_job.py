@@ -23,7 +23,7 @@ from megatron_hpc.launch.restart_rules import (
 from megatron_hpc.launch.run_status import JobStatus, RunStatus, format_status
 from megatron_hpc.launch.step_exit import NodeExit, worker_signal
 
-from megatron_hpc.errors import LaunchError
+from megatron_hpc.errors import ConfigError, LaunchError
 
 ALLOC = ("n1", "n2", "n3")
 
@@ -165,3 +165,11 @@ def test_plan_counts_the_spares_and_the_sbatch_runs_the_driver(tmp_path, cli_in_
     assert sbatch[-1] == (f"{sys.executable.rsplit('/', 1)[0]}/python -m megatron_hpc.launch.in_job --run-dir {out} "
                           "--nodes 2 --max-restarts 3 --max-requeues 3 -- --kill-on-bad-exit=1 --cpu-bind=none bash "
                           f"{out}/node.sh run")
+
+
+def test_spares_may_change_on_resume():
+    from megatron_hpc.launch.resume import check_overrides
+
+    check_overrides(["launch.spare_nodes=2", "launch.max_in_job_restarts=5", "launch.exclude_stragglers=true"])
+    with pytest.raises(ConfigError, match="parallel.tensor cannot change on --resume"):
+        check_overrides(["launch.spare_nodes=1", "parallel.tensor=2"])
