@@ -171,5 +171,5 @@ def test_spares_may_change_on_resume():
     from megatron_hpc.launch.resume import check_overrides
 
     check_overrides(["launch.spare_nodes=2", "launch.max_in_job_restarts=5", "launch.exclude_stragglers=true"])
-    with pytest.raises(ConfigError, match="parallel.tensor cannot change on --resume"):
+    with pytest.raises(ConfigError, match=r"parallel\.tensor cannot change on --resume"):
         check_overrides(["launch.spare_nodes=1", "parallel.tensor=2"])
