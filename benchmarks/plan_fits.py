@@ -51,8 +51,9 @@ NOMINAL_NODES: dict[str, int] = {
 
 PLATFORM_NAMES = ("p5", "trn1", "trn2")
 
-FREE_MESH = ("parallel.tensor=0", "parallel.pipeline=0")
-"""The planner chooses TP and PP."""
+FREE_MESH = ("parallel.tensor=0", "parallel.pipeline=0", "parallel.choose_layout=fits")
+"""The planner chooses TP and PP by the memory rule (the first that fits): this table is about what fits, not what
+is fastest (plan/layout_choice.py)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,7 @@ import yaml
 from megatron_hpc.launch.requeue import MAX_REQUEUES_ENV
 from megatron_hpc.launch.scripts import SlurmOptions
 
+from megatron_hpc.config.hardware import Hardware, hardware_from_dict
 from megatron_hpc.config.loader import from_dict
 from megatron_hpc.errors import ConfigError
 from megatron_hpc.plan.jobs import MASTER_PORT_BASE, MASTER_PORT_SPAN
@@ -95,6 +96,8 @@ class ClusterProfile:
     container: ContainerConfig = field(default_factory=ContainerConfig)
     max_requeues: int | None = None
     """Requeues of the run phase after a failure or preemption (default 3)."""
+    platforms: tuple[Hardware, ...] = ()
+    """The site's own nodes, each as a platform file's fields (config/hardware.py), named by --platform NAME."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -155,10 +158,20 @@ def load_profile(path: Path) -> ClusterProfile:
 
 
 def profile_from_dict(data: object, *, where: str = "cluster profile") -> ClusterProfile:
+    from megatron_hpc.config.platforms import PLATFORMS
+
+    platforms = data.get("platforms", ()) if isinstance(data, Mapping) else ()
+    if not isinstance(platforms, (list, tuple)):
+        raise ConfigError(f"{where}: platforms must be a list of platform descriptions (docs/planning.md)")
+    hardware = tuple(hardware_from_dict(dataclasses.asdict(p) if isinstance(p, Hardware) else p,
+                                        where=f"{where}: platforms[{i}]", runtimes=tuple(sorted(PLATFORMS)))
+                     for i, p in enumerate(platforms))
     try:
-        profile = from_dict(ClusterProfile, data)
+        profile = from_dict(ClusterProfile, {k: v for k, v in data.items() if k != "platforms"}
+                            if isinstance(data, Mapping) else data)
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
+    profile = dataclasses.replace(profile, platforms=hardware)
     sbatch_flags(profile)  # refuse bad lines now, not at sbatch time
     for name, value in profile.env.items():
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):

@@ -42,6 +42,7 @@ from megatron_hpc.launch.restart_rules import (
     StepEnd,
     decide,
     healthy_nodes,
+    node_names,
     step_nodes,
     stragglers_to_exclude,
 )
@@ -167,6 +168,7 @@ class Driver:
         ended = time.time()
         allocation = allocation_nodes(self.job_id)
         suspects, hang_at = hang_reports(self.run_dir, since=started)
+        suspects = node_names(suspects, (*allocation, *nodes))
         folder = step_folder(self.run_dir, job_id=self.job_id, attempt=self.attempt, step=step)
         return StepEnd(step=step, nodes=nodes, exit_code=proc.returncode, started_at=started, ended_at=ended,
                        allocation=allocation, unusable=unusable_nodes(tuple(set(allocation) | set(nodes))),
@@ -195,7 +197,8 @@ class Driver:
         """The next step's nodes, and the stragglers left out for it."""
         allocation = allocation_nodes(self.job_id)
         healthy = healthy_nodes(allocation, unusable=unusable_nodes(allocation), excluded=state.excluded)
-        slow = (stragglers_to_exclude(healthy, stragglers(self.run_dir), num_nodes=self.num_nodes)
+        slow = (stragglers_to_exclude(healthy, node_names(stragglers(self.run_dir), allocation),
+                                      num_nodes=self.num_nodes)
                 if self.exclude_stragglers and previous else ())
         healthy = tuple(n for n in healthy if n not in slow)
         return step_nodes(healthy, num_nodes=self.num_nodes, previous=previous), slow

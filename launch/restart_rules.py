@@ -85,6 +85,13 @@ class Next:
     """The exclusions after this step (state.excluded plus what this step lost)."""
 
 
+def node_names(hosts: Iterable[str], allocation: Iterable[str]) -> tuple[str, ...]:
+    """Host names (heartbeats, hang reports and stragglers.json carry gethostname()) as SLURM's node names: a
+    qualified `gpu-7.cluster.local` is the allocation's `gpu-7`."""
+    held = set(allocation)
+    return tuple(dict.fromkeys(h if h in held or h.split(".")[0] not in held else h.split(".")[0] for h in hosts))
+
+
 def healthy_nodes(allocation: Iterable[str], *, unusable: Iterable[str], excluded: Iterable[str]) -> tuple[str, ...]:
     """The allocation's nodes that may run a step, in allocation order."""
     out = set(unusable) | set(excluded)

@@ -8,13 +8,23 @@ still queued or running is refused: two attempts would write the same checkpoint
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
 
 from megatron_hpc.launch.run_status import RunStatus
 
 from megatron_hpc.errors import ConfigError, LaunchError
-from megatron_hpc.run_folder import PLAN_FILE, SUBMISSION_FILE, SubmissionRecord, read_json
+from megatron_hpc.heartbeat import hang_timeout_problem
+from megatron_hpc.run_folder import (
+    METRICS_FILE,
+    PLAN_FILE,
+    SUBMISSION_FILE,
+    IterationRecord,
+    SubmissionRecord,
+    read_json,
+    read_metrics,
+)
 
 RESUMABLE_KEYS = frozenset({
     "optim.lr_decay_iters", "optim.lr_decay_samples",
@@ -22,7 +32,10 @@ RESUMABLE_KEYS = frozenset({
     "train.max_skipped_steps", "checkpoint.save_interval", "checkpoint.keep_last", "checkpoint.time_budget_min",
     "checkpoint.on_save_failure", "checkpoint.io_workers_per_node", "checkpoint.async_save", "launch.time_limit_min",
     "launch.compile_time_limit_min", "compile.num_steps",
-    "compile.enabled", "launch.spare_nodes", "launch.max_in_job_restarts", "launch.exclude_stragglers",
+    "compile.enabled",
+    # What watches the run and where it runs, not what it computes (issue 28).
+    "launch.hang_timeout_s", "launch.straggler_threshold", "launch.spare_nodes", "launch.max_in_job_restarts",
+    "launch.exclude_stragglers",
 })
 ACTIVE_STATES = frozenset({"PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPENDED",
                            "RESIZING", "REQUEUE_HOLD", "REQUEUE_FED", "SUBMITTED"})
@@ -93,3 +106,19 @@ def previous_submissions(run_dir: Path) -> list[dict[str, Any]]:
         return []
     history, record.history = record.history, []
     return [*history, record.to_json()]
+
+
+def check_hang_timeout(run_dir: Path, hang_timeout_s: float | None) -> None:
+    """Refuse a launch.hang_timeout_s shorter than the steps this run measured (metrics.jsonl, past the warm-up):
+    the watchdog would tear every step down. A run that logged no step yet is checked by the trainer itself."""
+    try:
+        rows = read_metrics(run_dir / METRICS_FILE)
+    except OSError:
+        return
+    timed = [r for r in rows if isinstance(r, IterationRecord) and r.phase == "run" and not r.warmup]
+    if not timed:
+        return
+    step_s = statistics.median(r.elapsed_ms for r in timed) / 1000.0
+    problem = hang_timeout_problem(configured=hang_timeout_s, measured_step_s=step_s, iteration=timed[-1].iteration)
+    if problem:
+        raise ConfigError(problem)

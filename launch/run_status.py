@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megatron_hpc.launch.restart_log import Restart, read_restarts, read_stragglers
+from megatron_hpc.launch.restart_log import Restart, read_restarts
 
 from megatron_hpc.checkpoint.store import parse_tracker, tracker_file
 from megatron_hpc.errors import ACCESS_FIX, LaunchError, access_problem
@@ -29,6 +29,7 @@ from megatron_hpc.run_folder import (
     CONFIG_FILE,
     METRICS_FILE,
     PLAN_FILE,
+    STRAGGLERS_FILE,
     SUBMISSION_FILE,
     AttemptRecord,
     IterationRecord,
@@ -78,8 +79,8 @@ class RunStatus:
     """In-job restarts (restarts.jsonl), each with its reason, the nodes lost and its cost."""
     nodes_lost: list[str] = field(default_factory=list)
     """Every node an in-job restart left out, in order."""
-    stragglers: list[dict[str, Any]] = field(default_factory=list)
-    """stragglers.json's nodes ({"node", "ratio", ...}); empty when none are named."""
+    stragglers: dict[str, Any] | None = None
+    """stragglers.json as the trainer last wrote it (its "nodes" are the ones named now); None before the first log."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -223,7 +224,7 @@ def read_status(run_dir: Path) -> RunStatus:
     status.spare_nodes = int((config.get("launch") or {}).get("spare_nodes") or 0)
     status.restarts = read_restarts(trained_in)
     status.nodes_lost = list(dict.fromkeys(n for r in status.restarts for n in r.nodes_lost))
-    status.stragglers = read_stragglers(trained_in)
+    status.stragglers = _read_json(trained_in / STRAGGLERS_FILE)
     return status
 
 
@@ -359,12 +360,16 @@ def format_status(status: RunStatus) -> str:
         lines.append(f"progress  {p.phase} iteration {p.iteration}{total} | lm loss {p.lm_loss:.4f} | "
                      f"{p.tokens_per_s:,.0f} tokens/s{eta}")
     lines.append(f"checkpoint {status.last_checkpoint or 'none yet'}")
+    named = (status.stragglers or {}).get("nodes") or []
+    if named:
+        lines.append("stragglers " + ", ".join(f"{n.get('node')} {n.get('ratio', 0):.2f}x the median node"
+                                               for n in named))
     lines += _restart_lines(status)
     return "\n".join(lines)
 
 
 def _restart_lines(status: RunStatus) -> list[str]:
-    """Spares, in-job restarts and stragglers; nothing for a run that has none of them."""
+    """Spares and in-job restarts; nothing for a run without spares."""
     lines = []
     if status.spare_nodes:
         lost = f"; nodes lost: {', '.join(status.nodes_lost)}" if status.nodes_lost else ""
@@ -374,9 +379,6 @@ def _restart_lines(status: RunStatus) -> list[str]:
         cost = f"cost {r.cost_s:.1f} s" if r.cost_s is not None else "no step logged since"
         lost = f" without {','.join(r.nodes_lost)}" if r.nodes_lost else ""
         lines.append(f"restart   job {r.job_id} step {r.step}: {r.reason}{lost}, now on {','.join(r.nodes)}; {cost}")
-    if status.stragglers:
-        named = ", ".join(f"{n['node']} ({float(n.get('ratio') or 0):.2f}x)" for n in status.stragglers)
-        lines.append(f"stragglers {named}")
     return lines
 
 

@@ -20,6 +20,7 @@ from megatron_hpc.compile_cache.paths import cache_env
 from megatron_hpc.launch.requeue import DEFAULT_MAX_REQUEUES, MAX_REQUEUES_ENV
 from megatron_hpc.launch.run_dir import python_bin_dir
 from megatron_hpc.launch.step_exit import IN_JOB_STEP_ENV
+from megatron_hpc.launch.watchdog import HANG_EXIT
 
 from megatron_hpc import __version__
 from megatron_hpc.plan.jobs import MASTER_PORT_BASE, MASTER_PORT_SPAN, PhaseSpec
@@ -96,6 +97,7 @@ def render_node_script(spec: PhaseSpec, *, recipe: str, run_dir: str, bin_dir: s
         "log_dir": LOG_DIR,
         "stop_request": STOP_REQUEST_FILE,
         "in_job_env": IN_JOB_STEP_ENV,
+        "hang_exit": HANG_EXIT,
     })
 
 

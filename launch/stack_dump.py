@@ -77,9 +77,12 @@ def find_workers(run_dir: Path, proc_root: Path = Path("/proc"), *, node_name: s
     return [Worker(rank=r, pid=p) for r, p in sorted(found.items())]
 
 
-def dump_with_py_spy(worker: Worker, *, timeout_s: float) -> tuple[str, str | None]:
+def dump_with_py_spy(worker: Worker, *, timeout_s: float, nonblocking: bool = False) -> tuple[str, str | None]:
+    """py-spy's dump; `nonblocking` reads without suspending the process, which py-spy cannot do to a stopped one
+    (launch/watchdog.py)."""
+    extra = ["--nonblocking"] if nonblocking else []
     try:
-        proc = subprocess.run(["py-spy", "dump", "--pid", str(worker.pid)], capture_output=True, text=True,
+        proc = subprocess.run(["py-spy", "dump", *extra, "--pid", str(worker.pid)], capture_output=True, text=True,
                               timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired:
         return "", f"py-spy dump did not answer within {timeout_s:.0f} s"

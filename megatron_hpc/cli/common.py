@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from megatron_hpc.config.platforms import PLATFORMS, Platform, resolve_platform
@@ -21,8 +22,12 @@ if TYPE_CHECKING:
 def add_recipe_arguments(parser: argparse.ArgumentParser, *, recipe_required: bool = True) -> None:
     parser.add_argument("--recipe", required=recipe_required, help="recipe name (e.g. tiny, gpt3_6.7b) or a YAML path")
     parser.add_argument("--nodes", type=int, default=None, help="number of nodes (default 1)")
-    parser.add_argument("--platform", choices=sorted(PLATFORMS), default=None,
-                        help="hardware of the nodes (default: the recipe's launch.platform)")
+    parser.add_argument("--platform", default=None, metavar="NAME",
+                        help=f"hardware of the nodes: {', '.join(sorted(PLATFORMS))}, or one of the cluster "
+                             "profile's platforms (default: the recipe's launch.platform)")
+    parser.add_argument("--platform-file", type=Path, metavar="FILE", default=None,
+                        help="a YAML file describing the nodes' hardware (peak FLOP/s, memory, links) and the built-in "
+                             "platform they run as; instead of --platform (docs/planning.md#platform-files)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a recipe key, e.g. --set train.num_steps=100 (repeatable)")
     parser.add_argument("--json", action="store_true", help="print JSON for scripts")
@@ -41,6 +46,39 @@ class Resolved:
         return RunSpec(config=self.cfg, plan=self.plan)
 
 
+def chosen_platform(args: argparse.Namespace, *, default: str) -> Platform:
+    """--platform-file's hardware on its runtime, else --platform, else the recipe's launch.platform."""
+    path = getattr(args, "platform_file", None)
+    if path is None and args.platform and args.platform not in PLATFORMS:
+        return _profile_platform(args)
+    if path is None:
+        return resolve_platform(args.platform, default=default)
+    from megatron_hpc.config.hardware import load_platform_file
+    from megatron_hpc.config.platforms import with_hardware
+    from megatron_hpc.errors import ConfigError
+
+    if args.platform:
+        raise ConfigError(f"--platform {args.platform} and --platform-file {path} both name the hardware; use one "
+                          "(the file's runtime key says which built-in platform its nodes run as)")
+    return with_hardware(load_platform_file(path, runtimes=tuple(sorted(PLATFORMS))))
+
+
+def _profile_platform(args: argparse.Namespace) -> Platform:
+    """--platform NAME from the `platforms:` of the cluster profile (--cluster-config, else the default one)."""
+    from megatron_hpc.config.platforms import with_hardware
+    from megatron_hpc.errors import ConfigError
+    from megatron_hpc.launch.cluster_profile import find_profile
+
+    loaded = find_profile(getattr(args, "cluster_config", None))
+    found = {hw.name: hw for hw in loaded.profile.platforms}
+    if args.platform in found:
+        return with_hardware(found[args.platform])
+    where = f"the cluster profile {loaded.path}" if loaded.path else "no cluster profile"
+    own = f", or of {where}: {', '.join(found)}" if found else f" ({where} describes none)"
+    raise ConfigError(f"unknown platform {args.platform!r}; use one of {', '.join(sorted(PLATFORMS))}{own}, or "
+                      "describe the nodes with --platform-file FILE")
+
+
 def resolve(args: argparse.Namespace) -> Resolved:
     """The recipe with its overrides, planned for --nodes of --platform (the plan records the platform: the
     config keeps the recipe's launch.platform as its default, never the flag)."""
@@ -48,6 +86,6 @@ def resolve(args: argparse.Namespace) -> Resolved:
     from megatron_hpc.plan.planner import make_plan
 
     cfg = load_recipe(args.recipe, list(args.overrides))
-    platform = resolve_platform(args.platform, default=cfg.launch.platform)
+    platform = chosen_platform(args, default=cfg.launch.platform)
     nodes = 1 if args.nodes is None else args.nodes
     return Resolved(cfg=cfg, platform=platform, plan=make_plan(cfg, num_nodes=nodes, platform=platform))

@@ -16,6 +16,9 @@ if TYPE_CHECKING:  # imported by run(): building the parser stays free of numpy 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_recipe_arguments(parser)
+    parser.add_argument("--explain", action="store_true",
+                        help="also list the next best layouts that fit, with their predicted step time and what "
+                             "limits each")
 
 
 def _count(n: float) -> str:
@@ -63,6 +66,35 @@ def _pipeline_line(plan: Plan) -> str:
     stages = f"{p} stages x {v} virtual" if v > 1 else f"{p} stages"
     return (f"{stages} ({layers}), {schedule} over {plan.num_micro_batches} micro-batches; bubble "
             f"{plan.bubble_fraction:.1%} of the step")
+
+
+_TERM_NAMES = {"compute": "compute", "recompute": "recompute", "tp_comm": "TP comm", "pp_comm": "PP comm",
+               "pipeline_bubble": "bubble", "dp_comm": "DP comm", "optimizer": "optimizer"}
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.3g} s" if value >= 0.01 else f"{value * 1e3:.3g} ms"
+
+
+def _step_line(plan: Plan) -> str:
+    on = plan.hardware if plan.hardware == plan.platform else f"{plan.hardware} (runs as {plan.platform})"
+    parts = ", ".join(f"{_TERM_NAMES.get(k, k)} {_seconds(v)}" for k, v in plan.step_time_breakdown_s.items() if v)
+    return (f"predicted {_seconds(plan.predicted_step_time_s)}: {_count(plan.predicted_tokens_per_s)} tokens/s, MFU "
+            f"{plan.predicted_mfu:.1%} on {on}; {parts}; calibration: {plan.calibration}")
+
+
+def explain_lines(plan: Plan) -> list[str]:
+    """`plan --explain`: the next best layouts that fit, with their predicted time and what limits each."""
+    if not plan.layout_alternatives:
+        return ["next best layouts: none (no other layout fits, or the recipe pins TP and PP)"]
+    lines = [f"next best layouts (chosen: TP {plan.tensor_parallel} x PP {plan.pipeline_parallel} x DP "
+             f"{plan.data_parallel}, {_seconds(plan.predicted_step_time_s)}):"]
+    for alt in plan.layout_alternatives:
+        slower = alt["predicted_step_time_s"] / plan.predicted_step_time_s - 1
+        lines.append(f"  TP {alt['tensor_parallel']} x PP {alt['pipeline_parallel']} x DP {alt['data_parallel']}: "
+                     f"{_seconds(alt['predicted_step_time_s'])} ({slower:+.0%}), {alt['memory_per_worker_gib']:.1f} "
+                     f"GiB per worker; limited by {alt['limit']}")
+    return lines
 
 
 _MEMORY_PARTS = {"weights": "weights", "grads": "grads", "optimizer": "Adam", "activations": "activations",
@@ -127,6 +159,8 @@ def format_plan(resolved: Resolved, *, data: DataSummary | None = None) -> str:
         ("memory", _memory_line(plan)),
         ("flops", f"{plan.flops_per_token / 1e9:.2f} GFLOP per token ({plan.flops_formula}); "
                   f"6N gives {plan.flops_per_token_6n / 1e9:.2f}"),
+        ("step time", _step_line(plan)),
+        ("layout", plan.layout_choice),
         ("lr", _lr_line(resolved)),
         ("data", (data or data_summary(resolved)).line()),
         ("checkpoint", _checkpoint_line(resolved)),
@@ -156,6 +190,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(plan_json(resolved, data=data), indent=2))
     else:
         print(format_plan(resolved, data=data))
+        if args.explain:
+            print("\n".join(explain_lines(resolved.plan)))
     for warning in plan_warnings(resolved):
         print(f"megatron-hpc: warning: {warning}", file=sys.stderr)
     return 0

@@ -51,7 +51,13 @@ def _resume(args: argparse.Namespace) -> tuple[Resolved, Path, list[str]]:
     resume changes, in sentences for its summary."""
     from megatron_hpc.config.loader import load_recipe
     from megatron_hpc.config.platforms import resolve_platform
-    from megatron_hpc.launch.resume import check_not_active, check_overrides, keep_lr_horizon, stored_plan
+    from megatron_hpc.launch.resume import (
+        check_hang_timeout,
+        check_not_active,
+        check_overrides,
+        keep_lr_horizon,
+        stored_plan,
+    )
     from megatron_hpc.launch.run_status import find_run_dir, read_status
     from megatron_hpc.plan.planner import make_plan
     from megatron_hpc.run_folder import CONFIG_FILE, read_json
@@ -68,10 +74,34 @@ def _resume(args: argparse.Namespace) -> tuple[Resolved, Path, list[str]]:
             raise ConfigError(f"{run_dir} ran with {flag} {kept}; a resumed run keeps it (got {flag} {given})")
     extra, lr_note = keep_lr_horizon(read_json(run_dir / CONFIG_FILE), args.overrides)
     cfg = load_recipe(str(run_dir / CONFIG_FILE), [*args.overrides, *extra])
-    platform = resolve_platform(stored.get("platform"), default=cfg.launch.platform)
+    check_hang_timeout(run_dir, cfg.launch.hang_timeout_s)  # against the steps it measured
+    platform = _resumed_platform(args, stored, run_dir=run_dir) or resolve_platform(stored.get("platform"),
+                                                                                   default=cfg.launch.platform)
     notes = [f"--set {item}" for item in args.overrides] + ([lr_note] if lr_note else [])
     return Resolved(cfg=cfg, platform=platform, plan=make_plan(cfg, num_nodes=stored["num_nodes"],
                                                                platform=platform)), run_dir, notes
+
+
+def _resumed_platform(args: argparse.Namespace, stored: dict, *, run_dir: Path):
+    """A resumed run planned on a platform file's or the cluster profile's hardware plans on it again; None for a
+    built-in platform."""
+    import copy
+
+    from megatron_hpc.cli.common import chosen_platform
+
+    hardware = stored.get("hardware")
+    if not hardware or hardware == stored.get("platform"):
+        return None
+    again = copy.copy(args)
+    again.platform = None if args.platform_file else hardware
+    try:
+        platform = chosen_platform(again, default=stored["platform"])
+    except ConfigError:
+        platform = None
+    if platform is None or platform.hardware is None or platform.hardware.name != hardware:
+        raise ConfigError(f"{run_dir} was planned on hardware {hardware} (a platform file, or the cluster profile's "
+                          f"platforms); pass the same --platform-file FILE to resume it")
+    return platform
 
 
 def _profile(args: argparse.Namespace, resumed_dir: Path | None) -> cluster_profile.LoadedProfile:

@@ -7,9 +7,11 @@ trn2: 64 logical cores at LNC=2), 4.2 (runtime TP degrees), 3.3 and the checklis
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
+from megatron_hpc.config.hardware import Hardware, builtin_hardware
 from megatron_hpc.errors import ConfigError
 
 Backend = Literal["xla", "nccl", "gloo"]
@@ -53,6 +55,9 @@ class Platform:
     """Extra environment when train.precision is bf16."""
     workers_configurable: bool = False
     """Whether launch.workers_per_node may change workers_per_node."""
+    hardware: Hardware | None = None
+    """What the node can do, with sources (config/hardware.py): the step-time model's input. A platform file
+    replaces it (with_hardware); None only for a Platform built by hand."""
 
 
 PLATFORMS: dict[str, Platform] = {
@@ -62,6 +67,7 @@ PLATFORMS: dict[str, Platform] = {
         memory_per_worker_gib=16.0,
         backend="xla",
         peak_tflops_bf16=95.0,  # trn1.32xlarge: 3040 TFLOP/s bf16 over 32 NeuronCores
+        hardware=builtin_hardware("trn1"),
         tp_choices=(1, 2, 8, 16, 32),
         compile_wrapper=("neuron_parallel_compile",),
         env={**_NEURON_ENV, "NEURON_CC_FLAGS": "--model-type transformer"},
@@ -72,8 +78,9 @@ PLATFORMS: dict[str, Platform] = {
         workers_per_node=64,
         memory_per_worker_gib=24.0,
         backend="xla",
-        peak_tflops_bf16=325.0,  # trn2.48xlarge: 20.8 PFLOP/s bf16 over 64 logical cores
+        peak_tflops_bf16=166.75,  # trn2: 667 BF16 TFLOPS a chip over its 4 logical cores (config/hardware.py)
         tp_choices=(1, 2, 4, 8, 16, 32, 64),
+        hardware=builtin_hardware("trn2"),
         compile_wrapper=("neuron_parallel_compile",),
         env={**_NEURON_ENV, "NEURON_LOGICAL_NC_CONFIG": "2",
              "NEURON_CC_FLAGS": "--model-type transformer --lnc=2"},
@@ -85,6 +92,7 @@ PLATFORMS: dict[str, Platform] = {
         memory_per_worker_gib=80.0,
         backend="nccl",
         peak_tflops_bf16=989.0,  # H100 SXM dense bf16
+        hardware=builtin_hardware("p5"),
         # One worker per GPU; without asking, a GRES-managed cluster gives a job no GPU at all.
         gpus_per_node=8,
         env={"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1",
@@ -97,6 +105,7 @@ PLATFORMS: dict[str, Platform] = {
         backend="gloo",
         peak_tflops_bf16=1.0,  # nominal; MFU on CPU is not meaningful
         workers_configurable=True,
+        hardware=builtin_hardware("cpu"),
     ),
 }
 
@@ -108,6 +117,17 @@ def get_platform(name: str) -> Platform:
     except KeyError:
         known = ", ".join(sorted(PLATFORMS))
         raise ConfigError(f"unknown platform {name!r}; use one of: {known}") from None
+
+
+def with_hardware(hardware: Hardware) -> Platform:
+    """The platform a platform file describes: its runtime's launcher, backend and environment with the file's
+    workers, memory and peak. The name stays the runtime's (the trainer and the launcher look the runtime up by
+    it); the plan records the file's name as its hardware."""
+    runtime = get_platform(hardware.runtime)
+    gpus = hardware.workers_per_node if runtime.gpus_per_node else 0
+    return dataclasses.replace(runtime, workers_per_node=hardware.workers_per_node,
+                               memory_per_worker_gib=hardware.memory_per_worker_gib,
+                               peak_tflops_bf16=hardware.peak_tflops_16bit, gpus_per_node=gpus, hardware=hardware)
 
 
 def resolve_platform(requested: str | None, *, default: str) -> Platform:

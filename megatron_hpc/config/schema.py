@@ -170,6 +170,10 @@ class ParallelConfig:
     grad_bucket_mb: float = 128.0
     """Size of a data-parallel gradient all-reduce bucket in MiB of fp32 (128: 32M elements; Megatron's
     --ddp-bucket-size counts elements). Smaller buckets start sooner in backward, larger ones make fewer calls."""
+    choose_layout: Literal["fits", "fastest"] = "fastest"
+    """How the planner picks the TP x PP it is left to choose (sizes of 0): "fits", the first that fits in memory in
+    the order of Narayanan et al. 2021's table (the smallest pipeline, then the smallest TP); "fastest", the
+    fastest predicted by the step-time model among all that fit (plan/layout_choice.py). `plan` shows both."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -19,10 +19,12 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from megatron_hpc.config.hardware import BUILTIN_HARDWARE, Hardware
 from megatron_hpc.config.platforms import Platform, get_platform
 from megatron_hpc.config.schema import DataConfig, RunConfig
 from megatron_hpc.errors import ConfigError, MegatronHpcError, PlanError
 from megatron_hpc.plan.batch import BatchLayout
+from megatron_hpc.plan.calibration import DEFAULT_CALIBRATION, Calibration
 from megatron_hpc.plan.checks import (
     PIPELINE_SCHEDULES,
     check_distributed_optimizer,
@@ -32,6 +34,7 @@ from megatron_hpc.plan.checks import (
     check_values,
 )
 from megatron_hpc.plan.fixes import Fix, FixableError, FixablePlanError, set_fix, sizes_choice, values_of
+from megatron_hpc.plan.layout_choice import choose_layout, with_choice
 from megatron_hpc.plan.lr_schedule import LrSchedule, resolve_schedule
 from megatron_hpc.plan.memory import GIB, xla_fp32_master
 from megatron_hpc.plan.mesh import Mesh
@@ -111,6 +114,22 @@ class Plan:
     """Size of one checkpoint (weights and Adam moments, fp32) over all its files."""
     config_sha256: str
     """Digest of the resolved config this plan was made from (config_digest)."""
+    hardware: str
+    """The hardware figures the step time was predicted with: the platform's own, or a platform file's name (the
+    platform field then names the runtime it runs as)."""
+    calibration: str
+    """Which calibration of the step-time model (plan/calibration.py) the prediction used."""
+    predicted_step_time_s: float
+    """Predicted seconds of one training step (plan/steptime.py)."""
+    predicted_tokens_per_s: float
+    predicted_mfu: float
+    """Model FLOPs per second (flops_per_token, no recomputation) over the world's dense peak, predicted."""
+    step_time_breakdown_s: dict[str, float]
+    """predicted_step_time_s by term: compute, recompute, tp_comm, pp_comm, pipeline_bubble, dp_comm, optimizer."""
+    layout_choice: str
+    """Why the planner chose this TP x PP (plan/layout_choice.py)."""
+    layout_alternatives: list[dict[str, Any]]
+    """The next best layouts that fit, fastest first, with their predicted step time and what limits each."""
 
     @property
     def mesh(self) -> Mesh:
@@ -371,13 +390,23 @@ NODE_SEARCH_PLANS = 300
 second, naming the node counts it tried."""
 
 
-def make_plan(cfg: RunConfig, *, num_nodes: int, platform: Platform) -> Plan:
+def hardware_of(platform: Platform) -> Hardware:
+    """The hardware figures of a platform (a platform file's, or the built-in's of its name)."""
+    if platform.hardware is not None:
+        return platform.hardware
+    if platform.name not in BUILTIN_HARDWARE:
+        raise PlanError(f"platform {platform.name!r} states no hardware figures; describe it with --platform-file")
+    return BUILTIN_HARDWARE[platform.name]
+
+
+def make_plan(cfg: RunConfig, *, num_nodes: int, platform: Platform,
+              calibration: Calibration = DEFAULT_CALIBRATION) -> Plan:
     """Check the recipe against the cluster and compute every derived value.
 
     A refusal names only the fixes that plan when fed back (plan/fixes.py): each candidate is planned here first;
     when none plans, the refusal says so and names the node count that plans the recipe."""
     try:
-        return _make_plan(cfg, num_nodes=num_nodes, platform=platform)
+        return _make_plan(cfg, num_nodes=num_nodes, platform=platform, calibration=calibration)
     except FixableError as refusal:
         raise _tried(refusal, cfg, num_nodes=num_nodes, platform=platform) from None
 
@@ -429,7 +458,8 @@ def _other_node_count(cfg: RunConfig, refusal: FixableError, *, num_nodes: int,
     return None, last
 
 
-def _make_plan(cfg: RunConfig, *, num_nodes: int, platform: Platform) -> Plan:
+def _make_plan(cfg: RunConfig, *, num_nodes: int, platform: Platform,
+               calibration: Calibration = DEFAULT_CALIBRATION) -> Plan:
     """make_plan without trying the fixes of a refusal."""
     if num_nodes < 1:
         raise PlanError(f"--nodes {num_nodes}: a run needs at least 1 node; use --nodes 1 or more")
@@ -444,6 +474,9 @@ def _make_plan(cfg: RunConfig, *, num_nodes: int, platform: Platform) -> Plan:
     # A user's launch.workers_per_node is kept: a batch too small for it is refused with the fix.
     sizes = choose_sizes_for_batch(cfg, platform, num_nodes=num_nodes, per_node=per_node,
                                    may_idle=cfg.launch.workers_per_node is None)
+    hardware = hardware_of(platform)
+    choice = choose_layout(cfg, platform, rule=sizes, hardware=hardware, calibration=calibration)
+    sizes, predicted = with_choice(sizes, choice), choice.chosen.time
     mesh, micro, vocab = sizes.mesh, sizes.num_micro_batches, sizes.padded_vocab
     check_recompute_stages(cfg.model, [len(r) for r in sizes.stage_layers])
     check_sequence_parallel(cfg, tensor_parallel=mesh.tensor_parallel)
@@ -490,4 +523,12 @@ def _make_plan(cfg: RunConfig, *, num_nodes: int, platform: Platform) -> Plan:
         lr_decay=sched.decay,
         checkpoint_gib=round(params * CHECKPOINT_BYTES_PER_PARAMETER / GIB, 3),
         config_sha256=config_digest(dataclasses.asdict(cfg)),
+        hardware=hardware.name,
+        calibration=calibration.source,
+        predicted_step_time_s=round(predicted.step_time_s, 6),
+        predicted_tokens_per_s=round(predicted.tokens_per_s, 3),
+        predicted_mfu=round(predicted.mfu, 4),
+        step_time_breakdown_s={k: round(v, 6) for k, v in predicted.breakdown_s.items()},
+        layout_choice=choice.reason,
+        layout_alternatives=[r.to_json() for r in choice.alternatives],
     )

@@ -16,6 +16,9 @@ only the batch, not memory, rules every mesh out, choose_sizes_for_batch plans w
 refusing, unless the user set the count: the recipe's batch is part of its training recipe, so the plan keeps it and
 reports the idle workers and the batch that would occupy them.
 
+This search finds the memory rule's layout, the first that fits; plan/layout_choice.py then predicts the step time
+of every layout that fits (fit_mesh) and, with parallel.choose_layout=fastest (the default), takes the fastest.
+
 A candidate mesh must divide the world, split the layers evenly into its stages (plan/stages.py), split the global
 batch into micro-batches (at least one per stage, a multiple of the stages when interleaved) and fit in memory.
 """
@@ -112,7 +115,7 @@ def _vocab(cfg: RunConfig, tp: int) -> int:
                              tensor_parallel=tp)
 
 
-def _fit(cfg: RunConfig, platform: Platform, *, num_nodes: int, per_node: int, tp: int,
+def fit_mesh(cfg: RunConfig, platform: Platform, *, num_nodes: int, per_node: int, tp: int,
          pp: int) -> Sizes | MemoryEstimate:
     """The mesh if it works, its memory estimate if only memory is short; PlanError for anything else."""
     world = num_nodes * per_node
@@ -236,7 +239,7 @@ def _splits(cfg: RunConfig, pp: int) -> bool:
 
 def check_mesh(cfg: RunConfig, platform: Platform, *, num_nodes: int, per_node: int, tp: int, pp: int) -> Sizes:
     """The recipe's own TP x PP, checked in the order a user fixes it: PlanError with the fix at the first problem."""
-    result = _fit(cfg, platform, num_nodes=num_nodes, per_node=per_node, tp=tp, pp=pp)
+    result = fit_mesh(cfg, platform, num_nodes=num_nodes, per_node=per_node, tp=tp, pp=pp)
     if isinstance(result, MemoryEstimate):
         raise memory_advice(cfg, platform, num_nodes=num_nodes, per_node=per_node, tp=tp, pp=pp, need=result)
     return result
@@ -252,7 +255,7 @@ def choose_sizes(cfg: RunConfig, platform: Platform, *, num_nodes: int, per_node
     if pp_fixed:  # the recipe's PP must split the layers and the world before TP is searched
         stage_ranges(cfg, pp=pp_fixed)
         if all(world % (t * pp_fixed) for t in tps):
-            _fit(cfg, platform, num_nodes=num_nodes, per_node=per_node, tp=tps[0], pp=pp_fixed)  # raises
+            fit_mesh(cfg, platform, num_nodes=num_nodes, per_node=per_node, tp=tps[0], pp=pp_fixed)  # raises
     leanest: tuple[int, int, MemoryEstimate] | None = None
     too_many_replicas = False
     for tier in ([t for t in tps if t <= TP_BEFORE_PIPELINING], [t for t in tps if t > TP_BEFORE_PIPELINING]):

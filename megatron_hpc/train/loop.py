@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,9 +13,10 @@ from typing import Literal, TextIO
 import torch
 import torch.distributed as dist
 
-from megatron_hpc.config.schema import ModelConfig
+from megatron_hpc.config.schema import ModelConfig, Precision
 from megatron_hpc.data.loader import IndexedBatches, build_indexed_batches, check_vocabulary
 from megatron_hpc.data.synthetic import SyntheticTokens
+from megatron_hpc.heartbeat import HeartbeatWriter
 from megatron_hpc.model.gpt import GPT
 from megatron_hpc.model.init_skip import skip_random_init
 from megatron_hpc.parallel.context import ParallelContext
@@ -30,6 +32,7 @@ from megatron_hpc.train.lr import lr_at_count
 from megatron_hpc.train.metrics import IterationRecord, MetricsLogger
 from megatron_hpc.train.optimizer import TrainOptimizer, build_optimizer
 from megatron_hpc.train.precision import autocast_dtype_for, build_loss_scaler, compute_label
+from megatron_hpc.train.pulse import Pulse
 from megatron_hpc.train.state import TrainState
 from megatron_hpc.train.step import (
     ForwardBackward,
@@ -40,6 +43,7 @@ from megatron_hpc.train.step import (
     train_step,
 )
 from megatron_hpc.train.stop import StopDecision, StopWatch, record_stop
+from megatron_hpc.train.stragglers import RankNodes, Stragglers, knobs_for_tests
 from megatron_hpc.train.tensorboard import open_tensorboard
 
 Phase = Literal["compile", "run"]
@@ -109,12 +113,12 @@ def train(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, phase: Pha
     data = _build_data(spec, ctx)  # before the model: data errors surface first
     _seed_dropout(spec, ctx, device)
     ckpt = _build_checkpointer(spec, ctx, device=device, run_dir=run_dir, active=checkpoints, out=out)
-    rank = _build_rank(spec, ctx, device=device, from_checkpoint=ckpt.has_checkpoint())
+    pulse = _build_pulse(spec, ctx, device=device, phase=phase, run_dir=run_dir)
+    rank = _build_rank(spec, ctx, device=device, from_checkpoint=ckpt.has_checkpoint(), pulse=pulse)
     if ctx.is_first_rank:
         print(_banner(spec, ctx, rank=rank, device=device, phase=phase, num_steps=num_steps), file=out, flush=True)
-    state = ckpt.restore(rank.model, rank.optimizer, TrainState(scaler=build_loss_scaler(cfg.train.precision)))
-    log = _StepLog(_build_metrics(spec, ctx, device=device, phase=phase, num_steps=num_steps, run_dir=run_dir,
-                                  out=out), ctx=ctx, device=device)
+    state = _restore(ckpt, rank, pulse, precision=cfg.train.precision)
+    log = _build_log(spec, ctx, pulse, device=device, phase=phase, num_steps=num_steps, run_dir=run_dir, out=out)
     evaluator = build_evaluator(cfg.train, cfg.data, vocab_size=cfg.model.vocab_size, plan=plan, ctx=ctx,
                                 device=device, autocast_dtype=rank.autocast_dtype, train_iters=num_steps,
                                 metrics=log.metrics, pipeline=rank.pipeline)
@@ -125,7 +129,7 @@ def train(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, phase: Pha
     rank.model.train()
     log.metrics.reset_clock(state.step)
     ends = _StepEnds(rank=rank, evaluator=evaluator, ckpt=ckpt, skips=skips, num_steps=num_steps, run_dir=run_dir,
-                     first_rank=ctx.is_first_rank, out=out,
+                     first_rank=ctx.is_first_rank, out=out, pulse=pulse,
                      stopwatch=_build_stopwatch(spec, ctx, device=device, phase=phase, run_dir=run_dir))
     stopped: StopDecision | None = None
     try:
@@ -133,8 +137,10 @@ def train(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, phase: Pha
             # The schedule (from the plan) always spans the run phase, so a compile trial traces the run's LRs.
             lr = lr_at_count(state.lr_steps * plan.lr_schedule.per_step, sched=plan.lr_schedule, optim=cfg.optim)
             rank.optimizer.set_lr(lr)
+            pulse.step_begins(state.step + 1)
             result = train_step(rank.forward_backward, rank.optimizer, batches, scaler=state.scaler)
             state.advance(global_batch_size=plan.global_batch_size)
+            pulse.step_ends()
             skips.add(result, iteration=state.step, lr=lr)
             log.add(result, iteration=state.step, lr=lr)
             step_barrier(device)
@@ -162,14 +168,15 @@ class _Rank:
     model: GPT
     forward_backward: ForwardBackward
     """The micro-batches through the model in turn (under torch.compile with train.compile), or the pipeline
-    schedule."""
+    schedule; the pulse marks where it ends (train/pulse.py)."""
     optimizer: TrainOptimizer
     pipeline: PipelineRunner | None
     """This pipeline rank's schedule runner (evaluation runs through it too); None without pipelining."""
     autocast_dtype: torch.dtype | None
 
 
-def _build_rank(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, from_checkpoint: bool) -> _Rank:
+def _build_rank(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, from_checkpoint: bool,
+                pulse: Pulse) -> _Rank:
     """This rank's model, how its micro-batches run, and its optimizer. With from_checkpoint the random init is
     skipped: the restore overwrites it."""
     tcfg, plan = spec.config.train, spec.plan
@@ -188,8 +195,8 @@ def _build_rank(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, from
     forward_backward: ForwardBackward = (
         MicroBatches(step_model, ctx=ctx, autocast_dtype=autocast, device_type=device.kind) if pipeline is None
         else PipelineSchedule(pipeline, autocast_dtype=autocast, device_type=device.kind))
-    return _Rank(model=model, forward_backward=forward_backward, pipeline=pipeline, autocast_dtype=autocast,
-                 optimizer=build_optimizer(spec, ctx, model, device=device, compiled=compiled))
+    return _Rank(model=model, forward_backward=pulse.timed(forward_backward), pipeline=pipeline,
+                 autocast_dtype=autocast, optimizer=build_optimizer(spec, ctx, model, device=device, compiled=compiled))
 
 
 def _seed_dropout(spec: RunSpec, ctx: ParallelContext, device: DeviceInfo) -> None:
@@ -219,6 +226,42 @@ def _build_metrics(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, p
     return metrics
 
 
+def _restore(ckpt: Checkpointer, rank: _Rank, pulse: Pulse, *, precision: Precision) -> TrainState:
+    """The newest checkpoint's state (a fresh one without); the steps after it are the pulse's warm-up."""
+    pulse.beat("load", 0)
+    state = ckpt.restore(rank.model, rank.optimizer, TrainState(scaler=build_loss_scaler(precision)))
+    pulse.starts_at(state.step)
+    return state
+
+
+def _build_log(spec: RunSpec, ctx: ParallelContext, pulse: Pulse, *, device: DeviceInfo, phase: Phase,
+               num_steps: int, run_dir: Path | None, out: TextIO) -> _StepLog:
+    log = _StepLog(_build_metrics(spec, ctx, device=device, phase=phase, num_steps=num_steps, run_dir=run_dir,
+                                  out=out), ctx=ctx, device=device)
+    log.stragglers = _build_stragglers(spec, ctx, pulse, device=device, run_dir=run_dir, metrics=log.metrics, out=out)
+    return log
+
+
+def _build_pulse(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, phase: Phase,
+                 run_dir: Path | None) -> Pulse:
+    """This rank's heartbeat (with a run folder) and step timing. Only the run phase has a watchdog, so only it
+    holds a step to launch.hang_timeout_s."""
+    writer = HeartbeatWriter(run_dir, ctx.rank, host=socket.gethostname()) if run_dir is not None else None
+    return Pulse(writer, rank=ctx.rank, device=device.device, slowdown=knobs_for_tests().slowdown,
+                 hang_timeout_s=spec.config.launch.hang_timeout_s if phase == "run" else None)
+
+
+def _build_stragglers(spec: RunSpec, ctx: ParallelContext, pulse: Pulse, *, device: DeviceInfo,
+                      run_dir: Path | None, metrics: MetricsLogger, out: TextIO) -> Stragglers:
+    """The log step's gather on every rank; the naming on the last rank, next to the metrics."""
+    nodes = RankNodes.of(rank=ctx.rank, world_size=ctx.world_size, workers_per_node=ctx.mesh.workers_per_node,
+                         knobs=knobs_for_tests())
+    stragglers = Stragglers(pulse, nodes, device=device, threshold=spec.config.launch.straggler_threshold,
+                            run_dir=run_dir, enabled=ctx.is_last_rank, out=out)
+    stragglers.tensorboard = metrics.tensorboard
+    return stragglers
+
+
 def _build_stopwatch(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, phase: Phase,
                      run_dir: Path | None) -> StopWatch | None:
     """Only the run phase stops early to save. The check reads a flag on the host, a graph of its own on XLA:
@@ -243,15 +286,20 @@ class _StepEnds:
     run_dir: Path | None
     first_rank: bool
     out: TextIO
+    pulse: Pulse
 
     def after_step(self, state: TrainState) -> StopDecision | None:
         """Evaluate and save when due; the stop decision when the run ends here (after its save)."""
         iteration, optimizer, model = state.step, self.rank.optimizer, self.rank.model
         save_due = self.ckpt.save_due(iteration, num_steps=self.num_steps)
-        if iteration == self.num_steps or self.evaluator.should_evaluate(iteration) or save_due:
+        evaluating = self.evaluator.should_evaluate(iteration)
+        if iteration == self.num_steps or evaluating or save_due:
             optimizer.wait_for_weights()  # what follows reads the weights outside a training forward
+        if evaluating:
+            self.pulse.beat("eval", iteration)  # longer than a step: the watchdog waits the collective timeout
         self.evaluator.maybe_evaluate(iteration, model)
         if save_due:
+            self.pulse.beat("save", iteration)
             self.skips.settle()  # XLA: this step's flag, so the saved count is exact (a host sync, saves only)
         self.ckpt.maybe_save(state, model=model, optimizer=optimizer, num_steps=self.num_steps)
         if self.stopwatch is None or iteration >= self.num_steps:
@@ -265,6 +313,7 @@ class _StepEnds:
 
     def _stop_early(self, decision: StopDecision, state: TrainState) -> None:
         """Save at the agreed iteration, then leave a stopped.json for the node task (which requeues)."""
+        self.pulse.beat("save", state.step)
         folder = self.ckpt.save_now(state, model=self.rank.model, optimizer=self.rank.optimizer,
                                     wait=True)  # complete before stopped.json
         if not self.first_rank:
@@ -275,9 +324,10 @@ class _StepEnds:
             record_stop(self.run_dir, decision, checkpoint=folder)
 
     def close(self) -> None:
-        """The signal handlers go back."""
+        """The signal handlers go back; the heartbeat says done."""
         if self.stopwatch is not None:
             self.stopwatch.close()
+        self.pulse.close()
 
 
 def _host_batches(data: SyntheticTokens | IndexedBatches, step: int, *, plan: Plan,
@@ -317,15 +367,20 @@ class _StepLog:
         self.records: list[IterationRecord] = []
         """Every logged interval, on every rank (only the last rank prints them)."""
         self.sums = _IntervalSums(device=device.device)
+        self.stragglers: Stragglers | None = None
 
     def add(self, result: StepOutput, *, iteration: int, lr: float) -> None:
         self.sums.add(result)
         if not self.metrics.should_log(iteration):
             return
+        if self.stragglers is not None:
+            self.stragglers.log_begins(iteration)
         stats = self.sums.reduced(self.ctx)
         # The values reach the host after this step's graph ran (a step closure on XLA).
         when_step_done(self.device, _log_step, self.metrics, self.records, iteration, lr, stats, result.grad_norm,
                        iteration - self.metrics.last_iteration, self.ctx.dp_size, result.loss_scale)
+        if self.stragglers is not None:  # after the iteration line, which its own line follows
+            self.stragglers.at_log(iteration)
         self.sums.reset()
 
 

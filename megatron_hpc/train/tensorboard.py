@@ -5,7 +5,8 @@ evaluate_and_print_results): "learning-rate", "batch-size", "lm loss", "loss-sca
 "iteration-time", "throughput" (TFLOP/s per worker), "mem-max-allocated-bytes", "lm loss validation",
 "lm loss validation ppl", plus the "... vs samples" twins keyed by consumed samples. Ours:
 "samples-per-second", "tokens-per-second", "tflops-per-worker", "mfu" (against the platform's dense
-bf16 peak, whatever the precision) and, on CPU, "mem-max-rss-bytes" (peak resident set size).
+bf16 peak, whatever the precision), on CPU "mem-max-rss-bytes" (peak resident set size), and
+"straggler-max-ratio" and "stragglers" (train/stragglers.py).
 Throughput scalars skip log intervals that hold the first steps of the process (warm-up).
 """
 
@@ -78,6 +79,12 @@ class TensorBoardWriter:
         for tag, value in ((f"lm loss {name}", lm_loss), (f"lm loss {name} ppl", ppl)):
             self._add(tag, value, iteration)
             self._add(f"{tag} vs samples", value, consumed_samples)
+        self._writer.flush()
+
+    def stragglers(self, iteration: int, *, max_ratio: float, count: int) -> None:
+        """The slowest node's compute over the median node's, and how many nodes are named (train/stragglers.py)."""
+        self._add("straggler-max-ratio", max_ratio, iteration)
+        self._add("stragglers", float(count), iteration)
         self._writer.flush()
 
     def close(self) -> None:

@@ -111,8 +111,21 @@ trap 'request_stop TERM' TERM
     -m megatron_hpc train --run-dir "$RUN_DIR" --phase "$PHASE" ) 2>&1 \
   | ( trap '' USR2 TERM; exec tee -a "$LOG" ) &
 PHASE_PID=$!
+# The node watchdog (launch/watchdog.py), run phase only: when no rank here moved for the hang timeout, it saves
+# the workers' stacks and a report in the run folder and kills them, so that this phase fails and restarts.
+WATCHDOG_PID=
+if [ "$PHASE" = run ]; then
+  python -m megatron_hpc.launch.watchdog --run-dir "$RUN_DIR" --node-rank "$NODE_RANK" \
+    --nproc-per-node={{nproc_per_node}} --job-id "$JOB_ID" --parent-pid $$ >>"$LOG" 2>&1 &
+  WATCHDOG_PID=$!
+fi
 wait "$PHASE_PID"; STATUS=$?
 while kill -0 "$PHASE_PID" 2>/dev/null; do wait "$PHASE_PID"; STATUS=$?; done
+if [ -n "$WATCHDOG_PID" ]; then
+  kill "$WATCHDOG_PID" 2>/dev/null  # it finishes a teardown in progress first
+  wait "$WATCHDOG_PID"; WATCHDOG_STATUS=$?
+  if [ "$WATCHDOG_STATUS" -eq {{hang_exit}} ] && [ "$STATUS" -eq 0 ]; then STATUS=1; fi
+fi
 
 # Publish only after a phase (with its wrapper) succeeded: a failed one publishes nothing. The compile phase's
 # fingerprint (recorded below, once every node published) tells later submits that the shared cache holds

@@ -123,3 +123,45 @@ def test_status_of_a_k8s_run_reads_progress_on_the_claim_and_says_without_a_cont
                                "nodes": "", "restarts": 0, "source": "submit (no kube context)"}]
     assert main(["cancel", str(out)]) == 1
     assert "no kube context" in capsys.readouterr().err
+
+
+HANGING_TORCHRUN = """#!{python}
+# A stand-in torchrun whose one worker beats once, past the warm-up, and then hangs.
+import os, subprocess, sys
+args = sys.argv[1:]
+opt = {{a.split("=", 1)[0]: a.split("=", 1)[1] for a in args if a.startswith("--") and "=" in a}}
+rank = int(opt["--node_rank"]) * int(opt["--nproc_per_node"])
+env = {{**os.environ, "RANK": str(rank), "GROUP_RANK": opt["--node_rank"]}}
+worker = subprocess.run([sys.executable, "-c", {worker!r}, *args[args.index("-m"):]], env=env)
+sys.exit(worker.returncode if worker.returncode >= 0 else 128 - worker.returncode)
+"""
+HANGING_WORKER = """
+import os, sys, time
+from pathlib import Path
+from megatron_hpc.debug_stacks import register_stack_dump
+from megatron_hpc.heartbeat import HeartbeatWriter
+run_dir, rank = Path(sys.argv[sys.argv.index("--run-dir") + 1]), int(os.environ["RANK"])
+register_stack_dump(run_dir, rank)
+HeartbeatWriter(run_dir, rank, host=os.environ["HOSTNAME"]).beat("forward-backward", 5, step_s=0.1)
+time.sleep(600)
+"""
+
+
+def test_a_hung_pod_fails_with_a_hang_report_so_that_on_failure_restarts_it(tmp_path):
+    stub_bin(tmp_path)
+    (tmp_path / "bin" / "torchrun").write_text(HANGING_TORCHRUN.format(python=sys.executable, worker=HANGING_WORKER))
+    node_sh, run_dir = render_pods(tmp_path, tmp_path / "k", "--set", "launch.hang_timeout_s=2")
+    proc = subprocess.run(["bash", str(node_sh), "run"], env=pod_env(tmp_path, rank=1), capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode != 0, proc.stdout + proc.stderr  # restartPolicy OnFailure restarts the pod
+    [report] = [json.loads(p.read_text()) for p in (run_dir / "hangs").glob("*.json")]
+    rank = json.loads((run_dir / "plan.json").read_text())["workers_per_node"]  # node 1's first rank
+    assert report["timeout_s"] == 2 and report["job_id"] == "pod-1"
+    assert report["ranks"][str(rank)]["iteration"] == 5 and report["ranks"][str(rank)]["host"] == "pod-1"
+    # The node's other ranks never beat: they were not where rank `rank` was.
+    assert rank not in report["suspect_ranks"] and rank + 1 in report["suspect_ranks"]
+    stacks = Path(report["stacks"][0]).read_text()
+    # Through SIGUSR1 and faulthandler (no py-spy on the pod's PATH): the worker's main thread, in its sleep.
+    section = stacks.split(f"===== rank {rank} ")[1]
+    assert "signal) =====" in section.splitlines()[0] and 'File "<string>"' in section and "(error" not in section
+    assert "watchdog: hang report" in (run_dir / "logs" / "run-node1.log").read_text()

@@ -222,4 +222,4 @@ def test_exclude_stragglers_leaves_the_named_node_out_of_the_restart(reference, 
     assert f"leaving out the straggler(s) {first} (launch.exclude_stragglers)" in driver_log(run_dir)
     status = json.loads(subprocess.run([sys.executable, "-m", "megatron_hpc", "status", str(run_dir), "--json"],
                                        capture_output=True, text=True, env=_env(), check=True).stdout)
-    assert status["stragglers"] == [{"node": first, "ratio": 1.6}]
+    assert status["stragglers"]["nodes"] == [{"node": first, "ratio": 1.6}]

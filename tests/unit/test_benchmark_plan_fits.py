@@ -20,7 +20,7 @@ from megatron_hpc.plan.sizing import TP_BEFORE_PIPELINING
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "plan_fits.py"
 
-FREE_AND_OFF = ["parallel.tensor=0", "parallel.pipeline=0", "model.recompute=false"]
+FREE_AND_OFF = ["parallel.tensor=0", "parallel.pipeline=0", "parallel.choose_layout=fits", "model.recompute=false"]
 BY_HAND = {
     "off": [],
     "selective": ["model.recompute_granularity=selective"],

@@ -70,6 +70,9 @@ CASES: dict[str, tuple[list[str], str]] = {
                            "--prompt-len", "1", "--new-tokens", "1"],
                           r"^batch  1  transformers: best +[\d.]+ ms  median +[\d.]+ ms  best / floor +[\d.]+  "
                           r"\([\d.]+ GB/s of weights\)$"),
+    "heartbeat_overhead.py": (["--steps", "2", "--warmup", "0", *TINY, "--reps", "10"],
+                              r"^overhead = \(pulse \+ per log / 10\) / off step = [\d.]+%; goal < 1% -> "
+                              r"(met|NOT met)$"),
     "mfu_gpu.py": (["--allow-cpu", *TINY, "--micro-batch-size", "1", "--steps", "1", "--warmup", "0"],
                    r"^achieved [\d.]+ TFLOP/s; MFU [\d.]+% of 989 TFLOP/s$"),
     "pipeline_cpu.py": (["--layers", "4", *TINY[2:], "--micro-batches", "4", "--steps", "1", "--warmup", "0",
@@ -83,6 +86,7 @@ CASES: dict[str, tuple[list[str], str]] = {
                                  r"without start-up -?[\d.]+x; whole run [\d.]+x$"),
     "serve_latency.py": (["--rounds", "1", "--tokens", "1"],
                          r"^overhead \(median - median\): -?[\d.]+ ms; goal < 10 ms: (met|missed)$"),
+    "steptime_published.py": ([], r"^within 20%: \d+ of \d+ rows \(A100 \d+ of \d+, H100 \d+ of \d+\)$"),
     "tp_scaling_cpu.py": ([*TINY, "--batch", "1", "--steps", "1", "--warmup", "0", "--threads", "2"],
                           r"^ratio TP=2 / TP=1 step time: [\d.]+$"),
     "train_step_cpu.py": (["--rounds", "1", "--steps", "1", "--warmup", "0", "--threads", "1", *TINY,

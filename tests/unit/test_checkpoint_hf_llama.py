@@ -17,7 +17,7 @@ import torch.distributed as dist
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
-from hf_models import VOCAB, hf_llama_model, hf_logits, save, save_llama
+from hf_models import LLAMA_SEQ, VOCAB, hf_llama_model, hf_logits, save, save_llama
 from test_checkpoint_hf_import import convert, our_logits
 
 from megatron_hpc.checkpoint.conversion import read_whole
@@ -164,7 +164,8 @@ def test_what_we_cannot_express_is_refused_in_one_line(tmp_path: Path, tokenizer
         assert f"{arch} (" in err and lacks in err and supported in err
     # transformers' MistralConfig gives a window of 4096 where config.json names none; only null is full attention
     for name, window in (("mistral_default", {}), ("mistral_4096", {"sliding_window": 4096})):
-        err = _refused(_edited(tmp_path, name, architectures=["MistralForCausalLM"], **window), out, capsys)
+        err = _refused(_edited(tmp_path, name, architectures=["MistralForCausalLM"], max_position_embeddings=8192,
+                               **window), out, capsys)
         assert "sliding-window attention in every layer (a 4096-token window)" in err and supported in err
     err = _refused(_edited(tmp_path, "yarn", rope_parameters={"rope_type": "yarn", "factor": 4.0,
                                                               "rope_theta": 500.0}), out, capsys)
@@ -172,8 +173,8 @@ def test_what_we_cannot_express_is_refused_in_one_line(tmp_path: Path, tokenizer
     assert "mlp_bias" in _refused(_edited(tmp_path, "mlpb", mlp_bias=True), out, capsys)
     assert "attention_bias" in _refused(_edited(tmp_path, "attb", attention_bias=True), out, capsys)
     err = _refused(_edited(tmp_path, "window", architectures=["Qwen2ForCausalLM"], model_type="qwen2",
-                           use_sliding_window=True, sliding_window=16), out, capsys)
-    assert "sliding-window" in err
+                           use_sliding_window=True, sliding_window=16, max_window_layers=1), out, capsys)
+    assert "sliding-window attention in 1 of its 2 layers (a 16-token window)" in err
     assert "do not divide" in _refused(_edited(tmp_path, "groups", num_key_value_heads=3), out, capsys)
     err = _refused(_edited(tmp_path, "tp4"), out, capsys, "--tp", "4")
     assert "2 key/value groups" in err and "use --tp in [1, 2]" in err
@@ -192,6 +193,24 @@ def test_a_mistral_without_its_window_imports_and_exports_as_mistral(tmp_path: P
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
     assert type(again).__name__ == "MistralForCausalLM" and again.config.sliding_window is None
     torch.testing.assert_close(hf_logits(again), want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [{"max_window_layers": 2, "sliding_window": 4},
+                                    {"max_window_layers": 0, "sliding_window": LLAMA_SEQ}],
+                         ids=["on-no-layer", "as-long-as-the-positions"])
+def test_a_qwen2_whose_sliding_window_changes_nothing_imports_with_transformers_logits(
+        window: dict[str, int], tmp_path: Path, ctx) -> None:
+    """use_sliding_window true, but transformers slides only layers from max_window_layers on (none of 2 here), and a
+    window of max_position_embeddings tokens masks nothing: both compute full attention, so both import. The control
+    (a 4-token window on every layer) shows transformers' logits move when the window does apply."""
+    theirs = hf_llama_model("Qwen2ForCausalLM", vocab=VOCAB, seed=3, use_sliding_window=True, **window)
+    sliding = hf_llama_model("Qwen2ForCausalLM", vocab=VOCAB, seed=3, use_sliding_window=True, max_window_layers=0,
+                             sliding_window=4)
+    assert (hf_logits(sliding) - hf_logits(theirs)).abs().max() > 1e-2
+    folder = save_llama(theirs, tmp_path / "hf", tokenizer=False)
+    assert json.loads((folder / "config.json").read_text())["use_sliding_window"] is True
+    assert convert(str(folder), "--to", "torch", "--out", str(tmp_path / "ours")) == 0
+    torch.testing.assert_close(our_logits(tmp_path / "ours", ctx), hf_logits(theirs), rtol=0, atol=1e-5)
 
 
 BAD_CONFIGS = {  # name: (config.json changes, what the one line says)

@@ -260,6 +260,100 @@ def test_megatron_lm_legacy_versions_convert_exactly(tmp_path: Path, capsys: pyt
     assert read_progress(state, where="converted").lr_steps == 8
 
 
+def _llama_full(seed: int, *, groups: int, positive: bool = False) -> dict[str, torch.Tensor]:
+    """A Llama-shaped model in our names: RMSNorm (weights only), QKV of `groups` key/value heads with a bias
+    (Qwen2's --add-qkv-bias), SwiGLU gate and up, no other biases, untied output layer."""
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape: int) -> torch.Tensor:
+        t = torch.randn(*shape, generator=g)
+        return t.abs() if positive else t
+
+    qkv = (HEADS + 2 * groups) * (HIDDEN // HEADS)
+    out = {"wte.weight": r(VOCAB, HIDDEN)}
+    for i in range(LAYERS):
+        out.update({f"h.{i}.ln_1.weight": r(HIDDEN), f"h.{i}.attn.qkv.weight": r(qkv, HIDDEN),
+                    f"h.{i}.attn.qkv.bias": r(qkv), f"h.{i}.attn.proj.weight": r(HIDDEN, HIDDEN),
+                    f"h.{i}.ln_2.weight": r(HIDDEN), f"h.{i}.mlp.gate.weight": r(FFN, HIDDEN),
+                    f"h.{i}.mlp.fc.weight": r(FFN, HIDDEN), f"h.{i}.mlp.proj.weight": r(HIDDEN, FFN)})
+    return {**out, "ln_f.weight": r(HIDDEN), "lm_head.weight": r(VOCAB, HIDDEN)}
+
+
+def _llama_legacy_shard(full: dict[str, torch.Tensor], tp: int, t: int) -> dict[str, torch.Tensor]:
+    """TP rank t's weights as Megatron-LM's legacy model (September 2023 norm names) names and holds them, flat:
+    whole query groups of QKV, and dense_h_to_4h the rank's gate rows then its up rows ([gate_t; up_t]: its swiglu
+    chunks the rank's output in two)."""
+    enc = "language_model.encoder."
+    out = {"language_model.embedding.word_embeddings.weight": full["wte.weight"].chunk(tp)[t]}
+    for i in range(LAYERS):
+        pre, h = f"{enc}layers.{i}.", f"h.{i}."
+        out.update({
+            pre + "input_norm.weight": full[h + "ln_1.weight"],
+            pre + "self_attention.query_key_value.weight": full[h + "attn.qkv.weight"].chunk(tp)[t],
+            pre + "self_attention.query_key_value.bias": full[h + "attn.qkv.bias"].chunk(tp)[t],
+            pre + "self_attention.dense.weight": full[h + "attn.proj.weight"].chunk(tp, 1)[t],
+            pre + "post_attention_norm.weight": full[h + "ln_2.weight"],
+            pre + "mlp.dense_h_to_4h.weight": torch.cat([full[h + "mlp.gate.weight"].chunk(tp)[t],
+                                                          full[h + "mlp.fc.weight"].chunk(tp)[t]]),
+            pre + "mlp.dense_4h_to_h.weight": full[h + "mlp.proj.weight"].chunk(tp, 1)[t]})
+    out.update({enc + "final_norm.weight": full["ln_f.weight"],
+                "language_model.output_layer.weight": full["lm_head.weight"].chunk(tp)[t]})
+    return {k: v.clone() for k, v in out.items()}
+
+
+def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, value in flat.items():
+        *parents, leaf = name.split(".")
+        node = out
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+    return out
+
+
+def _llama_legacy(root: Path, *, tp: int, groups: int = 2) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A Megatron-LM legacy Llama checkpoint at `tp` with plain Adam: (the weights, exp_avg) in our names."""
+    full, m1, m2 = _llama_full(11, groups=groups), _llama_full(12, groups=groups), _llama_full(13, groups=groups,
+                                                                                            positive=True)
+    for t in range(tp):
+        shards = [_llama_legacy_shard(x, tp, t) for x in (full, m1, m2)]
+        args = mw.megatron_args(
+            num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, kv_channels=HIDDEN // HEADS,
+            group_query_attention=True, num_query_groups=groups, seq_length=POS, max_position_embeddings=POS,
+            padded_vocab_size=VOCAB, make_vocab_size_divisible_by=8, tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=1, consumed_train_samples=16, global_batch_size=8,
+            normalization="RMSNorm", norm_epsilon=1e-6, swiglu=True, add_bias_linear=False, add_qkv_bias=True,
+            position_embedding_type="rope", rotary_base=500000, use_rope_scaling=True, rope_scaling_factor=32.0,
+            untie_embeddings_and_output_weights=True)
+        state = {"args": args, "checkpoint_version": 3.0, "iteration": 2, "model": _nest(shards[0]),
+                 "optimizer": mw.optimizer_state(list(shards[0].items()), list(shards[1].values()),
+                                                 list(shards[2].values()), step=2.0),
+                 "opt_param_scheduler": {"num_steps": 16}}
+        mw.save_torch(state, root / "iter_0000002" / f"mp_rank_{t:02d}" / "model_optim_rng.pt")
+    mw.write_tracker(root, 2)
+    return full, m1
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_megatron_lm_llama_converts_exactly(tmp_path: Path, capsys: pytest.CaptureFixture[str], tp: int) -> None:
+    """RMSNorm, SwiGLU (each TP rank's fused [gate; up] rows cut into our gate and fc), grouped-query attention, no
+    linear biases but a QKV bias, untied output layer, RoPE of base 500000 with Llama 3.1's scaling: the weights and
+    moments land on our names exactly, and the model config says all of it."""
+    full, m1 = _llama_legacy(tmp_path / "mlm", tp=tp)
+    _convert(capsys, tmp_path / "mlm", tmp_path / "ours", "--tp", "1")
+    state = _only_state(tmp_path / "ours")
+    _assert_same(state["model"], full)
+    _assert_same({n: m["exp_avg"] for n, m in by_name(state["model"], state["optimizer"]).items()}, m1)
+    cfg = state["resolved_config"]["model"]
+    assert {k: cfg[k] for k in ("normalization", "swiglu", "num_query_groups", "add_bias_linear", "add_qkv_bias",
+                                "tie_embeddings", "position_embedding", "rotary_base", "rope_scaling",
+                                "rope_scaling_factor", "layernorm_epsilon", "ffn_hidden_size")} == {
+        "normalization": "rmsnorm", "swiglu": True, "num_query_groups": 2, "add_bias_linear": False,
+        "add_qkv_bias": True, "tie_embeddings": False, "position_embedding": "rope", "rotary_base": 500000.0,
+        "rope_scaling": "llama3", "rope_scaling_factor": 32.0, "layernorm_epsilon": 1e-6, "ffn_hidden_size": FFN}
+
+
 def _core_chunks(shard: dict[str, torch.Tensor], *, pp_rank: int, pp: int, vp: int, te: bool) -> list[dict[str, Any]]:
     """One TP shard's virtual chunks on pipeline rank `pp_rank`, as megatron-core nests them (model0, model1, ...)."""
     return [mw.core_model(shard, layers=mw.stage_layers(layers=LAYERS, pp=pp, vp=vp, pp_rank=pp_rank, chunk=v),
@@ -378,7 +472,7 @@ def _mlm_tp2(root: Path, *, iterations: tuple[int, int] = (3, 3), bump: bool = F
 
 
 @pytest.mark.parametrize("case", ["copies-differ", "iterations-differ", "missing-shard", "missing-tensor-file",
-                                  "swiglu"])
+                                  "experts", "tp-splits-a-group"])
 def test_bad_checkpoints_fail_in_one_line_and_write_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                             case: str) -> None:
     root = tmp_path / "src"
@@ -387,13 +481,17 @@ def test_bad_checkpoints_fail_in_one_line_and_write_nothing(tmp_path: Path, caps
         victim = root / "iter_0000030" / "mp_rank_01" / "model_optim_rng.pt.tensors" / "tensor_3.pt"
         victim.unlink()
         expect = f"{victim} is missing"
+    elif case == "tp-splits-a-group":
+        _llama_legacy(root, tp=2, groups=1)  # one key/value head (MQA) cannot be split over 2 TP ranks
+        expect = r"records 1 query groups for 4 heads, which tp 2 does not divide: Megatron splits whole groups"
     else:
         _mlm_tp2(root, iterations=(3, 4) if case == "iterations-differ" else (3, 3), bump=case == "copies-differ",
-                 **({"swiglu": True} if case == "swiglu" else {}))
+                 **({"num_experts": 4} if case == "experts" else {}))
         expect = {"copies-differ": "TP shards of .* disagree: h.2.ln_2.weight, a copy every TP rank holds, differs",
                   "iterations-differ": "shards of .* disagree: .*mp_rank_01.* has iteration 4",
                   "missing-shard": r"has no mp_rank_01/model_optim_rng.pt .*tp 2 x pp 1 grid",
-                  "swiglu": r"was trained with swiglu=True \(SwiGLU MLPs\), which our GPT does not have"}[case]
+                  "experts": r"was trained with num_experts=4 \(mixture-of-experts layers\), which our GPT does not "
+                             "have"}[case]
         if case == "missing-shard":
             shutil.rmtree(root / "iter_0000003" / "mp_rank_01")
             (root / "iter_0000003" / "mp_rank_02").mkdir()  # tp 0 and 2 present: 1 is the hole

@@ -1,8 +1,10 @@
 """Checkpoints written by the real megatron-core 0.16.1 (tests/fixtures/make_megatron_core_checkpoint.py, run by
-hand; its expected.json holds what megatron-core computed): `ckpt inspect` and `ckpt convert` read them, our GPT
-from the converted checkpoint gives megatron-core's logits, Adam's state comes through, from distrib_optim.pt
-when the run used the distributed optimizer, and our trainer resumed from the converted checkpoint takes the step
-megatron-core would have taken next."""
+hand; its expected.json holds what megatron-core computed): GPT at TP 1 and 2, with Adam and the distributed optimizer,
+and a Llama-shaped model (RMSNorm, SwiGLU, 4 heads in 2 query groups, no biases, untied output, RoPE of base 500000)
+at TP 2 with the distributed optimizer. `ckpt inspect` and `ckpt convert` read them, our GPT from the converted
+checkpoint gives megatron-core's logits, Adam's state comes through, from distrib_optim.pt when the run used the
+distributed optimizer, and our trainer resumed from the converted checkpoint takes the step megatron-core would have
+taken next."""
 
 from __future__ import annotations
 
@@ -34,25 +36,27 @@ from megatron_hpc.train.entry import plan_for_torchrun
 from megatron_hpc.train.loop import train
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "megatron_core_ckpt"
-CASES = ("tp1_distopt", "tp1_distopt_buckets", "tp2_adam", "tp2_distopt")
-DISTRIBUTED = ("tp1_distopt", "tp1_distopt_buckets", "tp2_distopt")
+CASES = ("tp1_distopt", "tp1_distopt_buckets", "tp2_adam", "tp2_distopt", "llama_tp2_distopt")
 RANK_DIR = "iter_0000003/mp_rank_00"
 
 # megatron-core's local-spec GPT names -> ours, written out here rather than taken from the code under test.
-_NAMES = [(r"embedding\.word_embeddings\.(\w+)", r"wte.\1"), (r"embedding\.position_embeddings\.(\w+)", r"wpe.\1"),
-          (r"decoder\.layers\.(\d+)\.input_layernorm\.(\w+)", r"h.\1.ln_1.\2"),
-          (r"decoder\.layers\.(\d+)\.self_attention\.linear_qkv\.(\w+)", r"h.\1.attn.qkv.\2"),
-          (r"decoder\.layers\.(\d+)\.self_attention\.linear_proj\.(\w+)", r"h.\1.attn.proj.\2"),
-          (r"decoder\.layers\.(\d+)\.pre_mlp_layernorm\.(\w+)", r"h.\1.ln_2.\2"),
-          (r"decoder\.layers\.(\d+)\.mlp\.linear_fc1\.(\w+)", r"h.\1.mlp.fc.\2"),
-          (r"decoder\.layers\.(\d+)\.mlp\.linear_fc2\.(\w+)", r"h.\1.mlp.proj.\2"),
-          (r"decoder\.final_layernorm\.(\w+)", r"ln_f.\1")]
+# SwiGLU's linear_fc1 is our gate and fc together: the summaries (sums of values, of |values|, of squares) of the
+# two add up to the fused tensor's.
+_NAMES = [(r"embedding\.word_embeddings\.(\w+)", [r"wte.\1"]),
+          (r"embedding\.position_embeddings\.(\w+)", [r"wpe.\1"]), (r"output_layer\.weight", ["lm_head.weight"]),
+          (r"decoder\.layers\.(\d+)\.input_layernorm\.(\w+)", [r"h.\1.ln_1.\2"]),
+          (r"decoder\.layers\.(\d+)\.self_attention\.linear_qkv\.(\w+)", [r"h.\1.attn.qkv.\2"]),
+          (r"decoder\.layers\.(\d+)\.self_attention\.linear_proj\.(\w+)", [r"h.\1.attn.proj.\2"]),
+          (r"decoder\.layers\.(\d+)\.pre_mlp_layernorm\.(\w+)", [r"h.\1.ln_2.\2"]),
+          (r"decoder\.layers\.(\d+)\.mlp\.linear_fc1\.(\w+)", [r"h.\1.mlp.fc.\2", r"h.\1.mlp.gate.\2"]),
+          (r"decoder\.layers\.(\d+)\.mlp\.linear_fc2\.(\w+)", [r"h.\1.mlp.proj.\2"]),
+          (r"decoder\.final_layernorm\.(\w+)", [r"ln_f.\1"])]
 
 
-def _ours(name: str) -> str:
-    for pattern, repl in _NAMES:
+def _ours(name: str, model: dict[str, torch.Tensor]) -> list[str]:
+    for pattern, replacements in _NAMES:
         if re.fullmatch(pattern, name):
-            return re.sub(pattern, repl, name)
+            return [n for n in (re.sub(pattern, r, name) for r in replacements) if n in model]
     raise AssertionError(f"no mapping for {name}")
 
 
@@ -100,30 +104,36 @@ def test_converted_model_gives_megatron_cores_logits(case: str, converted: dict[
     torch.testing.assert_close(logits, torch.tensor(want["logits"]), rtol=0, atol=1e-4)
 
 
-def _summary(t: torch.Tensor) -> dict[str, float]:
-    t = t.double()
-    return {"sum": t.sum().item(), "abs_sum": t.abs().sum().item(), "sq_sum": (t * t).sum().item()}
+def _summary(tensors: list[torch.Tensor]) -> dict[str, float]:
+    out = {"sum": 0.0, "abs_sum": 0.0, "sq_sum": 0.0}
+    for t in tensors:
+        t = t.double()
+        out["sum"] += t.sum().item()
+        out["abs_sum"] += t.abs().sum().item()
+        out["sq_sum"] += (t * t).sum().item()
+    return out
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_adam_state_carries_over_as_megatron_core_kept_it(case: str, converted: dict[str, Path]) -> None:
     state = read_whole(converted[case]).first
-    moments = by_name(state["model"], state["optimizer"])
+    model = state["model"]
+    moments = by_name(model, state["optimizer"])
     per_rank = _expected(case)["moments_by_tp_rank"]
-    assert sorted(moments) == sorted(_ours(n) for n in per_rank[0])
+    assert sorted(moments) == sorted(n for name in per_rank[0] for n in _ours(name, model))
     for name in per_rank[0]:
-        ours = _ours(name)
-        numel = state["model"][ours].numel()
+        ours = _ours(name, model)
+        numel = sum(model[n].numel() for n in ours)
         # A TP-split weight's summaries add up over the shards; a replicated one is rank 0's.
         ranks = per_rank if sum(r[name]["numel"] for r in per_rank) == numel else per_rank[:1]
         assert sum(r[name]["numel"] for r in ranks) == numel, name
-        got = {"param": state["model"][ours], "exp_avg": moments[ours]["exp_avg"],
-               "exp_avg_sq": moments[ours]["exp_avg_sq"]}
-        for key, tensor in got.items():
-            for how, value in _summary(tensor).items():
+        got = {"param": [model[n] for n in ours], "exp_avg": [moments[n]["exp_avg"] for n in ours],
+               "exp_avg_sq": [moments[n]["exp_avg_sq"] for n in ours]}
+        for key, tensors in got.items():
+            for how, value in _summary(tensors).items():
                 want = sum(r[name][f"{key}:{how}"] for r in ranks)
                 assert value == pytest.approx(want, rel=1e-5, abs=1e-12), (name, key, how)
-        assert float(moments[ours]["step"]) == 3.0
+        assert all(float(moments[n]["step"]) == 3.0 for n in ours)
 
 
 def test_the_bucketed_fixture_lays_parameters_out_otherwise() -> None:
@@ -293,3 +303,18 @@ def test_the_pre_2024_distrib_optim_layout_names_megatrons_fix(tmp_path: Path,
     torch.save(state, path)
     line = _one_line_error(capsys, src, tmp_path / "out")
     assert str(path) in line and "--ckpt-convert-update-legacy-dist-opt-format" in line
+
+
+def test_the_llama_exports_to_transformers_with_megatron_cores_logits(tmp_path: Path) -> None:
+    """`--to hf` reads the shards whole (not mapped one output rank at a time): transformers' model from the export
+    of megatron-core's Llama-shaped checkpoint gives the logits megatron-core computed."""
+    import transformers
+
+    assert main(["ckpt", "convert", str(FIXTURES / "llama_tp2_distopt"), "--to", "hf", "--out",
+                 str(tmp_path / "hf")]) == 0
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(model).__name__ == "LlamaForCausalLM"
+    want = _expected("llama_tp2_distopt")
+    with torch.no_grad():
+        logits = model(torch.tensor(want["tokens"])).logits[0]
+    torch.testing.assert_close(logits, torch.tensor(want["logits"]), rtol=0, atol=1e-4)

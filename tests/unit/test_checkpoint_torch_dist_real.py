@@ -1,6 +1,8 @@
 """torch_dist checkpoints written by the real megatron-core 0.16.1 (tests/fixtures/make_megatron_core_torch_dist.py,
 run by hand; its expected.json holds what megatron-core computed): GPT at TP 2, GPT at PP 2, GPT with the
-distributed optimizer at DP 2 (dp_reshardable buckets), and a Llama-shaped model (RMSNorm, SwiGLU, 4 heads in 2
+distributed optimizer at DP 2 (dp_reshardable buckets), GPT at PP 2 with tied embeddings and the distributed optimizer
+(dp_reshardable, each stage's copy of the shared embedding in a bucket of its own), GPT at PP 2 with 2 virtual chunks
+per stage (the interleaved schedule, 2 micro-batches a step), and a Llama-shaped model (RMSNorm, SwiGLU, 4 heads in 2
 query groups, no biases, untied output, RoPE) at TP 2 with the distributed optimizer saved fully reshardable.
 `ckpt inspect` and `ckpt convert` read them through torch.distributed.checkpoint; our GPT from the converted
 checkpoint gives megatron-core's logits, Adam's state comes through, and our trainer resumed from it takes the step
@@ -35,7 +37,7 @@ from megatron_hpc.train.entry import plan_for_torchrun
 from megatron_hpc.train.loop import train
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "megatron_core_torch_dist"
-CASES = ("gpt_tp2", "gpt_pp2", "gpt_dp2_distopt", "llama_tp2_distopt")
+CASES = ("gpt_tp2", "gpt_pp2", "gpt_dp2_distopt", "llama_tp2_distopt", "gpt_pp2_distopt", "gpt_pp2_vp2")
 ITER = "iter_0000003"
 
 # megatron-core's module names (the local spec's named_parameters, as the generator summarised the moments) ->
@@ -92,6 +94,7 @@ def test_inspect_reads_what_megatron_core_wrote(case: str, capsys: pytest.Captur
         "megatron-core", "torch_dist", 3, 3.0)
     assert (got["tensor_parallel"], got["pipeline_parallel"], got["data_parallel"]) == (
         want["tensor_parallel"], want["pipeline_parallel"], want["data_parallel"])
+    assert got["virtual_pipeline"] == (2 if case == "gpt_pp2_vp2" else None)
     names = {r["name"] for r in got["tensors"]}
     assert "decoder.layers.self_attention.linear_qkv.weight" in names
 

@@ -16,9 +16,10 @@ their one-way order are tests/unit/test_checkpoint_rooms.py's.
     run_folder      plan, config, atomic_write, errors
     run_markers     run_folder, plan, config, atomic_write, errors
     debug_stacks    run_folder, plan, config, atomic_write, errors
+    heartbeat       run_folder, plan, config, atomic_write, errors
     compile_cache   plan, config, atomic_write, errors
-    launch          compile_cache, checkpoint, run_markers, debug_stacks, run_folder, plan, config, atomic_write,
-                    errors, megatron_hpc
+    launch          compile_cache, checkpoint, run_markers, debug_stacks, heartbeat, run_folder, plan, config,
+                    atomic_write, errors, megatron_hpc
     parallel        plan, config, errors
     model           parallel, plan, config, errors
     data            parallel, plan, config, errors
@@ -26,7 +27,7 @@ their one-way order are tests/unit/test_checkpoint_rooms.py's.
     generate        checkpoint, model, data, parallel, plan, config, errors
     evaluate        generate, checkpoint, model, data, parallel, plan, config, errors
     train           evaluate, generate, checkpoint, model, data, parallel, compile_cache, run_markers, debug_stacks,
-                    run_folder, plan, config, atomic_write, errors, megatron_hpc
+                    heartbeat, run_folder, plan, config, atomic_write, errors, megatron_hpc
     cli             (every package above; train and the torch ones only inside its functions)
     __main__        cli
 
@@ -108,17 +109,18 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "run_folder": _row("plan config atomic_write errors"),
     "run_markers": _row("run_folder plan config atomic_write errors"),
     "debug_stacks": _row("run_folder plan config atomic_write errors"),
+    "heartbeat": _row("run_folder plan config atomic_write errors"),
     "compile_cache": _row("plan config atomic_write errors"),
-    "launch": _row("compile_cache checkpoint run_markers debug_stacks run_folder plan config atomic_write errors "
-                   "megatron_hpc"),
+    "launch": _row("compile_cache checkpoint run_markers debug_stacks heartbeat run_folder plan config atomic_write "
+                   "errors megatron_hpc"),
     "parallel": _row("plan config errors"),
     "model": _row("parallel plan config errors"),
     "data": _row("parallel plan config errors"),
     "checkpoint": _row("data parallel plan config atomic_write errors"),
     "generate": _row("checkpoint model data parallel plan config errors"),
     "evaluate": _row("generate checkpoint model data parallel plan config errors"),
-    "train": _row("evaluate generate checkpoint model data parallel compile_cache run_markers debug_stacks run_folder "
-                  "plan config atomic_write errors megatron_hpc"),
+    "train": _row("evaluate generate checkpoint model data parallel compile_cache run_markers debug_stacks heartbeat "
+                  "run_folder plan config atomic_write errors megatron_hpc"),
     "__main__": _row("cli"),
 }
 """The layer table of the module docstring: package -> the packages of ours it may import besides itself."""

@@ -16,6 +16,7 @@ from megatron_hpc.launch.restart_rules import (
     classify,
     decide,
     healthy_nodes,
+    node_names,
     node_unusable,
     step_nodes,
     stragglers_to_exclude,
@@ -48,6 +49,10 @@ def test_healthy_nodes_and_the_next_steps_nodes():
     assert step_nodes(("n1",), num_nodes=2) == ()
     assert node_unusable("IDLE+DRAIN") and node_unusable("DOWN") and node_unusable("ALLOCATED*")
     assert not node_unusable("ALLOCATED") and not node_unusable("MIXED")
+
+
+def test_host_names_are_matched_to_the_allocations_node_names():
+    assert node_names(["n2.cluster.local", "n3", "other.x"], ALLOC) == ("n2", "n3", "other.x")
 
 
 def test_stragglers_are_left_out_only_while_enough_nodes_remain():
@@ -145,12 +150,11 @@ def test_status_reads_restarts_with_their_cost(tmp_path):
     assert first.breakdown_s == {"detection": 1.0, "restart": 0.5, "first_step": 7.5}
     assert second.cost_s is None  # the new step has not logged an iteration yet
     status = RunStatus(run_dir=str(tmp_path), recipe="tiny", cluster="slurm", plan={}, spare_nodes=1,
-                       restarts=[first, second], nodes_lost=["n2", "n1"], stragglers=[{"node": "n4", "ratio": 1.5}])
-    assert format_status(status).splitlines()[-4:] == [
+                       restarts=[first, second], nodes_lost=["n2", "n1"])
+    assert format_status(status).splitlines()[-3:] == [
         "spares    1 hot spare node(s), 2 in-job restart(s); nodes lost: n2, n1",
         "restart   job 7 step 1: node_lost without n2, now on n1,n3; cost 9.0 s",
-        "restart   job 7 step 2: requested without n1, now on n3,n4; no step logged since",
-        "stragglers n4 (1.50x)"]
+        "restart   job 7 step 2: requested without n1, now on n3,n4; no step logged since"]
 
 
 def test_plan_counts_the_spares_and_the_sbatch_runs_the_driver(tmp_path, cli_in_process):

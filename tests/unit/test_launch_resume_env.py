@@ -100,3 +100,16 @@ def test_resume_with_an_explicit_horizon_takes_it(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["plan"]["lr_decay"] == 250
     assert json.loads((tmp_path / "run" / "config.json").read_text())["optim"]["lr_decay_iters"] == 250
+
+
+def test_a_hang_timeout_shorter_than_the_runs_measured_steps_is_refused_at_resume(tmp_path, capsys):
+    run = _finished_run(tmp_path, capsys)
+    rows = [{"iteration": i, "phase": "run", "lm_loss": 5.0, "elapsed_ms": ms, "warmup": i <= 2}
+            for i, ms in ((1, 90000.0), (2, 20000.0), (3, 12000.0), (4, 12500.0), (5, 11000.0))]
+    (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["submit", "--resume", run, "--dry-run", "--set", "launch.hang_timeout_s=5"]) == 1
+    err = capsys.readouterr().err
+    assert "launch.hang_timeout_s=5 is shorter than a measured step (12.00 s at iteration 5)" in err
+    assert "--set launch.hang_timeout_s=60" in err and len(err.strip().splitlines()) == 1
+    # Longer than the steps (the warm-up's 90 s does not count): accepted.
+    assert main(["submit", "--resume", run, "--dry-run", "--set", "launch.hang_timeout_s=30"]) == 0

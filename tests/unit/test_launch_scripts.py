@@ -237,7 +237,8 @@ def test_dry_run_scales_to_512_nodes(tmp_path, platform, nodes):
                  "--json", "--out", str(out), "--set", "train.global_batch_size=8192",
                  "--set", "data.source=synthetic"]) == 0
     plan = json.loads((out / "plan.json").read_text())
-    assert plan["num_nodes"] == nodes and plan["data_parallel"] * plan["tensor_parallel"] == plan["world_size"]
+    mesh = plan["data_parallel"] * plan["tensor_parallel"] * plan["pipeline_parallel"]
+    assert plan["num_nodes"] == nodes and mesh == plan["world_size"]
     phases = ["run"] if platform == "p5" else ["compile", "run"]  # p5 compiles nothing without train.compile
     assert sorted(p.stem for p in out.glob("*.sbatch")) == phases
     for phase in phases:

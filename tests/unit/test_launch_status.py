@@ -127,3 +127,18 @@ def test_last_checkpoint_is_the_one_the_tracker_names(tmp_path, capsys):
     capsys.readouterr()
     assert main(["status", str(run_dir)]) == 0
     assert f"checkpoint {ckpts / 'iter_0000010'}" in capsys.readouterr().out
+
+
+def test_the_nodes_named_as_stragglers_are_in_status_and_its_json(tmp_path, capsys):
+    run_dir = make_run(tmp_path)
+    assert read_status(run_dir).stragglers is None  # before the trainer's first log
+    capsys.readouterr()
+    assert main(["status", str(run_dir)]) == 0
+    assert "stragglers" not in capsys.readouterr().out
+    record = {"updated_at": 1.0, "iteration": 20, "threshold": 1.2, "window": 3, "median_compute_s": 0.5,
+              "nodes": [{"node": "gpu-7", "ranks": [56, 57], "compute_s": 0.8, "wait_s": 0.01, "ratio": 1.6}]}
+    (run_dir / "stragglers.json").write_text(json.dumps(record))
+    assert main(["status", "--json", str(run_dir)]) == 0
+    assert json.loads(capsys.readouterr().out)["stragglers"] == record
+    assert main(["status", str(run_dir)]) == 0
+    assert "stragglers gpu-7 1.60x the median node" in capsys.readouterr().out

@@ -19,7 +19,9 @@ from megatron_hpc.plan.sizing import USABLE_MEMORY_FRACTION
 
 
 def plan(recipe, nodes, platform=None, overrides=()):
-    cfg = load_recipe(recipe, list(overrides))
+    """The memory rule's plan (parallel.choose_layout=fits): these tests are about stages, memory and the table's
+    sizes, which the rule reproduces; the choice by predicted time is tests/unit/test_plan_steptime.py's."""
+    cfg = load_recipe(recipe, ["parallel.choose_layout=fits", *overrides])
     return make_plan(cfg, num_nodes=nodes, platform=get_platform(platform or cfg.launch.platform))
 
 
@@ -282,7 +284,8 @@ def test_plan_json_round_trips_and_refuses_a_hand_edited_pipeline():
 
 def test_plan_json_through_the_cli_has_the_pipeline_keys(capsys):
     assert main(["plan", "--recipe", "gpt3_39.1b", "--nodes", "16", "--platform", "p5", "--json",
-                 "--set", "data.source=synthetic", "--set", "parallel.virtual_pipeline=2"]) == 0
+                 "--set", "data.source=synthetic", "--set", "parallel.virtual_pipeline=2",
+                 "--set", "parallel.choose_layout=fits"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["pipeline_parallel"], out["virtual_pipeline"], out["tensor_parallel"]) == (2, 2, 8)
     assert out["bubble_fraction"] == pytest.approx(1 / (128 + 1) / 2)

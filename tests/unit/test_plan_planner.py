@@ -126,7 +126,7 @@ def test_plan_scales(platform, nodes):
     p = plan("gpt3_6.7b", nodes, platform, ["train.global_batch_size=8192"])
     workers = PLATFORMS[platform].workers_per_node
     assert p.world_size == nodes * workers
-    assert p.data_parallel * p.tensor_parallel == p.world_size
+    assert p.data_parallel * p.tensor_parallel * p.pipeline_parallel == p.world_size
     assert p.micro_batch_size * p.data_parallel * p.num_micro_batches == 8192
 
 

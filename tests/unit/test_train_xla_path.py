@@ -132,11 +132,11 @@ def test_xla_branches_follow_the_reference_and_train_the_same_model() -> None:
     # Seeded with train.seed (torch.manual_seed does not reach torch_xla's generator). Per step: the batch
     # arrives through MpDeviceLoader, a graph cut after backward and one at the step end; from the second step
     # on, a step closure reads the previous step's finite flag (the skip check, one step late, after the cut);
-    # on log steps the host reads the interval's sums in a step closure too. Nothing else reaches torch_xla (no
-    # mid-step syncs through it).
+    # on log steps the host reads the interval's sums and the ranks' step timing (train/stragglers.py) in step
+    # closures too. Nothing else reaches torch_xla (no mid-step syncs through it).
     first = ["device_batch", "sync", "sync"]
     step = ["device_batch", "sync", "add_step_closure", "sync", "closure"]
-    logged = ["device_batch", "sync", "add_step_closure", "add_step_closure", "sync", "closure", "closure"]
+    logged = ["device_batch", "sync", *["add_step_closure"] * 3, "sync", *["closure"] * 3]
     assert xla["events"] == ["set_rng_state 1234", *first, *logged, *(step + logged) * 2]
 
 

@@ -19,8 +19,9 @@ September 2023 the legacy norms are `input_norm`, `post_attention_norm` and `fin
     language_model.output_layer.weight (untied)        output_layer.weight (untied)                 lm_head.weight
     word_embeddings_for_head.weight                    output_layer.weight (tied, last stage, PP>1) wte.weight
 
-N counts the layers of one pipeline stage (one virtual chunk), from 0. Transformer Engine's `_extra_state` and rotary
-`inv_freq` buffers carry no weights and are skipped.
+N counts the layers of one pipeline stage (one virtual chunk), from 0. With SwiGLU, h.N.mlp.fc is here still the
+fused [gate; up] rows of one TP rank; importer.py cuts it into our mlp.gate and mlp.fc. Transformer Engine's
+`_extra_state` and rotary `inv_freq` buffers carry no weights and are skipped.
 
 QKV rows: ours are per head, [heads, (q, k, v), head dim], which is Megatron's layout from checkpoint_version 2.0
 and megatron-core's for multi-head attention. Version 1.0 stored [heads, head dim, 3] and version 0 [3, heads, head
@@ -94,8 +95,9 @@ def our_name(name: str, *, family: str, tied: bool) -> str | None:
     for pattern, replacement in RULES[family]:
         if pattern.fullmatch(name):
             return pattern.sub(replacement, name)
-    raise CheckpointError(f"the checkpoint's weight {name} has no counterpart in our GPT (pre-LayerNorm blocks with "
-                          "biases, GeLU MLP, multi-head attention); its architecture cannot be converted")
+    raise CheckpointError(f"the checkpoint's weight {name} has no counterpart in our GPT (pre-norm blocks: LayerNorm "
+                          "or RMSNorm, GeLU or SwiGLU MLP, multi-head or grouped-query attention, no QK norms or "
+                          "experts); its architecture cannot be converted")
 
 
 def map_names(flat: dict[str, Any], *, family: str, tied: bool, where: object) -> dict[str, Any]:

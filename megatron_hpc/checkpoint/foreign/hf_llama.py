@@ -109,17 +109,39 @@ _REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "interme
 
 
 def _sliding_window(cfg: dict[str, Any], name: str) -> str:
-    """Where the config attends through a sliding window, in words ('' for full attention everywhere), as
-    transformers decides it: Mistral's sliding_window (4096 when config.json omits the key), Qwen2's
-    use_sliding_window, or transformers 5's layer_types naming sliding_attention."""
-    layer_types = cfg.get("layer_types")
-    if isinstance(layer_types, list) and "sliding_attention" in layer_types:
-        return f"{layer_types.count('sliding_attention')} of its {len(layer_types)} layers"
-    if name == MISTRAL and cfg.get("sliding_window", 4096) is not None:
-        return f"every layer (a {cfg.get('sliding_window', 4096)}-token window)"
-    if cfg.get("use_sliding_window", False) or (name == ARCHITECTURE and cfg.get("sliding_window")):
-        return "its layers"
-    return ""
+    """Where the config attends through a sliding window narrower than its longest sequence, in words ('' when every
+    layer computes full attention), by transformers' rule (5.x models/qwen2/configuration_qwen2.py, models/mistral):
+
+    - Mistral: every layer, unless sliding_window is null (4096 when config.json omits the key);
+    - Qwen2: only with use_sliding_window (else sliding_window is dropped), and then the layers layer_types names
+      sliding_attention, or, without layer_types, those from max_window_layers on (28 when omitted);
+    - Llama has no window: a config that names one is refused.
+
+    A query sees itself and the window - 1 tokens before it (masking_utils.sliding_window_overlay), so a window of at
+    least max_position_embeddings tokens, the longest sequence the model takes, is full attention too."""
+    layer_types = cfg.get("layer_types") if isinstance(cfg.get("layer_types"), list) else None
+    if name == ARCHITECTURE:
+        if layer_types is not None and "sliding_attention" in layer_types:
+            return f"{layer_types.count('sliding_attention')} of its {len(layer_types)} layers"
+        return "its layers" if cfg.get("use_sliding_window", False) or cfg.get("sliding_window") else ""
+    if name == MISTRAL:
+        window = cfg.get("sliding_window", 4096)
+        sliding, where = (cfg["num_hidden_layers"] if window is not None else 0), "every layer"
+    else:
+        window = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window", False) else None
+        if layer_types is not None:
+            sliding = layer_types.count("sliding_attention")
+        else:
+            first = cfg.get("max_window_layers", 28)
+            sliding = max(0, cfg["num_hidden_layers"] - int(first)) if window is not None else 0
+        where = f"{sliding} of its {cfg['num_hidden_layers']} layers"
+    if not sliding:
+        return ""
+    if window is None:  # layer_types names sliding layers of no window: transformers cannot build their mask
+        return where
+    if isinstance(window, int) and window >= cfg["max_position_embeddings"]:
+        return ""
+    return f"{where} (a {window}-token window)"
 
 
 def _bias_linear(cfg: dict[str, Any], name: str) -> bool:
@@ -151,7 +173,8 @@ def config_from_hf(cfg: dict[str, Any], *, name: str, qkv_bias: bool) -> dict[st
 
         raise CheckpointError(f"the {name} config uses sliding-window attention in {window}, which megatron-hpc "
                               "does not have (every layer attends to all earlier tokens); convert a model with full "
-                              f"attention (sliding_window null, use_sliding_window false); supported: "
+                              "attention (sliding_window null or at least max_position_embeddings, "
+                              "use_sliding_window false, or max_window_layers = num_hidden_layers); supported: "
                               f"{', '.join(supported())}")
     heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
     groups = cfg.get("num_key_value_heads") or heads

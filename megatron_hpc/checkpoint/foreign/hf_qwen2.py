@@ -1,5 +1,7 @@
 """Qwen2 / Qwen2.5 (Hugging Face `Qwen2ForCausalLM`) <-> our GPT: Llama's mapping (hf_llama.py) with a bias on the
-q, k and v projections (our model.add_qkv_bias) and no other; its sliding-window attention is refused. Pure."""
+q, k and v projections (our model.add_qkv_bias) and no other. A sliding window that some layer attends through is
+refused; use_sliding_window on no layer (max_window_layers = num_hidden_layers) is full attention (hf_llama.py
+_sliding_window). Pure."""
 
 from __future__ import annotations
 

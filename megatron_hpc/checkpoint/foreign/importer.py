@@ -5,7 +5,9 @@ Per rank: the model (each virtual chunk) is renamed (foreign_keys.py), its stage
 (chunks in Megatron's order: chunk 0 of every pipeline rank, then chunk 1, ...), QKV rows put in our order, and each
 weight replaced by its fp32 master copy where a 16-bit run kept one (else it stays in the source's dtype). The
 optimizer's positions become names (foreign_optim.py), or, with Megatron's distributed optimizer, its flat buffers in
-distrib_optim.pt are cut back into parameters (distrib_optim.py); then they take our trainer's positions. Progress:
+distrib_optim.pt are cut back into parameters (distrib_optim.py); then they take our trainer's positions. With
+SwiGLU each rank's fused fc ([gate_r; up_r]) is cut into our gate and fc, in the weights, masters and moments alike.
+The model config comes from the saved arguments through megatron_args.py (the mapping torch_dist.py uses too). Progress:
 iteration, consumed samples (the reference's flat keys or Megatron-LM's `args`), and the LR position: the scheduler's
 num_steps counts samples (Megatron steps it by the global batch after every applied update), so applied steps =
 num_steps / global batch.
@@ -27,20 +29,10 @@ from megatron_hpc.checkpoint.conversion import (
     stream,
     tp_layout,
 )
-from megatron_hpc.checkpoint.foreign import distrib_optim, foreign_keys, foreign_optim
+from megatron_hpc.checkpoint.foreign import distrib_optim, foreign_keys, foreign_optim, megatron_args
 from megatron_hpc.checkpoint.foreign.megatron_family import OURS, ForeignCheckpoint, arg, read_rank
 from megatron_hpc.checkpoint.store import FoundCheckpoint, Manifest
 from megatron_hpc.errors import CheckpointError
-
-GPT2_VOCAB = 50257
-"""The GPT-2 BPE vocabulary (Megatron's GPT2BPETokenizer), when a checkpoint records only the padded size."""
-_LAYER_KEYS = ("ln_1.weight", "ln_1.bias", "attn.qkv.weight", "attn.qkv.bias", "attn.proj.weight", "attn.proj.bias",
-               "ln_2.weight", "ln_2.bias", "mlp.fc.weight", "mlp.fc.bias", "mlp.proj.weight", "mlp.proj.bias")
-# Architecture switches in Megatron's args that our GPT cannot follow: (arg, its harmless value, what it means).
-_UNSUPPORTED = (("swiglu", False, "SwiGLU MLPs"), ("num_experts", None, "mixture-of-experts layers"),
-                ("normalization", "LayerNorm", "another normalization than LayerNorm"),
-                ("apply_residual_connection_post_layernorm", False, "residuals taken after the LayerNorm"),
-                ("add_bias_linear", True, "bias-free linear layers"))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -51,18 +43,6 @@ class Imported:
     """What was not carried over, and why (one line each)."""
     source: stream.Source | None = None
     """With import_foreign(lazy=True): the weights' values, one at a time (the whole's model dicts are meta)."""
-
-
-def _check_architecture(state: dict[str, Any], *, where: object) -> None:
-    for name, harmless, what in _UNSUPPORTED:
-        value = arg(state, name, harmless)
-        if value is not None and value != harmless:
-            raise CheckpointError(f"{where} was trained with {name}={value!r} ({what}), which our GPT does not "
-                                  "have; it cannot be converted")
-    heads, groups = arg(state, "num_attention_heads"), arg(state, "num_query_groups")
-    if arg(state, "group_query_attention", False) and groups not in (None, heads):
-        raise CheckpointError(f"{where} uses grouped-query attention ({groups} query groups for {heads} heads), "
-                              "which our GPT does not have; it cannot be converted")
 
 
 def _chunks(state: dict[str, Any], *, where: object) -> list[dict[str, Any]]:
@@ -135,15 +115,6 @@ def _check_tp_agree(row: list[dict[str, torch.Tensor]], *, where: object,
                                           "from one model and iteration")
 
 
-def _check_layers(model: dict[str, torch.Tensor], *, where: object) -> None:
-    layers = sorted({i for i in map(foreign_keys.layer_of, model) if i is not None})
-    for i in layers:
-        missing = [k for k in _LAYER_KEYS if f"h.{i}.{k}" not in model]
-        if missing:
-            raise CheckpointError(f"{where}: layer {i} has no {', '.join(missing[:3])} (bias-free linears or "
-                                  "RMSNorm?), which our GPT needs; it cannot be converted")
-
-
 def _progress(src: ForeignCheckpoint, notes: list[str]) -> tuple[int, int, int]:
     """(iteration, consumed samples, applied LR steps)."""
     state = src.first
@@ -188,65 +159,6 @@ def rng_states(state: dict[str, Any], notes: list[str]) -> list[dict[str, Any]] 
         notes.append("the source holds no RNG state (--no-save-rng); a resumed run uses its seed")
         return None
     return out
-
-
-def true_vocab(state: dict[str, Any], padded: int, given: int | None, notes: list[str]) -> int:
-    if given is not None:
-        if not 0 < given <= padded:
-            raise CheckpointError(f"--vocab-size {given} must be between 1 and the checkpoint's {padded} "
-                                  "embedding rows")
-        return given
-    recorded = arg(state, "vocab_size")
-    if isinstance(recorded, int) and 0 < recorded <= padded:
-        return recorded
-    if arg(state, "tokenizer_type") == "GPT2BPETokenizer" and padded >= GPT2_VOCAB:
-        return GPT2_VOCAB
-    notes.append(f"the true vocabulary size is not recorded; the {padded} embedding rows are all taken as tokens "
-                 "(pass --vocab-size to drop the padding)")
-    return padded
-
-
-def model_config(src: ForeignCheckpoint, full: dict[str, torch.Tensor], *, vocab_size: int | None,
-                 notes: list[str]) -> dict[str, Any]:
-    """Our model config (config/schema.py ModelConfig keys) of the whole model `full` and the source's arguments."""
-    state = src.first
-    heads = arg(state, "num_attention_heads")
-    if not isinstance(heads, int) or heads < 1:
-        raise CheckpointError(f"{src.files.mains[(0, 0)]} records no num_attention_heads; the QKV weights cannot be "
-                              "split into heads without it")
-    layers = foreign_keys.num_layers(list(full))
-    recorded = arg(state, "num_layers")
-    if recorded is not None and recorded != layers:
-        raise CheckpointError(f"{src.folder} holds {layers} layers but its arguments say num_layers={recorded}; "
-                              "shards are missing or the folder mixes checkpoints")
-    hidden = full["wte.weight"].shape[1]
-    if hidden % heads:
-        raise CheckpointError(f"{src.folder}: hidden size {hidden} is not a multiple of its {heads} heads")
-    padded = full["wte.weight"].shape[0]
-    rope = "wpe.weight" not in full
-    if rope and not (arg(state, "position_embedding_type") == "rope" or arg(state, "use_rotary_position_embeddings")):
-        raise CheckpointError(f"{src.folder} has no position embeddings and does not say it uses rotary ones; "
-                              "it cannot be converted")
-    max_pos = full["wpe.weight"].shape[0] if not rope else int(arg(state, "max_position_embeddings")
-                                                                 or arg(state, "seq_length"))
-    cfg = {"num_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
-           "seq_length": int(arg(state, "seq_length") or max_pos), "max_position_embeddings": max_pos,
-           "vocab_size": true_vocab(state, padded, vocab_size, notes),
-           "ffn_hidden_size": full["h.0.mlp.fc.weight"].shape[0] if layers else 4 * hidden,
-           "make_vocab_size_divisible_by": int(arg(state, "make_vocab_size_divisible_by", 128) or 128),
-           "position_embedding": "rope" if rope else "learned",
-           "rotary_percent": float(arg(state, "rotary_percent", 1.0) or 1.0),
-           "rotary_base": float(arg(state, "rotary_base", 10000) or 10000),  # Megatron's --rotary-base
-           "tie_embeddings": "lm_head.weight" not in full,
-           "init_method_std": float(arg(state, "init_method_std", 0.02) or 0.02),
-           "layernorm_epsilon": float(arg(state, "layernorm_epsilon", 1e-5) or 1e-5),
-           # Megatron's fused bias-GeLU (bias_gelu_fusion, on unless --no-bias-gelu-fusion) and openai_gelu both
-           # compute the tanh approximation; only the unfused default is the exact GeLU (transformers' converter
-           # maps them to gelu_fast / gelu_new / gelu likewise: megatron-and-launchers.md 3.5).
-           "activation": "gelu_tanh" if arg(state, "bias_gelu_fusion", False) or arg(state, "openai_gelu", False)
-           else "gelu"}
-    cfg["seq_length"] = min(cfg["seq_length"], max_pos)
-    return cfg
 
 
 def _uses_distributed_optimizer(state: dict[str, Any]) -> bool:
@@ -385,24 +297,17 @@ def import_foreign(src: ForeignCheckpoint, *, vocab_size: int | None = None, laz
                     raise CheckpointError(f"the TP x PP shards of {src.folder} disagree: {src.files.mains[(p, t)]} "
                                           f"has {key} {s.get(key)!r}, {where} {state.get(key)!r}; they are not one "
                                           "checkpoint")
-    _check_architecture(state, where=where)
+    megatron_args.check_architecture(state, where=where)
+    version, heads = _check_sizes(src, where=where)
     tp, pp = src.files.tensor_parallel, src.files.pipeline_parallel
-    recorded = (arg(state, "tensor_model_parallel_size", arg(state, "model_parallel_size")),
-                arg(state, "pipeline_model_parallel_size", 1))
-    if None not in recorded and (int(recorded[0]), int(recorded[1])) != (tp, pp):
-        raise CheckpointError(f"{src.folder} holds tp {tp} x pp {pp} shards but its arguments say tp {recorded[0]} x "
-                              f"pp {recorded[1]}; shards are missing, copy them or pass another iteration")
-    version = float(state.get("checkpoint_version", 0) or 0)
-    heads = arg(state, "num_attention_heads")
-    if not isinstance(heads, int) or heads % tp:
-        raise CheckpointError(f"{where} records num_attention_heads={heads!r}, which tp {tp} does not divide; the "
-                              "checkpoint's arguments do not fit its shards")
     untied = bool(arg(state, "untie_embeddings_and_output_weights", False))
     tied = not untied and not (pp == 1 and _has_output_layer(state))
     ranks, layer_offsets = _renamed(src, tied=tied)
     iteration, consumed, lr_steps = _progress(src, notes)
     optimizers = _optimizers(src, ranks, version=version, heads_per_shard=heads // tp, notes=notes,
                              distributed=_distributed(src, tied=tied, layer_offsets=layer_offsets))
+    if arg(state, "swiglu", False):
+        _split_swiglu(ranks, optimizers, where=src.folder)
     _drop_models(src)  # the weights live on in `ranks` alone, so each is freed once it is ours
     source = None
     if lazy:
@@ -411,7 +316,8 @@ def import_foreign(src: ForeignCheckpoint, *, vocab_size: int | None = None, laz
     else:
         models = _our_models(src, ranks, optimizers, version=version, heads_per_shard=heads // tp)
         full = pp_layout.merged_shapes(models)  # shapes only: a merged copy would hold the model twice
-    cfg = model_config(src, full, vocab_size=vocab_size, notes=notes)
+    cfg = megatron_args.model_config(state, full, where=src.folder, vocab_size=vocab_size, notes=notes)
+    _check_layers(full, cfg, where=src.folder)
     rng = rng_states(state, notes)
     scaler = optimizers[0][0].grad_scaler if optimizers else None
     grid = []
@@ -432,6 +338,77 @@ def import_foreign(src: ForeignCheckpoint, *, vocab_size: int | None = None, laz
     return Imported(whole=whole, family=src.family, notes=list(dict.fromkeys(notes)), source=source)
 
 
+def _check_sizes(src: ForeignCheckpoint, *, where: object) -> tuple[float, int]:
+    """(checkpoint version, heads): the shard grid, heads and query groups fit the arguments."""
+    state = src.first
+    tp, pp = src.files.tensor_parallel, src.files.pipeline_parallel
+    recorded = (arg(state, "tensor_model_parallel_size", arg(state, "model_parallel_size")),
+                arg(state, "pipeline_model_parallel_size", 1))
+    if None not in recorded and (int(recorded[0]), int(recorded[1])) != (tp, pp):
+        raise CheckpointError(f"{src.folder} holds tp {tp} x pp {pp} shards but its arguments say tp {recorded[0]} x "
+                              f"pp {recorded[1]}; shards are missing, copy them or pass another iteration")
+    version = float(state.get("checkpoint_version", 0) or 0)
+    heads = arg(state, "num_attention_heads")
+    if not isinstance(heads, int) or heads % tp:
+        raise CheckpointError(f"{where} records num_attention_heads={heads!r}, which tp {tp} does not divide; the "
+                              "checkpoint's arguments do not fit its shards")
+    groups = megatron_args.query_groups(state)
+    if groups != heads and groups % tp:
+        raise CheckpointError(f"{where} records {groups} query groups for {heads} heads, which tp {tp} does not "
+                              "divide: Megatron splits whole groups over TP; the checkpoint's arguments do not fit "
+                              "its shards")
+    if groups != heads and version < 2.0:
+        raise CheckpointError(f"{where} records {groups} query groups for {heads} heads in checkpoint_version "
+                              f"{version}, whose per-head QKV row orders predate grouped-query attention; the "
+                              "checkpoint's arguments do not fit its version")
+    return version, heads
+
+
+def _split_swiglu(ranks: list[list[dict[str, torch.Tensor]]],
+                  optimizers: list[list[foreign_optim.ForeignOptimizer]] | None, *, where: object) -> None:
+    """SwiGLU's fused fc (Megatron's linear_fc1 / dense_h_to_4h: [gate_r; up_r] rows on TP rank r, its glu chunks
+    the rank's output in two) as our mlp.gate and mlp.fc, in the weights, masters and moments, in place and in
+    order. Views: nothing is copied."""
+    def halves(name: str, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if t.shape[0] % 2:
+            raise CheckpointError(f"{where}: {name} has {t.shape[0]} rows on one TP rank, not [gate; up] halves; "
+                                  "the checkpoint's swiglu argument does not fit its weights")
+        gate, up = t.chunk(2, dim=0)
+        return gate, up
+
+    def moment_halves(name: str, m: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        (g1, u1), (g2, u2) = halves(name, m["exp_avg"]), halves(name, m["exp_avg_sq"])
+        return {**m, "exp_avg": g1, "exp_avg_sq": g2}, {**m, "exp_avg": u1, "exp_avg_sq": u2}
+
+    def split(named: dict[str, Any], cut: Callable[[str, Any], tuple[Any, Any]]) -> None:
+        items = list(named.items())
+        named.clear()
+        for name, value in items:
+            if name.endswith((".mlp.fc.weight", ".mlp.fc.bias")):
+                named[name.replace(".mlp.fc.", ".mlp.gate.")], named[name] = cut(name, value)
+            else:
+                named[name] = value
+
+    for p, row in enumerate(ranks):
+        for t, rank in enumerate(row):
+            split(rank, halves)
+            if optimizers:
+                split(optimizers[p][t].masters, halves)
+                split(optimizers[p][t].moments, moment_halves)
+
+
+def _check_layers(full: dict[str, torch.Tensor], cfg: dict[str, Any], *, where: object) -> None:
+    """Every layer holds exactly the weights our GPT has for `cfg` (its norms, biases and MLP)."""
+    want = megatron_args.layer_keys(cfg)
+    for i in range(cfg["num_layers"]):
+        got = sorted(n[len(f"h.{i}."):] for n in full if foreign_keys.layer_of(n) == i)
+        if got != want:
+            odd = sorted(set(got) ^ set(want))[:3]
+            raise CheckpointError(f"{where}: layer {i} holds {got} but our GPT with the checkpoint's arguments "
+                                  f"(normalization, swiglu, biases) has {want} (differing: {odd}); it cannot be "
+                                  "converted")
+
+
 def _our_models(src: ForeignCheckpoint, ranks: list[list[dict[str, torch.Tensor]]],
                  optimizers: list[list[foreign_optim.ForeignOptimizer]] | None, *, version: float,
                  heads_per_shard: int) -> list[list[dict[str, torch.Tensor]]]:
@@ -449,7 +426,6 @@ def _our_models(src: ForeignCheckpoint, ranks: list[list[dict[str, torch.Tensor]
                                 if foreign_keys.is_qkv(name) else w)
                 model[name] = w.detach().contiguous()
                 del w
-            _check_layers(model, where=src.files.mains[(p, t)])
             models[-1].append(model)
         _check_tp_agree(models[-1], where=src.folder)
     give_back_freed()  # the source's copies, freed one by one above
@@ -482,7 +458,6 @@ def _lazy_models(src: ForeignCheckpoint, ranks: list[list[dict[str, torch.Tensor
                 kept = name in masters
                 mine[name] = (masters[name] if kept else w.detach(), foreign_keys.is_qkv(name) and not kept)
                 model[name] = torch.empty(mine[name][0].shape, dtype=mine[name][0].dtype, device="meta")
-            _check_layers(model, where=src.files.mains[(p, t)])
             models[-1].append(model)
         _check_tp_agree(models[-1], where=src.folder, value=lambda t, name, p=p: weight(p, t, name))
     return models, weight, release

@@ -21,21 +21,14 @@ from typing import Any
 import torch
 
 from megatron_hpc.checkpoint.conversion import WholeCheckpoint, optim_layout, pp_layout
-from megatron_hpc.checkpoint.foreign import torch_dist_keys, torch_dist_optim
-from megatron_hpc.checkpoint.foreign.importer import Imported, adam_groups, rng_states, true_vocab
+from megatron_hpc.checkpoint.foreign import megatron_args, torch_dist_keys, torch_dist_optim
+from megatron_hpc.checkpoint.foreign.importer import Imported, adam_groups, rng_states
 from megatron_hpc.checkpoint.foreign.megatron_family import arg
 from megatron_hpc.checkpoint.foreign.torch_dist_files import TorchDistFolder, open_folder, read
 from megatron_hpc.checkpoint.store import FoundCheckpoint, Manifest
 from megatron_hpc.errors import CheckpointError
 
 FAMILY = "megatron-core"
-# Architecture switches in Megatron-LM's args our GPT cannot follow: (arg, its harmless value, what it means).
-_UNSUPPORTED = (("num_experts", None, "mixture-of-experts layers"), ("qk_layernorm", False, "QK layer norms"),
-                ("apply_residual_connection_post_layernorm", False, "residuals taken after the norm"),
-                ("apply_layernorm_1p", False, "zero-centred (1 + weight) norms"), ("squared_relu", False,
-                "squared-ReLU MLPs"), ("rotary_interleaved", False, "interleaved rotary pairs"),
-                ("mtp_num_layers", None, "multi-token prediction layers"))
-_NORMS = {"LayerNorm": "layernorm", "RMSNorm": "rmsnorm"}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -53,20 +46,6 @@ def _args(src: TorchDistFolder) -> Any:
     return args
 
 
-def _check_architecture(args: Any, *, where: Path) -> None:
-    for name, harmless, what in _UNSUPPORTED:
-        value = getattr(args, name, harmless)
-        if value is not None and value != harmless:
-            raise CheckpointError(f"{where} was trained with {name}={value!r} ({what}), which our GPT does not "
-                                  "have; it cannot be converted")
-    if getattr(args, "normalization", "LayerNorm") not in _NORMS:
-        raise CheckpointError(f"{where} was trained with normalization={args.normalization!r}; our GPT has "
-                              f"{' and '.join(_NORMS)}, it cannot be converted")
-    if getattr(args, "position_embedding_type", "learned_absolute") not in ("learned_absolute", "rope"):
-        raise CheckpointError(f"{where} uses position_embedding_type={args.position_embedding_type!r}; our GPT has "
-                              "learned_absolute and rope, it cannot be converted")
-
-
 def _num_layers(src: TorchDistFolder, model_keys: list[str], args: Any) -> int:
     stacked = {src.keys[k].size[0] for k in model_keys if torch_dist_keys.layer_slots(k) is not None}
     recorded = getattr(args, "num_layers", None)
@@ -74,51 +53,6 @@ def _num_layers(src: TorchDistFolder, model_keys: list[str], args: Any) -> int:
         raise CheckpointError(f"{src.folder}: its decoder.layers tensors stack {sorted(stacked)} layers but its args "
                               f"say num_layers={recorded}; the checkpoint is not one model, pass another iteration")
     return stacked.pop()
-
-
-def model_config(args: Any, full: dict[str, torch.Tensor], *, where: Path, vocab_size: int | None,
-                 notes: list[str]) -> dict[str, Any]:
-    """Our model config (config/schema.py ModelConfig keys) from Megatron-LM's args, checked against `full`."""
-    heads = int(args.num_attention_heads)
-    hidden = full["wte.weight"].shape[1]
-    groups = int(args.num_query_groups) if getattr(args, "group_query_attention", False) else heads
-    kv = getattr(args, "kv_channels", None) or hidden // heads
-    if hidden % heads or kv != hidden // heads or heads % groups:
-        raise CheckpointError(f"{where}: {heads} heads of {kv} channels in {groups} query groups do not fit hidden "
-                              f"size {hidden}; our GPT needs kv_channels = hidden / heads, it cannot be converted")
-    qkv_rows = full["h.0.attn.qkv.weight"].shape[0] if "h.0.attn.qkv.weight" in full else (heads + 2 * groups) * kv
-    if qkv_rows != (heads + 2 * groups) * kv:
-        raise CheckpointError(f"{where}: linear_qkv has {qkv_rows} rows, not ({heads} + 2 x {groups}) x {kv}; its args "
-                              "do not fit its weights, it cannot be converted")
-    rope = getattr(args, "position_embedding_type", "learned_absolute") == "rope"
-    if rope == ("wpe.weight" in full):
-        raise CheckpointError(f"{where}: position_embedding_type={args.position_embedding_type!r} but the position "
-                              f"table is {'there' if not rope else 'missing'}; it cannot be converted")
-    max_pos = full["wpe.weight"].shape[0] if not rope else int(args.max_position_embeddings or args.seq_length)
-    padded = full["wte.weight"].shape[0]
-    bias = "h.0.attn.proj.bias" in full
-    cfg = {"num_layers": 1 + max(pp_layout.layer_of(n) or 0 for n in full), "hidden_size": hidden,
-           "num_attention_heads": heads, "num_query_groups": groups if groups != heads else None,
-           "seq_length": min(int(getattr(args, "seq_length", max_pos) or max_pos), max_pos),
-           "max_position_embeddings": max_pos,
-           "vocab_size": true_vocab({"args": args}, padded, vocab_size, notes),
-           "ffn_hidden_size": full["h.0.mlp.fc.weight"].shape[0] if "h.0.mlp.fc.weight" in full else 4 * hidden,
-           "make_vocab_size_divisible_by": int(getattr(args, "make_vocab_size_divisible_by", 128) or 128),
-           "position_embedding": "rope" if rope else "learned",
-           "rotary_percent": float(getattr(args, "rotary_percent", 1.0) or 1.0),
-           "rotary_base": float(getattr(args, "rotary_base", 10000) or 10000),
-           "tie_embeddings": "lm_head.weight" not in full,
-           "init_method_std": float(getattr(args, "init_method_std", 0.02) or 0.02),
-           "layernorm_epsilon": float(getattr(args, "norm_epsilon", getattr(args, "layernorm_epsilon", 1e-5))),
-           "normalization": _NORMS[getattr(args, "normalization", "LayerNorm")],
-           "swiglu": bool(getattr(args, "swiglu", False)), "add_bias_linear": bias,
-           "add_qkv_bias": "h.0.attn.qkv.bias" in full and not bias,
-           # megatron-core's fused bias-GeLU is the tanh approximation; unfused (or bias-free) GeLU is exact.
-           "activation": "gelu_tanh" if bias and (getattr(args, "bias_gelu_fusion", False)
-                                                   or getattr(args, "openai_gelu", False)) else "gelu"}
-    if getattr(args, "use_rope_scaling", False):
-        cfg.update(rope_scaling="llama3", rope_scaling_factor=float(getattr(args, "rope_scaling_factor", 8.0) or 8.0))
-    return cfg
 
 
 def _train_settings(args: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -166,12 +100,12 @@ def import_torch_dist(folder: Path, *, vocab_size: int | None = None) -> TorchDi
     """The torch_dist checkpoint in `folder` (an iteration folder) as our WholeCheckpoint at TP 1 x PP 1."""
     src = open_folder(folder)
     args = _args(src)
-    _check_architecture(args, where=folder)
+    megatron_args.check_architecture({"args": args}, where=folder)
     notes: list[str] = []
     tp, pp = int(getattr(args, "tensor_model_parallel_size", 1)), int(getattr(args, "pipeline_model_parallel_size", 1))
     dp = int(getattr(args, "data_parallel_size", 0) or 0) or 1
     megatron, model, layers = _read_model(src, args)
-    cfg = model_config(args, model, where=folder, vocab_size=vocab_size, notes=notes)
+    cfg = megatron_args.model_config({"args": args}, model, where=folder, vocab_size=vocab_size, notes=notes)
     iteration, consumed, lr_steps = _progress(src, args, notes)
     optimizer = None
     try:
@@ -264,7 +198,8 @@ def torch_dist_summary(folder: Path) -> dict[str, Any]:
     rows += [{"name": k, "shape": [], "dtype": "object"} for k in src.object_keys()]
     return {"path": str(folder), "family": FAMILY, "iteration": src.common.get("iteration"), "format": "torch_dist",
             "tensor_parallel": arg(top, "tensor_model_parallel_size"),
-            "pipeline_parallel": arg(top, "pipeline_model_parallel_size"), "virtual_pipeline": None,
+            "pipeline_parallel": arg(top, "pipeline_model_parallel_size"),
+            "virtual_pipeline": arg(top, "virtual_pipeline_model_parallel_size"),
             "data_parallel": arg(top, "data_parallel_size"), "world_size": arg(top, "world_size"),
             "files": len(list(folder.iterdir())), "bytes": sum(p.stat().st_size for p in folder.iterdir()
                                                              if p.is_file()),
