@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -221,3 +222,19 @@ def test_exclude_stragglers_leaves_the_named_node_out_of_the_restart(reference, 
     assert line["nodes_lost"] == [second] and first not in line["nodes"] and second not in line["nodes"]
     assert f"leaving out the straggler(s) {first} (launch.exclude_stragglers)" in driver_log(run_dir)
     # (the new step's trainer rewrote stragglers.json at its first timed log: it names no one now)
+
+
+def test_a_stopped_rank_is_caught_as_a_hang_and_restarted_on_the_spare(reference, tmp_path, worker_pids):
+    """SIGSTOP: the node watchdog (launch/watchdog.py) reports the hang naming the node, kills its workers, and the
+    driver restarts without that node."""
+    run_dir = tmp_path / "stopped"
+    job_id = submit(run_dir, spares=1, extra=["launch.hang_timeout_s=10"])
+    lost = first_step_nodes(run_dir)[1]
+    wait_for_iteration(run_dir, 6)
+    os.kill(worker_pids(run_dir)[1], signal.SIGSTOP)
+    line = check_restarted_on_the_spare(run_dir, job_id, reference, reason="hang", lost=lost)
+    # every node's watchdog that fired names the stopped rank's node (the other may fire too, before srun ends it)
+    reports = [json.loads(p.read_text()) for p in (run_dir / "hangs").glob("*.json")]
+    assert reports and all(r["suspect_nodes"] == [lost] for r in reports), reports
+    assert line["failed_at"] == min(r["detected_at"] for r in reports)
+    assert list((run_dir / "debug").glob("hang-*.txt"))  # the stacks, saved before the workers were killed
