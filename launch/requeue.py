@@ -11,6 +11,8 @@ the newest complete checkpoint.
   by the failing node, up to the limit. Our own errors (config, data, checkpoint) write fatal.json and
   are never retried; a compile phase that fails is never retried either (the run job is cancelled).
 - A job that is no longer RUNNING (cancelled by a person, or already requeued by SLURM) is left alone.
+- An in-job step (hot spares: MEGATRON_HPC_IN_JOB_STEP set by launch/in_job.py): nothing is decided here;
+  the node records how its part ended (launch/step_exit.py) and the driver decides.
 - A compile phase that succeeded on every node, its node-local caches published, records its compile
   fingerprint in the shared cache (record_fingerprint): later submits of the same graphs skip it.
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -30,6 +33,13 @@ from pathlib import Path
 from typing import Literal
 
 from megatron_hpc.compile_cache import fingerprint
+from megatron_hpc.launch.step_exit import (
+    IN_JOB_STEP_ENV,
+    node_exit_from_log,
+    read_node_exits,
+    step_folder,
+    write_node_exit,
+)
 
 from megatron_hpc.errors import MegatronHpcError
 from megatron_hpc.run_folder import (
@@ -196,6 +206,28 @@ def _ranges(nodes: list[int]) -> str:
     return shown if len(nodes) <= 8 else f"{shown} and {len(nodes) - 8} more"
 
 
+VICTIM_WAIT_S = 2.0
+"""How long the first node to report, when its workers only raised, lingers, so that the node whose worker was killed
+(and caused it) reports too before srun ends the step (launch/step_exit.py)."""
+
+
+def record_step_exit(run_dir: Path, *, step: int, exit_code: int, node_rank: int) -> int:
+    """An in-job step ended on this node: leave the record the driver decides on (launch/in_job.py); no requeue."""
+    who = job_attempt()
+    # SLURM's name of the node (what scontrol and the driver use), not the host name, which may be qualified.
+    host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    record = node_exit_from_log(run_dir, host=host, node_rank=node_rank, exit_code=exit_code)
+    folder = step_folder(run_dir, job_id=str(who["job_id"]), attempt=who["attempt"], step=step)
+    first = not read_node_exits(folder)  # a node that reported before this one is what srun is ending the step for
+    write_node_exit(folder, record)
+    killed = f", a worker killed by signal {record.worker_signal}" if record.worker_signal else ""
+    print(f"megatron-hpc: in-job step {step} ended on {record.host} (exit {exit_code}{killed}); the driver on the "
+          "job's first node decides what follows", flush=True)
+    if exit_code and record.worker_signal is None and first:
+        time.sleep(VICTIM_WAIT_S)
+    return exit_code
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_hpc.launch.requeue",
                                      description="Finish, fail or requeue the job after a phase ended on this node.")
@@ -205,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--node-rank", type=int, default=None,
                         help="this node's rank (node.sh's NODE_RANK; a PyTorchJob pod has no SLURM_NODEID)")
     args = parser.parse_args(argv)
+    step = os.environ.get(IN_JOB_STEP_ENV, "")
+    if step.isdigit() and args.phase == "run":
+        return record_step_exit(args.run_dir, step=int(step), exit_code=args.exit_code,
+                                node_rank=args.node_rank or 0)
     outcome = read_outcome(args.run_dir, phase=args.phase, exit_code=args.exit_code, node_rank=args.node_rank)
     decision = decide(outcome)
     requeued = False

@@ -33,8 +33,9 @@ RESUMABLE_KEYS = frozenset({
     "checkpoint.on_save_failure", "checkpoint.io_workers_per_node", "checkpoint.async_save", "launch.time_limit_min",
     "launch.compile_time_limit_min", "compile.num_steps",
     "compile.enabled",
-    # What watches the run, not what it computes (issue 28).
-    "launch.hang_timeout_s", "launch.straggler_threshold",
+    # What watches the run and where it runs, not what it computes (issue 28).
+    "launch.hang_timeout_s", "launch.straggler_threshold", "launch.spare_nodes", "launch.max_in_job_restarts",
+    "launch.exclude_stragglers",
 })
 ACTIVE_STATES = frozenset({"PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPENDED",
                            "RESIZING", "REQUEUE_HOLD", "REQUEUE_FED", "SUBMITTED"})

@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megatron_hpc.launch.restart_log import Restart, read_restarts
+
 from megatron_hpc.checkpoint.store import parse_tracker, tracker_file
 from megatron_hpc.errors import ACCESS_FIX, LaunchError, access_problem
 from megatron_hpc.run_folder import (
@@ -71,6 +73,12 @@ class RunStatus:
     progress: Progress | None = None
     last_checkpoint: str | None = None
     """Folder of the newest complete checkpoint, per the tracker."""
+    spare_nodes: int = 0
+    """launch.spare_nodes: hot spares the run phase holds beside its nodes."""
+    restarts: list[Restart] = field(default_factory=list)
+    """In-job restarts (restarts.jsonl), each with its reason, the nodes lost and its cost."""
+    nodes_lost: list[str] = field(default_factory=list)
+    """Every node an in-job restart left out, in order."""
     stragglers: dict[str, Any] | None = None
     """stragglers.json as the trainer last wrote it (its "nodes" are the ones named now); None before the first log."""
 
@@ -213,6 +221,9 @@ def read_status(run_dir: Path) -> RunStatus:
     status.progress = read_progress(trained_in, train_iters=config.get("train", {}).get("num_steps"))
     save = (config.get("checkpoint") or {}).get("save")
     status.last_checkpoint = last_checkpoint(Path(save).expanduser() if save else trained_in / CHECKPOINT_DIR)
+    status.spare_nodes = int((config.get("launch") or {}).get("spare_nodes") or 0)
+    status.restarts = read_restarts(trained_in)
+    status.nodes_lost = list(dict.fromkeys(n for r in status.restarts for n in r.nodes_lost))
     status.stragglers = _read_json(trained_in / STRAGGLERS_FILE)
     return status
 
@@ -353,7 +364,22 @@ def format_status(status: RunStatus) -> str:
     if named:
         lines.append("stragglers " + ", ".join(f"{n.get('node')} {n.get('ratio', 0):.2f}x the median node"
                                                for n in named))
+    lines += _restart_lines(status)
     return "\n".join(lines)
+
+
+def _restart_lines(status: RunStatus) -> list[str]:
+    """Spares and in-job restarts; nothing for a run without spares."""
+    lines = []
+    if status.spare_nodes:
+        lost = f"; nodes lost: {', '.join(status.nodes_lost)}" if status.nodes_lost else ""
+        lines.append(f"spares    {status.spare_nodes} hot spare node(s), {len(status.restarts)} in-job "
+                     f"restart(s){lost}")
+    for r in status.restarts:
+        cost = f"cost {r.cost_s:.1f} s" if r.cost_s is not None else "no step logged since"
+        lost = f" without {','.join(r.nodes_lost)}" if r.nodes_lost else ""
+        lines.append(f"restart   job {r.job_id} step {r.step}: {r.reason}{lost}, now on {','.join(r.nodes)}; {cost}")
+    return lines
 
 
 def _duration(seconds: float) -> str:

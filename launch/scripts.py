@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 from importlib import resources
 
 from megatron_hpc.compile_cache.paths import cache_env
+from megatron_hpc.launch.requeue import DEFAULT_MAX_REQUEUES, MAX_REQUEUES_ENV
+from megatron_hpc.launch.run_dir import python_bin_dir
+from megatron_hpc.launch.step_exit import IN_JOB_STEP_ENV
 from megatron_hpc.launch.watchdog import HANG_EXIT
 
 from megatron_hpc import __version__
@@ -93,6 +96,7 @@ def render_node_script(spec: PhaseSpec, *, recipe: str, run_dir: str, bin_dir: s
         # The run-folder names the node script shares with the trainer and the launcher (run_folder.py).
         "log_dir": LOG_DIR,
         "stop_request": STOP_REQUEST_FILE,
+        "in_job_env": IN_JOB_STEP_ENV,
         "hang_exit": HANG_EXIT,
     })
 
@@ -110,7 +114,7 @@ def sbatch_directives(spec: PhaseSpec, *, log_dir: str, workdir: str,
     """(flag, value) pairs of the #SBATCH header; value None is a bare flag."""
     flags: list[tuple[str, str | None]] = [
         ("job-name", spec.job_name),
-        ("nodes", str(spec.num_nodes)),
+        ("nodes", str(spec.billed_nodes)),
         ("ntasks-per-node", "1"),
         ("output", f"{log_dir}/%x-%j.out"),
         ("open-mode", "append"),
@@ -124,6 +128,9 @@ def sbatch_directives(spec: PhaseSpec, *, log_dir: str, workdir: str,
         flags.append(("exclusive", None))
     if spec.requeue:
         flags.append(("requeue", None))
+    if spec.spare_nodes:
+        # A lost node must not end the job: the in-job driver starts the next step on the healthy ones.
+        flags.append(("no-kill", None))
     # submitit's default warning (USR2 90 s before the limit): the run saves, then requeues.
     flags.append(("signal", f"USR2@{spec.signal_lead_s}"))
     for key, value in (("partition", options.partition), ("account", options.account),
@@ -144,7 +151,10 @@ def render_sbatch(spec: PhaseSpec, plan: Plan, *, node_script: str, log_dir: str
                 f"#   {_shell_line(sbatch_command(f'{spec.phase}.sbatch', after=f'${depends_on.upper()}_JOB_ID'))}")
     else:
         note = ""
-    command = shlex.join(["bash", node_script, spec.phase])
+    node_command = ["bash", node_script, spec.phase]
+    command = shlex.join(["srun", *options.srun_args(), *node_command])
+    if spec.spare_nodes:
+        command = in_job_command(spec, run_dir=out_dir, srun=[*options.srun_args(), *node_command])
     return render(load_template("phase.sbatch"), {
         "phase": spec.phase,
         "recipe": plan.recipe,
@@ -158,9 +168,20 @@ def render_sbatch(spec: PhaseSpec, plan: Plan, *, node_script: str, log_dir: str
         "sbatch_lines": "\n".join(lines),
         "dependency_note": note,
         "setup_lines": "".join(f"{line}\n" for line in options.setup),
-        "srun_args": shlex.join(options.srun_args()),
         "command": command,
     })
+
+
+def in_job_command(spec: PhaseSpec, *, run_dir: str, srun: list[str]) -> str:
+    """The batch script's line with hot spares: the in-job driver (launch/in_job.py) runs `srun SRUN` as steps on
+    spec.num_nodes healthy nodes of the allocation and restarts in the job when one fails. It runs with the
+    Python megatron-hpc was submitted from, as node.sh does."""
+    argv = [f"{python_bin_dir()}/python", "-m", "megatron_hpc.launch.in_job", "--run-dir", run_dir,
+            "--nodes", str(spec.num_nodes), "--max-restarts", str(spec.max_in_job_restarts),
+            "--max-requeues", spec.env.get(MAX_REQUEUES_ENV, str(DEFAULT_MAX_REQUEUES))]
+    if spec.exclude_stragglers:
+        argv.append("--exclude-stragglers")
+    return shlex.join([*argv, "--", *srun])
 
 
 def sbatch_command(script: str, *, after: str | None = None) -> list[str]:

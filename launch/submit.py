@@ -140,6 +140,44 @@ def check_cluster(cluster: Cluster, *, num_nodes: int, platform: Platform) -> No
                           "found); use --platform cpu to run locally, or --dry-run to write the scripts")
 
 
+def check_spares(req: SubmitRequest, *, echo: Callable[[str], None] | None = None) -> None:
+    """Hot spares need SLURM and room in the partition for --nodes + launch.spare_nodes; elsewhere say they are
+    ignored."""
+    spares = req.cfg.launch.spare_nodes
+    if not spares:
+        return
+    if req.cluster != "slurm":
+        if echo:
+            echo(f"warning: launch.spare_nodes={spares} is ignored on --cluster {req.cluster}: hot spares and "
+                 "in-job restarts need --cluster slurm")
+        return
+    total, partition = partition_size(req.options.partition)
+    wanted = req.plan.num_nodes + spares
+    if total is not None and wanted > total:
+        fix = (f"--set launch.spare_nodes={total - req.plan.num_nodes}" if total > req.plan.num_nodes
+               else "fewer --nodes")
+        raise LaunchError(f"--nodes {req.plan.num_nodes} + launch.spare_nodes={spares} asks for {wanted} nodes, "
+                          f"but partition {partition} has {total}; use {fix}, or a larger --partition")
+
+
+def partition_size(partition: str | None) -> tuple[int | None, str]:
+    """How many nodes `sinfo` lists in the partition (the default one when None); None when sinfo cannot say."""
+    try:
+        proc = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %P"], capture_output=True, text=True, timeout=30,
+                              check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None, partition or "(default)"
+    nodes: dict[str, set[str]] = {}
+    default = None
+    for line in proc.stdout.splitlines():
+        node, _, part = line.strip().partition(" ")
+        if part.endswith("*"):
+            part = default = part[:-1]
+        nodes.setdefault(part, set()).add(node)
+    name = partition or default
+    return (len(nodes[name]) if name in nodes else None), name or "(default)"
+
+
 def _check_controller() -> None:
     """A SLURM controller must answer before anything is written or queued."""
     try:
@@ -220,6 +258,7 @@ def decide_phases(req: SubmitRequest) -> RunFiles:
 def submit(req: SubmitRequest, *, wait: bool, echo: Callable[[str], None] | None = None) -> SubmitResult:
     """Write the run files and queue the phases; with `wait`, follow them to the end."""
     check_cluster(req.cluster, num_nodes=req.plan.num_nodes, platform=req.platform)
+    check_spares(req, echo=echo)
     files = write_run_files(req)
     note = files.compile_message(req.cache_root)
     if note and echo:

@@ -21,6 +21,7 @@ No torch, no clock beyond time stamps in records; safe for the launcher to impor
     <run>/stragglers.json        the nodes named slow (the trainer's last rank)
     <run>/restarts.jsonl         one line per in-job restart (launch/in_job.py)
     <run>/restart-request.json   `megatron-hpc restart RUN --exclude NODE` for the running job
+    <run>/step-exits/<job>.<attempt>.<step>/<host>.json   how each node's part of an in-job step ended
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ TUNE_FILE = "tune.json"
 """What a tune job measured and fitted: every candidate predicted before and after, measured, error."""
 TUNE_OVERLAY_FILE = "tune-overlay.txt"
 """The winning layout as --set arguments, one line."""
+STEP_EXITS_DIR = "step-exits"
 
 
 def sbatch_file(phase: str) -> str:

@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("megatron_hpc.cli.status_cmd", "phase, SLURM state, requeues and progress of a run"),
     "logs": ("megatron_hpc.cli.logs_cmd", "print (or follow) a node's log of a run"),
     "cancel": ("megatron_hpc.cli.cancel_cmd", "cancel both phases of a run"),
+    "restart": ("megatron_hpc.cli.restart_cmd", "move a running run with hot spares off some nodes, in its job"),
     "runs": ("megatron_hpc.cli.runs_cmd", "table of recent runs"),
     "debug": ("megatron_hpc.cli.debug_cmd", "collect the Python stacks of every rank of a running job"),
     "report": ("megatron_hpc.cli.report_cmd", "plot loss, learning rate and throughput of a run"),

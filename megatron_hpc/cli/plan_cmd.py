@@ -166,6 +166,10 @@ def format_plan(resolved: Resolved, *, data: DataSummary | None = None) -> str:
         ("data", (data or data_summary(resolved)).line()),
         ("checkpoint", _checkpoint_line(resolved)),
     ]
+    spares = resolved.cfg.launch.spare_nodes
+    if spares:
+        rows.insert(1, ("nodes", f"{plan.num_nodes} + {spares} hot spare{'s' if spares > 1 else ''} (idle until a "
+                                 f"node fails; {plan.num_nodes + spares} billed)"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
@@ -175,8 +179,9 @@ def plan_json(resolved: Resolved, *, data: DataSummary) -> dict[str, object]:
     (plan/architecture.py) and the warnings (as `submit --json` has them) beside them."""
     from megatron_hpc.plan.architecture import features
 
-    return {**resolved.plan.to_json(), "data": data.to_json(), "model": features(resolved.cfg.model),
-            "warnings": plan_warnings(resolved)}
+    spares = resolved.cfg.launch.spare_nodes
+    return {**resolved.plan.to_json(), "spare_nodes": spares, "billed_nodes": resolved.plan.num_nodes + spares,
+            "data": data.to_json(), "model": features(resolved.cfg.model), "warnings": plan_warnings(resolved)}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -57,6 +57,15 @@ class PhaseSpec:
     requeue: bool = True
     signal_lead_s: int = 90
     """SLURM sends USR2 this long before the time limit (submitit's default): the run saves and requeues."""
+    spare_nodes: int = 0
+    """Hot spares (launch.spare_nodes, run phase only): the job asks num_nodes + spare_nodes with --no-kill and
+    its batch script runs the in-job driver, which starts the workers as steps on num_nodes healthy nodes."""
+    max_in_job_restarts: int = 0
+    exclude_stragglers: bool = False
+
+    @property
+    def billed_nodes(self) -> int:
+        return self.num_nodes + self.spare_nodes
 
 
 def phase_env(cfg: RunConfig, platform: Platform, *, extra: dict[str, str]) -> dict[str, str]:
@@ -88,7 +97,9 @@ def make_phases(cfg: RunConfig, plan: Plan, platform: Platform, *,
                   gpus_per_node=platform.gpus_per_node, nofile_limit=cfg.launch.nofile_limit,
                   exclusive=cfg.launch.exclusive)
     run = PhaseSpec(phase="run", job_name=f"{cfg.name}-run", requeue=True,
-                    time_limit_min=cfg.launch.time_limit_min, **common)
+                    time_limit_min=cfg.launch.time_limit_min, spare_nodes=cfg.launch.spare_nodes,
+                    max_in_job_restarts=cfg.launch.max_in_job_restarts,
+                    exclude_stragglers=cfg.launch.exclude_stragglers, **common)
     if compile_left_out(cfg, platform) is not None:
         return (run,)
     # Both phases requeue, as the reference scripts do: a preempted compile comes back too.

@@ -11,7 +11,15 @@ RUN_DIR={{run_dir}}
 export PATH={{bin_dir}}:$PATH
 {{env_exports}}
 
-if [ -n "${SLURM_JOB_ID:-}" ]; then
+IN_JOB_STEP=${{{in_job_env}}:-}
+if [ -n "${SLURM_JOB_ID:-}" ] && [ -n "$IN_JOB_STEP" ]; then
+  # An in-job step on N of the allocation's N + spares nodes (launch/in_job.py): the rendezvous is the step's.
+  # Inside a step SLURM_NODEID counts from the step's first node.
+  MASTER_ADDR=$(scontrol show hostnames "$SLURM_STEP_NODELIST" | head -n 1)
+  NNODES=$SLURM_STEP_NUM_NODES
+  NODE_RANK=$SLURM_NODEID
+  JOB_ID=$SLURM_JOB_ID
+elif [ -n "${SLURM_JOB_ID:-}" ]; then
   MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
   NNODES=${SLURM_JOB_NUM_NODES:-$SLURM_NNODES}
   NODE_RANK=$SLURM_NODEID
@@ -30,14 +38,15 @@ else
 fi
 if [ -z "${MEGATRON_HPC_K8S_NNODES:-}" ]; then
   # Derived from the job id (two jobs on one first node must not collide); clear of 62182 and 8547.
-  MASTER_PORT=$(( {{port_base}} + JOB_ID % {{port_span}} ))
+  # Each in-job step is a new rendezvous: a port the failed step's master may still hold is not reused.
+  MASTER_PORT=$(( {{port_base}} + (JOB_ID + 101 * ${IN_JOB_STEP:-0}) % {{port_span}} ))
 fi
 export MASTER_ADDR MASTER_PORT
 
 mkdir -p "$RUN_DIR/{{log_dir}}"
 LOG="$RUN_DIR/{{log_dir}}/$PHASE-node$NODE_RANK.log"
 # The first line of each attempt (a requeued job appends to the same log; launch/failure_reason.py reads the last).
-echo "megatron-hpc: $PHASE phase, node $NODE_RANK of $NNODES, master $MASTER_ADDR:$MASTER_PORT, job $JOB_ID" | tee -a "$LOG"
+echo "megatron-hpc: $PHASE phase, node $NODE_RANK of $NNODES, master $MASTER_ADDR:$MASTER_PORT, job $JOB_ID${IN_JOB_STEP:+ step $IN_JOB_STEP on ${SLURMD_NODENAME:-$(hostname)}}" | tee -a "$LOG"
 
 # Collective libraries open one descriptor per peer; 1024 is not enough at scale.
 if ! ulimit -n {{nofile_limit}} 2>/dev/null; then
@@ -128,7 +137,8 @@ if [ "$STATUS" -eq 0 ] && [ "$LOCAL_CACHE" != "$SHARED_CACHE" ] \
 fi
 [ -n "${REMOVE_LOCAL_CACHE:-}" ] && rm -rf "$LOCAL_CACHE"
 
-# Finish, fail, or requeue the job to resume from its checkpoint (launch/requeue.py says which).
+# Finish, fail, or requeue the job to resume from its checkpoint (launch/requeue.py says which); in an in-job
+# step, record how it ended here for the driver, which decides.
 python -m megatron_hpc.launch.requeue --run-dir "$RUN_DIR" --phase "$PHASE" --exit-code "$STATUS" \
   --node-rank "$NODE_RANK" 2>&1 \
   | tee -a "$LOG"

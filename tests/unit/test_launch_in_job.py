@@ -1,0 +1,179 @@
+"""Hot spares and the in-job restart without SLURM: the driver's pure rules, the nodes' exit records, the restart
+request's refusals, restarts in `status`, and the plan and sbatch text of a run with spares.
+(The real thing, on the local cluster: tests/slurm/test_in_job_slurm.py.)"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from megatron_hpc.launch.restart_log import read_restarts
+from megatron_hpc.launch.restart_request import check_request
+from megatron_hpc.launch.restart_rules import (
+    DriverState,
+    StepEnd,
+    classify,
+    decide,
+    healthy_nodes,
+    node_names,
+    node_unusable,
+    step_nodes,
+    stragglers_to_exclude,
+)
+from megatron_hpc.launch.run_status import JobStatus, RunStatus, format_status
+from megatron_hpc.launch.step_exit import NodeExit, worker_signal
+
+from megatron_hpc.errors import ConfigError, LaunchError
+
+ALLOC = ("n1", "n2", "n3")
+
+
+def end(**kw) -> StepEnd:
+    base = dict(step=0, nodes=("n1", "n2"), exit_code=1, started_at=100.0, ended_at=130.0, allocation=ALLOC)
+    return StepEnd(**{**base, **kw})
+
+
+def exit_(host: str, t: float, code: int = 1, sig: int | None = None) -> NodeExit:
+    return NodeExit(host=host, node_rank=0, exit_code=code, time=t, worker_signal=sig)
+
+
+STATE = DriverState(num_nodes=2, max_restarts=3)
+
+
+def test_healthy_nodes_and_the_next_steps_nodes():
+    healthy = healthy_nodes(("n1", "n2", "n3", "n4"), unusable={"n2"}, excluded={"n4"})
+    assert healthy == ("n1", "n3")
+    # the survivors keep their place, a spare fills in; too few nodes is no step at all
+    assert step_nodes(("n1", "n3", "n4"), num_nodes=2, previous=("n3", "n2")) == ("n3", "n1")
+    assert step_nodes(("n1",), num_nodes=2) == ()
+    assert node_unusable("IDLE+DRAIN") and node_unusable("DOWN") and node_unusable("ALLOCATED*")
+    assert not node_unusable("ALLOCATED") and not node_unusable("MIXED")
+
+
+def test_host_names_are_matched_to_the_allocations_node_names():
+    assert node_names(["n2.cluster.local", "n3", "other.x"], ALLOC) == ("n2", "n3", "other.x")
+
+
+def test_stragglers_are_left_out_only_while_enough_nodes_remain():
+    assert stragglers_to_exclude(("n1", "n2", "n3"), ["n2", "n9"], num_nodes=2) == ("n2",)
+    assert stragglers_to_exclude(("n1", "n2", "n3"), ["n3", "n2"], num_nodes=2) == ("n3",)  # slowest first
+    assert stragglers_to_exclude(("n1", "n2"), ["n2"], num_nodes=2) == ()
+
+
+@pytest.mark.parametrize("facts, reason, lost", [
+    (dict(unusable=frozenset({"n2"})), "node_lost", ("n2",)),
+    (dict(allocation=("n1", "n3")), "node_lost", ("n2",)),  # --no-kill dropped it from the job
+    (dict(hang_suspects=("n2", "n9"), hang_detected_at=120.0), "hang", ("n2",)),
+    # the node whose worker was killed, although the other node (a victim) reported first
+    (dict(exits=(exit_("n1", 110.0), exit_("n2", 111.0, sig=9))), "rank_failed", ("n2",)),
+    (dict(exits=(exit_("n2", 110.0), exit_("n1", 111.0))), "rank_failed", ("n2",)),  # else the first to fail
+    (dict(requested=("n1",), stopped=True, exit_code=0), "requested", ("n1",)),
+])
+def test_why_a_step_failed(facts, reason, lost):
+    failure = classify(end(**facts))
+    assert (failure.reason, failure.nodes_lost) == (reason, lost)
+
+
+def test_failed_at_is_the_first_failure_not_when_the_driver_noticed():
+    assert classify(end(exits=(exit_("n2", 110.0, sig=9),))).failed_at == 110.0
+    assert classify(end(hang_suspects=("n1",), hang_detected_at=105.0)).failed_at == 105.0
+
+
+def test_decide_restarts_in_the_job_until_spares_or_the_bound_run_out():
+    nxt = decide(end(unusable=frozenset({"n2"})), STATE)
+    assert nxt.action == "restart" and nxt.excluded == {"n2"} and "restart 1 of 3" in nxt.message
+    # n3 was lost before: with n2 gone too only n1 is left
+    fewer = decide(end(unusable=frozenset({"n2"})), DriverState(num_nodes=2, max_restarts=3, excluded={"n3"}))
+    assert fewer.action == "requeue" and "1 healthy node(s) left" in fewer.message
+    bound = decide(end(unusable=frozenset({"n2"})), DriverState(num_nodes=2, max_restarts=1, restarts_done=1))
+    assert bound.action == "requeue" and "launch.max_in_job_restarts=1" in bound.message
+
+
+def test_decide_done_stopped_and_fatal_behave_as_without_spares():
+    assert decide(end(exit_code=0), STATE).action == "done"
+    # a restart asked for as the last step ended comes too late: the run is done
+    assert decide(end(exit_code=0, requested=("n1",)), STATE).action == "done"
+    assert decide(end(exit_code=0, stopped=True), STATE).action == "stopped"  # SLURM's time signal: requeue
+    assert decide(end(exit_code=0, stopped=True, requested=("n1",)), STATE).action == "restart"
+    assert decide(end(fatal=True), STATE).action == "fail"
+
+
+def test_the_worker_signal_comes_from_the_last_steps_torchrun_summary():
+    summary = "  rank      : 1 (local_rank: 0)\n  exitcode  : -9 (pid: 7011)  (SIGKILL)\n"
+    log = f"megatron-hpc: run phase, node 1 of 2, ...\n{summary}megatron-hpc: run phase, node 1 of 2, ...\nok\n"
+    assert worker_signal(log) is None  # the kill was in an earlier step
+    assert worker_signal(log + summary) == 9
+    assert worker_signal("megatron-hpc: run phase, node 0\n  exitcode  : 1 (pid: 5)\n") is None
+
+
+def _status(tmp_path, *, spares=1, state="RUNNING", cluster="slurm") -> RunStatus:
+    (tmp_path / "config.json").write_text(json.dumps({"launch": {"spare_nodes": spares}}))
+    return RunStatus(run_dir=str(tmp_path), recipe="tiny", cluster=cluster, plan={"num_nodes": 2},
+                     jobs=[JobStatus(phase="run", job_id="7", state=state, source="scontrol")])
+
+
+@pytest.mark.parametrize("kw, exclude, unusable, match", [
+    (dict(spares=0), ["n1"], set(), "no in-job driver .launch.spare_nodes is 0.*--set launch.spare_nodes=1"),
+    (dict(state="COMPLETED"), ["n1"], set(), "not running .job 7 is COMPLETED.*submit --resume"),
+    (dict(), ["n9"], set(), "n9 not in job 7's allocation .n1,n2,n3."),
+    (dict(), ["n1"], {"n3"}, "leaves 1 healthy node.*needs 2; exclude fewer"),
+    (dict(cluster="local"), ["n1"], set(), "need --cluster slurm"),
+])
+def test_restart_requests_refused_with_the_fix(tmp_path, kw, exclude, unusable, match):
+    with pytest.raises(LaunchError, match=match):
+        check_request(_status(tmp_path, **kw), exclude, allocation=ALLOC, unusable=frozenset(unusable))
+    assert check_request(_status(tmp_path), ["n1"], allocation=ALLOC, unusable=frozenset()) == "7"
+
+
+def test_restart_cli_writes_nothing_for_a_run_without_spares(tmp_path, cli_in_process):
+    run = tmp_path / "run"
+    assert cli_in_process("submit", "--recipe", "tiny", "--dry-run", "--out", str(run)).returncode == 0
+    (run / "submission.json").write_text(json.dumps({"cluster": "slurm", "jobs": [
+        {"phase": "run", "job_id": "7", "state": "RUNNING"}]}))
+    proc = cli_in_process("restart", str(run), "--exclude", "node2")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1].startswith("megatron-hpc: error: ")
+    assert "launch.spare_nodes is 0" in proc.stderr
+    assert not (run / "restart-request.json").exists()
+
+
+def test_status_reads_restarts_with_their_cost(tmp_path):
+    rows = [{"step": 1, "reason": "node_lost", "nodes_lost": ["n2"], "nodes": ["n1", "n3"], "failed_at": 100.0,
+             "detected_at": 101.0, "new_step_started_at": 101.5, "job_id": "7", "attempt": 0},
+            {"step": 1, "first_step_done_at": 109.0, "job_id": "7", "attempt": 0},
+            {"step": 2, "reason": "requested", "nodes_lost": ["n1"], "nodes": ["n3", "n4"], "failed_at": 200.0,
+             "detected_at": 200.0, "new_step_started_at": 201.0, "job_id": "7", "attempt": 0}]
+    (tmp_path / "restarts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 3, "rea')
+    first, second = read_restarts(tmp_path)
+    assert (first.reason, first.nodes_lost, first.cost_s) == ("node_lost", ["n2"], 9.0)
+    assert first.breakdown_s == {"detection": 1.0, "restart": 0.5, "first_step": 7.5}
+    assert second.cost_s is None  # the new step has not logged an iteration yet
+    status = RunStatus(run_dir=str(tmp_path), recipe="tiny", cluster="slurm", plan={}, spare_nodes=1,
+                       restarts=[first, second], nodes_lost=["n2", "n1"])
+    assert format_status(status).splitlines()[-3:] == [
+        "spares    1 hot spare node(s), 2 in-job restart(s); nodes lost: n2, n1",
+        "restart   job 7 step 1: node_lost without n2, now on n1,n3; cost 9.0 s",
+        "restart   job 7 step 2: requested without n1, now on n3,n4; no step logged since"]
+
+
+def test_plan_counts_the_spares_and_the_sbatch_runs_the_driver(tmp_path, cli_in_process):
+    sets = ["--set", "launch.spare_nodes=2", "--set", "data.source=synthetic", "--set", "compile.enabled=false"]
+    plan = cli_in_process("plan", "--recipe", "tiny", "--nodes", "2", "--platform", "cpu", *sets)
+    assert "nodes       2 + 2 hot spares (idle until a node fails; 4 billed)" in plan.stdout
+    out = tmp_path / "run"
+    assert cli_in_process("submit", "--recipe", "tiny", "--nodes", "2", "--platform", "cpu", "--dry-run",
+                          "--cluster", "slurm", "--out", str(out), *sets).returncode == 0
+    sbatch = (out / "run.sbatch").read_text().splitlines()
+    assert "#SBATCH --nodes=4" in sbatch and "#SBATCH --no-kill" in sbatch
+    assert sbatch[-1] == (f"{sys.executable.rsplit('/', 1)[0]}/python -m megatron_hpc.launch.in_job --run-dir {out} "
+                          "--nodes 2 --max-restarts 3 --max-requeues 3 -- --kill-on-bad-exit=1 --cpu-bind=none bash "
+                          f"{out}/node.sh run")
+
+
+def test_spares_may_change_on_resume():
+    from megatron_hpc.launch.resume import check_overrides
+
+    check_overrides(["launch.spare_nodes=2", "launch.max_in_job_restarts=5", "launch.exclude_stragglers=true"])
+    with pytest.raises(ConfigError, match=r"parallel\.tensor cannot change on --resume"):
+        check_overrides(["launch.spare_nodes=1", "parallel.tensor=2"])
