@@ -16,9 +16,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+import tiny_runs
+from tiny_runs import clean_env as _env
+from tiny_runs import job_fields, submit_tiny
 
 pytestmark = pytest.mark.slurm
 
@@ -28,24 +32,8 @@ SETS = ["data.source=synthetic", f"train.num_steps={NUM_STEPS}", "train.log_inte
 RUN_TIMEOUT_S = 300
 
 
-def _env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_")) or k == "SLURM_CONF"}
-
-
-def submit(run_dir: Path, *, spares: int, extra: list[str] = ()) -> str:
-    cmd = [sys.executable, "-m", "megatron_hpc", "submit", "--recipe", "tiny", "--nodes", "2", "--platform", "cpu",
-           "--cluster", "slurm", "--partition", "debug", "--json", "--out", str(run_dir)]
-    for item in [*SETS, f"launch.spare_nodes={spares}", *extra]:
-        cmd += ["--set", item]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_env())
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    (job,) = json.loads(proc.stdout)["jobs"]
-    return job["job_id"]
-
-
-def job_fields(job_id: str) -> dict[str, str]:
-    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
-    return dict(t.split("=", 1) for t in out.split() if "=" in t)
+def submit(run_dir: Path, *, spares: int, extra: Sequence[str] = ()) -> str:
+    return submit_tiny(run_dir, [*SETS, f"launch.spare_nodes={spares}", *extra])
 
 
 def driver_log(run_dir: Path) -> str:
@@ -63,13 +51,7 @@ def first_step_nodes(run_dir: Path, timeout: float = 60) -> list[str]:
 
 
 def wait_for_iteration(run_dir: Path, iteration: int, timeout: float = RUN_TIMEOUT_S) -> None:
-    log = run_dir / "logs" / "run-node1.log"  # the last rank prints the iteration lines
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if log.exists() and f"iteration {iteration:8d}/" in log.read_text(errors="replace"):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"iteration {iteration} never logged in {log}")
+    tiny_runs.wait_for_iteration(run_dir, iteration, timeout)
 
 
 def final_tensors(run_dir: Path) -> dict[str, object]:

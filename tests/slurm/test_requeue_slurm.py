@@ -12,12 +12,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import tiny_runs
+from tiny_runs import job_fields, submit_tiny
 
 pytestmark = pytest.mark.slurm
 
@@ -27,29 +28,12 @@ SETS = ["data.source=synthetic", f"train.num_steps={NUM_STEPS}", "train.log_inte
 RUN_TIMEOUT_S = 420
 
 
-def _env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_")) or k == "SLURM_CONF"}
-
-
 def submit(run_dir: Path) -> str:
-    cmd = [sys.executable, "-m", "megatron_hpc", "submit", "--recipe", "tiny", "--nodes", "2", "--platform", "cpu",
-           "--cluster", "slurm", "--partition", "debug", "--json", "--out", str(run_dir)]
-    for item in SETS:
-        cmd += ["--set", item]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_env())
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    (job,) = json.loads(proc.stdout)["jobs"]
-    return job["job_id"]
+    return submit_tiny(run_dir, SETS)
 
 
 def wait_for_iteration(run_dir: Path, iteration: int, timeout: float = RUN_TIMEOUT_S) -> None:
-    log = run_dir / "logs" / "run-node1.log"  # the last rank prints the iteration lines
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if log.exists() and f"iteration {iteration:8d}/" in log.read_text(errors="replace"):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"iteration {iteration} never logged in {log}")
+    tiny_runs.wait_for_iteration(run_dir, iteration, timeout)
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -58,9 +42,7 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 
 def requeues(job_id: str) -> int:
-    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
-    counts = [t.split("=", 1)[1] for t in out.split() if t.startswith("Restarts=")]
-    return int(counts[0]) if counts else -1
+    return int(job_fields(job_id).get("Restarts", -1))
 
 
 def _not_requeued(record: dict[str, str]) -> bool:
