@@ -102,6 +102,7 @@ CASES: dict[str, tuple[list[str], str]] = {
 SMOKED_ELSEWHERE = {
     # script: the test module that runs it at its smoke size
     "launcher_latency.py": "test_benchmark_launcher.py",
+    "in_job_restart.py": "../slurm/test_benchmark_in_job_slurm.py",  # needs a SLURM controller
 }
 
 
@@ -122,7 +123,7 @@ def test_every_benchmark_has_a_smoke_run() -> None:
     scripts = {p.name for p in BENCHMARKS.glob("*.py")}
     assert scripts == {_script(case) for case in CASES} | SMOKED_ELSEWHERE.keys()
     for script, module in SMOKED_ELSEWHERE.items():
-        assert script in (Path(__file__).with_name(module)).read_text(), (script, module)
+        assert script in (Path(__file__).parent / module).read_text(), (script, module)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
