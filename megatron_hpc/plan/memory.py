@@ -196,23 +196,22 @@ def estimate_memory(
     pipe = pipeline or no_pipeline(model)
     pipe = dataclasses.replace(pipe, num_micro_batches=settled_micro_batches(pipe))
     return heaviest_rank(model, padded_vocab=padded_vocab, tensor_parallel=tensor_parallel, micro_batch=micro_batch,
-                     precision=precision, backend=backend, pipeline=pipe, sequence_parallel=sequence_parallel,
-                     optimizer_shards=optimizer_shards, fp32_master=fp32_master)
+                         precision=precision, backend=backend, pipeline=pipe, sequence_parallel=sequence_parallel,
+                         optimizer_shards=optimizer_shards, fp32_master=fp32_master)
 
 
 @functools.lru_cache(maxsize=16384)
 def heaviest_rank(model: ModelConfig, *, padded_vocab: int, tensor_parallel: int, micro_batch: int, precision: str,
-              backend: str, pipeline: PipelineShape, sequence_parallel: bool, optimizer_shards: int,
-              fp32_master: bool) -> MemoryEstimate:
+                  backend: str, pipeline: PipelineShape, sequence_parallel: bool, optimizer_shards: int,
+                  fp32_master: bool) -> MemoryEstimate:
     """estimate_memory kept per argument set (with the micro-batches settled): the planner's searches ask again
     for the same mesh at the node counts where only the micro-batch count differs.
 
     Of the ranks that hold the same chunks (the middle stages, mostly) only the first is estimated: the later ones
     hold no more micro-batches in flight (in_flight never grows with the rank), so none needs more memory and
     max() would keep the first anyway."""
-    held, ranks = set(), []
+    held, ranks, count = set(), [], len(pipeline.stage_layers)
     for pp_rank in range(pipeline.pipeline):
-        count = len(pipeline.stage_layers)
         stages = range(pp_rank, count, pipeline.pipeline)
         chunks = (tuple(pipeline.stage_layers[k] for k in stages), 0 in stages, count - 1 in stages)
         if chunks in held:

@@ -534,7 +534,6 @@ def _make_plan(cfg: RunConfig, *, num_nodes: int, platform: Platform,
     )
 
 
-
 def clear_plan_caches() -> None:
     """Forget what the planner's pure helpers remember between calls (memory estimates, layer splits, checked
     configs), so that a measurement or a test starts cold, as one `plan` command does."""
