@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import shlex
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from megatron_hpc.compile_cache.calibrations import (
 from megatron_hpc.config.hardware import Hardware
 from megatron_hpc.config.loader import config_to_dict, load_recipe
 from megatron_hpc.config.platforms import Platform
-from megatron_hpc.errors import ConfigError, PlanError
+from megatron_hpc.errors import ConfigError, LaunchError, PlanError
 from megatron_hpc.plan.calibration import Calibration
 from megatron_hpc.plan.calibration_fit import (
     CollectiveSample,
@@ -44,6 +45,7 @@ from megatron_hpc.plan.calibration_fit import (
     relative_error,
 )
 from megatron_hpc.plan.layout_choice import predict, rank_layouts
+from megatron_hpc.plan.node_shape import SINFO_FORMAT, node_shape_mismatch, partition_nodes
 from megatron_hpc.plan.planner import Plan, hardware_of, make_plan
 from megatron_hpc.plan.spec import RunSpec
 from megatron_hpc.run_folder import (
@@ -101,6 +103,24 @@ def plan_candidates(recipe: str, overrides: list[str], *, plan: Plan, platform: 
         found.append(Candidate(label=r.label, overlay=overlay, spec=RunSpec(config=trial_cfg, plan=trial_plan),
                                predicted_s=r.time.step_time_s, parts=parts))
     return found
+
+
+def check_partition_nodes(partition: str | None, *, platform: Platform, constraint: str | None = None) -> None:
+    """LaunchError, before anything is queued, when sinfo reports the partition's nodes unlike the platform the
+    tune job would calibrate (plan/node_shape.py). Silent when sinfo cannot say: the job checks its node itself."""
+    try:
+        proc = subprocess.run(["sinfo", "-h", "-N", "-o", SINFO_FORMAT], capture_output=True, text=True,
+                              timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return
+    if proc.returncode != 0:
+        return
+    nodes, name = partition_nodes(proc.stdout, partition, constraint=constraint)
+    hardware = hardware_of(platform)
+    problem = node_shape_mismatch(nodes, partition=name, platform=platform, hardware=hardware.name,
+                                  workers_per_node=hardware.workers_per_node)
+    if problem:
+        raise LaunchError(problem)
 
 
 def benchmark_samples(plan: Plan, *, hidden_size: int, precision_bytes: int) -> list[tuple[str, int]]:

@@ -64,19 +64,21 @@ def run_tune_job(args: argparse.Namespace, resolved: Resolved, *, echo: Any) -> 
     from megatron_hpc.launch import cluster_profile
     from megatron_hpc.launch.run_dir import default_run_dir, prepare_run_dir
     from megatron_hpc.launch.submit import SubmitRequest, check_cluster, submit, write_run_files
-    from megatron_hpc.launch.tune_job import plan_candidates, read_result, write_request
+    from megatron_hpc.launch.tune_job import check_partition_nodes, plan_candidates, read_result, write_request
     from megatron_hpc.plan.calibration import DEFAULT_CALIBRATION
 
     base = measured_calibration(resolved.plan)[0] or DEFAULT_CALIBRATION
     candidates = plan_candidates(args.recipe, list(args.overrides), plan=resolved.plan,
                                  platform=resolved.platform, top=args.top, calibration=base)
-    if not args.dry_run:
-        check_cluster(args.cluster, num_nodes=resolved.plan.num_nodes, platform=resolved.platform)
     profile = cluster_profile.find_profile(args.cluster_config)
-    run_dir = prepare_run_dir(args.out or default_run_dir(Path("runs"), f"{resolved.cfg.name}-tune"))
-    first = candidates[0].spec
     options = cluster_profile.slurm_options(profile.profile, partition=args.partition, account=args.account,
                                             time_limit_min=args.time)
+    if not args.dry_run:
+        check_cluster(args.cluster, num_nodes=resolved.plan.num_nodes, platform=resolved.platform)
+        if args.cluster == "slurm":  # the nodes sinfo reports, before the run folder is written
+            check_partition_nodes(options.partition, platform=resolved.platform, constraint=options.constraint)
+    run_dir = prepare_run_dir(args.out or default_run_dir(Path("runs"), f"{resolved.cfg.name}-tune"))
+    first = candidates[0].spec
     req = SubmitRequest(cfg=first.config, plan=first.plan, platform=resolved.platform, cluster=args.cluster,
                         run_dir=run_dir, options=options, extra_env=cluster_profile.profile_env(profile.profile),
                         profile=cluster_profile.profile_to_json(profile), tune=True)

@@ -7,6 +7,7 @@ the model calls `check_model_shape` too, so the rule lives here once, with one e
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -85,8 +86,11 @@ def _value(cfg: RunConfig, key: str) -> Any:
     return getattr(getattr(cfg, section), name)
 
 
+@functools.lru_cache(maxsize=256)
 def check_values(cfg: RunConfig) -> None:
-    """ConfigError naming the first key whose value no run can use, with its range and a fix."""
+    """ConfigError naming the first key whose value no run can use, with its range and a fix. A config that passes
+    is remembered (a refusal's search checks the same one at every node count it tries); one that fails raises
+    each time."""
     for key, ok, requirement in _rules():
         value = _value(cfg, key)
         if not ok(value):

@@ -44,6 +44,8 @@ are left to the platform's headroom.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 from megatron_hpc.config.schema import ModelConfig
@@ -164,6 +166,19 @@ def in_flight(pp_rank: int, *, pipe: PipelineShape) -> int:
     return min(2 * (p - pp_rank - 1) + (v - 1) * p + 1, m * v)
 
 
+def settled_micro_batches(pipe: PipelineShape) -> int:
+    """The fewest micro-batches per step at which every rank of `pipe` holds as many in flight as at
+    pipe.num_micro_batches (in_flight), and as many logits: past it more micro-batches change no rank's memory."""
+    p, v, m = pipe.pipeline, pipe.virtual, pipe.num_micro_batches
+    if p == 1:
+        return 1
+    if pipe.schedule == "afab":
+        return m
+    if v == 1:
+        return min(m, p)
+    return min(m, -(-(2 * (p - 1) + (v - 1) * p + 1) // v))  # rank 0 holds the most
+
+
 def estimate_memory(
     model: ModelConfig,
     *,
@@ -178,10 +193,34 @@ def estimate_memory(
     fp32_master: bool = False,
 ) -> MemoryEstimate:
     """The estimate of the pipeline rank that needs the most memory (rank 0 without pipelining)."""
-    ranks = estimate_ranks(model, padded_vocab=padded_vocab, tensor_parallel=tensor_parallel,
-                           micro_batch=micro_batch, precision=precision, backend=backend, pipeline=pipeline,
-                           sequence_parallel=sequence_parallel, optimizer_shards=optimizer_shards,
-                           fp32_master=fp32_master)
+    pipe = pipeline or no_pipeline(model)
+    pipe = dataclasses.replace(pipe, num_micro_batches=settled_micro_batches(pipe))
+    return heaviest_rank(model, padded_vocab=padded_vocab, tensor_parallel=tensor_parallel, micro_batch=micro_batch,
+                         precision=precision, backend=backend, pipeline=pipe, sequence_parallel=sequence_parallel,
+                         optimizer_shards=optimizer_shards, fp32_master=fp32_master)
+
+
+@functools.lru_cache(maxsize=16384)
+def heaviest_rank(model: ModelConfig, *, padded_vocab: int, tensor_parallel: int, micro_batch: int, precision: str,
+                  backend: str, pipeline: PipelineShape, sequence_parallel: bool, optimizer_shards: int,
+                  fp32_master: bool) -> MemoryEstimate:
+    """estimate_memory kept per argument set (with the micro-batches settled): the planner's searches ask again
+    for the same mesh at the node counts where only the micro-batch count differs.
+
+    Of the ranks that hold the same chunks (the middle stages, mostly) only the first is estimated: the later ones
+    hold no more micro-batches in flight (in_flight never grows with the rank), so none needs more memory and
+    max() would keep the first anyway."""
+    held, ranks, count = set(), [], len(pipeline.stage_layers)
+    for pp_rank in range(pipeline.pipeline):
+        stages = range(pp_rank, count, pipeline.pipeline)
+        chunks = (tuple(pipeline.stage_layers[k] for k in stages), 0 in stages, count - 1 in stages)
+        if chunks in held:
+            continue
+        held.add(chunks)
+        ranks.append(_rank_memory(model, pp_rank, pipe=pipeline, padded_vocab=padded_vocab,
+                                  tensor_parallel=tensor_parallel, micro_batch=micro_batch, precision=precision,
+                                  backend=backend, sequence_parallel=sequence_parallel,
+                                  optimizer_shards=optimizer_shards, fp32_master=fp32_master))
     return max(ranks, key=lambda e: e.total_gib)
 
 
@@ -211,12 +250,13 @@ def estimate_ranks(
 def _rank_memory(model: ModelConfig, pp_rank: int, *, pipe: PipelineShape, padded_vocab: int, tensor_parallel: int,
                  micro_batch: int, precision: str, backend: str, sequence_parallel: bool = False,
                  optimizer_shards: int = 1, fp32_master: bool = False) -> MemoryEstimate:
-    t, s, b, _h = tensor_parallel, model.seq_length, micro_batch, model.hidden_size
+    t, s, b = tensor_parallel, model.seq_length, micro_batch
     stages = range(pp_rank, len(pipe.stage_layers), pipe.pipeline)  # virtual stage k runs on rank k % p
     first, last = 0 in stages, len(pipe.stage_layers) - 1 in stages
-    layers = sum(pipe.stage_layers[k] for k in stages)
-    params = rank_parameters(model, padded_vocab=padded_vocab, tensor_parallel=t, layers=layers, first=first,
-                             last=last, pipeline=pipe.pipeline)
+    terms = rank_terms(model, tuple(pipe.stage_layers[k] for k in stages), first=first, last=last,
+                       pipeline=pipe.pipeline, padded_vocab=padded_vocab, tensor_parallel=t, micro_batch=b,
+                       precision=precision, backend=backend, sequence_parallel=sequence_parallel)
+    params = terms.params
     pb = parameter_bytes(precision=precision, backend=backend, fp32_master=fp32_master)
     # The distributed optimizer pads its flat buffers to whole slices (train/distributed_optimizer.py), so the
     # weights and gradients it holds are the padded count and each rank's Adam state one slice. torch_xla's pads
@@ -224,21 +264,10 @@ def _rank_memory(model: ModelConfig, pp_rank: int, *, pipe: PipelineShape, padde
     flat = padded_parameters(params, optimizer_shards) if optimizer_shards > 1 and not fp32_master else params
     weights, grads = flat * pb.weights, flat * pb.grads
     optimizer = flat // optimizer_shards * pb.optimizer
-
-    act = activation_bytes(model, precision=precision, backend=backend)
-    io = stage_io_activations(model, first=first, last=last, tensor_parallel=t, micro_batch=b, act=act,
-                              sequence_parallel=sequence_parallel)
-    kept = [chunk_activations(model, pipe.stage_layers[k], tensor_parallel=t, micro_batch=b, act=act,
-                              sequence_parallel=sequence_parallel) for k in stages]
-    micro = sum(kept) + io  # one micro-batch through every chunk of this rank
+    micro = terms.micro_batch_activations
     # in_flight counts model-chunk micro-batches: with interleaving, chunks of the average size
     activations = in_flight(pp_rank, pipe=pipe) * micro / len(stages)
-    rc = resolve_recompute(model)
-    if rc.full:
-        # While a checkpointed unit runs its backward, its layers' activations are alive again: one uniform group,
-        # or one layer for block.
-        activations += (rc.num_layers if rc.method == "uniform" else 1) * layer_activations(
-            model, tensor_parallel=t, micro_batch=b, act=act, selective=False, sequence_parallel=sequence_parallel)
+    activations += terms.recomputed
     logits = 0.0
     if last:
         logits_in_flight = pipe.num_micro_batches if pipe.pipeline > 1 and pipe.schedule == "afab" else 1
@@ -246,6 +275,44 @@ def _rank_memory(model: ModelConfig, pp_rank: int, *, pipe: PipelineShape, padde
     return MemoryEstimate(weights_gib=weights / GIB, grads_gib=grads / GIB, optimizer_gib=optimizer / GIB,
                           activations_gib=activations / GIB, logits_gib=logits / GIB,
                           micro_batch_activations_gib=micro / GIB, pp_rank=pp_rank)
+
+
+@dataclass(frozen=True, slots=True)
+class RankTerms:
+    """What a pipeline rank's estimate takes from its model chunks, whatever the DP size and micro-batch count."""
+
+    params: int
+    """Parameters the rank holds (rank_parameters)."""
+    micro_batch_activations: float
+    """Bytes of one micro-batch through every chunk of the rank, with the stage's inputs and outputs."""
+    recomputed: float
+    """Bytes alive again while a checkpointed unit runs its backward (0 without full recomputation)."""
+
+
+@functools.lru_cache(maxsize=65536)
+def rank_terms(model: ModelConfig, chunk_layers: tuple[int, ...], *, first: bool, last: bool, pipeline: int,
+               padded_vocab: int, tensor_parallel: int, micro_batch: int, precision: str, backend: str,
+               sequence_parallel: bool) -> RankTerms:
+    """The costly part of a rank's estimate, kept per argument set: a planner search (every TP x PP at every node
+    count a refusal tries, plan/planner.py) asks for the same chunks at many DP sizes and micro-batch counts, which
+    change only the optimizer's share and the micro-batches in flight. `cache_info().misses` counts the
+    evaluations (tests/unit/test_plan_speed.py)."""
+    t, b = tensor_parallel, micro_batch
+    params = rank_parameters(model, padded_vocab=padded_vocab, tensor_parallel=t, layers=sum(chunk_layers),
+                             first=first, last=last, pipeline=pipeline)
+    act = activation_bytes(model, precision=precision, backend=backend)
+    io = stage_io_activations(model, first=first, last=last, tensor_parallel=t, micro_batch=b, act=act,
+                              sequence_parallel=sequence_parallel)
+    kept = [chunk_activations(model, n, tensor_parallel=t, micro_batch=b, act=act,
+                              sequence_parallel=sequence_parallel) for n in chunk_layers]
+    recomputed = 0.0
+    rc = resolve_recompute(model)
+    if rc.full:
+        # While a checkpointed unit runs its backward, its layers' activations are alive again: one uniform group,
+        # or one layer for block.
+        recomputed = (rc.num_layers if rc.method == "uniform" else 1) * layer_activations(
+            model, tensor_parallel=t, micro_batch=b, act=act, selective=False, sequence_parallel=sequence_parallel)
+    return RankTerms(params=params, micro_batch_activations=sum(kept) + io, recomputed=recomputed)
 
 
 def rank_parameters(model: ModelConfig, *, padded_vocab: int, tensor_parallel: int, layers: int, first: bool,

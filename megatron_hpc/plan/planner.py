@@ -36,7 +36,7 @@ from megatron_hpc.plan.checks import (
 from megatron_hpc.plan.fixes import Fix, FixableError, FixablePlanError, set_fix, sizes_choice, values_of
 from megatron_hpc.plan.layout_choice import choose_layout, with_choice
 from megatron_hpc.plan.lr_schedule import LrSchedule, resolve_schedule
-from megatron_hpc.plan.memory import GIB, xla_fp32_master
+from megatron_hpc.plan.memory import GIB, heaviest_rank, rank_terms, xla_fp32_master
 from megatron_hpc.plan.mesh import Mesh
 from megatron_hpc.plan.model_math import (
     FLOPS_FORMULA,
@@ -45,7 +45,7 @@ from megatron_hpc.plan.model_math import (
     num_parameters,
 )
 from megatron_hpc.plan.recompute import check_recompute_stages, resolve_recompute
-from megatron_hpc.plan.sizing import choose_sizes_for_batch, tensor_candidates
+from megatron_hpc.plan.sizing import choose_sizes_for_batch, split_or_none, tensor_candidates
 from megatron_hpc.plan.stages import bubble_fraction
 
 DataSource = Literal["indexed", "synthetic", "missing"]
@@ -532,3 +532,10 @@ def _make_plan(cfg: RunConfig, *, num_nodes: int, platform: Platform,
         layout_choice=choice.reason,
         layout_alternatives=[r.to_json() for r in choice.alternatives],
     )
+
+
+def clear_plan_caches() -> None:
+    """Forget what the planner's pure helpers remember between calls (memory estimates, layer splits, checked
+    configs), so that a measurement or a test starts cold, as one `plan` command does."""
+    for cached in (rank_terms, heaviest_rank, split_or_none, check_values):
+        cached.cache_clear()

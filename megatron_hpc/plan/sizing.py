@@ -26,6 +26,7 @@ batch into micro-batches (at least one per stage, a multiple of the stages when 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -105,9 +106,24 @@ def recompute_fix(model: ModelConfig) -> Fix | None:
 def stage_ranges(cfg: RunConfig, *, pp: int) -> tuple[range, ...]:
     """Layers of each virtual stage at PP pp (plan/stages.py); PlanError with the fix when they do not split."""
     par = cfg.parallel
-    return tuple(split_layers(cfg.model.num_layers, pipeline=pp, virtual=par.virtual_pipeline,
-                              first_stage_layers=par.pipeline_first_stage_layers,
-                              last_stage_layers=par.pipeline_last_stage_layers))
+    key = (cfg.model.num_layers, pp, par.virtual_pipeline, par.pipeline_first_stage_layers,
+           par.pipeline_last_stage_layers)
+    split = split_or_none(*key)
+    if split is None:  # split_layers refuses again, with the fix
+        return tuple(split_layers(key[0], pipeline=pp, virtual=key[2], first_stage_layers=key[3],
+                                  last_stage_layers=key[4]))
+    return split
+
+
+@functools.lru_cache(maxsize=4096)
+def split_or_none(num_layers: int, pp: int, virtual: int, first: int, last: int) -> tuple[range, ...] | None:
+    """split_layers kept per argument set, None where it refuses: the searches ask for the same split at every
+    TP and node count, and mostly for PP sizes that do not split (whose refusal is costly to build)."""
+    try:
+        return tuple(split_layers(num_layers, pipeline=pp, virtual=virtual, first_stage_layers=first,
+                                  last_stage_layers=last))
+    except PlanError:
+        return None
 
 
 def _vocab(cfg: RunConfig, tp: int) -> int:
@@ -230,11 +246,9 @@ def pipeline_candidates(cfg: RunConfig, *, world: int, tp: int) -> list[int]:
 
 
 def _splits(cfg: RunConfig, pp: int) -> bool:
-    try:
-        stage_ranges(cfg, pp=pp)
-    except PlanError:
-        return False
-    return True
+    par = cfg.parallel
+    return split_or_none(cfg.model.num_layers, pp, par.virtual_pipeline, par.pipeline_first_stage_layers,
+                          par.pipeline_last_stage_layers) is not None
 
 
 def check_mesh(cfg: RunConfig, platform: Platform, *, num_nodes: int, per_node: int, tp: int, pp: int) -> Sizes:
