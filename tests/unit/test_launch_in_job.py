@@ -75,6 +75,15 @@ def test_why_a_step_failed(facts, reason, lost):
     assert (failure.reason, failure.nodes_lost) == (reason, lost)
 
 
+def test_a_hang_without_suspects_blames_no_node_the_watchdog_killed():
+    # Every rank stood at one position: the report names nobody. The watchdog's own SIGKILL of its node's workers
+    # reads as "killed by signal 9" in that node's exit record; whichever watchdog fired first is no suspect.
+    failure = classify(end(hang_detected_at=120.0, exits=(exit_("n1", 121.0, sig=9), exit_("n2", 122.0))))
+    assert (failure.reason, failure.nodes_lost, failure.failed_at) == ("hang", (), 120.0)
+    nxt = decide(end(hang_detected_at=120.0, exits=(exit_("n1", 121.0, sig=9),)), STATE)
+    assert nxt.action == "restart" and nxt.excluded == frozenset()
+
+
 def test_failed_at_is_the_first_failure_not_when_the_driver_noticed():
     assert classify(end(exits=(exit_("n2", 110.0, sig=9),))).failed_at == 110.0
     assert classify(end(hang_suspects=("n1",), hang_detected_at=105.0)).failed_at == 105.0
