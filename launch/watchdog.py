@@ -46,7 +46,7 @@ from megatron_hpc.launch.stack_dump import (
     find_workers,
 )
 
-from megatron_hpc.heartbeat import LONG_PHASES, Beat, derive_hang_timeout, read_beat
+from megatron_hpc.heartbeat import _HOST_WIDTH, LONG_PHASES, Beat, derive_hang_timeout, read_beat
 from megatron_hpc.run_folder import CONFIG_FILE, DEBUG_DIR, HANGS_DIR, PLAN_FILE, read_json, write_json
 
 HANG_EXIT = 3
@@ -151,14 +151,20 @@ def proc_state(pid: int, proc_root: Path = Path("/proc")) -> str | None:
 class Watch:
     """This node's ranks' beats over time: when each last changed, on this machine's monotonic clock."""
 
-    def __init__(self, run_dir: Path, ranks: list[int], *, started_wall: float):
+    def __init__(self, run_dir: Path, ranks: list[int], *, started_wall: float, host: str | None = None):
         self.run_dir, self.ranks, self.started_wall = run_dir, ranks, started_wall
+        self.host = (host or socket.gethostname())[:_HOST_WIDTH]  # as the writer's line holds it
         self.since = time.monotonic()
         self.last: dict[int, tuple[Beat | None, float]] = {r: (None, self.since) for r in ranks}
 
     def fresh(self, rank: int) -> Beat | None:
+        """This attempt's beat: written on this machine (after an in-job restart another machine's old beat may
+        carry a clock running ahead of this one; its writer is no process here) and not before the watchdog
+        started."""
         beat = read_beat(self.run_dir, rank)
-        return beat if beat is not None and beat.wall >= self.started_wall - CLOCK_SKEW_S else None
+        if beat is None or (beat.host != self.host and not _alive(beat.pid)):
+            return None
+        return beat if beat.wall >= self.started_wall - CLOCK_SKEW_S else None
 
     def poll(self) -> list[RankView]:
         now = time.monotonic()
@@ -236,8 +242,11 @@ def _launch_settings(run_dir: Path) -> tuple[float | None, float, int]:
 
 
 def _parent_alive(pid: int | None) -> bool:
-    if pid is None:
-        return True
+    return True if pid is None else _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process `pid` runs on this machine."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
