@@ -69,19 +69,44 @@ POLL_S = 0.5
 # --------------------------------------------------------------------------------------- run-folder edges
 
 
-def hang_reports(run_dir: Path, *, since: float) -> tuple[tuple[str, ...], float | None]:
-    """suspect_nodes of the hang reports detected at or after `since`, and the earliest detection time."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Seen:
+    """What the run folder held as a step started. A hang report or marker is the step's when it is not one of
+    these: their times are the writing node's clock, which may run ahead of the driver's by more than the seconds
+    between one step's end and the next one's start (an old record would then read as the new step's)."""
+
+    hang_reports: frozenset[str]
+    stopped: bytes | None
+    fatal: bytes | None
+
+    @classmethod
+    def now(cls, run_dir: Path) -> Seen:
+        return cls(hang_reports=frozenset(p.name for p in (run_dir / HANGS_DIR).glob("*.json")),
+                   stopped=_read_bytes(run_dir / STOPPED_FILE), fatal=_read_bytes(run_dir / FATAL_FILE))
+
+
+def _read_bytes(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
+def hang_reports(run_dir: Path, *, seen: frozenset[str]) -> tuple[tuple[str, ...], float | None]:
+    """suspect_nodes of the hang reports not in `seen` (written during the step), and the earliest detection
+    time."""
     suspects: list[str] = []
     first = None
     for path in sorted((run_dir / HANGS_DIR).glob("*.json")):
+        if path.name in seen:
+            continue
         try:
             data = read_json(path)
             at = float(data["detected_at"])
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if at >= since:
-            suspects += [str(n) for n in data.get("suspect_nodes") or []]
-            first = at if first is None else min(first, at)
+        suspects += [str(n) for n in data.get("suspect_nodes") or []]
+        first = at if first is None else min(first, at)
     return tuple(dict.fromkeys(suspects)), first
 
 
@@ -91,10 +116,11 @@ def stragglers(run_dir: Path) -> tuple[str, ...]:
     return tuple(str(n["node"]) for n in ranked)
 
 
-def _marker_since(run_dir: Path, name: str, since: float) -> bool:
-    """This attempt's marker, written during the step that started at `since` (steps share an attempt)."""
-    record = read_marker(run_dir, name)
-    return record is not None and float(record.get("time", 0.0)) >= since
+def marker_new(run_dir: Path, name: str, before: bytes | None) -> bool:
+    """This attempt's marker, written during the step that started when it read `before` (steps share an
+    attempt)."""
+    now = _read_bytes(run_dir / name)
+    return now is not None and now != before and read_marker(run_dir, name) is not None
 
 
 def resume_point(run_dir: Path) -> str:
@@ -157,7 +183,7 @@ class Driver:
                 *self.srun_tail]
 
     def run_step(self, step: int, nodes: tuple[str, ...]) -> StepEnd:
-        started = time.time()
+        started, seen = time.time(), Seen.now(self.run_dir)
         env = {**os.environ, IN_JOB_STEP_ENV: str(step)}
         proc = subprocess.Popen(self.srun_argv(nodes), env=env, stdin=subprocess.DEVNULL)
         requested: tuple[str, ...] | None = None
@@ -167,14 +193,14 @@ class Driver:
             time.sleep(POLL_S)
         ended = time.time()
         allocation = allocation_nodes(self.job_id)
-        suspects, hang_at = hang_reports(self.run_dir, since=started)
+        suspects, hang_at = hang_reports(self.run_dir, seen=seen.hang_reports)
         suspects = node_names(suspects, (*allocation, *nodes))
         folder = step_folder(self.run_dir, job_id=self.job_id, attempt=self.attempt, step=step)
         return StepEnd(step=step, nodes=nodes, exit_code=proc.returncode, started_at=started, ended_at=ended,
                        allocation=allocation, unusable=unusable_nodes(tuple(set(allocation) | set(nodes))),
                        exits=read_node_exits(folder), hang_suspects=suspects, hang_detected_at=hang_at,
-                       stopped=_marker_since(self.run_dir, STOPPED_FILE, started),
-                       fatal=_marker_since(self.run_dir, FATAL_FILE, started), requested=requested)
+                       stopped=marker_new(self.run_dir, STOPPED_FILE, seen.stopped),
+                       fatal=marker_new(self.run_dir, FATAL_FILE, seen.fatal), requested=requested)
 
     def take_request(self, step: int) -> tuple[str, ...] | None:
         """A restart request for this job: ask the workers to stop (they save first); the nodes to exclude."""

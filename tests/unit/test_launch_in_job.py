@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import pytest
+from megatron_hpc.launch.in_job import Seen, hang_reports, marker_new
 from megatron_hpc.launch.restart_log import read_restarts
 from megatron_hpc.launch.restart_request import check_request
 from megatron_hpc.launch.restart_rules import (
@@ -25,6 +27,8 @@ from megatron_hpc.launch.run_status import JobStatus, RunStatus, format_status
 from megatron_hpc.launch.step_exit import NodeExit, worker_signal
 
 from megatron_hpc.errors import ConfigError, LaunchError
+from megatron_hpc.run_folder import write_json
+from megatron_hpc.run_markers import FATAL_FILE, STOPPED_FILE, write_marker
 
 ALLOC = ("n1", "n2", "n3")
 
@@ -82,6 +86,25 @@ def test_a_hang_without_suspects_blames_no_node_the_watchdog_killed():
     assert (failure.reason, failure.nodes_lost, failure.failed_at) == ("hang", (), 120.0)
     nxt = decide(end(hang_detected_at=120.0, exits=(exit_("n1", 121.0, sig=9),)), STATE)
     assert nxt.action == "restart" and nxt.excluded == frozenset()
+
+
+def test_a_steps_hang_reports_and_markers_are_the_ones_it_wrote_whatever_the_writers_clock(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    # The step before: a hang report and a stopped.json (a restart request) written on a node whose clock ran a
+    # minute ahead of the driver's, so their times are later than the next step's start.
+    ahead = time.time() + 60.0
+    (tmp_path / "hangs").mkdir()
+    write_json(tmp_path / "hangs" / "20260101-000000-n2.json", {"detected_at": ahead, "suspect_nodes": ["n2"]})
+    write_json(tmp_path / STOPPED_FILE, {"job_id": "77", "attempt": 0, "time": ahead})
+    seen = Seen.now(tmp_path)
+    assert hang_reports(tmp_path, seen=seen.hang_reports) == ((), None)
+    assert not marker_new(tmp_path, STOPPED_FILE, seen.stopped) and not marker_new(tmp_path, FATAL_FILE, seen.fatal)
+    # What this step writes counts, whatever its clock says.
+    write_json(tmp_path / "hangs" / "20260101-000100-n3.json", {"detected_at": 5.0, "suspect_nodes": ["n3"]})
+    write_marker(tmp_path, STOPPED_FILE, {"reason": "stop request"})
+    assert hang_reports(tmp_path, seen=seen.hang_reports) == (("n3",), 5.0)
+    assert marker_new(tmp_path, STOPPED_FILE, seen.stopped)
 
 
 def test_failed_at_is_the_first_failure_not_when_the_driver_noticed():
