@@ -64,6 +64,9 @@ from megatron_hpc.run_folder import (
 from megatron_hpc.run_markers import FATAL_FILE, STOPPED_FILE, job_attempt, read_marker, read_stopped, write_marker
 
 POLL_S = 0.5
+SCONTROL_TRIES = 3
+SCONTROL_RETRY_S = 5.0
+"""scontrol answering no node list (a busy controller, a timeout) is asked again this often, this far apart."""
 
 
 # --------------------------------------------------------------------------------------- run-folder edges
@@ -173,9 +176,25 @@ class Driver:
     attempt: int = 0
     watch_offset: int | None = None
     """metrics.jsonl's size when a restarted step started, until it logs its first iteration."""
+    known: tuple[str, ...] = ()
+    """The allocation as scontrol last gave it."""
 
     def say(self, text: str) -> None:
         print(f"megatron-hpc: in-job: {text}", flush=True)
+
+    def allocation(self) -> tuple[str, ...]:
+        """The job's nodes now. A job never holds no node: scontrol answering none is no answer, not every node
+        lost; it is asked again, then the last known allocation stands (SLURM's node states still count)."""
+        for attempt in range(SCONTROL_TRIES):
+            nodes = allocation_nodes(self.job_id)
+            if nodes:
+                self.known = nodes
+                return nodes
+            if attempt + 1 < SCONTROL_TRIES:
+                time.sleep(SCONTROL_RETRY_S)
+        self.say(f"scontrol gave no node list for job {self.job_id} ({SCONTROL_TRIES} tries); the last known one "
+                 f"stands: {','.join(self.known) or 'none'}")
+        return self.known
 
     def srun_argv(self, nodes: tuple[str, ...]) -> list[str]:
         n = str(len(nodes))
@@ -192,7 +211,7 @@ class Driver:
             self.watch_first_step(step)
             time.sleep(POLL_S)
         ended = time.time()
-        allocation = allocation_nodes(self.job_id)
+        allocation = self.allocation()
         suspects, hang_at = hang_reports(self.run_dir, seen=seen.hang_reports)
         suspects = node_names(suspects, (*allocation, *nodes))
         folder = step_folder(self.run_dir, job_id=self.job_id, attempt=self.attempt, step=step)
@@ -221,7 +240,7 @@ class Driver:
 
     def choose(self, state: DriverState, previous: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """The next step's nodes, and the stragglers left out for it."""
-        allocation = allocation_nodes(self.job_id)
+        allocation = self.allocation()
         healthy = healthy_nodes(allocation, unusable=unusable_nodes(allocation), excluded=state.excluded)
         slow = (stragglers_to_exclude(healthy, node_names(stragglers(self.run_dir), allocation),
                                       num_nodes=self.num_nodes)

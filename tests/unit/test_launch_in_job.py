@@ -5,10 +5,12 @@ request's refusals, restarts in `status`, and the plan and sbatch text of a run 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
 import pytest
+from megatron_hpc.launch import in_job
 from megatron_hpc.launch.in_job import Seen, hang_reports, marker_new
 from megatron_hpc.launch.restart_log import read_restarts
 from megatron_hpc.launch.restart_request import check_request
@@ -105,6 +107,37 @@ def test_a_steps_hang_reports_and_markers_are_the_ones_it_wrote_whatever_the_wri
     write_marker(tmp_path, STOPPED_FILE, {"reason": "stop request"})
     assert hang_reports(tmp_path, seen=seen.hang_reports) == (("n3",), 5.0)
     assert marker_new(tmp_path, STOPPED_FILE, seen.stopped)
+
+
+STUB_SCONTROL = """#!/usr/bin/env bash
+# scontrol answers the job's node list once, then the controller is too busy to answer (exit 1, nothing out).
+case "$1 $2" in
+  "show job") [ -e {answered} ] && exit 1; touch {answered}; echo "JobId=77 JobState=RUNNING NodeList=n1,n2,n3";;
+  "show hostnames") echo "$3" | tr , '\\n';;
+  "show node") for n in $(echo "$4" | tr , ' '); do echo "NodeName=$n State=ALLOCATED"; done;;
+esac
+"""
+
+
+def test_scontrol_answering_no_node_list_loses_no_node(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool, text in (("scontrol", STUB_SCONTROL.format(answered=tmp_path / "answered")),
+                       ("srun", "#!/usr/bin/env bash\nexit 1\n")):  # the step fails
+        (bin_dir / tool).write_text(text)
+        (bin_dir / tool).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setattr(in_job, "SCONTROL_RETRY_S", 0.0)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    driver = in_job.Driver(run_dir=run_dir, num_nodes=2, max_restarts=3, max_requeues=1, exclude_stragglers=False,
+                           srun_tail=["bash", "node.sh", "run"], job_id="77")
+    nodes, _ = driver.choose(STATE, ())
+    assert nodes == ("n1", "n2")
+    end = driver.run_step(0, nodes)  # scontrol answers nothing from here on
+    assert end.allocation == ALLOC
+    nxt = decide(end, STATE)
+    assert nxt.action == "restart" and nxt.failure.reason == "rank_failed" and "n1" not in nxt.excluded
 
 
 def test_failed_at_is_the_first_failure_not_when_the_driver_noticed():
