@@ -208,6 +208,8 @@ class Driver:
         requested: tuple[str, ...] | None = None
         while proc.poll() is None:
             requested = requested or self.take_request(step)
+            if requested is not None:
+                self.keep_stop_request()
             self.watch_first_step(step)
             time.sleep(POLL_S)
         ended = time.time()
@@ -231,6 +233,12 @@ class Driver:
         self.say(f"restart requested without {','.join(request.exclude)}: step {step} saves at its next "
                  "iteration and stops")
         return tuple(request.exclude)
+
+    def keep_stop_request(self) -> None:
+        """The stop request again when it is gone: node.sh removes an earlier attempt's as it starts, and a request
+        taken in the step's first seconds would be lost with it (the trainer never removes one)."""
+        if not (self.run_dir / STOP_REQUEST_FILE).exists():
+            write_marker(self.run_dir, STOP_REQUEST_FILE, {"signal": "restart request"})
 
     def watch_first_step(self, step: int) -> None:
         if self.watch_offset is not None and _first_step_logged(self.run_dir, self.watch_offset):

@@ -8,12 +8,13 @@ import json
 import os
 import sys
 import time
+from dataclasses import asdict
 
 import pytest
 from megatron_hpc.launch import in_job
 from megatron_hpc.launch.in_job import Seen, hang_reports, marker_new
 from megatron_hpc.launch.restart_log import read_restarts
-from megatron_hpc.launch.restart_request import check_request
+from megatron_hpc.launch.restart_request import RestartRequest, check_request
 from megatron_hpc.launch.restart_rules import (
     DriverState,
     StepEnd,
@@ -29,8 +30,8 @@ from megatron_hpc.launch.run_status import JobStatus, RunStatus, format_status
 from megatron_hpc.launch.step_exit import NodeExit, worker_signal
 
 from megatron_hpc.errors import ConfigError, LaunchError
-from megatron_hpc.run_folder import write_json
-from megatron_hpc.run_markers import FATAL_FILE, STOPPED_FILE, write_marker
+from megatron_hpc.run_folder import RESTART_REQUEST_FILE, write_json
+from megatron_hpc.run_markers import FATAL_FILE, STOP_REQUEST_FILE, STOPPED_FILE, write_marker
 
 ALLOC = ("n1", "n2", "n3")
 
@@ -110,34 +111,54 @@ def test_a_steps_hang_reports_and_markers_are_the_ones_it_wrote_whatever_the_wri
 
 
 STUB_SCONTROL = """#!/usr/bin/env bash
-# scontrol answers the job's node list once, then the controller is too busy to answer (exit 1, nothing out).
+# scontrol answers the job's node list {answers} time(s), then the controller is too busy to answer (exit 1).
 case "$1 $2" in
-  "show job") [ -e {answered} ] && exit 1; touch {answered}; echo "JobId=77 JobState=RUNNING NodeList=n1,n2,n3";;
+  "show job") n=$(cat {count} 2>/dev/null || echo 0); echo $((n + 1)) > {count}; [ "$n" -ge {answers} ] && exit 1
+    echo "JobId=77 JobState=RUNNING NodeList=n1,n2,n3";;
   "show hostnames") echo "$3" | tr , '\\n';;
   "show node") for n in $(echo "$4" | tr , ' '); do echo "NodeName=$n State=ALLOCATED"; done;;
 esac
 """
 
 
-def test_scontrol_answering_no_node_list_loses_no_node(tmp_path, monkeypatch):
+def driver_on_stubs(tmp_path, monkeypatch, *, srun: str, answers: int = 1000) -> in_job.Driver:
+    """A driver of job 77 (n1,n2,n3; steps of 2 nodes) with stand-ins for scontrol and srun on PATH."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for tool, text in (("scontrol", STUB_SCONTROL.format(answered=tmp_path / "answered")),
-                       ("srun", "#!/usr/bin/env bash\nexit 1\n")):  # the step fails
+    scontrol = STUB_SCONTROL.format(answers=answers, count=tmp_path / "scontrol-calls")
+    for tool, text in (("scontrol", scontrol), ("srun", f"#!/usr/bin/env bash\n{srun}\n")):
         (bin_dir / tool).write_text(text)
         (bin_dir / tool).chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
     monkeypatch.setattr(in_job, "SCONTROL_RETRY_S", 0.0)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    driver = in_job.Driver(run_dir=run_dir, num_nodes=2, max_restarts=3, max_requeues=1, exclude_stragglers=False,
-                           srun_tail=["bash", "node.sh", "run"], job_id="77")
+    return in_job.Driver(run_dir=run_dir, num_nodes=2, max_restarts=3, max_requeues=1, exclude_stragglers=False,
+                         srun_tail=["bash", "node.sh", "run"], job_id="77")
+
+
+def test_scontrol_answering_no_node_list_loses_no_node(tmp_path, monkeypatch):
+    driver = driver_on_stubs(tmp_path, monkeypatch, srun="exit 1", answers=1)  # the step fails
     nodes, _ = driver.choose(STATE, ())
     assert nodes == ("n1", "n2")
     end = driver.run_step(0, nodes)  # scontrol answers nothing from here on
     assert end.allocation == ALLOC
     nxt = decide(end, STATE)
     assert nxt.action == "restart" and nxt.failure.reason == "rank_failed" and "n1" not in nxt.excluded
+
+
+def test_a_restart_request_taken_as_the_step_starts_survives_node_sh_clearing_old_stop_requests(tmp_path, monkeypatch):
+    # The stand-in for node.sh removes an earlier attempt's stop request as it starts (a second after srun), then
+    # stops (exit 0) once a stop request is there; without one it fails after 5 s.
+    stop = tmp_path / "run" / STOP_REQUEST_FILE
+    driver = driver_on_stubs(tmp_path, monkeypatch, srun=f"sleep 1; rm -f {stop}\n"
+                             f"for i in $(seq 50); do [ -e {stop} ] && exit 0; sleep 0.1; done; exit 1")
+    write_json(driver.run_dir / RESTART_REQUEST_FILE,
+               asdict(RestartRequest(job_id="77", exclude=["n2"], requested_at=time.time())))
+    end = driver.run_step(0, ("n1", "n2"))
+    assert (end.exit_code, end.requested) == (0, ("n2",))
 
 
 def test_failed_at_is_the_first_failure_not_when_the_driver_noticed():
