@@ -11,12 +11,13 @@ import time
 from dataclasses import asdict
 
 import pytest
-from megatron_hpc.launch import in_job
+from megatron_hpc.launch import in_job, requeue
 from megatron_hpc.launch.in_job import Seen, hang_reports, marker_new
 from megatron_hpc.launch.restart_log import read_restarts
 from megatron_hpc.launch.restart_request import RestartRequest, check_request
 from megatron_hpc.launch.restart_rules import (
     DriverState,
+    Next,
     StepEnd,
     classify,
     decide,
@@ -30,7 +31,7 @@ from megatron_hpc.launch.run_status import JobStatus, RunStatus, format_status
 from megatron_hpc.launch.step_exit import NodeExit, worker_signal
 
 from megatron_hpc.errors import ConfigError, LaunchError
-from megatron_hpc.run_folder import RESTART_REQUEST_FILE, write_json
+from megatron_hpc.run_folder import ATTEMPTS_FILE, RESTART_REQUEST_FILE, write_json
 from megatron_hpc.run_markers import FATAL_FILE, STOP_REQUEST_FILE, STOPPED_FILE, write_marker
 
 ALLOC = ("n1", "n2", "n3")
@@ -117,6 +118,7 @@ case "$1 $2" in
     echo "JobId=77 JobState=RUNNING NodeList=n1,n2,n3";;
   "show hostnames") echo "$3" | tr , '\\n';;
   "show node") for n in $(echo "$4" | tr , ' '); do echo "NodeName=$n State=ALLOCATED"; done;;
+  "requeue 77") sleep 5;;
 esac
 """
 
@@ -159,6 +161,14 @@ def test_a_restart_request_taken_as_the_step_starts_survives_node_sh_clearing_ol
                asdict(RestartRequest(job_id="77", exclude=["n2"], requested_at=time.time())))
     end = driver.run_step(0, ("n1", "n2"))
     assert (end.exit_code, end.requested) == (0, ("n2",))
+
+
+def test_scontrol_requeue_not_answering_leaves_the_driver_standing_and_the_attempt_recorded(tmp_path, monkeypatch):
+    driver = driver_on_stubs(tmp_path, monkeypatch, srun="exit 1")
+    monkeypatch.setattr(requeue, "SCONTROL_TIMEOUT_S", 0.5)  # the stand-in's requeue takes 5 s
+    assert driver.finish(Next(action="requeue", message="no room"), exit_code=1) == 1
+    [line] = (driver.run_dir / ATTEMPTS_FILE).read_text().splitlines()
+    assert json.loads(line)["action"] == "requeue" and json.loads(line)["requeued"] is False
 
 
 def test_failed_at_is_the_first_failure_not_when_the_driver_noticed():
