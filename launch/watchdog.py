@@ -46,7 +46,7 @@ from megatron_hpc.launch.stack_dump import (
     find_workers,
 )
 
-from megatron_hpc.heartbeat import _HOST_WIDTH, LONG_PHASES, Beat, derive_hang_timeout, read_beat
+from megatron_hpc.heartbeat import LONG_PHASES, Beat, derive_hang_timeout, read_beat
 from megatron_hpc.run_folder import CONFIG_FILE, DEBUG_DIR, HANGS_DIR, PLAN_FILE, read_json, write_json
 
 HANG_EXIT = 3
@@ -151,18 +151,17 @@ def proc_state(pid: int, proc_root: Path = Path("/proc")) -> str | None:
 class Watch:
     """This node's ranks' beats over time: when each last changed, on this machine's monotonic clock."""
 
-    def __init__(self, run_dir: Path, ranks: list[int], *, started_wall: float, host: str | None = None):
+    def __init__(self, run_dir: Path, ranks: list[int], *, started_wall: float):
         self.run_dir, self.ranks, self.started_wall = run_dir, ranks, started_wall
-        self.host = (host or socket.gethostname())[:_HOST_WIDTH]  # as the writer's line holds it
         self.since = time.monotonic()
         self.last: dict[int, tuple[Beat | None, float]] = {r: (None, self.since) for r in ranks}
 
     def fresh(self, rank: int) -> Beat | None:
-        """This attempt's beat: written on this machine (after an in-job restart another machine's old beat may
-        carry a clock running ahead of this one; its writer is no process here) and not before the watchdog
-        started."""
+        """This attempt's beat: its writer runs here, and it was not written before the watchdog started. An
+        earlier step's last beat fails the first test whatever its time says: after an in-job restart it may
+        come from another machine whose clock runs ahead, or from this one within CLOCK_SKEW_S of the start."""
         beat = read_beat(self.run_dir, rank)
-        if beat is None or (beat.host != self.host and not _alive(beat.pid)):
+        if beat is None or not _alive(beat.pid):
             return None
         return beat if beat.wall >= self.started_wall - CLOCK_SKEW_S else None
 
