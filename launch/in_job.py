@@ -64,24 +64,52 @@ from megatron_hpc.run_folder import (
 from megatron_hpc.run_markers import FATAL_FILE, STOPPED_FILE, job_attempt, read_marker, read_stopped, write_marker
 
 POLL_S = 0.5
+SCONTROL_TRIES = 3
+SCONTROL_RETRY_S = 5.0
+"""scontrol answering no node list (a busy controller, a timeout) is asked again this often, this far apart."""
 
 
 # --------------------------------------------------------------------------------------- run-folder edges
 
 
-def hang_reports(run_dir: Path, *, since: float) -> tuple[tuple[str, ...], float | None]:
-    """suspect_nodes of the hang reports detected at or after `since`, and the earliest detection time."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Seen:
+    """What the run folder held as a step started. A hang report or marker is the step's when it is not one of
+    these: their times are the writing node's clock, which may run ahead of the driver's by more than the seconds
+    between one step's end and the next one's start (an old record would then read as the new step's)."""
+
+    hang_reports: frozenset[str]
+    stopped: bytes | None
+    fatal: bytes | None
+
+    @classmethod
+    def now(cls, run_dir: Path) -> Seen:
+        return cls(hang_reports=frozenset(p.name for p in (run_dir / HANGS_DIR).glob("*.json")),
+                   stopped=_read_bytes(run_dir / STOPPED_FILE), fatal=_read_bytes(run_dir / FATAL_FILE))
+
+
+def _read_bytes(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
+def hang_reports(run_dir: Path, *, seen: frozenset[str]) -> tuple[tuple[str, ...], float | None]:
+    """suspect_nodes of the hang reports not in `seen` (written during the step), and the earliest detection
+    time."""
     suspects: list[str] = []
     first = None
     for path in sorted((run_dir / HANGS_DIR).glob("*.json")):
+        if path.name in seen:
+            continue
         try:
             data = read_json(path)
             at = float(data["detected_at"])
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if at >= since:
-            suspects += [str(n) for n in data.get("suspect_nodes") or []]
-            first = at if first is None else min(first, at)
+        suspects += [str(n) for n in data.get("suspect_nodes") or []]
+        first = at if first is None else min(first, at)
     return tuple(dict.fromkeys(suspects)), first
 
 
@@ -91,10 +119,11 @@ def stragglers(run_dir: Path) -> tuple[str, ...]:
     return tuple(str(n["node"]) for n in ranked)
 
 
-def _marker_since(run_dir: Path, name: str, since: float) -> bool:
-    """This attempt's marker, written during the step that started at `since` (steps share an attempt)."""
-    record = read_marker(run_dir, name)
-    return record is not None and float(record.get("time", 0.0)) >= since
+def marker_new(run_dir: Path, name: str, before: bytes | None) -> bool:
+    """This attempt's marker, written during the step that started when it read `before` (steps share an
+    attempt)."""
+    now = _read_bytes(run_dir / name)
+    return now is not None and now != before and read_marker(run_dir, name) is not None
 
 
 def resume_point(run_dir: Path) -> str:
@@ -147,9 +176,25 @@ class Driver:
     attempt: int = 0
     watch_offset: int | None = None
     """metrics.jsonl's size when a restarted step started, until it logs its first iteration."""
+    known: tuple[str, ...] = ()
+    """The allocation as scontrol last gave it."""
 
     def say(self, text: str) -> None:
         print(f"megatron-hpc: in-job: {text}", flush=True)
+
+    def allocation(self) -> tuple[str, ...]:
+        """The job's nodes now. A job never holds no node: scontrol answering none is no answer, not every node
+        lost; it is asked again, then the last known allocation stands (SLURM's node states still count)."""
+        for attempt in range(SCONTROL_TRIES):
+            nodes = allocation_nodes(self.job_id)
+            if nodes:
+                self.known = nodes
+                return nodes
+            if attempt + 1 < SCONTROL_TRIES:
+                time.sleep(SCONTROL_RETRY_S)
+        self.say(f"scontrol gave no node list for job {self.job_id} ({SCONTROL_TRIES} tries); the last known one "
+                 f"stands: {','.join(self.known) or 'none'}")
+        return self.known
 
     def srun_argv(self, nodes: tuple[str, ...]) -> list[str]:
         n = str(len(nodes))
@@ -157,24 +202,26 @@ class Driver:
                 *self.srun_tail]
 
     def run_step(self, step: int, nodes: tuple[str, ...]) -> StepEnd:
-        started = time.time()
+        started, seen = time.time(), Seen.now(self.run_dir)
         env = {**os.environ, IN_JOB_STEP_ENV: str(step)}
         proc = subprocess.Popen(self.srun_argv(nodes), env=env, stdin=subprocess.DEVNULL)
         requested: tuple[str, ...] | None = None
         while proc.poll() is None:
             requested = requested or self.take_request(step)
+            if requested is not None:
+                self.keep_stop_request()
             self.watch_first_step(step)
             time.sleep(POLL_S)
         ended = time.time()
-        allocation = allocation_nodes(self.job_id)
-        suspects, hang_at = hang_reports(self.run_dir, since=started)
+        allocation = self.allocation()
+        suspects, hang_at = hang_reports(self.run_dir, seen=seen.hang_reports)
         suspects = node_names(suspects, (*allocation, *nodes))
         folder = step_folder(self.run_dir, job_id=self.job_id, attempt=self.attempt, step=step)
         return StepEnd(step=step, nodes=nodes, exit_code=proc.returncode, started_at=started, ended_at=ended,
                        allocation=allocation, unusable=unusable_nodes(tuple(set(allocation) | set(nodes))),
                        exits=read_node_exits(folder), hang_suspects=suspects, hang_detected_at=hang_at,
-                       stopped=_marker_since(self.run_dir, STOPPED_FILE, started),
-                       fatal=_marker_since(self.run_dir, FATAL_FILE, started), requested=requested)
+                       stopped=marker_new(self.run_dir, STOPPED_FILE, seen.stopped),
+                       fatal=marker_new(self.run_dir, FATAL_FILE, seen.fatal), requested=requested)
 
     def take_request(self, step: int) -> tuple[str, ...] | None:
         """A restart request for this job: ask the workers to stop (they save first); the nodes to exclude."""
@@ -187,6 +234,12 @@ class Driver:
                  "iteration and stops")
         return tuple(request.exclude)
 
+    def keep_stop_request(self) -> None:
+        """The stop request again when it is gone: node.sh removes an earlier attempt's as it starts, and a request
+        taken in the step's first seconds would be lost with it (the trainer never removes one)."""
+        if not (self.run_dir / STOP_REQUEST_FILE).exists():
+            write_marker(self.run_dir, STOP_REQUEST_FILE, {"signal": "restart request"})
+
     def watch_first_step(self, step: int) -> None:
         if self.watch_offset is not None and _first_step_logged(self.run_dir, self.watch_offset):
             append_jsonl(self.run_dir / RESTARTS_FILE, {"step": step, "first_step_done_at": time.time(),
@@ -195,7 +248,7 @@ class Driver:
 
     def choose(self, state: DriverState, previous: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """The next step's nodes, and the stragglers left out for it."""
-        allocation = allocation_nodes(self.job_id)
+        allocation = self.allocation()
         healthy = healthy_nodes(allocation, unusable=unusable_nodes(allocation), excluded=state.excluded)
         slow = (stragglers_to_exclude(healthy, node_names(stragglers(self.run_dir), allocation),
                                       num_nodes=self.num_nodes)

@@ -137,6 +137,10 @@ def job_fields(job_id: str) -> dict[str, str]:
     return dict(tok.split("=", 1) for tok in proc.stdout.split() if "=" in tok)
 
 
+SCONTROL_TIMEOUT_S = 60.0
+"""How long `scontrol requeue` may take before the requeue counts as not done."""
+
+
 def requeue(job_id: str, *, attempt: int) -> tuple[bool, str]:
     """`scontrol requeue JOB` when this attempt is the job's current one and it is RUNNING; (done, why not).
 
@@ -149,7 +153,11 @@ def requeue(job_id: str, *, attempt: int) -> tuple[bool, str]:
         return False, f"job {job_id} is on attempt {restarts} already, this was attempt {attempt}: left as it is"
     if state != "RUNNING":
         return False, f"job {job_id} is {state or 'unknown to scontrol'}, not RUNNING: left as it is"
-    proc = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60, check=False)
+    try:
+        proc = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True,
+                              timeout=SCONTROL_TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:  # the in-job driver must live on to record the attempt
+        return False, f"`scontrol requeue {job_id}` did not answer ({exc})"
     if proc.returncode != 0:
         return False, f"`scontrol requeue {job_id}` failed: {(proc.stderr or proc.stdout).strip()}"
     return True, ""

@@ -8,7 +8,8 @@ Why a step failed, in order of certainty:
 - requested: the user asked (`megatron-hpc restart RUN --exclude NODE`) and the workers stopped and saved;
 - node_lost: SLURM says a node of the step is unusable (DOWN, DRAIN, FAIL, NOT_RESPONDING), or it has left
   the allocation (with --no-kill SLURM drops a failed node from the job's node list);
-- hang: a node watchdog tore the step down and named suspect nodes in `<run>/hangs/*.json`;
+- hang: a node watchdog tore the step down; the suspect nodes its `<run>/hangs/*.json` names are left out (none when
+  it names none: the watchdog's own kill of its node's workers blames nobody);
 - rank_failed: a worker was killed by a signal (its node is the suspect), else the node that failed first.
 """
 
@@ -121,7 +122,9 @@ def classify(end: StepEnd) -> Failure:
     first_exit = min((e.time for e in end.exits if e.exit_code), default=end.ended_at)
     if lost:
         return Failure(reason="node_lost", nodes_lost=lost, failed_at=min(first_exit, end.ended_at))
-    if end.hang_suspects:
+    if end.hang_suspects or end.hang_detected_at is not None:
+        # A watchdog tore the step down: its SIGKILL reads as a worker killed by a signal on its own node, which
+        # is no evidence (every node's watchdog sees the hang; the first to fire is chance). Only suspects count.
         suspects = tuple(n for n in dict.fromkeys(end.hang_suspects) if n in end.nodes)
         at = end.hang_detected_at if end.hang_detected_at is not None else first_exit
         return Failure(reason="hang", nodes_lost=suspects, failed_at=at)

@@ -157,8 +157,13 @@ class Watch:
         self.last: dict[int, tuple[Beat | None, float]] = {r: (None, self.since) for r in ranks}
 
     def fresh(self, rank: int) -> Beat | None:
+        """This attempt's beat: its writer runs here, and it was not written before the watchdog started. An
+        earlier step's last beat fails the first test whatever its time says: after an in-job restart it may
+        come from another machine whose clock runs ahead, or from this one within CLOCK_SKEW_S of the start."""
         beat = read_beat(self.run_dir, rank)
-        return beat if beat is not None and beat.wall >= self.started_wall - CLOCK_SKEW_S else None
+        if beat is None or not _alive(beat.pid):
+            return None
+        return beat if beat.wall >= self.started_wall - CLOCK_SKEW_S else None
 
     def poll(self) -> list[RankView]:
         now = time.monotonic()
@@ -236,8 +241,11 @@ def _launch_settings(run_dir: Path) -> tuple[float | None, float, int]:
 
 
 def _parent_alive(pid: int | None) -> bool:
-    if pid is None:
-        return True
+    return True if pid is None else _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process `pid` runs on this machine."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

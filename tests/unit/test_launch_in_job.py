@@ -5,13 +5,19 @@ request's refusals, restarts in `status`, and the plan and sbatch text of a run 
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
+from dataclasses import asdict
 
 import pytest
+from megatron_hpc.launch import in_job, requeue
+from megatron_hpc.launch.in_job import Seen, hang_reports, marker_new
 from megatron_hpc.launch.restart_log import read_restarts
-from megatron_hpc.launch.restart_request import check_request
+from megatron_hpc.launch.restart_request import RestartRequest, check_request
 from megatron_hpc.launch.restart_rules import (
     DriverState,
+    Next,
     StepEnd,
     classify,
     decide,
@@ -25,6 +31,8 @@ from megatron_hpc.launch.run_status import JobStatus, RunStatus, format_status
 from megatron_hpc.launch.step_exit import NodeExit, worker_signal
 
 from megatron_hpc.errors import ConfigError, LaunchError
+from megatron_hpc.run_folder import ATTEMPTS_FILE, RESTART_REQUEST_FILE, write_json
+from megatron_hpc.run_markers import FATAL_FILE, STOP_REQUEST_FILE, STOPPED_FILE, write_marker
 
 ALLOC = ("n1", "n2", "n3")
 
@@ -73,6 +81,94 @@ def test_stragglers_are_left_out_only_while_enough_nodes_remain():
 def test_why_a_step_failed(facts, reason, lost):
     failure = classify(end(**facts))
     assert (failure.reason, failure.nodes_lost) == (reason, lost)
+
+
+def test_a_hang_without_suspects_blames_no_node_the_watchdog_killed():
+    # Every rank stood at one position: the report names nobody. The watchdog's own SIGKILL of its node's workers
+    # reads as "killed by signal 9" in that node's exit record; whichever watchdog fired first is no suspect.
+    failure = classify(end(hang_detected_at=120.0, exits=(exit_("n1", 121.0, sig=9), exit_("n2", 122.0))))
+    assert (failure.reason, failure.nodes_lost, failure.failed_at) == ("hang", (), 120.0)
+    nxt = decide(end(hang_detected_at=120.0, exits=(exit_("n1", 121.0, sig=9),)), STATE)
+    assert nxt.action == "restart" and nxt.excluded == frozenset()
+
+
+def test_a_steps_hang_reports_and_markers_are_the_ones_it_wrote_whatever_the_writers_clock(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    # The step before: a hang report and a stopped.json (a restart request) written on a node whose clock ran a
+    # minute ahead of the driver's, so their times are later than the next step's start.
+    ahead = time.time() + 60.0
+    (tmp_path / "hangs").mkdir()
+    write_json(tmp_path / "hangs" / "20260101-000000-n2.json", {"detected_at": ahead, "suspect_nodes": ["n2"]})
+    write_json(tmp_path / STOPPED_FILE, {"job_id": "77", "attempt": 0, "time": ahead})
+    seen = Seen.now(tmp_path)
+    assert hang_reports(tmp_path, seen=seen.hang_reports) == ((), None)
+    assert not marker_new(tmp_path, STOPPED_FILE, seen.stopped) and not marker_new(tmp_path, FATAL_FILE, seen.fatal)
+    # What this step writes counts, whatever its clock says.
+    write_json(tmp_path / "hangs" / "20260101-000100-n3.json", {"detected_at": 5.0, "suspect_nodes": ["n3"]})
+    write_marker(tmp_path, STOPPED_FILE, {"reason": "stop request"})
+    assert hang_reports(tmp_path, seen=seen.hang_reports) == (("n3",), 5.0)
+    assert marker_new(tmp_path, STOPPED_FILE, seen.stopped)
+
+
+STUB_SCONTROL = """#!/usr/bin/env bash
+# scontrol answers the job's node list {answers} time(s), then the controller is too busy to answer (exit 1).
+case "$1 $2" in
+  "show job") n=$(cat {count} 2>/dev/null || echo 0); echo $((n + 1)) > {count}; [ "$n" -ge {answers} ] && exit 1
+    echo "JobId=77 JobState=RUNNING NodeList=n1,n2,n3";;
+  "show hostnames") echo "$3" | tr , '\\n';;
+  "show node") for n in $(echo "$4" | tr , ' '); do echo "NodeName=$n State=ALLOCATED"; done;;
+  "requeue 77") sleep 5;;
+esac
+"""
+
+
+def driver_on_stubs(tmp_path, monkeypatch, *, srun: str, answers: int = 1000) -> in_job.Driver:
+    """A driver of job 77 (n1,n2,n3; steps of 2 nodes) with stand-ins for scontrol and srun on PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scontrol = STUB_SCONTROL.format(answers=answers, count=tmp_path / "scontrol-calls")
+    for tool, text in (("scontrol", scontrol), ("srun", f"#!/usr/bin/env bash\n{srun}\n")):
+        (bin_dir / tool).write_text(text)
+        (bin_dir / tool).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    monkeypatch.setattr(in_job, "SCONTROL_RETRY_S", 0.0)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    return in_job.Driver(run_dir=run_dir, num_nodes=2, max_restarts=3, max_requeues=1, exclude_stragglers=False,
+                         srun_tail=["bash", "node.sh", "run"], job_id="77")
+
+
+def test_scontrol_answering_no_node_list_loses_no_node(tmp_path, monkeypatch):
+    driver = driver_on_stubs(tmp_path, monkeypatch, srun="exit 1", answers=1)  # the step fails
+    nodes, _ = driver.choose(STATE, ())
+    assert nodes == ("n1", "n2")
+    end = driver.run_step(0, nodes)  # scontrol answers nothing from here on
+    assert end.allocation == ALLOC
+    nxt = decide(end, STATE)
+    assert nxt.action == "restart" and nxt.failure.reason == "rank_failed" and "n1" not in nxt.excluded
+
+
+def test_a_restart_request_taken_as_the_step_starts_survives_node_sh_clearing_old_stop_requests(tmp_path, monkeypatch):
+    # The stand-in for node.sh removes an earlier attempt's stop request as it starts (a second after srun), then
+    # stops (exit 0) once a stop request is there; without one it fails after 5 s.
+    stop = tmp_path / "run" / STOP_REQUEST_FILE
+    driver = driver_on_stubs(tmp_path, monkeypatch, srun=f"sleep 1; rm -f {stop}\n"
+                             f"for i in $(seq 50); do [ -e {stop} ] && exit 0; sleep 0.1; done; exit 1")
+    write_json(driver.run_dir / RESTART_REQUEST_FILE,
+               asdict(RestartRequest(job_id="77", exclude=["n2"], requested_at=time.time())))
+    end = driver.run_step(0, ("n1", "n2"))
+    assert (end.exit_code, end.requested) == (0, ("n2",))
+
+
+def test_scontrol_requeue_not_answering_leaves_the_driver_standing_and_the_attempt_recorded(tmp_path, monkeypatch):
+    driver = driver_on_stubs(tmp_path, monkeypatch, srun="exit 1")
+    monkeypatch.setattr(requeue, "SCONTROL_TIMEOUT_S", 0.5)  # the stand-in's requeue takes 5 s
+    assert driver.finish(Next(action="requeue", message="no room"), exit_code=1) == 1
+    [line] = (driver.run_dir / ATTEMPTS_FILE).read_text().splitlines()
+    assert json.loads(line)["action"] == "requeue" and json.loads(line)["requeued"] is False
 
 
 def test_failed_at_is_the_first_failure_not_when_the_driver_noticed():

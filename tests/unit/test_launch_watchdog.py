@@ -5,10 +5,20 @@ from __future__ import annotations
 
 import math
 import os
+import socket
+import subprocess
 from pathlib import Path
 
 import pytest
-from megatron_hpc.launch.watchdog import RankView, hang_report, hang_timeout, is_hung, proc_state, suspects
+from megatron_hpc.launch.watchdog import (
+    RankView,
+    Watch,
+    hang_report,
+    hang_timeout,
+    is_hung,
+    proc_state,
+    suspects,
+)
 
 from megatron_hpc.heartbeat import (
     HANG_FLOOR_S,
@@ -50,6 +60,25 @@ def test_the_beat_is_rewritten_in_place_at_one_length_and_reads_back(tmp_path: P
     assert parse_beat(b"") is None and parse_beat(first[:20]) is None
     assert parse_beat(format_beat(iteration=1, phase="log", wall=1.5, step_s=0.0, pid=9, host="h")) == \
         Beat(iteration=1, phase="log", wall=1.5, step_s=0.0, pid=9, host="h")
+
+
+def test_a_beat_whose_writer_is_gone_is_an_earlier_steps_whatever_its_clock(tmp_path: Path) -> None:
+    # After an in-job restart a rank's file holds the last beat of the step before: from another machine whose
+    # clock ran ahead, or from this one a second or two before this watchdog started (within CLOCK_SKEW_S). Its
+    # writer is no process here: no beat of this attempt. A live writer counts whatever host name it gave.
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    started, here = 5000.0, socket.gethostname()
+    (tmp_path / "heartbeat").mkdir()
+    for rank, (host, wall, pid) in enumerate([("old-node", started + 30.0, gone.pid),
+                                              (here, started - 1.0, gone.pid),
+                                              (here, started - 60.0, os.getpid()),
+                                              ("pod-alias", started + 1.0, os.getpid()),
+                                              (here, started - 1.0, os.getpid())]):
+        (tmp_path / "heartbeat" / f"rank-{rank}").write_bytes(
+            format_beat(iteration=9, phase="forward-backward", wall=wall, step_s=0.5, pid=pid, host=host))
+    views = Watch(tmp_path, [0, 1, 2, 3, 4], started_wall=started).poll()
+    assert [v.beat is not None for v in views] == [False, False, False, True, True]
 
 
 def test_positions_order_the_phases_of_one_iteration_before_the_next() -> None:
