@@ -312,15 +312,17 @@ def _nest(flat: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _llama_legacy(root: Path, *, tp: int, groups: int = 2) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """A Megatron-LM legacy Llama checkpoint at `tp` with plain Adam: (the weights, exp_avg) in our names."""
+def _llama_legacy(root: Path, *, tp: int, groups: int = 2,
+                  context: int | None = POS) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A Megatron-LM legacy Llama checkpoint at `tp` with plain Adam: (the weights, exp_avg) in our names. `context`
+    None leaves seq_length and max_position_embeddings out of its args."""
     full, m1, m2 = _llama_full(11, groups=groups), _llama_full(12, groups=groups), _llama_full(13, groups=groups,
                                                                                             positive=True)
     for t in range(tp):
         shards = [_llama_legacy_shard(x, tp, t) for x in (full, m1, m2)]
         args = mw.megatron_args(
             num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, kv_channels=HIDDEN // HEADS,
-            group_query_attention=True, num_query_groups=groups, seq_length=POS, max_position_embeddings=POS,
+            group_query_attention=True, num_query_groups=groups, seq_length=context, max_position_embeddings=context,
             padded_vocab_size=VOCAB, make_vocab_size_divisible_by=8, tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=1, consumed_train_samples=16, global_batch_size=8,
             normalization="RMSNorm", norm_epsilon=1e-6, swiglu=True, add_bias_linear=False, add_qkv_bias=True,
@@ -352,6 +354,17 @@ def test_a_megatron_lm_llama_converts_exactly(tmp_path: Path, capsys: pytest.Cap
         "normalization": "rmsnorm", "swiglu": True, "num_query_groups": 2, "add_bias_linear": False,
         "add_qkv_bias": True, "tie_embeddings": False, "position_embedding": "rope", "rotary_base": 500000.0,
         "rope_scaling": "llama3", "rope_scaling_factor": 32.0, "layernorm_epsilon": 1e-6, "ffn_hidden_size": FFN}
+
+
+def test_a_rotary_megatron_lm_checkpoint_without_its_context_length_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A rotary model has no position table: with neither max_position_embeddings nor seq_length in its args there is
+    no context length to give the model, which is one line naming both, not a TypeError."""
+    _llama_legacy(tmp_path / "mlm", tp=1, context=None)
+    code, _, err = _cli(capsys, "ckpt", "convert", tmp_path / "mlm", "--to", "torch", "--out", tmp_path / "ours")
+    assert code == 1
+    assert "neither max_position_embeddings nor seq_length" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "ours").exists()
 
 
 def _core_chunks(shard: dict[str, torch.Tensor], *, pp_rank: int, pp: int, vp: int, te: bool) -> list[dict[str, Any]]:

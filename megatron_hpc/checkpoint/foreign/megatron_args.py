@@ -106,8 +106,7 @@ def model_config(state: dict[str, Any], full: dict[str, torch.Tensor], *, where:
     if rope == ("wpe.weight" in full):
         raise CheckpointError(f"{where}: position_embedding_type={arg(state, 'position_embedding_type')!r} but the "
                               f"position table is {'there' if rope else 'missing'}; it cannot be converted")
-    max_pos = full["wpe.weight"].shape[0] if not rope else int(arg(state, "max_position_embeddings")
-                                                                 or arg(state, "seq_length"))
+    max_pos = full["wpe.weight"].shape[0] if not rope else _rope_context(state, where)
     bias = "h.0.attn.proj.bias" in full
     epsilon = arg(state, "norm_epsilon", None)
     cfg = {"num_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
@@ -146,3 +145,13 @@ def layer_keys(cfg: dict[str, Any]) -> list[str]:
     if not bias and cfg.get("add_qkv_bias"):
         keys.append("attn.qkv.bias")
     return sorted(keys)
+
+
+def _rope_context(state: dict[str, Any], where: str) -> int:
+    """The longest sequence a rotary model was made for: a rotary model has no position table to read it from."""
+    length = arg(state, "max_position_embeddings") or arg(state, "seq_length")
+    if not length:
+        raise CheckpointError(f"{where}: its arguments give neither max_position_embeddings nor seq_length, and a "
+                              "rotary model has no position table to tell its context length; add one of them to the "
+                              "checkpoint's args (Megatron-LM's --max-position-embeddings) and convert again")
+    return int(length)
