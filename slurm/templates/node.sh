@@ -124,6 +124,8 @@ while kill -0 "$PHASE_PID" 2>/dev/null; do wait "$PHASE_PID"; STATUS=$?; done
 if [ -n "$WATCHDOG_PID" ]; then
   kill "$WATCHDOG_PID" 2>/dev/null  # it finishes a teardown in progress first
   wait "$WATCHDOG_PID"; WATCHDOG_STATUS=$?
+  # A trapped USR2/TERM ends `wait` early (status above 128); wait on until the watchdog itself has exited.
+  while kill -0 "$WATCHDOG_PID" 2>/dev/null; do wait "$WATCHDOG_PID"; WATCHDOG_STATUS=$?; done
   if [ "$WATCHDOG_STATUS" -eq {{hang_exit}} ] && [ "$STATUS" -eq 0 ]; then STATUS=1; fi
 fi
 
