@@ -79,8 +79,11 @@ class RunStatus:
     """In-job restarts (restarts.jsonl), each with its reason, the nodes lost and its cost."""
     nodes_lost: list[str] = field(default_factory=list)
     """Every node an in-job restart left out, in order."""
-    stragglers: dict[str, Any] | None = None
-    """stragglers.json as the trainer last wrote it (its "nodes" are the ones named now); None before the first log."""
+    stragglers: list[dict[str, Any]] = field(default_factory=list)
+    """The nodes named slow now (stragglers.json's "nodes": node, ranks, compute_s, wait_s, ratio); [] when none."""
+    straggler_check: dict[str, Any] | None = None
+    """The rest of stragglers.json (updated_at, iteration, threshold, window, median_compute_s); None before the
+    trainer's first timed log."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -224,7 +227,10 @@ def read_status(run_dir: Path) -> RunStatus:
     status.spare_nodes = int((config.get("launch") or {}).get("spare_nodes") or 0)
     status.restarts = read_restarts(trained_in)
     status.nodes_lost = list(dict.fromkeys(n for r in status.restarts for n in r.nodes_lost))
-    status.stragglers = _read_json(trained_in / STRAGGLERS_FILE)
+    check = _read_json(trained_in / STRAGGLERS_FILE)
+    if isinstance(check, dict):
+        status.stragglers = list(check.pop("nodes", None) or [])
+        status.straggler_check = check
     return status
 
 
@@ -360,10 +366,9 @@ def format_status(status: RunStatus) -> str:
         lines.append(f"progress  {p.phase} iteration {p.iteration}{total} | lm loss {p.lm_loss:.4f} | "
                      f"{p.tokens_per_s:,.0f} tokens/s{eta}")
     lines.append(f"checkpoint {status.last_checkpoint or 'none yet'}")
-    named = (status.stragglers or {}).get("nodes") or []
-    if named:
+    if status.stragglers:
         lines.append("stragglers " + ", ".join(f"{n.get('node')} {n.get('ratio', 0):.2f}x the median node"
-                                               for n in named))
+                                               for n in status.stragglers))
     lines += _restart_lines(status)
     return "\n".join(lines)
 

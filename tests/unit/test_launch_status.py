@@ -131,7 +131,8 @@ def test_last_checkpoint_is_the_one_the_tracker_names(tmp_path, capsys):
 
 def test_the_nodes_named_as_stragglers_are_in_status_and_its_json(tmp_path, capsys):
     run_dir = make_run(tmp_path)
-    assert read_status(run_dir).stragglers is None  # before the trainer's first log
+    before = read_status(run_dir)  # before the trainer's first log
+    assert (before.stragglers, before.straggler_check) == ([], None)
     capsys.readouterr()
     assert main(["status", str(run_dir)]) == 0
     assert "stragglers" not in capsys.readouterr().out
@@ -139,6 +140,8 @@ def test_the_nodes_named_as_stragglers_are_in_status_and_its_json(tmp_path, caps
               "nodes": [{"node": "gpu-7", "ranks": [56, 57], "compute_s": 0.8, "wait_s": 0.01, "ratio": 1.6}]}
     (run_dir / "stragglers.json").write_text(json.dumps(record))
     assert main(["status", "--json", str(run_dir)]) == 0
-    assert json.loads(capsys.readouterr().out)["stragglers"] == record
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["stragglers"] == record["nodes"]
+    assert shown["straggler_check"] == {k: v for k, v in record.items() if k != "nodes"}
     assert main(["status", str(run_dir)]) == 0
     assert "stragglers gpu-7 1.60x the median node" in capsys.readouterr().out
