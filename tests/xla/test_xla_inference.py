@@ -1,7 +1,8 @@
 """`megatron-hpc evaluate` and `generate` on real torch-xla (XLA:CPU, one process) against the CPU: marker `xla`.
 
-One tiny GPT-NeoX-style run (rotary on half of each head, parallel residual, untied output) is trained on the CPU
-and saved; its recipe names trn1, so evaluate and generate pick XLA by default (the platform chosen as the trainer
+One tiny run of each family is trained on the CPU and saved -- GPT-NeoX-style (rotary on half of each head, parallel
+residual, untied output) and Llama-style (RMSNorm, SwiGLU, grouped-query attention 4:2, no biases, untied output);
+its recipe names trn1, so evaluate and generate pick XLA by default (the platform chosen as the trainer
 chooses it) and the CPU with --platform cpu. Run with bash tests/xla/run.sh (see test_real_torch_xla.py).
 """
 
@@ -18,6 +19,7 @@ import pytest
 pytestmark = pytest.mark.xla
 
 TRAIN = r"""
+import json
 import sys
 import numpy as np
 from pathlib import Path
@@ -33,8 +35,8 @@ with IndexedDatasetWriter(str(tmp / "corpus"), dtype=np.uint16) as writer:
 cfg = RunConfig(
     name="tiny",
     model=ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32, max_position_embeddings=32,
-                      vocab_size=500, position_embedding="rope", rotary_percent=0.5, parallel_residual=True,
-                      tie_embeddings=False, init_method_std=0.2),
+                      vocab_size=500, position_embedding="rope", tie_embeddings=False, init_method_std=0.2,
+                      **json.loads(sys.argv[2])),
     train=TrainConfig(num_steps=1, micro_batch_size=2, global_batch_size=4, log_interval=1, eval_iters=2,
                       eval_test=False, tensorboard=False),
     optim=OptimConfig(lr=3e-3, lr_warmup_iters=0, lr_decay_style="constant"),
@@ -99,10 +101,17 @@ def _python(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]
     return proc
 
 
-@pytest.fixture(scope="module")
-def ckpt(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tmp = tmp_path_factory.mktemp("xlainfer")
-    _python(env, "-c", TRAIN, str(tmp))
+FAMILIES = {
+    "neox": {"rotary_percent": 0.5, "parallel_residual": True},
+    "llama": {"normalization": "rmsnorm", "swiglu": True, "num_query_groups": 2, "add_bias_linear": False,
+              "ffn_hidden_size": 96},
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def ckpt(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
+    tmp = tmp_path_factory.mktemp(f"xlainfer-{request.param}")
+    _python(env, "-c", TRAIN, str(tmp), json.dumps(FAMILIES[request.param]))
     return tmp / "ckpt"
 
 
