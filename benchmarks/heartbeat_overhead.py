@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     print(f"model: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, seq {args.seq}, vocab {args.vocab}, "
           f"micro-batch {args.micro_batch}, fp32; 2 ranks gloo, 1 thread each, on {os.cpu_count()} cores; "
-          f"{args.steps} timed steps per mode (+{args.warmup}), alternating; gather every {args.log_interval}",
+          f"{args.steps} timed steps per mode (+{args.warmup}), alternating; log every {args.log_interval}",
           flush=True)
     os.environ["OMP_NUM_THREADS"] = "1"  # read by the children's OpenMP at start
     started = time.time()
