@@ -178,6 +178,32 @@ def test_with_no_restart_left_the_job_is_requeued_as_without_spares(reference, t
     assert all(torch.equal(tensor, got[name]) for name, tensor in want.items())
 
 
+def test_the_time_signal_requeues_a_job_with_spares_which_resumes_as_without(reference, tmp_path):
+    import torch
+
+    run_dir = tmp_path / "signalled"
+    job_id = submit(run_dir, spares=1)
+    wait_for_iteration(run_dir, 4)
+    # What SLURM does --signal=USR2@90 before the limit: USR2 to every process of the job's steps. The workers save
+    # and stop; a stop is not a failure, so the driver hands over to the requeue instead of restarting in the job.
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while job_fields(job_id).get("Restarts") != "1":  # requeued: the same job id runs again
+        assert time.monotonic() < deadline, driver_log(run_dir)[-3000:]
+        time.sleep(0.5)
+    assert wait_job_end(job_id) == "COMPLETED", driver_log(run_dir)[-3000:]
+    attempts = [json.loads(x) for x in (run_dir / "attempts.jsonl").read_text().splitlines()]
+    assert [(a["attempt"], a["action"], a["requeued"]) for a in attempts] == [(0, "requeue", True), (1, "done", False)]
+    k = attempts[0]["iteration"]
+    node0 = (run_dir / "logs" / "run-node0.log").read_text(errors="replace")
+    assert f"> stopping at iteration {k} on signal SIGUSR2" in node0 and 4 <= k < NUM_STEPS
+    (loaded,) = [x for x in node0.splitlines() if "> loaded checkpoint" in x]
+    assert f"at iteration {k} " in loaded + " "  # resumed where the signal stopped it
+    assert not (run_dir / "restarts.jsonl").exists()  # no in-job restart on the way
+    want, got = final_tensors(reference), final_tensors(run_dir)
+    assert all(torch.equal(tensor, got[name]) for name, tensor in want.items())
+
+
 def test_spares_beyond_the_partition_are_refused_before_anything_is_queued(slurm_cluster, tmp_path):
     cmd = [sys.executable, "-m", "megatron_hpc", "submit", "--recipe", "tiny", "--nodes", "2", "--platform", "cpu",
            "--cluster", "slurm", "--partition", "debug", "--out", str(tmp_path / "run"),
