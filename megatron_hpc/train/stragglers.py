@@ -179,6 +179,9 @@ class Stragglers:
         since = None if self.last_gather is None else max(1, iteration - self.last_gather)
         step_s = (start - self._last_start) / since if since else 0.0
         self._last_start = start
+        # The cost is timed from here: on CUDA interval() waits for this rank's step to finish on the device, which
+        # the step costs anyway, not the gather.
+        cost_from = time.perf_counter()
         # The smaller of the last two costs (none before two gathers): a one-off (the first TensorBoard write, a
         # cold page cache) does not space the gathers out, a lasting change does within two gathers.
         cost_s = min(self.costs_s) if len(self.costs_s) == 2 else 0.0
@@ -186,7 +189,7 @@ class Stragglers:
         table = torch.zeros(len(self.nodes.node_of), 4, device=self.device.device)
         table[self.nodes.rank] = torch.tensor([compute, wait, float(steps), float(proposal)], device=self.device.device)
         dist.all_reduce(table, op=dist.ReduceOp.SUM, group=dist.group.WORLD)  # the world group, on purpose
-        self._gather_s = time.perf_counter() - start
+        self._gather_s = time.perf_counter() - cost_from
         # Host read after this step's graph ran (a step closure on XLA); on every rank, for the agreed spacing.
         when_step_done(self.device, self._after_gather, iteration, table)
 
