@@ -1,10 +1,12 @@
 """`megatron-hpc debug RUN`: the Python stacks of every rank of a running job, in one report.
 
 On SLURM one `srun --overlap --jobid J` step runs launch/stack_dump.py on every node of the
-running job (it shares the job's nodes instead of waiting for free ones); a local run is dumped
-on this machine. Ranks are then grouped by where their main thread is: in a hang, the ranks that
-are somewhere else than the others are usually the culprits. The report is written to
-`<run_dir>/debug/stacks-<time>.txt`. No torch import.
+job's current worker step (it shares the job's nodes instead of waiting for free ones): with hot spares
+(launch.spare_nodes) the allocation holds more nodes than the step, and after an in-job restart the step
+runs on other nodes than the first one, so the nodes come from SLURM's list of the job's running steps,
+not from the allocation. A local run is dumped on this machine. Ranks are then grouped by where their
+main thread is: in a hang, the ranks that are somewhere else than the others are usually the culprits.
+The report is written to `<run_dir>/debug/stacks-<time>.txt`. No torch import.
 """
 
 from __future__ import annotations
@@ -21,11 +23,15 @@ from pathlib import Path
 
 from megatron_hpc.launch.env_checks import remove_slurm_vars
 from megatron_hpc.launch.run_status import read_status
+from megatron_hpc.launch.slurm_nodes import hostnames
 from megatron_hpc.launch.stack_dump import RankStacks, collect
 
 from megatron_hpc.debug_stacks import DEBUG_DIR
 from megatron_hpc.errors import LaunchError
 
+DEBUG_STEP_NAME = "megatron-hpc-debug"
+_NOT_WORKER_STEPS = frozenset({"batch", "extern", "interactive", DEBUG_STEP_NAME})
+"""Step names that never run trainer workers: SLURM's own steps and debug's (which may run beside a worker step)."""
 _PY_SPY_THREAD = re.compile(r'^Thread \S+ \([^)]*\): "MainThread"')
 _FAULTHANDLER_CURRENT = re.compile(r"^Current thread 0x[0-9a-f]+ \(most recent call first\):")
 
@@ -68,7 +74,37 @@ def group_ranks(ranks: list[RankStacks]) -> list[dict]:
     return [{"frame": frame, "ranks": sorted(r)} for frame, r in sorted(groups.items(), key=lambda kv: -len(kv[1]))]
 
 
-def _collect_slurm(run_dir: Path, *, job_id: str, num_nodes: int, method: str,
+def worker_step(steps: str) -> tuple[str, str] | None:
+    """(step id, node list) of the newest worker step in `squeue --steps -h -o '%i %j %N'` output, or None.
+
+    The in-job driver numbers its steps upwards, so the highest step id is the one running now (a failed step
+    may still be listed while it completes)."""
+    best: tuple[int, str, str] | None = None
+    for line in steps.splitlines():
+        fields = line.split()
+        if len(fields) != 3 or "." not in fields[0]:
+            continue
+        step_id, name, nodelist = fields
+        number = step_id.rsplit(".", 1)[1]
+        if name in _NOT_WORKER_STEPS or not number.isdigit():
+            continue  # batch, extern and interactive steps have names instead of numbers too
+        if best is None or int(number) > best[0]:
+            best = (int(number), step_id, nodelist)
+    return (best[1], best[2]) if best else None
+
+
+def current_step_nodes(job_id: str) -> tuple[str, ...]:
+    """The nodes of the job's running worker step (empty when SLURM lists none)."""
+    try:
+        proc = subprocess.run(["squeue", "--steps", f"--jobs={job_id}", "-h", "-o", "%i %j %N"],
+                              capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return ()
+    found = worker_step(proc.stdout) if proc.returncode == 0 else None
+    return hostnames(found[1]) if found else ()
+
+
+def _collect_slurm(run_dir: Path, *, job_id: str, nodes: tuple[str, ...], method: str,
                    timeout_s: float) -> tuple[list[str], list[str]]:
     """The JSON lines of every node's stack_dump, and the stderr tails of nodes that wrote any. Each task writes
     its own files in the run folder (shared by the nodes): through srun's one stdout, long lines of two nodes can
@@ -79,8 +115,8 @@ def _collect_slurm(run_dir: Path, *, job_id: str, num_nodes: int, method: str,
     except OSError as exc:
         raise LaunchError(f"cannot create {parts} for the nodes' reports ({exc.strerror}); debug needs the run "
                           "folder writable from here and from the nodes") from None
-    cmd = ["srun", "--overlap", f"--jobid={job_id}", f"--nodes={num_nodes}", "--ntasks-per-node=1",
-           "--kill-on-bad-exit=0", "--job-name=megatron-hpc-debug", f"--output={parts}/%t.jsonl",
+    cmd = ["srun", "--overlap", f"--jobid={job_id}", f"--nodes={len(nodes)}", f"--nodelist={','.join(nodes)}",
+           "--ntasks-per-node=1", "--kill-on-bad-exit=0", f"--job-name={DEBUG_STEP_NAME}", f"--output={parts}/%t.jsonl",
            f"--error={parts}/%t.err", sys.executable, "-m", "megatron_hpc.launch.stack_dump", "--run-dir",
            str(run_dir), "--method", method, "--timeout", str(timeout_s)]
     env = dict(os.environ)
@@ -117,8 +153,12 @@ def debug_run(run_dir: Path, *, method: str = "auto", timeout_s: float = 20.0) -
             raise LaunchError(f"no job of {run_dir} is RUNNING ({states}); debug collects the stacks of a "
                               "running job (see `megatron-hpc logs` for one that ended)")
         report.job_id = running[-1].job_id
-        lines, report.node_errors = _collect_slurm(run_dir, job_id=report.job_id, method=method,
-                                                   num_nodes=int(plan.get("num_nodes", 1)), timeout_s=timeout_s)
+        nodes = current_step_nodes(report.job_id)
+        if not nodes:
+            raise LaunchError(f"job {report.job_id} of {run_dir} runs no worker step now (an in-job restart "
+                              "between steps, or the job is starting or ending); run debug again in a few seconds")
+        lines, report.node_errors = _collect_slurm(run_dir, job_id=report.job_id, nodes=nodes, method=method,
+                                                   timeout_s=timeout_s)
         items = []
         for line in lines:
             try:

@@ -62,7 +62,7 @@ class _EventMarks:
 
 
 class Pulse:
-    """Beats at each phase change and times each step's sections; `interval()` hands the log interval's sums."""
+    """Beats at each phase change and times each step's sections; `interval()` hands the sums since the last gather."""
 
     def __init__(self, writer: HeartbeatWriter | None, *, rank: int, device: torch.device,
                  hang_timeout_s: float | None, slowdown: SlowdownForTests | None = None):

@@ -1,16 +1,23 @@
-"""Stragglers named: every log interval the ranks' compute and wait times (train/pulse.py) are gathered in one
-small all-reduce, and a node whose compute time per step stays above launch.straggler_threshold x the median
-node's for WINDOW consecutive logs is named in the log, in TensorBoard and in <run>/stragglers.json.
+"""Stragglers named: the ranks' compute and wait times (train/pulse.py) are gathered in one small all-reduce at log
+steps, and a node whose compute time per step stays above launch.straggler_threshold x the median node's for
+WINDOW consecutive gathers is named in the log, in TensorBoard and in <run>/stragglers.json.
 
 A node's compute time is its slowest rank's (one slow device sets the pace of its node); its wait time is its
-ranks' mean. The gather runs at log steps only, never per step: a (world, 2) tensor, each rank filling its row,
+ranks' mean. The gather runs at log steps only, never per step: a (world, 4) tensor, each rank filling its row,
 summed over the world (all-reduce works on every backend; XLA has no all-gather of this shape cheaper than it).
+It is also spaced so that it costs at most 1/GATHER_COST_BOUND of the step time it covers, whatever
+train.log_interval is: each rank proposes the steps to wait before the next gather (GATHER_COST_BOUND x its
+last gather's cost over its mean step), the proposals travel in the gather itself, and every rank takes the
+largest, so all of them skip the same log steps (a decision from each rank's own clock would differ between
+ranks and leave some waiting in the all-reduce). Skipped steps keep accumulating in the pulse, so a gather's
+times cover every timed step since the one before: the window counts gathers, each one at least a log interval.
 The last rank, which holds the metrics, decides and writes. Node names are the host names in the heartbeats.
-stragglers.json is rewritten while a node is named, when the named set changes, and at the first timed log.
+stragglers.json is rewritten while a node is named, when the named set changes, and at the first timed gather.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import sys
@@ -29,9 +36,11 @@ from megatron_hpc.run_folder import STRAGGLERS_FILE, write_json
 from megatron_hpc.train.pulse import Pulse, SlowdownForTests
 from megatron_hpc.train.tensorboard import TensorBoardWriter
 
+GATHER_COST_BOUND = 200.0
+"""The steps between two gathers take at least this many times the last gather's cost (its share under 0.5%)."""
 WINDOW = 3
-"""Consecutive log intervals a node must stay above the threshold to be named (one slow interval is noise: a
-checkpoint write, a page-cache flush)."""
+"""Consecutive gathers (each at least one log interval) a node must stay above the threshold to be named (one
+slow interval is noise: a checkpoint write, a page-cache flush)."""
 TEST_SLOW_RANK_ENV = "MEGATRON_HPC_TEST_ONLY_SLOW_RANK"
 """Test only: "R:SECONDS" makes rank R sleep SECONDS in every step's compute."""
 TEST_NODE_PER_RANK_ENV = "MEGATRON_HPC_TEST_ONLY_NODE_PER_RANK"
@@ -119,6 +128,14 @@ class StragglerWindow:
         return sorted(n for n, streak in self.streaks.items() if streak >= self.window)
 
 
+def gather_every(*, cost_s: float, step_s: float, bound: float = GATHER_COST_BOUND) -> int:
+    """The steps to wait before the next gather, so that one costing cost_s is at most 1/bound of the steps'
+    time; 1 (the next log step) before a gather or a step was timed."""
+    if cost_s <= 0 or step_s <= 0:
+        return 1
+    return max(1, math.ceil(bound * cost_s / step_s))
+
+
 # ------------------------------------------------------------------------------------------------- I/O
 
 
@@ -134,22 +151,58 @@ class Stragglers:
         """Set by the loop on the last rank with train.tensorboard."""
         self.named: list[int] = []
         self.written = False
+        self.every_steps = 1
+        """Agreed by every rank at the last gather (the largest proposal): steps until the next one."""
+        self.last_gather: int | None = None
+        self.costs_s: tuple[float, ...] = ()
+        """This rank's last two gathers, on its host clock: the all-reduce and, on the last rank, the decision."""
+        self._gather_s = 0.0
+        self._last_start = 0.0
+        """perf_counter() when the last gather began: the wall time of the steps since then is what it covers."""
 
     def log_begins(self, iteration: int) -> None:
         """The heartbeat says log: the log step's collectives follow."""
         self.pulse.beat("log", iteration)
 
-    def at_log(self, iteration: int) -> None:
-        """The one collective of the interval (every rank calls it at the same log step)."""
-        compute, wait, steps = self.pulse.interval()
-        table = torch.zeros(len(self.nodes.node_of), 3, device=self.device.device)
-        table[self.nodes.rank] = torch.tensor([compute, wait, float(steps)], device=self.device.device)
-        dist.all_reduce(table, op=dist.ReduceOp.SUM, group=dist.group.WORLD)  # the world group, on purpose
-        if self.enabled:  # host read after this step's graph ran (a step closure on XLA)
-            when_step_done(self.device, self._decide, iteration, table)
+    def due(self, iteration: int) -> bool:
+        """Whether the log step at `iteration` gathers: the same answer on every rank (every_steps is agreed)."""
+        return self.last_gather is None or iteration - self.last_gather >= self.every_steps
 
-    def _decide(self, iteration: int, table: torch.Tensor) -> None:
-        rows = table.tolist()  # host sync, at log steps only
+    def at_log(self, iteration: int) -> None:
+        """The one collective of the interval (every rank calls it at the same log steps) when it is due."""
+        if not self.due(iteration):
+            return  # the pulse keeps summing the steps until the next gather
+        start = time.perf_counter()
+        compute, wait, steps = self.pulse.interval()
+        # The steps' whole wall time per step (eval, logging and waits outside the timed sections included); the
+        # pulse's sections miss the waits a fast rank spends outside them.
+        since = None if self.last_gather is None else max(1, iteration - self.last_gather)
+        step_s = (start - self._last_start) / since if since else 0.0
+        self._last_start = start
+        # The cost is timed from here: on CUDA interval() waits for this rank's step to finish on the device, which
+        # the step costs anyway, not the gather.
+        cost_from = time.perf_counter()
+        # The smaller of the last two costs (none before two gathers): a one-off (the first TensorBoard write, a
+        # cold page cache) does not space the gathers out, a lasting change does within two gathers.
+        cost_s = min(self.costs_s) if len(self.costs_s) == 2 else 0.0
+        proposal = gather_every(cost_s=cost_s, step_s=step_s)
+        table = torch.zeros(len(self.nodes.node_of), 4, device=self.device.device)
+        table[self.nodes.rank] = torch.tensor([compute, wait, float(steps), float(proposal)], device=self.device.device)
+        dist.all_reduce(table, op=dist.ReduceOp.SUM, group=dist.group.WORLD)  # the world group, on purpose
+        self._gather_s = time.perf_counter() - cost_from
+        # Host read after this step's graph ran (a step closure on XLA); on every rank, for the agreed spacing.
+        when_step_done(self.device, self._after_gather, iteration, table)
+
+    def _after_gather(self, iteration: int, table: torch.Tensor) -> None:
+        start = time.perf_counter()
+        rows = table.tolist()  # host sync, at gathers only
+        self.every_steps = max(1, int(max(row[3] for row in rows)))
+        self.last_gather = iteration
+        if self.enabled:
+            self._decide(iteration, rows)
+        self.costs_s = (*self.costs_s[-1:], self._gather_s + time.perf_counter() - start)
+
+    def _decide(self, iteration: int, rows: list[list[float]]) -> None:
         steps = int(min(row[2] for row in rows))
         if steps <= 0:  # the interval held only warm-up steps
             return

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from local_runs import local_env, start_local_run, wait_for_iteration
 
 pytestmark = pytest.mark.multiprocess
 
@@ -26,37 +27,14 @@ SETS = ["data.source=synthetic", "launch.workers_per_node=2", "parallel.tensor=1
         "train.tensorboard=false", "train.eval_interval=0", "launch.collective_timeout_s=8"]
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_"))}
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
 def _start(tmp_path: Path) -> tuple[Path, subprocess.Popen]:
     out = tmp_path / "run"
-    args = [sys.executable, "-m", "megatron_hpc", "submit", "--recipe", "tiny", "--dry-run", "--out", str(out)]
-    for item in SETS:
-        args += ["--set", item]
-    subprocess.run(args, check=True, capture_output=True, env=_env())
-    proc = subprocess.Popen(["bash", str(out / "node.sh"), "run"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=_env(), start_new_session=True)
-    return out, proc
-
-
-def _wait_for_iteration(proc: subprocess.Popen, n: int, lines: list[str]) -> None:
-    deadline = time.monotonic() + 180
-    for line in proc.stdout:
-        lines.append(line)
-        if f" iteration {n:8d}/" in line:
-            return
-        assert time.monotonic() < deadline, "".join(lines[-30:])
-    tail = "".join(lines[-30:])
-    raise AssertionError(f"the run ended before iteration {n}:\n{tail}")
+    return out, start_local_run(out, SETS)
 
 
 def _debug(run_dir: Path, method: str) -> dict:
     proc = subprocess.run([sys.executable, "-m", "megatron_hpc", "debug", str(run_dir), "--method", method,
-                           "--json"], capture_output=True, text=True, timeout=120, env=_env())
+                           "--json"], capture_output=True, text=True, timeout=120, env=local_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads(proc.stdout)
 
@@ -77,7 +55,7 @@ def test_debug_collects_every_ranks_stacks(tmp_path: Path, method: str, worker_p
     run_dir, proc = _start(tmp_path)
     try:
         lines: list[str] = []
-        _wait_for_iteration(proc, 3, lines)
+        wait_for_iteration(proc, 3, lines)
         report = _debug(run_dir, method)
         pids = worker_pids(run_dir)
         assert report["world_size"] == 2 and report["missing"] == []
@@ -98,7 +76,7 @@ def test_a_rank_that_stops_answering_fails_the_run_instead_of_hanging(tmp_path: 
     run_dir, proc = _start(tmp_path)
     try:
         lines: list[str] = []
-        _wait_for_iteration(proc, 2, lines)
+        wait_for_iteration(proc, 2, lines)
         pids = worker_pids(run_dir)
         os.kill(pids[1], signal.SIGSTOP)  # rank 1 hangs; rank 0 waits in its next collective
         stopped_at = time.monotonic()

@@ -13,11 +13,11 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from local_runs import start_local_run, wait_for_iteration
 
 pytestmark = pytest.mark.multiprocess
 
@@ -28,31 +28,9 @@ SETS = ["data.source=synthetic", "launch.workers_per_node=2", "parallel.tensor=1
         "launch.straggler_threshold=1.5"]
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "MEGATRON_HPC_TEST_ONLY"))}
-    env.update(OMP_NUM_THREADS="1", MEGATRON_HPC_TEST_ONLY_NODE_PER_RANK="1", **extra)
-    return env
-
-
 def _start(tmp_path: Path, sets: list[str], **env: str) -> tuple[Path, subprocess.Popen]:
     out = tmp_path / "run"
-    args = [sys.executable, "-m", "megatron_hpc", "submit", "--recipe", "tiny", "--dry-run", "--out", str(out)]
-    for item in SETS + sets:
-        args += ["--set", item]
-    subprocess.run(args, check=True, capture_output=True, env=_env())
-    proc = subprocess.Popen(["bash", str(out / "node.sh"), "run"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=_env(**env), start_new_session=True)
-    return out, proc
-
-
-def _wait_for_iteration(proc: subprocess.Popen, n: int, lines: list[str]) -> None:
-    deadline = time.monotonic() + 180
-    for line in proc.stdout:
-        lines.append(line)
-        if f" iteration {n:8d}/" in line:
-            return
-        assert time.monotonic() < deadline, "".join(lines[-30:])
-    raise AssertionError(f"the run ended before iteration {n}:\n" + "".join(lines[-30:]))
+    return out, start_local_run(out, SETS + sets, MEGATRON_HPC_TEST_ONLY_NODE_PER_RANK="1", **env)
 
 
 def _kill(proc: subprocess.Popen, pids: dict[int, int]) -> None:
@@ -82,7 +60,7 @@ def test_a_stopped_rank_is_caught_its_stacks_saved_and_the_node_fails(tmp_path: 
     pids: dict[int, int] = {}
     try:
         lines: list[str] = []
-        _wait_for_iteration(proc, 6, lines)  # past the warm-up: steps are timed, the 5 s timeout holds
+        wait_for_iteration(proc, 6, lines)  # past the warm-up: steps are timed, the 5 s timeout holds
         # Equal ranks name nobody (the fast run of the straggler check).
         assert json.loads((run_dir / "stragglers.json").read_text())["nodes"] == []
         pids = worker_pids(run_dir)

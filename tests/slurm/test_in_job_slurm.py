@@ -178,6 +178,68 @@ def test_with_no_restart_left_the_job_is_requeued_as_without_spares(reference, t
     assert all(torch.equal(tensor, got[name]) for name, tensor in want.items())
 
 
+def test_the_time_signal_requeues_a_job_with_spares_which_resumes_as_without(reference, tmp_path):
+    import torch
+
+    run_dir = tmp_path / "signalled"
+    job_id = submit(run_dir, spares=1)
+    wait_for_iteration(run_dir, 4)
+    # What SLURM does --signal=USR2@90 before the limit: USR2 to every process of the job's steps. The workers save
+    # and stop; a stop is not a failure, so the driver hands over to the requeue instead of restarting in the job.
+    subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while job_fields(job_id).get("Restarts") != "1":  # requeued: the same job id runs again
+        assert time.monotonic() < deadline, driver_log(run_dir)[-3000:]
+        time.sleep(0.5)
+    assert wait_job_end(job_id) == "COMPLETED", driver_log(run_dir)[-3000:]
+    attempts = [json.loads(x) for x in (run_dir / "attempts.jsonl").read_text().splitlines()]
+    assert [(a["attempt"], a["action"], a["requeued"]) for a in attempts] == [(0, "requeue", True), (1, "done", False)]
+    k = attempts[0]["iteration"]
+    node0 = (run_dir / "logs" / "run-node0.log").read_text(errors="replace")
+    assert f"> stopping at iteration {k} on signal SIGUSR2" in node0 and 4 <= k < NUM_STEPS
+    (loaded,) = [x for x in node0.splitlines() if "> loaded checkpoint" in x]
+    assert f"at iteration {k} " in loaded + " "  # resumed where the signal stopped it
+    assert not (run_dir / "restarts.jsonl").exists()  # no in-job restart on the way
+    want, got = final_tensors(reference), final_tensors(run_dir)
+    assert all(torch.equal(tensor, got[name]) for name, tensor in want.items())
+
+
+def test_debug_dumps_the_running_steps_nodes_not_the_spare(slurm_cluster, tmp_path, cli_in_process):
+    run_dir = tmp_path / "debugged"
+    job_id = submit(run_dir, spares=1, extra=["train.num_steps=100000"])
+    moved = first_step_nodes(run_dir)[0]
+    wait_for_iteration(run_dir, 3)
+    # An in-job restart first: the new step runs on the spare and the other node, not on the allocation's first two.
+    asked = cli_in_process("restart", str(run_dir), "--exclude", moved)
+    assert asked.returncode == 0, asked.stderr
+    deadline, lines = time.monotonic() + RUN_TIMEOUT_S, []
+    while not any("first_step_done_at" in line for line in lines):
+        assert time.monotonic() < deadline, driver_log(run_dir)[-3000:]
+        time.sleep(0.5)
+        restarts = run_dir / "restarts.jsonl"
+        lines = restarts.read_text().splitlines() if restarts.exists() else []
+    (restart,) = [json.loads(x) for x in lines if '"reason"' in x]
+    step_nodes = restart["nodes"]
+    assert moved not in step_nodes
+    debug = cli_in_process("debug", str(run_dir), "--json", "--method", "signal")
+    assert debug.returncode == 0, debug.stdout + debug.stderr
+    report = json.loads(debug.stdout)
+    assert report["job_id"] == job_id and report["missing"] == [] and report["world_size"] == 2
+    subprocess.run(["scancel", job_id], check=True)
+    # One machine stands for every node here, so the stacks' host names cannot say where the dump ran; SLURM's
+    # accounting of the debug step can.
+    deadline, debug_nodes = time.monotonic() + 60, ""
+    while not debug_nodes:
+        assert time.monotonic() < deadline, "no megatron-hpc-debug step in the job's accounting"
+        out = subprocess.run(["sacct", "-j", job_id, "-n", "-P", "--format=JobName,NodeList"], capture_output=True,
+                             text=True).stdout
+        debug_nodes = next((line.split("|")[1] for line in out.splitlines() if line.startswith("megatron-hpc-debug|")),
+                           "")
+        time.sleep(0.5)
+    held = subprocess.run(["scontrol", "show", "hostnames", debug_nodes], capture_output=True, text=True).stdout
+    assert sorted(held.split()) == sorted(step_nodes)
+
+
 def test_spares_beyond_the_partition_are_refused_before_anything_is_queued(slurm_cluster, tmp_path):
     cmd = [sys.executable, "-m", "megatron_hpc", "submit", "--recipe", "tiny", "--nodes", "2", "--platform", "cpu",
            "--cluster", "slurm", "--partition", "debug", "--out", str(tmp_path / "run"),

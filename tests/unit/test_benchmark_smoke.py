@@ -71,7 +71,7 @@ CASES: dict[str, tuple[list[str], str]] = {
                           r"^batch  1  transformers: best +[\d.]+ ms  median +[\d.]+ ms  best / floor +[\d.]+  "
                           r"\([\d.]+ GB/s of weights\)$"),
     "heartbeat_overhead.py": (["--steps", "2", "--warmup", "0", *TINY, "--reps", "10"],
-                              r"^overhead = \(pulse \+ per log / 10\) / off step = [\d.]+%; goal < 1% -> "
+                              r"^overhead = \(pulse \+ per gather x \d+/\d+\) / off step = [\d.]+%; goal < 1% -> "
                               r"(met|NOT met)$"),
     "mfu_gpu.py": (["--allow-cpu", *TINY, "--micro-batch-size", "1", "--steps", "1", "--warmup", "0"],
                    r"^achieved [\d.]+ TFLOP/s; MFU [\d.]+% of 989 TFLOP/s$"),

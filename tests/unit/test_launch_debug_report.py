@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from megatron_hpc.launch.debug_run import DebugReport, format_report, group_ranks, innermost_frame
+from megatron_hpc.launch.debug_run import DebugReport, format_report, group_ranks, innermost_frame, worker_step
 from megatron_hpc.launch.stack_dump import RankStacks, find_workers
 
 from megatron_hpc.cli.main import main
@@ -96,3 +96,14 @@ def test_workers_found_by_command_line_and_torchrun_variables(tmp_path: Path) ->
     found = find_workers(run_dir, proc, node_name="node1")
     assert [(w.rank, w.pid) for w in found] == [(0, 100), (1, 101)]
     assert [(w.rank, w.pid) for w in find_workers(run_dir, proc)] == [(0, 100), (1, 101), (2, 102)]
+
+
+def test_debug_dumps_the_current_worker_step_not_the_allocation() -> None:
+    # A job with a spare after one in-job restart: step 0 lost node1 and may still be listed while it completes,
+    # step 1 runs on node2,node3 and a debug step of an earlier `debug` call shares node2.
+    steps = ("42.batch batch node1\n42.extern extern node[1-4]\n42.0 bash node[1-2]\n"
+             "42.2 megatron-hpc-debug node2\n42.1 bash node[2-3]\n")
+    assert worker_step(steps) == ("42.1", "node[2-3]")
+    assert worker_step("42.0 bash node[1-2]\n") == ("42.0", "node[1-2]")
+    assert worker_step("42.batch batch node1\n42.extern extern node[1-3]\n") is None  # between two steps
+    assert worker_step("") is None

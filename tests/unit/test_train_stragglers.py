@@ -12,12 +12,17 @@ import torch
 
 from megatron_hpc.errors import ConfigError
 from megatron_hpc.heartbeat import read_beat
+from megatron_hpc.parallel.context import ParallelContext
+from megatron_hpc.parallel.device import DeviceInfo
 from megatron_hpc.train.pulse import Pulse, SlowdownForTests
 from megatron_hpc.train.stragglers import (
+    GATHER_COST_BOUND,
     KnobsForTests,
     NodeTime,
     RankNodes,
+    Stragglers,
     StragglerWindow,
+    gather_every,
     knobs_for_tests,
     node_times,
     ratios,
@@ -103,3 +108,27 @@ def test_a_hang_timeout_shorter_than_the_first_timed_step_stops_the_run() -> Non
     _steps(pulse, 1, 2)  # warm-up: untimed, so a compiling first step is never refused
     with pytest.raises(ConfigError, match=r"launch.hang_timeout_s=0.001 is shorter than a measured step"):
         _steps(pulse, 3, 3)
+
+
+def test_the_gather_waits_until_the_steps_took_the_bound_times_its_cost(ctx: ParallelContext) -> None:
+    assert GATHER_COST_BOUND == 200.0
+    assert gather_every(cost_s=0.0005, step_s=0.046) == 3  # the benchmark's tiny step: 138 ms between gathers
+    assert gather_every(cost_s=0.0005, step_s=1.0) == 1 and gather_every(cost_s=0.0, step_s=0.046) == 1
+    pulse = Pulse(None, rank=0, device=torch.device("cpu"), hang_timeout_s=None)
+    device = DeviceInfo(kind="cpu", device=torch.device("cpu"), backend="gloo")
+    stragglers = Stragglers(pulse, RankNodes(rank=0, node_of=(0,)), device=device, threshold=1.2, run_dir=None,
+                            enabled=True)
+    _steps(pulse, 1, 3)  # 1-2 are the warm-up
+    stragglers.at_log(3)  # the first two gathers are due at once: no cost is known yet
+    _steps(pulse, 4, 4)
+    stragglers.at_log(4)
+    assert stragglers.every_steps == 1 and stragglers.last_gather == 4 and len(stragglers.costs_s) == 2
+    stragglers.costs_s = (0.01, 0.02)  # as if a gather took 10 ms: 2 s of these sub-ms steps between two
+    _steps(pulse, 5, 5)
+    stragglers.at_log(5)
+    assert stragglers.every_steps >= 100  # agreed through the gather's own table
+    for step in range(6, 12):
+        _steps(pulse, step, step)
+        assert not stragglers.due(step)
+        stragglers.at_log(step)  # skipped: the pulse keeps the steps for the next gather
+    assert stragglers.last_gather == 5 and pulse.interval()[2] == 6
