@@ -40,14 +40,19 @@ def driver_log(run_dir: Path) -> str:
     return "".join(p.read_text(errors="replace") for p in sorted((run_dir / "logs").glob("*.out")))
 
 
-def first_step_nodes(run_dir: Path, timeout: float = 60) -> list[str]:
+def first_step_nodes(run_dir: Path, timeout: float = RUN_TIMEOUT_S) -> list[str]:
+    # Long enough for the job to wait in the queue: a node an earlier test or the benchmark's smoke run made DOWN
+    # may still be coming back, and a run with two spares needs all four.
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for line in driver_log(run_dir).splitlines():
             if line.startswith("megatron-hpc: in-job: step 0 on "):
                 return line.rsplit(" ", 1)[1].split(",")
         time.sleep(0.2)
-    raise AssertionError(f"the driver never started step 0:\n{driver_log(run_dir)[-2000:]}")
+    nodes = subprocess.run(["sinfo", "-N", "-h", "-o", "%N %T %E"], capture_output=True, text=True).stdout
+    queue = subprocess.run(["squeue", "-h", "-o", "%i %T %R"], capture_output=True, text=True).stdout
+    raise AssertionError(f"the driver never started step 0:\n{driver_log(run_dir)[-2000:]}\nnodes:\n{nodes}"
+                         f"queue:\n{queue}")
 
 
 def wait_for_iteration(run_dir: Path, iteration: int, timeout: float = RUN_TIMEOUT_S) -> None:

@@ -80,6 +80,8 @@ CASES: dict[str, tuple[list[str], str]] = {
                         r"^m=4: interleaved / 1F1B round medians [\d.]+: .*; best steps [\d.]+$"),
     "plan_fits.py": (["--platforms", "trn1", "--recipes", "neox_20b", "--max-nodes", "64"],
                      r"^\| full\S* \| \d+x\d+x\d+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \|$"),
+    "plan_speed.py": (["--recipes", "tiny", "--nodes", "16", "--platforms", "trn1", "--repeats", "1"],
+                      r"^slowest: [\d.]+ s$"),
     "preprocess_throughput.py": (["--self-anchor", "--demo", "{tmp}/demo", "--repeat", "1", "--workers", "1",
                                   "--rounds", "1"],
                                  r"^ratios megatron-hpc/megatron-hpc again: start-up [\d.]+x the time; throughput "
