@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import numpy
 import pytest
 import torch
+from mcore_names import ours_names
 
 from megatron_hpc.checkpoint.conversion import read_whole
 from megatron_hpc.checkpoint.conversion.optim_layout import by_name
@@ -38,26 +38,6 @@ from megatron_hpc.train.loop import train
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "megatron_core_ckpt"
 CASES = ("tp1_distopt", "tp1_distopt_buckets", "tp2_adam", "tp2_distopt", "llama_tp2_distopt")
 RANK_DIR = "iter_0000003/mp_rank_00"
-
-# megatron-core's local-spec GPT names -> ours, written out here rather than taken from the code under test.
-# SwiGLU's linear_fc1 is our gate and fc together: the summaries (sums of values, of |values|, of squares) of the
-# two add up to the fused tensor's.
-_NAMES = [(r"embedding\.word_embeddings\.(\w+)", [r"wte.\1"]),
-          (r"embedding\.position_embeddings\.(\w+)", [r"wpe.\1"]), (r"output_layer\.weight", ["lm_head.weight"]),
-          (r"decoder\.layers\.(\d+)\.input_layernorm\.(\w+)", [r"h.\1.ln_1.\2"]),
-          (r"decoder\.layers\.(\d+)\.self_attention\.linear_qkv\.(\w+)", [r"h.\1.attn.qkv.\2"]),
-          (r"decoder\.layers\.(\d+)\.self_attention\.linear_proj\.(\w+)", [r"h.\1.attn.proj.\2"]),
-          (r"decoder\.layers\.(\d+)\.pre_mlp_layernorm\.(\w+)", [r"h.\1.ln_2.\2"]),
-          (r"decoder\.layers\.(\d+)\.mlp\.linear_fc1\.(\w+)", [r"h.\1.mlp.fc.\2", r"h.\1.mlp.gate.\2"]),
-          (r"decoder\.layers\.(\d+)\.mlp\.linear_fc2\.(\w+)", [r"h.\1.mlp.proj.\2"]),
-          (r"decoder\.final_layernorm\.(\w+)", [r"ln_f.\1"])]
-
-
-def _ours(name: str, model: dict[str, torch.Tensor]) -> list[str]:
-    for pattern, replacements in _NAMES:
-        if re.fullmatch(pattern, name):
-            return [n for n in (re.sub(pattern, r, name) for r in replacements) if n in model]
-    raise AssertionError(f"no mapping for {name}")
 
 
 def _expected(case: str) -> dict[str, Any]:
@@ -120,9 +100,9 @@ def test_adam_state_carries_over_as_megatron_core_kept_it(case: str, converted: 
     model = state["model"]
     moments = by_name(model, state["optimizer"])
     per_rank = _expected(case)["moments_by_tp_rank"]
-    assert sorted(moments) == sorted(n for name in per_rank[0] for n in _ours(name, model))
+    assert sorted(moments) == sorted(n for name in per_rank[0] for n in ours_names(name, model))
     for name in per_rank[0]:
-        ours = _ours(name, model)
+        ours = ours_names(name, model)
         numel = sum(model[n].numel() for n in ours)
         # A TP-split weight's summaries add up over the shards; a replicated one is rank 0's.
         ranks = per_rank if sum(r[name]["numel"] for r in per_rank) == numel else per_rank[:1]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 import numpy
 import pytest
 import torch
+from mcore_names import ours_names
 
 from megatron_hpc.checkpoint.conversion import read_whole
 from megatron_hpc.checkpoint.conversion.optim_layout import by_name
@@ -39,27 +39,6 @@ from megatron_hpc.train.loop import train
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "megatron_core_torch_dist"
 CASES = ("gpt_tp2", "gpt_pp2", "gpt_dp2_distopt", "llama_tp2_distopt", "gpt_pp2_distopt", "gpt_pp2_vp2")
 ITER = "iter_0000003"
-
-# megatron-core's module names (the local spec's named_parameters, as the generator summarised the moments) ->
-# ours, written out here rather than taken from the code under test. SwiGLU's linear_fc1 is our gate and fc
-# together: the summaries (sums of values, of |values|, of squares) of the two add up to the fused tensor's.
-_NAMES = [(r"embedding\.word_embeddings\.weight", ["wte.weight"]),
-          (r"embedding\.position_embeddings\.weight", ["wpe.weight"]),
-          (r"output_layer\.weight", ["lm_head.weight"]),
-          (r"decoder\.layers\.(\d+)\.input_layernorm\.(\w+)", [r"h.\1.ln_1.\2"]),
-          (r"decoder\.layers\.(\d+)\.self_attention\.linear_qkv\.(\w+)", [r"h.\1.attn.qkv.\2"]),
-          (r"decoder\.layers\.(\d+)\.self_attention\.linear_proj\.(\w+)", [r"h.\1.attn.proj.\2"]),
-          (r"decoder\.layers\.(\d+)\.pre_mlp_layernorm\.(\w+)", [r"h.\1.ln_2.\2"]),
-          (r"decoder\.layers\.(\d+)\.mlp\.linear_fc1\.(\w+)", [r"h.\1.mlp.fc.\2", r"h.\1.mlp.gate.\2"]),
-          (r"decoder\.layers\.(\d+)\.mlp\.linear_fc2\.(\w+)", [r"h.\1.mlp.proj.\2"]),
-          (r"decoder\.final_layernorm\.(\w+)", [r"ln_f.\1"])]
-
-
-def _ours(name: str, model: dict[str, torch.Tensor]) -> list[str]:
-    for pattern, replacements in _NAMES:
-        if re.fullmatch(pattern, name):
-            return [n for n in (re.sub(pattern, r, name) for r in replacements) if n in model]
-    raise AssertionError(f"no mapping for {name}")
 
 
 def _expected(case: str) -> dict[str, Any]:
@@ -130,9 +109,9 @@ def test_adam_state_carries_over_as_megatron_core_kept_it(case: str, converted: 
     model = state["model"]
     moments = by_name(model, state["optimizer"])
     want = _expected(case)["moments"]
-    assert sorted(moments) == sorted(n for name in want for n in _ours(name, model))
+    assert sorted(moments) == sorted(n for name in want for n in ours_names(name, model))
     for name, summary in want.items():
-        ours = _ours(name, model)
+        ours = ours_names(name, model)
         assert sum(model[n].numel() for n in ours) == summary["numel"], name
         got = {"param": [model[n] for n in ours], "exp_avg": [moments[n]["exp_avg"] for n in ours],
                "exp_avg_sq": [moments[n]["exp_avg_sq"] for n in ours]}
