@@ -65,8 +65,11 @@ class Pulse:
     """Beats at each phase change and times each step's sections; `interval()` hands the sums since the last gather."""
 
     def __init__(self, writer: HeartbeatWriter | None, *, rank: int, device: torch.device,
-                 hang_timeout_s: float | None, slowdown: SlowdownForTests | None = None):
+                 hang_timeout_s: float | None, slowdown: SlowdownForTests | None = None,
+                 world_max: Callable[[float], float] | None = None):
         self.writer, self.rank, self.hang_timeout_s = writer, rank, hang_timeout_s
+        self.world_max = world_max
+        """The largest of every rank's value (one collective), for the hang-timeout check; None with one rank."""
         self.marks: _HostMarks | _EventMarks = _EventMarks(device) if device.type == "cuda" else _HostMarks()
         self.slow_s = slowdown.seconds if slowdown is not None and slowdown.rank == rank else 0.0
         self.first_timed = WARMUP_STEPS + 1
@@ -111,7 +114,13 @@ class Pulse:
         self.step_s = time.perf_counter() - self._step_start
         if not self._checked:
             self._checked = True
-            problem = hang_timeout_problem(configured=self.hang_timeout_s, measured_step_s=self.step_s,
+            measured = self.step_s
+            if self.hang_timeout_s is not None and self.world_max is not None:
+                # Every rank decides on the slowest rank's first timed step (one collective, once a process, only
+                # with a configured timeout): ranks whose own step came in just under it would otherwise go on and
+                # wait in the next collective for peers that stopped, until the watchdog or the collective timeout.
+                measured = self.world_max(self.step_s)
+            problem = hang_timeout_problem(configured=self.hang_timeout_s, measured_step_s=measured,
                                            iteration=self.iteration)
             if problem:
                 raise ConfigError(problem)

@@ -539,3 +539,28 @@ def failing_run(rank: int, world: int, ports: list[int], cfg: RunConfig, run_roo
     except CheckpointError as exc:
         return str(exc)
     return ""
+
+
+def hang_timeout_check(rank: int, world: int, ports: list[int], timeout_s: float, slow_s: float) -> str:
+    """Two ranks' pulses, rank 1 slowed past `timeout_s` and rank 0 not: what each rank's hang-timeout check said
+    at the first timed step ("" when it let the step pass)."""
+    from megatron_hpc.errors import ConfigError
+    from megatron_hpc.parallel.device import DeviceInfo
+    from megatron_hpc.train.loop import _world_max
+    from megatron_hpc.train.pulse import Pulse, SlowdownForTests
+
+    _init(rank, world, ports[0])
+    try:
+        pulse = Pulse(None, rank=rank, device=torch.device("cpu"), hang_timeout_s=timeout_s,
+                      slowdown=SlowdownForTests(rank=1, seconds=slow_s),
+                      world_max=_world_max(DeviceInfo(kind="cpu", device=torch.device("cpu"), backend="gloo")))
+        try:
+            for iteration in range(1, pulse.first_timed + 1):
+                pulse.step_begins(iteration)
+                pulse.compute_done()
+                pulse.step_ends()
+        except ConfigError as err:
+            return str(err)
+        return ""
+    finally:
+        dist.destroy_process_group()

@@ -117,3 +117,13 @@ def test_a_slow_rank_is_named_in_the_log_the_file_and_tensorboard(tmp_path: Path
     counts = {e.step: e.value for e in events.Scalars("stragglers")}
     assert counts == {3: 0.0, 4: 0.0, 5: 1.0, 6: 1.0}
     assert all(e.value > 1.5 for e in events.Scalars("straggler-max-ratio"))
+
+
+def test_a_hang_timeout_shorter_than_one_ranks_step_stops_every_rank(tmp_path: Path) -> None:
+    """Rank 1's first timed step takes 0.3 s, rank 0's almost nothing, the timeout is 0.1 s: both ranks refuse
+    (on the slowest rank's step), so none goes on to wait in a collective for a peer that stopped."""
+    import mp_workers
+
+    said = mp_workers.spawn(mp_workers.hang_timeout_check, world=2, out_dir=tmp_path, args=(0.1, 0.3))
+    for line in said:
+        assert line.startswith("launch.hang_timeout_s=0.1 is shorter than a measured step (0.3"), said
