@@ -11,10 +11,20 @@ bench lock. Rows:
   "TFLOP/s per GPU" column here. Their runs: fp16/bf16 mixed precision, full recomputation, micro-batch 1 (the
   paper does not list it per row; 1 is the 175B script's), vocabulary 51200, sequence 2048, fused softmax that
   writes the attention scores (no flash attention in 2021): the calibration's attention_scores_in_memory=True.
-- Megatron-LM's README ("Training Speed and Scalability", read 2026): GPT-3 175B (vocabulary 131072) strong-scaled
-  on H100 at a global batch of 1152 from 96 GPUs (MFU 47%) to 4608 (42%); TP 4 x PP 8 as in the README's model
-  table, p5's figures. Their runs overlap TP communication with compute (--tp-comm-overlap), which our trainer and
-  the model's default calibration do not.
+- Megatron-LM's README ("Training Speed and Scalability", from commit 937571cf of 2024-07-15, Megatron-Core
+  r0.8.0; its images/model_table.png and strong_scaling.png read from that commit): GPT models on H100 (Eos, DGX
+  H100), vocabulary 131072, sequence 4096, MFU against 989 TFLOP/s. The model table gives nine sizes at 48-way DP
+  with their TP x PP and batch (weak scaling); the strong-scaling figure runs the 177B one (TP 8 x PP 6) from 96 to
+  4608 GPUs at a global batch of 1152 (MFU 47% and 42%, the README's text). 177B, not 175B: untied input and
+  output embeddings (12*L*h^2 + 2*V*h = 177.2B). Their flags, as the README names them: --overlap-grad-reduce
+  --overlap-param-gather (which need the distributed optimizer, arguments.py), --tp-comm-overlap (which needs
+  sequence parallelism, arguments.py) and overlapped pipeline send/receive, which Megatron-LM turns off unless
+  the interleaved schedule runs (arguments.py: "non-interleaved schedule does not support overlapping p2p
+  communication"), so the pipelined runs were interleaved; the virtual stage count is not published, so each
+  pipelined row gives the range over every count that divides its layers per stage.
+  Our trainer does all of that but two: TP communication overlap and the parameter gather's overlap under
+  pipelining; those rows are predicted with the TP collectives and the gather exposed, as our trainer runs them,
+  and marked.
 
 The platforms' figures are datasheet facts (config/hardware.py, recipes/platforms/dgx_a100_80gb.yaml); the
 calibration is plan/calibration.py's defaults, set before these comparisons and not fitted to them.
@@ -60,6 +70,11 @@ class Published:
     source: str = ""
     settings: tuple[str, ...] = ("model.recompute=true",)
     """How the run trained beyond its sizes, as --set overrides."""
+    virtual: tuple[int, ...] = (1,)
+    """Virtual stages per pipeline rank: the first is the row's prediction, all of them its range (the H100 runs
+    were interleaved but do not say how far)."""
+    not_ours: str = ""
+    """What the published run overlapped that our trainer cannot: predicted without it, marked in the row."""
 
 
 NARAYANAN = "Narayanan et al. 2021, table 1"
@@ -75,39 +90,64 @@ ROWS_A100: tuple[Published, ...] = (
     Published("GPT-3 175B", "gpt3_175b", 1024, 8, 16, 1536, tflops_per_gpu=140,
               source="Narayanan et al. 2021, section 5.1; Megatron-LM examples/gpt3 script"),
 )
-README = "Megatron-LM README, Training Speed and Scalability (strong scaling)"
-H100_SETTINGS = ("model.recompute_granularity=selective", "parallel.sequence_parallel=true",
-                 "parallel.distributed_optimizer=true")
-"""Not stated in the README: Megatron-LM's usual settings for such runs (selective recomputation, sequence
-parallelism, the distributed optimizer), one model chunk per pipeline rank."""
+README = "Megatron-LM README (937571cf), model table"
+STRONG = "Megatron-LM README (937571cf), strong scaling"
+MODEL_TABLE: tuple[tuple[str, int, int, int, int, int, int, float], ...] = (
+    # size, heads, hidden, layers, TP, PP, global batch, MFU (DP 48 on every row)
+    ("1.7B", 16, 2048, 24, 1, 1, 192, 0.41), ("7.1B", 32, 4096, 30, 2, 1, 192, 0.47),
+    ("16B", 48, 6144, 32, 4, 1, 192, 0.49), ("32B", 56, 7168, 48, 8, 1, 192, 0.46),
+    ("70B", 64, 8192, 84, 8, 2, 384, 0.42), ("119B", 80, 10240, 92, 8, 4, 768, 0.43),
+    ("177B", 96, 12288, 96, 8, 6, 1152, 0.44), ("314B", 128, 16384, 96, 8, 8, 1536, 0.48),
+    ("462B", 144, 18432, 112, 8, 16, 3072, 0.47),
+)
+
+
+def h100_row(size: str, *, gpus: int, mfu: float, source: str) -> Published:
+    """A row of the README's runs as our recipe states them: the table's sizes, sequence 4096, vocabulary 131072,
+    untied embeddings, bf16, micro-batch 1 (not stated), no recomputation (Megatron-LM's default; not stated),
+    sequence parallelism (with TP), the distributed optimizer and the overlaps our trainer has: the gradient
+    reduce's, and the parameter gather's without pipelining (our trainer refuses it under pipelining)."""
+    _, heads, hidden, layers, t, p, batch, _ = next(r for r in MODEL_TABLE if r[0] == size)
+    settings = (f"model.num_layers={layers}", f"model.hidden_size={hidden}", f"model.num_attention_heads={heads}",
+                "model.seq_length=4096", "model.max_position_embeddings=4096", "model.tie_embeddings=false",
+                f"parallel.sequence_parallel={str(t > 1).lower()}", "parallel.distributed_optimizer=true",
+                "parallel.overlap_grad_reduce=true", f"parallel.overlap_param_gather={str(p == 1).lower()}")
+    per_stage = layers // p
+    virtual = tuple(v for v in range(2, per_stage + 1) if per_stage % v == 0) if p > 1 else (1,)
+    missing = "TP comm overlap" if p == 1 else "TP comm overlap, param gather overlap"
+    return Published(f"{size}, {gpus} H100", "gpt3_175b", gpus, t, p, batch, mfu=mfu, vocab=131072,
+                     source=source, settings=settings, virtual=virtual, not_ours=missing if t > 1 else "")
+
+
 ROWS_H100: tuple[Published, ...] = (
-    Published("GPT-3 175B, 96 H100", "gpt3_175b", 96, 4, 8, 1152, mfu=0.47, vocab=131072, source=README,
-              settings=H100_SETTINGS),
-    Published("GPT-3 175B, 4608 H100", "gpt3_175b", 4608, 4, 8, 1152, mfu=0.42, vocab=131072, source=README,
-              settings=H100_SETTINGS),
+    *(h100_row(r[0], gpus=48 * r[4] * r[5], mfu=r[7], source=README) for r in MODEL_TABLE),
+    h100_row("177B", gpus=96, mfu=0.47, source=STRONG),
+    h100_row("177B", gpus=4608, mfu=0.42, source=STRONG),
 )
 PAPER_CALIBRATION = dataclasses.replace(DEFAULT_CALIBRATION, attention_scores_in_memory=True)
 """The defaults, with the 2021 stack's attention kernels (scores written to memory): a fact about the measured
 system, not a fit."""
 
 
-def config_for(row: Published) -> RunConfig:
+def config_for(row: Published, *, virtual: int = 1) -> RunConfig:
     """The recipe as the published run trained it: bf16, micro-batch 1, the run's sizes and settings."""
     return load_recipe(row.recipe, [f"train.global_batch_size={row.global_batch}", "train.micro_batch_size=1",
                                     "train.precision=bf16", "model.recompute=false", *row.settings,
                                     f"model.vocab_size={row.vocab}", f"parallel.tensor={row.tensor_parallel}",
-                                    f"parallel.pipeline={row.pipeline_parallel}"])
+                                    f"parallel.pipeline={row.pipeline_parallel}",
+                                    f"parallel.virtual_pipeline={virtual}"])
 
 
-def predict(row: Published, hardware: Hardware, calibration: Calibration) -> tuple[RunConfig, StepTime]:
+def predict(row: Published, hardware: Hardware, calibration: Calibration,
+            virtual: int = 1) -> tuple[RunConfig, StepTime]:
     """The model's step time at the published layout (built directly: the published runs are not re-planned, so
     the memory model's verdict does not enter)."""
-    cfg = config_for(row)
+    cfg = config_for(row, virtual=virtual)
     t, p = row.tensor_parallel, row.pipeline_parallel
     d = row.gpus // (t * p)
     vocab = padded_vocab_size(cfg.model.vocab_size, divisible_by=cfg.model.make_vocab_size_divisible_by,
                               tensor_parallel=t)
-    stages = tuple(len(r) for r in split_layers(cfg.model.num_layers, pipeline=p))
+    stages = tuple(len(r) for r in split_layers(cfg.model.num_layers, pipeline=p, virtual=virtual))
     layout = Layout(tensor_parallel=t, pipeline_parallel=p, data_parallel=d,
                     num_micro_batches=row.global_batch // d, stage_layers=stages,
                     workers_per_node=hardware.workers_per_node, padded_vocab=vocab)
@@ -128,8 +168,12 @@ class Result:
     row: Published
     step_s: float
     predicted: float
-    """TFLOP/s per GPU (A100 rows) or MFU (H100 rows)."""
+    """TFLOP/s per GPU (A100 rows) or MFU (H100 rows), at the row's first virtual stage count."""
     published: float
+    spread: tuple[float, float] = (0.0, 0.0)
+    """Lowest and highest error over the row's virtual stage counts."""
+    tp_share: float = 0.0
+    """Share of the predicted step that is TP communication (what --tp-comm-overlap hides in the published run)."""
 
     @property
     def error(self) -> float:
@@ -145,21 +189,33 @@ def results() -> list[Result]:
                           float(row.tflops_per_gpu)))
     h100 = get_platform("p5").hardware
     for row in ROWS_H100:
-        _, time = predict(row, h100, DEFAULT_CALIBRATION)
-        out.append(Result(row, time.step_time_s, time.mfu, float(row.mfu)))
+        times = [predict(row, h100, DEFAULT_CALIBRATION, v)[1] for v in row.virtual]
+        errors = [t.mfu / float(row.mfu) - 1 for t in times]
+        out.append(Result(row, times[0].step_time_s, times[0].mfu, float(row.mfu), (min(errors), max(errors)),
+                          times[0].breakdown_s["tp_comm"] / times[0].step_time_s))
     return out
+
+
+def _cells(r: Result) -> str:
+    """The columns after the error: the range over virtual stage counts and what the run did that ours cannot."""
+    v = r.row.virtual
+    over = f"v {v[0]}: ; v {v[0]}-{v[-1]}: {r.spread[0]:+.0%} to {r.spread[1]:+.0%}" if len(v) > 1 else f"v {v[0]}"
+    over = over.replace(f"v {v[0]}: ; ", f"v {v[0]}; ")
+    ours = f"not ours: {r.row.not_ours} (TP comm {r.tp_share:.0%} of our step)" if r.row.not_ours else ""
+    return f"{over} | {ours}"
 
 
 def main() -> None:
     rows = results()
-    print("| run | GPUs | TP x PP | global batch | predicted step | predicted | published | error | source |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| run | GPUs | TP x PP | global batch | predicted step | predicted | published | error | virtual stages | "
+          "published run differs | source |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         unit = (lambda v: f"{v:.0f} TFLOP/s") if r.row.tflops_per_gpu else (lambda v: f"MFU {v:.0%}")
         mark = "" if abs(r.error) <= TOLERANCE else " (outside 20%)"
         print(f"| {r.row.name} | {r.row.gpus} | {r.row.tensor_parallel} x {r.row.pipeline_parallel} | "
               f"{r.row.global_batch} | {r.step_s:.2f} s | {unit(r.predicted)} | {unit(r.published)} | "
-              f"{r.error:+.0%}{mark} | {r.row.source} |")
+              f"{r.error:+.0%}{mark} | {_cells(r)} | {r.row.source} |")
     a100 = [r for r in rows if r.row.tflops_per_gpu]
     h100 = [r for r in rows if not r.row.tflops_per_gpu]
     within = [len([r for r in group if abs(r.error) <= TOLERANCE]) for group in (a100, h100)]

@@ -124,6 +124,9 @@ class Plan:
     predicted_tokens_per_s: float
     predicted_mfu: float
     """Model FLOPs per second (flops_per_token, no recomputation) over the world's dense peak, predicted."""
+    peak_tflops_per_worker: float
+    """Dense peak TFLOP/s of one worker of the hardware planned for (a platform file's, not the runtime's) at
+    train.precision: the denominator of predicted_mfu and of the MFU the trainer logs, so the two compare."""
     step_time_breakdown_s: dict[str, float]
     """predicted_step_time_s by term: compute, recompute, tp_comm, pp_comm, pipeline_bubble, dp_comm, optimizer."""
     layout_choice: str
@@ -183,6 +186,8 @@ def check_plan(plan: Plan, *, source: str = "the plan") -> None:
         problems.append(f"micro_batch_size {plan.micro_batch_size} x data_parallel {plan.data_parallel} x "
                         f"num_micro_batches {plan.num_micro_batches} != global_batch_size {plan.global_batch_size}")
     problems += _pipeline_problems(plan)
+    if not plan.peak_tflops_per_worker > 0:
+        problems.append(f"peak_tflops_per_worker {plan.peak_tflops_per_worker} is not a positive figure")
     if plan.fp32_master != xla_fp32_master(backend=plan.backend, distributed_optimizer=plan.distributed_optimizer):
         problems.append(f"fp32_master {plan.fp32_master} is not that of backend {plan.backend} with "
                         f"distributed_optimizer {plan.distributed_optimizer}")
@@ -528,6 +533,7 @@ def _make_plan(cfg: RunConfig, *, num_nodes: int, platform: Platform,
         predicted_step_time_s=round(predicted.step_time_s, 6),
         predicted_tokens_per_s=round(predicted.tokens_per_s, 3),
         predicted_mfu=round(predicted.mfu, 4),
+        peak_tflops_per_worker=hardware.peak_flops(cfg.train.precision) / 1e12,
         step_time_breakdown_s={k: round(v, 6) for k, v in predicted.breakdown_s.items()},
         layout_choice=choice.reason,
         layout_alternatives=[r.to_json() for r in choice.alternatives],

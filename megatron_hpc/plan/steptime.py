@@ -16,7 +16,9 @@ Terms (each in step_time_breakdown_s, seconds on the slowest pipeline rank):
   each with an all-gather and a reduce-scatter of the same total bytes, so the same time (it saves memory-bound
   work and memory, counted in compute).
 - pp_comm: per micro-batch and model chunk one activation forward and one gradient backward between stages,
-  latency + T*h bytes / bandwidth (across nodes when TP x DP fills a node, sharing the node's NICs).
+  latency + T*h bytes / bandwidth (across nodes when TP x DP fills a node, sharing the node's NICs); T*h/t under
+  sequence parallelism, whose stages hand on their sequence shard (model/gpt.py; Megatron-LM's get_tensor_shapes
+  divides the sequence by t likewise).
 - pipeline_bubble: (p - 1) / v times a micro-batch's time through one rank (Narayanan et al. 2021, section 2.2):
   1F1B, interleaved 1F1B and all-forward-all-backward fill and drain alike.
 - dp_comm: the gradient all-reduce over DP (reduce-scatter plus the parameters' all-gather with the distributed
@@ -177,6 +179,8 @@ def _rank_micro_batch(cfg: RunConfig, layout: Layout, hw: Hardware, cal: Calibra
         link, bandwidth = _links(hw, layout, cal).pp
         nbytes = cfg.train.micro_batch_size * cfg.model.seq_length * cfg.model.hidden_size * (
             4 if cfg.train.precision == "fp32" else 2)
+        if cfg.parallel.sequence_parallel:  # a stage's output is its (B, S/tp, H) shard (model/gpt.py)
+            nbytes /= layout.tensor_parallel
         pp = 2 * len(chunks) * (link.latency_s + nbytes / bandwidth) * (1.0 - cal.pp_comm_overlap)
     return {"compute": compute, "recompute": recompute, "tp_comm": tp, "pp_comm": pp}
 

@@ -223,7 +223,7 @@ def _build_metrics(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, p
                             train_iters=num_steps, global_batch_size=plan.global_batch_size, phase=phase,
                             log_interval=tcfg.log_interval, enabled=ctx.is_last_rank, run_dir=run_dir, out=out)
     metrics.tensorboard = open_tensorboard(run_dir, enabled=ctx.is_last_rank and tcfg.tensorboard,
-                                           platform=plan.platform, device=device.device)
+                                           peak_tflops=plan.peak_tflops_per_worker, device=device.device)
     return metrics
 
 

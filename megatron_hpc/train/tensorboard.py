@@ -4,9 +4,9 @@ Scalar names are Megatron's where it has one (training.py::training_log and
 evaluate_and_print_results): "learning-rate", "batch-size", "lm loss", "loss-scale", "grad-norm",
 "iteration-time", "throughput" (TFLOP/s per worker), "mem-max-allocated-bytes", "lm loss validation",
 "lm loss validation ppl", plus the "... vs samples" twins keyed by consumed samples. Ours:
-"samples-per-second", "tokens-per-second", "tflops-per-worker", "mfu" (against the platform's dense
-bf16 peak, whatever the precision), on CPU "mem-max-rss-bytes" (peak resident set size), and
-"straggler-max-ratio" and "stragglers" (train/stragglers.py).
+"samples-per-second", "tokens-per-second", "tflops-per-worker", "mfu" (against the plan's
+peak_tflops_per_worker: the hardware planned for, at the run's precision), on CPU "mem-max-rss-bytes"
+(peak resident set size), and "straggler-max-ratio" and "stragglers" (train/stragglers.py).
 Throughput scalars skip log intervals that hold the first steps of the process (warm-up).
 """
 
@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megatron_hpc.config.platforms import get_platform
 from megatron_hpc.run_folder import TENSORBOARD_DIR
 
 if TYPE_CHECKING:
@@ -91,13 +90,13 @@ class TensorBoardWriter:
         self._writer.close()
 
 
-def open_tensorboard(run_dir: Path | None, *, enabled: bool, platform: str,
+def open_tensorboard(run_dir: Path | None, *, enabled: bool, peak_tflops: float,
                      device: torch.device) -> TensorBoardWriter | None:
     """The writer for <run_dir>/tensorboard, or None when disabled, not the last rank, or no run folder.
 
-    MFU is taken against `platform`'s peak_tflops_bf16 (config/platforms.py).
+    MFU is taken against `peak_tflops`, the plan's peak_tflops_per_worker: the hardware the run was planned for
+    (an A100 platform file's figure, though it runs as p5), not the runtime platform's built-in one.
     """
     if not enabled or run_dir is None:
         return None
-    peak = get_platform(platform).peak_tflops_bf16
-    return TensorBoardWriter(run_dir / TENSORBOARD_DIR, peak_tflops=peak, device=device)
+    return TensorBoardWriter(run_dir / TENSORBOARD_DIR, peak_tflops=peak_tflops, device=device)

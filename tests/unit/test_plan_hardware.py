@@ -34,6 +34,10 @@ def test_a_platform_file_plans_like_a_builtin(capsys):
     plan = yaml.safe_load(capsys.readouterr().out)
     assert (plan["platform"], plan["backend"], plan["hardware"]) == ("p5", "nccl", "dgx_a100_80gb")
     assert plan["memory_limit_gib"] == 80 and (plan["tensor_parallel"], plan["pipeline_parallel"]) == (8, 16)
+    # MFU (predicted, and logged by the trainer) is against the A100's peak, not p5's 989, although it runs as p5.
+    assert plan["peak_tflops_per_worker"] == 312.0
+    assert main([*args, "--set", "train.precision=fp32"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["peak_tflops_per_worker"] == 19.5
     assert main(args[:-1]) == 0
     assert "on dgx_a100_80gb (runs as p5)" in capsys.readouterr().out
 

@@ -99,6 +99,9 @@ def test_bubble_is_p_minus_1_micro_batch_times_over_v_and_pp_sends_cross_nodes_w
     across = predict(cfg(), layout(p=4, t=8, d=1)).breakdown_s["pp_comm"]  # a stage fills the node
     assert inside == pytest.approx(8 * 2 * (1e-6 + send / INTRA), rel=1e-9)
     assert across == pytest.approx(8 * 2 * (1e-6 + send / (INTER / 8)), rel=1e-9)  # a NIC share per worker
+    # Sequence parallelism hands each stage's (B, S/t, H) shard on: 1/t of the bytes, the same latency.
+    sharded = predict(cfg("parallel.sequence_parallel=true"), layout(p=4, t=8, d=1)).breakdown_s["pp_comm"]
+    assert sharded == pytest.approx(8 * 2 * (1e-6 + send / 8 / (INTER / 8)), rel=1e-9)
 
 
 def test_dp_reduce_and_the_distributed_optimizer():
@@ -178,6 +181,13 @@ def test_predictions_against_published_runs(monkeypatch):
     for r in results.values():
         if r.row.tflops_per_gpu:  # the A100 rows: within the 20% (benchmarks/RESULTS.md)
             assert abs(r.error) <= bench.TOLERANCE, (r.row.name, r.predicted, r.published)
-    # The H100 rows are not (RESULTS.md says why): pinned here so that a change that moves them is seen.
-    assert results["GPT-3 175B, 96 H100"].error > bench.TOLERANCE
-    assert results["GPT-3 175B, 4608 H100"].error < -bench.TOLERANCE
+    # The H100 rows at the README's layouts: within 20% but two, pinned with their reasons (RESULTS.md): at 96
+    # GPUs the model is optimistic for every virtual stage count (an A100-era GEMM share on H100); 32B's TP
+    # communication, a quarter of our step, is what the published run's --tp-comm-overlap hides.
+    outside = {"177B, 96 H100", "32B, 384 H100"}
+    for name, r in results.items():
+        if not r.row.tflops_per_gpu and name not in outside:
+            assert abs(r.error) <= bench.TOLERANCE, (name, r.predicted, r.published)
+    assert results["177B, 96 H100"].spread[0] > 0.1 and results["177B, 96 H100"].error > bench.TOLERANCE
+    assert results["32B, 384 H100"].error < -bench.TOLERANCE and results["32B, 384 H100"].tp_share > 0.2
+    assert len([r for r in results.values() if not r.row.tflops_per_gpu]) == 11
