@@ -95,14 +95,33 @@ def plan_candidates(recipe: str, overrides: list[str], *, plan: Plan, platform: 
     for r in ranked:
         mesh = r.sizes.mesh
         overlay = (f"parallel.tensor={mesh.tensor_parallel}", f"parallel.pipeline={mesh.pipeline_parallel}")
-        # Each step is logged, so that the trial's steps after the warm-up are timed one by one.
-        trial_cfg = load_recipe(recipe, [*overrides, *overlay, "train.log_interval=1"])
+        interval = trial_log_interval(cfg.compile.num_steps, backend=platform.backend)
+        trial_cfg = load_recipe(recipe, [*overrides, *overlay, f"train.log_interval={interval}"])
         trial_plan = make_plan(trial_cfg, num_nodes=plan.num_nodes, platform=platform, calibration=calibration)
         parts = parts_of(lambda cal, s=r.sizes: predict(cfg, s, hardware=hardware, calibration=cal).step_time_s,
                          calibration)
         found.append(Candidate(label=r.label, overlay=overlay, spec=RunSpec(config=trial_cfg, plan=trial_plan),
                                predicted_s=r.time.step_time_s, parts=parts))
     return found
+
+
+def trial_log_interval(num_steps: int, *, backend: str) -> int:
+    """Steps between a trial's logged intervals, which are what the trial times (train/metrics.py: each log
+    records its interval's time per step; the intervals that start in the first WARMUP_STEPS are warm-up).
+
+    On CPU (gloo) a step has finished when its call returns, so every step is logged and timed: per-step times
+    for free. On CUDA and XLA a step is queued, and logging it reads its loss on the host, which waits for the
+    device (a host sync) and, on XLA, makes each logged step a graph of its own. There the trial times blocks of
+    steps, one sync at each end, as a run's own log interval does: the first block (at least the warm-up) is
+    untimed, then at least two blocks when the steps allow (the longest such blocks), whose median time per step
+    counts. No block is a single step: the trainer also logs the last step, so a remainder of one is avoided."""
+    if backend == "gloo":
+        return 1
+    fits = [n for n in range(WARMUP_STEPS, num_steps) if num_steps % n != 1]
+    if not fits:  # compile.num_steps below WARMUP_STEPS + 2, which plan_candidates refuses
+        return WARMUP_STEPS
+    two = [n for n in fits if -(-(num_steps - n) // n) >= 2]
+    return max(two) if two else min(fits)
 
 
 def check_partition_nodes(partition: str | None, *, platform: Platform, constraint: str | None = None) -> None:

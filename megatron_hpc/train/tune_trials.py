@@ -3,16 +3,23 @@
 Every rank of the job reads the run folder's tune-candidates.json (written by launch/tune_job.py), then, in one
 process group: trains each candidate layout for compile.num_steps steps with the trainer's own trial path
 (train(..., phase="compile"), no checkpoints) and a fresh ParallelContext for its mesh, and times all-reduce,
-all-gather and send/receive of a few sizes over the whole world. A candidate's measured step time is the median of
-its steps after the warm-up (train/metrics.py WARMUP_STEPS), the slowest rank's; a collective's the median of its
-repetitions, the slowest rank's. The fit (plan/calibration_fit.py) writes tune.json,
-the winner's --set overlay and the calibration kept in the shared cache: rank 0 writes what it measured to
-tune-measured.json, and the node script's end-of-phase step fits it (launch/tune_job.py finish_tune_run).
+all-gather and send/receive of a few sizes over the whole world. A candidate's measured step time is the median
+time per step of its logged intervals after the warm-up (train/metrics.py WARMUP_STEPS), the slowest rank's: each
+step on CPU, blocks of steps with one host sync at each end on CUDA and XLA (launch/tune_job.py
+trial_log_interval); a collective's the median of its repetitions, the slowest rank's. The fit
+(plan/calibration_fit.py) writes tune.json, the winner's --set overlay and the calibration kept in the shared
+cache: rank 0 writes what it measured to tune-measured.json, and the node script's end-of-phase step fits it
+(launch/tune_job.py finish_tune_run).
+
+On Trainium the node script runs this job twice (docs/planning.md#tune): first under neuron_parallel_compile,
+which sets NEURON_EXTRACT_GRAPHS_ONLY and makes every execution a stub returning zeros (shared/reference/
+neuron-xla.md 2.5): that pass only extracts the graphs and keeps no times; the second runs them compiled, timed.
 """
 
 from __future__ import annotations
 
 import io
+import os
 import statistics
 import time
 from datetime import timedelta
@@ -38,8 +45,9 @@ from megatron_hpc.run_folder import TUNE_CANDIDATES_FILE, TUNE_MEASURED_FILE, re
 from megatron_hpc.train.entry import read_dist_env
 from megatron_hpc.train.loop import train
 
-BENCH_REPEATS = 5
-"""Timed repetitions of each collective, after one untimed."""
+BENCH_REPEATS = 15
+"""Timed repetitions of each collective, after one untimed: a millisecond each on CPU, and with 5 a loaded node's
+median was off by 2-7x for some sizes (benchmarks/RESULTS.md, tune)."""
 
 
 def run_tune(run_dir: Path) -> int:
@@ -64,10 +72,18 @@ def run_tune(run_dir: Path) -> int:
         samples = [_bench(op, nbytes, device=device) for op, nbytes in request["benchmark"]]
     finally:
         dist.destroy_process_group()
+    if graphs_only_pass():
+        return 0  # stub executions: these times are not the trials'; the timed pass follows
     if env.rank == 0:  # the launcher fits them once the job succeeded (launch/tune_job.py finish_tune_run)
         write_json(run_dir / TUNE_MEASURED_FILE, {"measured_s": measured, "bench_s": samples,
                                                   "finished_at_s": time.time()})
     return 0
+
+
+def graphs_only_pass() -> bool:
+    """True in the run under neuron_parallel_compile, which extracts graphs and executes stubs (neuron-xla.md 2.5:
+    the variable "can be checked in the training script to prevent checking of bad outputs during trial run")."""
+    return bool(os.environ.get("NEURON_EXTRACT_GRAPHS_ONLY"))
 
 
 def _check_node(hardware: dict, *, device: DeviceInfo) -> None:
@@ -83,7 +99,8 @@ def _check_node(hardware: dict, *, device: DeviceInfo) -> None:
 
 
 def _trial(spec: RunSpec, *, rank: int, device: DeviceInfo, timeout: timedelta) -> float:
-    """The candidate's step time: the median of its timed steps on this rank, the maximum over ranks."""
+    """The candidate's step time: the median time per step of its timed intervals (single steps, or blocks where
+    reading a step waits for the device) on this rank, the maximum over ranks."""
     ctx = ParallelContext.build(spec.plan.mesh, rank=rank, kind=device.kind, timeout=timeout)
     out = None if ctx.is_first_rank else io.StringIO()  # one banner and iteration lines per trial, in the log
     summary = train(spec, ctx, device=device, phase="compile", run_dir=None, checkpoints=False, out=out)
