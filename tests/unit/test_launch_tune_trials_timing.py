@@ -7,10 +7,10 @@ from __future__ import annotations
 import io
 
 import pytest
+from megatron_hpc.launch.tune_job import WARMUP_STEPS, plan_candidates, trial_log_interval
 
 from megatron_hpc.config.loader import load_recipe
 from megatron_hpc.config.platforms import get_platform
-from megatron_hpc.launch.tune_job import WARMUP_STEPS, plan_candidates, trial_log_interval
 from megatron_hpc.plan.calibration import DEFAULT_CALIBRATION
 from megatron_hpc.plan.planner import make_plan
 from megatron_hpc.train.metrics import MetricsLogger
