@@ -7,7 +7,10 @@ tune-candidates.json. The run folder's config.json and plan.json are the first c
 node script, sbatch file and local executor run the job as any other (one `tune` phase).
 
 After (rank 0 of the job, train/tune_trials.py): the fit, tune.json, the winner's overlay and the calibration kept
-in the shared cache (compile_cache/calibrations.py). Never imports torch.
+in the shared cache (compile_cache/calibrations.py). Where the run would get a compile phase (Trainium: the node
+script's first pass under neuron_parallel_compile compiled every candidate's graphs), every candidate's compile
+fingerprint is recorded too, so the run `submit --tune` plans with the winner skips its compile phase. Never
+imports torch.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_hpc.compile_cache import fingerprint
 from megatron_hpc.compile_cache.calibrations import (
     StoredCalibration,
     calibration_from_json,
@@ -27,6 +31,7 @@ from megatron_hpc.compile_cache.calibrations import (
     keep,
     software_versions,
 )
+from megatron_hpc.launch.requeue import record_fingerprint
 
 from megatron_hpc.config.hardware import Hardware
 from megatron_hpc.config.loader import config_to_dict, load_recipe
@@ -44,6 +49,7 @@ from megatron_hpc.plan.calibration_fit import (
     refit,
     relative_error,
 )
+from megatron_hpc.plan.jobs import compile_left_out
 from megatron_hpc.plan.layout_choice import predict, rank_layouts
 from megatron_hpc.plan.node_shape import SINFO_FORMAT, node_shape_mismatch, partition_nodes
 from megatron_hpc.plan.planner import Plan, hardware_of, make_plan
@@ -53,6 +59,7 @@ from megatron_hpc.run_folder import (
     TUNE_FILE,
     TUNE_MEASURED_FILE,
     TUNE_OVERLAY_FILE,
+    FingerprintRecord,
     read_json,
     write_json,
 )
@@ -166,6 +173,8 @@ def write_request(run_dir: Path, candidates: list[Candidate], *, platform: Platf
                      "memory_per_worker_gib": hardware.memory_per_worker_gib},
         "versions": software_versions(), "base_calibration": calibration_to_json(calibration),
         "trial_steps": candidates[0].spec.config.compile.num_steps,
+        # The job compiles what a compile phase of each candidate would (plan/jobs.py make_tune_phase).
+        "compiles": compile_left_out(candidates[0].spec.config, platform) is None,
         "candidates": [{"label": c.label, "overlay": list(c.overlay), "predicted_s": c.predicted_s,
                         "parts": dataclasses.asdict(c.parts), "config": config_to_dict(c.spec.config),
                         "plan": c.spec.plan.to_json()} for c in candidates],
@@ -222,6 +231,33 @@ def finish_tune(run_dir: Path, request: dict[str, Any], *, measured_s: list[floa
     write_json(run_dir / TUNE_FILE, result)
     (run_dir / TUNE_OVERLAY_FILE).write_text(overlay_line(rows[winner]["overlay"]) + "\n", encoding="ascii")
     return result
+
+
+def record_tune_fingerprints(run_dir: Path, *, node_rank: int, wait_s: float | None = None) -> list[Path]:
+    """After the tune phase succeeded on this node, which then published its node-local cache (node.sh): once every
+    node has, record every candidate's compile fingerprint in the shared cache, as a compile phase records its
+    run's (launch/requeue.py record_fingerprint, whose wait this is). The markers; none where the job compiles
+    nothing (the request's "compiles") or a node has not published yet."""
+    request = read_json(run_dir / TUNE_CANDIDATES_FILE)
+    if not request.get("compiles"):
+        return []
+    first = record_fingerprint(run_dir, node_rank=node_rank, **({} if wait_s is None else {"wait_s": wait_s}))
+    if first is None:
+        return []
+    # The run folder's fingerprint is the first candidate's (launch/submit.py); the others differ only in
+    # their mesh, hashed with the same environment and compiler as `submit` will for the winner's run.
+    recorded = FingerprintRecord.read(run_dir)
+    job_id = read_json(first).get("job_id")
+    paths = [first]
+    for c in request["candidates"]:
+        fp = fingerprint.compute(c["config"], c["plan"], env=recorded.inputs["env"],
+                                 compiler=recorded.inputs["compiler"])
+        if fp.sha256 != recorded.sha256:
+            paths.append(fingerprint.record(Path(recorded.cache_root), dataclasses.asdict(fp), run_dir=str(run_dir),
+                                            job_id=job_id))
+    print(f"megatron-hpc: recorded the compile fingerprints of the {len(paths)} layouts tune compiled; a run of "
+          "any of them skips its compile phase", flush=True)
+    return paths
 
 
 def finish_tune_run(run_dir: Path) -> str:

@@ -1,6 +1,7 @@
-"""How a tune trial times its steps (launch/tune_job.py trial_log_interval with train/metrics.py's log rule): every
-step on CPU, where reading a step is free; on CUDA and XLA blocks of steps, one host sync at each end, the warm-up
-untimed. The intervals are those the trainer's own MetricsLogger records."""
+"""The tune phase (plan/jobs.py make_tune_phase): a graphs-only pass under the compiler wrapper first where a run
+would compile. How a trial times its steps (launch/tune_job.py trial_log_interval with train/metrics.py's log rule):
+every step on CPU, where reading a step is free; on CUDA and XLA blocks of steps, one host sync at each end, the
+warm-up untimed. The intervals are those the trainer's own MetricsLogger records."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from megatron_hpc.launch.tune_job import WARMUP_STEPS, plan_candidates, trial_lo
 from megatron_hpc.config.loader import load_recipe
 from megatron_hpc.config.platforms import get_platform
 from megatron_hpc.plan.calibration import DEFAULT_CALIBRATION
+from megatron_hpc.plan.jobs import make_tune_phase
 from megatron_hpc.plan.planner import make_plan
 from megatron_hpc.train.metrics import MetricsLogger
 
@@ -62,3 +64,16 @@ def test_trial_configs_carry_the_platform_log_interval():
     found = plan_candidates("tiny", sets, plan=plan, platform=platform, top=2, calibration=DEFAULT_CALIBRATION)
     assert [c.spec.config.train.log_interval for c in found] == [1, 1]
     assert cfg.train.log_interval == 10  # the recipe's own, which the run keeps
+
+
+@pytest.mark.parametrize(("recipe", "platform", "sets", "wrapper"), [
+    ("gpt3_1.7b", "trn1", [], ("neuron_parallel_compile",)),  # pass 1 under the compiler wrapper, then timed
+    ("gpt3_1.7b", "trn1", ["compile.enabled=false"], ()),  # the run would get no compile phase: one timed pass
+    ("gpt3_1.7b", "p5", [], ()),
+    ("tiny", "cpu", [], ()),
+])
+def test_the_tune_phase_carries_the_compile_wrapper_where_a_run_would_compile(recipe, platform, sets, wrapper):
+    cfg = load_recipe(recipe, ["data.source=synthetic", *sets])
+    plan = make_plan(cfg, num_nodes=1, platform=get_platform(platform))
+    spec = make_tune_phase(cfg, plan, get_platform(platform), extra_env={})
+    assert spec.phase == "tune" and spec.torchrun_wrapper == wrapper and not spec.requeue
