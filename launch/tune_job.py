@@ -48,6 +48,7 @@ from megatron_hpc.plan.calibration_fit import (
     parts_of,
     refit,
     relative_error,
+    trial_time,
 )
 from megatron_hpc.plan.jobs import compile_left_out
 from megatron_hpc.plan.layout_choice import predict, rank_layouts
@@ -193,11 +194,13 @@ def _bench_parts(op: str, nbytes: int, *, ranks: int, hardware: Hardware, base: 
     return collective_parts(sample, hardware=hardware, base=base, workers_per_node=per_node)
 
 
-def finish_tune(run_dir: Path, request: dict[str, Any], *, measured_s: list[float], bench_s: list[float],
+def finish_tune(run_dir: Path, request: dict[str, Any], *, steps_s: list[list[float]], bench_s: list[float],
                 finished_at_s: float) -> dict[str, Any]:
-    """Fit the calibration to what the job measured; write tune.json and the overlay, keep the calibration."""
+    """Fit the calibration to what the job measured (each candidate's timed steps, plan/calibration_fit.py
+    trial_time); write tune.json and the overlay, keep the calibration."""
     base = calibration_from_json(request["base_calibration"])
     cands = request["candidates"]
+    measured_s = [trial_time(steps) for steps in steps_s]
     trials = [Observation(label=c["label"], parts=Parts(**c["parts"]), measured_s=m) for c, m in zip(cands, measured_s)]
     bench = [Observation(label=f"{op} {n} B", parts=Parts(**p), measured_s=m)
              for (op, n), p, m in zip(request["benchmark"], request["benchmark_parts"], bench_s)]
@@ -209,8 +212,8 @@ def finish_tune(run_dir: Path, request: dict[str, Any], *, measured_s: list[floa
     held_out = _left_out_errors(base, trials, bench)
     rows = [{"label": c["label"], "overlay": c["overlay"], "predicted_before_s": c["predicted_s"],
              "predicted_after_s": a, "measured_s": m, "error_before": relative_error(c["predicted_s"], m),
-             "error_after": relative_error(a, m), "error_left_out": e}
-            for c, a, m, e in zip(cands, after, measured_s, held_out)]
+             "error_after": relative_error(a, m), "error_left_out": e, "measured_steps_s": steps}
+            for c, a, m, e, steps in zip(cands, after, measured_s, held_out, steps_s)]
     stored = StoredCalibration(calibration=fit.calibration, hardware=hw["name"], runtime=hw["runtime"],
                                workers_per_node=hw["workers_per_node"], measured_at_s=finished_at_s,
                                versions=request["versions"], run_dir=str(run_dir))
@@ -263,7 +266,7 @@ def record_tune_fingerprints(run_dir: Path, *, node_rank: int, wait_s: float | N
 def finish_tune_run(run_dir: Path) -> str:
     """After a tune job succeeded (launch/requeue.py, node 0): fit what the trainer measured; the winner line."""
     measured = read_json(run_dir / TUNE_MEASURED_FILE)
-    result = finish_tune(run_dir, read_json(run_dir / TUNE_CANDIDATES_FILE), measured_s=measured["measured_s"],
+    result = finish_tune(run_dir, read_json(run_dir / TUNE_CANDIDATES_FILE), steps_s=measured["steps_s"],
                          bench_s=measured["bench_s"], finished_at_s=measured["finished_at_s"])
     return winner_line(result)
 

@@ -219,6 +219,14 @@ def node_mismatch(*, hardware: str, workers_per_node: int, memory_gib: float, fo
             f"memory_per_worker_gib: {found_memory_gib:.0f})")
 
 
+def trial_time(steps_s: Sequence[float]) -> float:
+    """A trial's step time from its timed steps (or blocks' time per step), each the slowest rank's: their median."""
+    if not steps_s:
+        raise PlanError("a tune trial timed no step after its warm-up; re-run tune with more steps "
+                        "(--set compile.num_steps=8)")
+    return median(steps_s)
+
+
 def relative_error(predicted_s: float, measured_s: float) -> float:
     """(predicted - measured) / measured."""
     return (predicted_s - measured_s) / measured_s

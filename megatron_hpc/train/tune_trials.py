@@ -75,7 +75,7 @@ def run_tune(run_dir: Path) -> int:
     if graphs_only_pass():
         return 0  # stub executions: these times are not the trials'; the timed pass follows
     if env.rank == 0:  # the launcher fits them once the job succeeded (launch/tune_job.py finish_tune_run)
-        write_json(run_dir / TUNE_MEASURED_FILE, {"measured_s": measured, "bench_s": samples,
+        write_json(run_dir / TUNE_MEASURED_FILE, {"steps_s": measured, "bench_s": samples,
                                                   "finished_at_s": time.time()})
     return 0
 
@@ -98,24 +98,25 @@ def _check_node(hardware: dict, *, device: DeviceInfo) -> None:
         raise PlanError(problem)
 
 
-def _trial(spec: RunSpec, *, rank: int, device: DeviceInfo, timeout: timedelta) -> float:
-    """The candidate's step time: the median time per step of its timed intervals (single steps, or blocks where
-    reading a step waits for the device) on this rank, the maximum over ranks."""
+def _trial(spec: RunSpec, *, rank: int, device: DeviceInfo, timeout: timedelta) -> list[float]:
+    """The candidate's time per step in each of its timed intervals (single steps, or blocks where reading a step
+    waits for the device), each the slowest rank's: a step ends when its last rank is done."""
     ctx = ParallelContext.build(spec.plan.mesh, rank=rank, kind=device.kind, timeout=timeout)
     out = None if ctx.is_first_rank else io.StringIO()  # one banner and iteration lines per trial, in the log
     summary = train(spec, ctx, device=device, phase="compile", run_dir=None, checkpoints=False, out=out)
     timed = [r.elapsed_ms / 1e3 for r in summary.records if not r.warmup]
     if not timed:  # fewer steps than the warm-up: the CLI refuses that, so a short run is a bug
         raise RuntimeError(f"trial of {spec.plan.mesh} logged no step after its warm-up")
-    return _slowest(statistics.median(timed), device=device)
+    return _slowest(timed, device=device)
 
 
-def _slowest(seconds: float, *, device: DeviceInfo) -> float:
-    value = torch.tensor([seconds], dtype=torch.float64 if device.kind == "cpu" else torch.float32,
+def _slowest(seconds: list[float], *, device: DeviceInfo) -> list[float]:
+    """Each value's maximum over the ranks (every rank holds as many)."""
+    value = torch.tensor(seconds, dtype=torch.float64 if device.kind == "cpu" else torch.float32,
                          device=device.device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     step_barrier(device)
-    return float(value.item())  # host sync: the result is a number for the fit
+    return value.tolist()  # host sync: the results are numbers for the fit
 
 
 def _bench(op: str, nbytes: int, *, device: DeviceInfo) -> float:
@@ -149,4 +150,4 @@ def _bench(op: str, nbytes: int, *, device: DeviceInfo) -> float:
         if i:
             times.append(time.perf_counter() - start)
     per_op = statistics.median(times) / (2 if op == "send_recv" else 1)
-    return _slowest(per_op, device=device)
+    return _slowest([per_op], device=device)[0]
