@@ -121,8 +121,9 @@ def trial_log_interval(num_steps: int, *, backend: str) -> int:
     for free. On CUDA and XLA a step is queued, and logging it reads its loss on the host, which waits for the
     device (a host sync) and, on XLA, makes each logged step a graph of its own. There the trial times blocks of
     steps, one sync at each end, as a run's own log interval does: the first block (at least the warm-up) is
-    untimed, then at least two blocks when the steps allow (the longest such blocks), whose median time per step
-    counts. No block is a single step: the trainer also logs the last step, so a remainder of one is avoided."""
+    untimed, then at least two blocks when the steps allow (the longest such blocks), whose time per step counts
+    (their median: plan/calibration_fit.py trial_time). No block is a single step: the trainer also logs the
+    last step, so a remainder of one is avoided."""
     if backend == "gloo":
         return 1
     fits = [n for n in range(WARMUP_STEPS, num_steps) if num_steps % n != 1]

@@ -220,10 +220,13 @@ def node_mismatch(*, hardware: str, workers_per_node: int, memory_gib: float, fo
 
 
 def trial_time(steps_s: Sequence[float]) -> float:
-    """A trial's step time from its timed steps (or blocks' time per step), each the slowest rank's: their median."""
+    """A trial's step time from its timed steps (or blocks' time per step), each the slowest rank's (a step ends
+    when its last rank is done): their median, which a few steps slowed by other work do not move. The fastest step
+    was tried as well, on ten tunes of a shared machine under load: no better (benchmarks/RESULTS.md "Issue 29:
+    tune's accuracy")."""
     if not steps_s:
         raise PlanError("a tune trial timed no step after its warm-up; re-run tune with more steps "
-                        "(--set compile.num_steps=8)")
+                        "(--set compile.num_steps=12)")
     return median(steps_s)
 
 

@@ -21,6 +21,7 @@ from megatron_hpc.plan.calibration_fit import (
     parts_of,
     refit,
     scaled,
+    trial_time,
 )
 from megatron_hpc.plan.layout_choice import predict, rank_layouts
 from megatron_hpc.plan.planner import hardware_of
@@ -141,3 +142,11 @@ def test_a_part_too_small_to_see_is_held_not_fitted_negative():
     assert held == ("compute", "bandwidth", "latency")
     assert scales.compute == 1.0 and scales.overhead > 0
 
+
+
+def test_a_trial_is_timed_by_the_median_of_its_steps():
+    # Two steps slowed by other work on the node (0.9 s, 0.55 s) do not move the trial's time.
+    assert trial_time([0.31, 0.30, 0.9, 0.32, 0.55]) == 0.32
+    assert trial_time([0.12, 0.14]) == pytest.approx(0.13)
+    with pytest.raises(PlanError, match=r"--set compile.num_steps=12"):
+        trial_time([])
