@@ -44,6 +44,7 @@ from megatron_hpc.plan.calibration_fit import (
     Parts,
     Scales,
     collective_parts,
+    disturbance_line,
     median,
     parts_of,
     refit,
@@ -196,12 +197,13 @@ def _bench_parts(op: str, nbytes: int, *, ranks: int, hardware: Hardware, base: 
 
 
 def finish_tune(run_dir: Path, request: dict[str, Any], *, steps_s: list[list[float]], bench_s: list[float],
-                finished_at_s: float) -> dict[str, Any]:
+                finished_at_s: float, other_cpu_share: list[float | None] | None = None) -> dict[str, Any]:
     """Fit the calibration to what the job measured (each candidate's timed steps, plan/calibration_fit.py
     trial_time); write tune.json and the overlay, keep the calibration."""
     base = calibration_from_json(request["base_calibration"])
     cands = request["candidates"]
     measured_s = [trial_time(steps) for steps in steps_s]
+    others = list(other_cpu_share or [None] * len(cands))
     trials = [Observation(label=c["label"], parts=Parts(**c["parts"]), measured_s=m) for c, m in zip(cands, measured_s)]
     bench = [Observation(label=f"{op} {n} B", parts=Parts(**p), measured_s=m)
              for (op, n), p, m in zip(request["benchmark"], request["benchmark_parts"], bench_s)]
@@ -213,8 +215,9 @@ def finish_tune(run_dir: Path, request: dict[str, Any], *, steps_s: list[list[fl
     held_out = _left_out_errors(base, trials, bench)
     rows = [{"label": c["label"], "overlay": c["overlay"], "predicted_before_s": c["predicted_s"],
              "predicted_after_s": a, "measured_s": m, "error_before": relative_error(c["predicted_s"], m),
-             "error_after": relative_error(a, m), "error_left_out": e, "measured_steps_s": steps}
-            for c, a, m, e, steps in zip(cands, after, measured_s, held_out, steps_s)]
+             "error_after": relative_error(a, m), "error_left_out": e, "measured_steps_s": steps,
+             "other_cpu_share": o}
+            for c, a, m, e, steps, o in zip(cands, after, measured_s, held_out, steps_s, others)]
     stored = StoredCalibration(calibration=fit.calibration, hardware=hw["name"], runtime=hw["runtime"],
                                workers_per_node=hw["workers_per_node"], measured_at_s=finished_at_s,
                                versions=request["versions"], run_dir=str(run_dir))
@@ -230,6 +233,7 @@ def finish_tune(run_dir: Path, request: dict[str, Any], *, steps_s: list[list[fl
         "median_abs_error_after": median([abs(r["error_after"]) for r in rows]),
         "median_abs_error_left_out": median([abs(e) for e in held_out if e is not None] or [math.nan]),
         "winner": {"label": rows[winner]["label"], "overlay": rows[winner]["overlay"]},
+        "disturbed": disturbance_line([r["label"] for r in rows], others),
         "calibration_path": str(path),
     }
     write_json(run_dir / TUNE_FILE, result)
@@ -268,8 +272,9 @@ def finish_tune_run(run_dir: Path) -> str:
     """After a tune job succeeded (launch/requeue.py, node 0): fit what the trainer measured; the winner line."""
     measured = read_json(run_dir / TUNE_MEASURED_FILE)
     result = finish_tune(run_dir, read_json(run_dir / TUNE_CANDIDATES_FILE), steps_s=measured["steps_s"],
-                         bench_s=measured["bench_s"], finished_at_s=measured["finished_at_s"])
-    return winner_line(result)
+                         bench_s=measured["bench_s"], finished_at_s=measured["finished_at_s"],
+                         other_cpu_share=measured.get("other_cpu_share"))
+    return "\n".join(line for line in (result["disturbed"], winner_line(result)) if line)
 
 
 def winner_line(result: dict[str, Any]) -> str:

@@ -39,11 +39,11 @@ from megatron_hpc.parallel.device import (
     set_cpu_threads,
     step_barrier,
 )
-from megatron_hpc.plan.calibration_fit import node_mismatch
+from megatron_hpc.plan.calibration_fit import node_mismatch, other_work_share
 from megatron_hpc.plan.planner import check_torchrun_world
 from megatron_hpc.plan.spec import RunSpec
 from megatron_hpc.run_folder import TUNE_CANDIDATES_FILE, TUNE_MEASURED_FILE, read_json, write_json
-from megatron_hpc.train.entry import read_dist_env
+from megatron_hpc.train.entry import DistEnv, read_dist_env
 from megatron_hpc.train.loop import train
 
 BENCH_REPEATS = 15
@@ -69,14 +69,18 @@ def run_tune(run_dir: Path) -> int:
                                                                     master_port=env.master_port),
                             timeout=timeout, **ranks)
     try:
-        measured = [_trial(spec, rank=env.rank, device=device, timeout=timeout) for spec in specs]
+        measured, others = [], []
+        for spec in specs:
+            clock = _NodeClock(env=env, device=device)
+            measured.append(_trial(spec, rank=env.rank, device=device, timeout=timeout))
+            others.append(clock.other_work_share())
         samples = [_bench(op, nbytes, device=device) for op, nbytes in request["benchmark"]]
     finally:
         dist.destroy_process_group()
     if graphs_only_pass():
         return 0  # stub executions: these times are not the trials'; the timed pass follows
     if env.rank == 0:  # the launcher fits them once the job succeeded (launch/tune_job.py finish_tune_run)
-        write_json(run_dir / TUNE_MEASURED_FILE, {"steps_s": measured, "bench_s": samples,
+        write_json(run_dir / TUNE_MEASURED_FILE, {"steps_s": measured, "bench_s": samples, "other_cpu_share": others,
                                                   "finished_at_s": time.time()})
     return 0
 
@@ -97,6 +101,45 @@ def _check_node(hardware: dict, *, device: DeviceInfo) -> None:
                             found_memory_gib=found[1])
     if problem:
         raise PlanError(problem)
+
+
+class _NodeClock:
+    """CPU time of this rank's node, its workers' own and the wall clock, from its creation: what share of the
+    node's CPU other processes took during a trial (plan/calibration_fit.py other_work_share). The host's CPUs,
+    read from Linux's /proc/stat; None where that cannot be read."""
+
+    def __init__(self, *, env: DistEnv, device: DeviceInfo):
+        self.env, self.device = env, device
+        self.wall, self.own, self.busy = time.perf_counter(), time.process_time(), _node_busy_s()
+
+    def other_work_share(self) -> float | None:
+        """The largest share over the job's nodes (a collective: every rank calls it)."""
+        nodes = self.env.world_size // self.env.local_world_size
+        node = self.env.rank // self.env.local_world_size  # torchrun numbers each node's workers contiguously
+        busy = _node_busy_s()
+        table = torch.zeros(3 * nodes, dtype=torch.float64 if self.device.kind == "cpu" else torch.float32,
+                            device=self.device.device)
+        table[node] = time.process_time() - self.own  # summed over the node's workers below
+        if self.env.local_rank == 0:  # one reading of the node's counters
+            readable = busy is not None and self.busy is not None
+            table[nodes + node] = busy - self.busy if readable else 0.0
+            table[2 * nodes + node] = 1.0 if readable else 0.0
+        dist.all_reduce(table)
+        step_barrier(self.device)
+        values = table.tolist()  # host sync: numbers for tune.json
+        wall, cores = time.perf_counter() - self.wall, os.cpu_count() or 1
+        shares = [other_work_share(busy_s=values[nodes + n], own_s=values[n], wall_s=wall, cores=cores)
+                  for n in range(nodes) if values[2 * nodes + n]]
+        return max(shares) if shares else None
+
+
+def _node_busy_s() -> float | None:
+    """Seconds every CPU of this host has been busy since boot (/proc/stat's first line: all but idle and iowait)."""
+    try:
+        ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def _trial(spec: RunSpec, *, rank: int, device: DeviceInfo, timeout: timedelta) -> list[float]:
