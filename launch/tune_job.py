@@ -31,7 +31,6 @@ from megatron_hpc.compile_cache.calibrations import (
     keep,
     software_versions,
 )
-from megatron_hpc.launch.requeue import record_fingerprint
 
 from megatron_hpc.config.hardware import Hardware
 from megatron_hpc.config.loader import config_to_dict, load_recipe
@@ -241,19 +240,18 @@ def finish_tune(run_dir: Path, request: dict[str, Any], *, steps_s: list[list[fl
     return result
 
 
-def record_tune_fingerprints(run_dir: Path, *, node_rank: int, wait_s: float | None = None) -> list[Path]:
-    """After the tune phase succeeded on this node, which then published its node-local cache (node.sh): once every
-    node has, record every candidate's compile fingerprint in the shared cache, as a compile phase records its
-    run's (launch/requeue.py record_fingerprint, whose wait this is). The markers; none where the job compiles
-    nothing (the request's "compiles") or a node has not published yet."""
+def tune_compiles(run_dir: Path) -> bool:
+    """Whether this tune job compiled its candidates' graphs as their compile phases would (the request's
+    "compiles"): then, once every node published, launch/requeue.py records their fingerprints."""
+    return bool(read_json(run_dir / TUNE_CANDIDATES_FILE).get("compiles"))
+
+
+def record_candidate_fingerprints(run_dir: Path, *, first: Path) -> list[Path]:
+    """Every candidate's compile fingerprint in the shared cache, after `first`, the run folder's own (the first
+    candidate's), which launch/requeue.py record_fingerprint recorded once every node had published. The markers."""
     request = read_json(run_dir / TUNE_CANDIDATES_FILE)
-    if not request.get("compiles"):
-        return []
-    first = record_fingerprint(run_dir, node_rank=node_rank, **({} if wait_s is None else {"wait_s": wait_s}))
-    if first is None:
-        return []
-    # The run folder's fingerprint is the first candidate's (launch/submit.py); the others differ only in
-    # their mesh, hashed with the same environment and compiler as `submit` will for the winner's run.
+    # The others differ from the first only in their mesh, hashed with the same environment and compiler as
+    # `submit` will for the winner's run.
     recorded = FingerprintRecord.read(run_dir)
     job_id = read_json(first).get("job_id")
     paths = [first]
