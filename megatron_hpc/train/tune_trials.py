@@ -6,11 +6,11 @@ process group: trains each candidate layout for compile.num_steps steps with the
 all-gather and send/receive of a few sizes over the whole world. A candidate's timed steps are the time per step of
 its logged intervals after the warm-up (train/metrics.py WARMUP_STEPS), each the slowest rank's: each step on CPU,
 blocks of steps with one host sync at each end on CUDA and XLA (launch/tune_job.py trial_log_interval); the fit
-takes their median (plan/calibration_fit.py trial_time). A collective's time is the median of its repetitions, the
-slowest rank's. The fit
-(plan/calibration_fit.py) writes tune.json, the winner's --set overlay and the calibration kept in the shared
-cache: rank 0 writes what it measured to tune-measured.json, and the node script's end-of-phase step fits it
-(launch/tune_job.py finish_tune_run).
+takes their median (plan/calibration_fit.py trial_time). Each trial also measures the share of its node's CPU that
+other processes took (a trial disturbed by other work is named, not trusted). A collective's time is the median of
+its repetitions, the slowest rank's. Rank 0 writes what was measured to tune-measured.json, and the node script's
+end-of-phase step fits it (launch/tune_job.py finish_tune_run: tune.json, the winner's --set overlay and the
+calibration kept in the shared cache).
 
 On Trainium the node script runs this job twice (docs/planning.md#tune): first under neuron_parallel_compile,
 which sets NEURON_EXTRACT_GRAPHS_ONLY and makes every execution a stub returning zeros (shared/reference/
