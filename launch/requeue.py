@@ -261,6 +261,11 @@ def main(argv: list[str] | None = None) -> int:
         record_attempt(args.run_dir, outcome, decision, requeued=requeued)
     if outcome.phase == "compile" and decision.action == "done":
         record_fingerprint(args.run_dir, node_rank=outcome.node_rank)
+    if outcome.phase == "tune" and decision.action == "done":  # its compiled graphs, as a compile phase's
+        from megatron_hpc.launch.tune_job import record_candidate_fingerprints, tune_compiles
+
+        if tune_compiles(args.run_dir) and (first := record_fingerprint(args.run_dir, node_rank=outcome.node_rank)):
+            record_candidate_fingerprints(args.run_dir, first=first)
     if outcome.phase == "tune" and decision.action == "done" and outcome.node_rank == 0:
         from megatron_hpc.launch.tune_job import finish_tune_run  # the fit and tune.json, once per job
 

@@ -7,7 +7,10 @@ tune-candidates.json. The run folder's config.json and plan.json are the first c
 node script, sbatch file and local executor run the job as any other (one `tune` phase).
 
 After (rank 0 of the job, train/tune_trials.py): the fit, tune.json, the winner's overlay and the calibration kept
-in the shared cache (compile_cache/calibrations.py). Never imports torch.
+in the shared cache (compile_cache/calibrations.py). Where the run would get a compile phase (Trainium: the node
+script's first pass under neuron_parallel_compile compiled every candidate's graphs), every candidate's compile
+fingerprint is recorded too, so the run `submit --tune` plans with the winner skips its compile phase. Never
+imports torch.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_hpc.compile_cache import fingerprint
 from megatron_hpc.compile_cache.calibrations import (
     StoredCalibration,
     calibration_from_json,
@@ -39,11 +43,14 @@ from megatron_hpc.plan.calibration_fit import (
     Parts,
     Scales,
     collective_parts,
+    disturbance_line,
     median,
     parts_of,
     refit,
     relative_error,
+    trial_time,
 )
+from megatron_hpc.plan.jobs import compile_left_out
 from megatron_hpc.plan.layout_choice import predict, rank_layouts
 from megatron_hpc.plan.node_shape import SINFO_FORMAT, node_shape_mismatch, partition_nodes
 from megatron_hpc.plan.planner import Plan, hardware_of, make_plan
@@ -53,6 +60,7 @@ from megatron_hpc.run_folder import (
     TUNE_FILE,
     TUNE_MEASURED_FILE,
     TUNE_OVERLAY_FILE,
+    FingerprintRecord,
     read_json,
     write_json,
 )
@@ -95,14 +103,34 @@ def plan_candidates(recipe: str, overrides: list[str], *, plan: Plan, platform: 
     for r in ranked:
         mesh = r.sizes.mesh
         overlay = (f"parallel.tensor={mesh.tensor_parallel}", f"parallel.pipeline={mesh.pipeline_parallel}")
-        # Each step is logged, so that the trial's steps after the warm-up are timed one by one.
-        trial_cfg = load_recipe(recipe, [*overrides, *overlay, "train.log_interval=1"])
+        interval = trial_log_interval(cfg.compile.num_steps, backend=platform.backend)
+        trial_cfg = load_recipe(recipe, [*overrides, *overlay, f"train.log_interval={interval}"])
         trial_plan = make_plan(trial_cfg, num_nodes=plan.num_nodes, platform=platform, calibration=calibration)
         parts = parts_of(lambda cal, s=r.sizes: predict(cfg, s, hardware=hardware, calibration=cal).step_time_s,
                          calibration)
         found.append(Candidate(label=r.label, overlay=overlay, spec=RunSpec(config=trial_cfg, plan=trial_plan),
                                predicted_s=r.time.step_time_s, parts=parts))
     return found
+
+
+def trial_log_interval(num_steps: int, *, backend: str) -> int:
+    """Steps between a trial's logged intervals, which are what the trial times (train/metrics.py: each log
+    records its interval's time per step; the intervals that start in the first WARMUP_STEPS are warm-up).
+
+    On CPU (gloo) a step has finished when its call returns, so every step is logged and timed: per-step times
+    for free. On CUDA and XLA a step is queued, and logging it reads its loss on the host, which waits for the
+    device (a host sync) and, on XLA, makes each logged step a graph of its own. There the trial times blocks of
+    steps, one sync at each end, as a run's own log interval does: the first block (at least the warm-up) is
+    untimed, then at least two blocks when the steps allow (the longest such blocks), whose time per step counts
+    (their median: plan/calibration_fit.py trial_time). No block is a single step: the trainer also logs the
+    last step, so a remainder of one is avoided."""
+    if backend == "gloo":
+        return 1
+    fits = [n for n in range(WARMUP_STEPS, num_steps) if num_steps % n != 1]
+    if not fits:  # compile.num_steps below WARMUP_STEPS + 2, which plan_candidates refuses
+        return WARMUP_STEPS
+    two = [n for n in fits if -(-(num_steps - n) // n) >= 2]
+    return max(two) if two else min(fits)
 
 
 def check_partition_nodes(partition: str | None, *, platform: Platform, constraint: str | None = None) -> None:
@@ -147,6 +175,8 @@ def write_request(run_dir: Path, candidates: list[Candidate], *, platform: Platf
                      "memory_per_worker_gib": hardware.memory_per_worker_gib},
         "versions": software_versions(), "base_calibration": calibration_to_json(calibration),
         "trial_steps": candidates[0].spec.config.compile.num_steps,
+        # The job compiles what a compile phase of each candidate would (plan/jobs.py make_tune_phase).
+        "compiles": compile_left_out(candidates[0].spec.config, platform) is None,
         "candidates": [{"label": c.label, "overlay": list(c.overlay), "predicted_s": c.predicted_s,
                         "parts": dataclasses.asdict(c.parts), "config": config_to_dict(c.spec.config),
                         "plan": c.spec.plan.to_json()} for c in candidates],
@@ -165,11 +195,14 @@ def _bench_parts(op: str, nbytes: int, *, ranks: int, hardware: Hardware, base: 
     return collective_parts(sample, hardware=hardware, base=base, workers_per_node=per_node)
 
 
-def finish_tune(run_dir: Path, request: dict[str, Any], *, measured_s: list[float], bench_s: list[float],
-                finished_at_s: float) -> dict[str, Any]:
-    """Fit the calibration to what the job measured; write tune.json and the overlay, keep the calibration."""
+def finish_tune(run_dir: Path, request: dict[str, Any], *, steps_s: list[list[float]], bench_s: list[float],
+                finished_at_s: float, other_cpu_share: list[float | None] | None = None) -> dict[str, Any]:
+    """Fit the calibration to what the job measured (each candidate's timed steps, plan/calibration_fit.py
+    trial_time); write tune.json and the overlay, keep the calibration."""
     base = calibration_from_json(request["base_calibration"])
     cands = request["candidates"]
+    measured_s = [trial_time(steps) for steps in steps_s]
+    others = list(other_cpu_share or [None] * len(cands))
     trials = [Observation(label=c["label"], parts=Parts(**c["parts"]), measured_s=m) for c, m in zip(cands, measured_s)]
     bench = [Observation(label=f"{op} {n} B", parts=Parts(**p), measured_s=m)
              for (op, n), p, m in zip(request["benchmark"], request["benchmark_parts"], bench_s)]
@@ -181,8 +214,9 @@ def finish_tune(run_dir: Path, request: dict[str, Any], *, measured_s: list[floa
     held_out = _left_out_errors(base, trials, bench)
     rows = [{"label": c["label"], "overlay": c["overlay"], "predicted_before_s": c["predicted_s"],
              "predicted_after_s": a, "measured_s": m, "error_before": relative_error(c["predicted_s"], m),
-             "error_after": relative_error(a, m), "error_left_out": e}
-            for c, a, m, e in zip(cands, after, measured_s, held_out)]
+             "error_after": relative_error(a, m), "error_left_out": e, "measured_steps_s": steps,
+             "other_cpu_share": o}
+            for c, a, m, e, steps, o in zip(cands, after, measured_s, held_out, steps_s, others)]
     stored = StoredCalibration(calibration=fit.calibration, hardware=hw["name"], runtime=hw["runtime"],
                                workers_per_node=hw["workers_per_node"], measured_at_s=finished_at_s,
                                versions=request["versions"], run_dir=str(run_dir))
@@ -198,6 +232,7 @@ def finish_tune(run_dir: Path, request: dict[str, Any], *, measured_s: list[floa
         "median_abs_error_after": median([abs(r["error_after"]) for r in rows]),
         "median_abs_error_left_out": median([abs(e) for e in held_out if e is not None] or [math.nan]),
         "winner": {"label": rows[winner]["label"], "overlay": rows[winner]["overlay"]},
+        "disturbed": disturbance_line([r["label"] for r in rows], others),
         "calibration_path": str(path),
     }
     write_json(run_dir / TUNE_FILE, result)
@@ -205,12 +240,39 @@ def finish_tune(run_dir: Path, request: dict[str, Any], *, measured_s: list[floa
     return result
 
 
+def tune_compiles(run_dir: Path) -> bool:
+    """Whether this tune job compiled its candidates' graphs as their compile phases would (the request's
+    "compiles"): then, once every node published, launch/requeue.py records their fingerprints."""
+    return bool(read_json(run_dir / TUNE_CANDIDATES_FILE).get("compiles"))
+
+
+def record_candidate_fingerprints(run_dir: Path, *, first: Path) -> list[Path]:
+    """Every candidate's compile fingerprint in the shared cache, after `first`, the run folder's own (the first
+    candidate's), which launch/requeue.py record_fingerprint recorded once every node had published. The markers."""
+    request = read_json(run_dir / TUNE_CANDIDATES_FILE)
+    # The others differ from the first only in their mesh, hashed with the same environment and compiler as
+    # `submit` will for the winner's run.
+    recorded = FingerprintRecord.read(run_dir)
+    job_id = read_json(first).get("job_id")
+    paths = [first]
+    for c in request["candidates"]:
+        fp = fingerprint.compute(c["config"], c["plan"], env=recorded.inputs["env"],
+                                 compiler=recorded.inputs["compiler"])
+        if fp.sha256 != recorded.sha256:
+            paths.append(fingerprint.record(Path(recorded.cache_root), dataclasses.asdict(fp), run_dir=str(run_dir),
+                                            job_id=job_id))
+    print(f"megatron-hpc: recorded the compile fingerprints of the {len(paths)} layouts tune compiled; a run of "
+          "any of them skips its compile phase", flush=True)
+    return paths
+
+
 def finish_tune_run(run_dir: Path) -> str:
     """After a tune job succeeded (launch/requeue.py, node 0): fit what the trainer measured; the winner line."""
     measured = read_json(run_dir / TUNE_MEASURED_FILE)
-    result = finish_tune(run_dir, read_json(run_dir / TUNE_CANDIDATES_FILE), measured_s=measured["measured_s"],
-                         bench_s=measured["bench_s"], finished_at_s=measured["finished_at_s"])
-    return winner_line(result)
+    result = finish_tune(run_dir, read_json(run_dir / TUNE_CANDIDATES_FILE), steps_s=measured["steps_s"],
+                         bench_s=measured["bench_s"], finished_at_s=measured["finished_at_s"],
+                         other_cpu_share=measured.get("other_cpu_share"))
+    return "\n".join(line for line in (result["disturbed"], winner_line(result)) if line)
 
 
 def winner_line(result: dict[str, Any]) -> str:

@@ -117,5 +117,7 @@ def result_lines(result: dict[str, Any]) -> list[str]:
         lines.append(f"{row['label']:<24}{row['predicted_before_s']:>10.4g}s{row['predicted_after_s']:>10.4g}s"
                      f"{row['measured_s']:>10.4g}s{row['error_after']:>+9.1%}"
                      + (f"{left:>+10.1%}" if left is not None else f"{'-':>10}"))
+    if result.get("disturbed"):  # other work on the nodes during the trials (plan/calibration_fit.py)
+        lines.append(result["disturbed"])
     lines.append(winner_line(result))
     return lines

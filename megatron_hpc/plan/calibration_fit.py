@@ -219,6 +219,42 @@ def node_mismatch(*, hardware: str, workers_per_node: int, memory_gib: float, fo
             f"memory_per_worker_gib: {found_memory_gib:.0f})")
 
 
+def trial_time(steps_s: Sequence[float]) -> float:
+    """A trial's step time from its timed steps (or blocks' time per step), each the slowest rank's (a step ends
+    when its last rank is done): their median, which a few steps slowed by other work do not move. The fastest step
+    was tried as well, on ten tunes of a shared machine under load: no better (benchmarks/RESULTS.md "Issue 29:
+    tune's accuracy")."""
+    if not steps_s:
+        raise PlanError("a tune trial timed no step after its warm-up; re-run tune with more steps "
+                        "(--set compile.num_steps=12)")
+    return median(steps_s)
+
+
+DISTURBED_SHARE = 0.10
+"""Other processes' share of a node's CPU time during a trial above which tune warns: layouts slow down unequally
+under such load (one that keeps every core busy loses more than a pipeline whose idle stage yields its core), so
+the fit reads the load as the layouts' cost (benchmarks/RESULTS.md "Issue 29: tune's accuracy")."""
+
+
+def other_work_share(*, busy_s: float, own_s: float, wall_s: float, cores: int) -> float:
+    """The share of a node's CPU time that processes other than the trial's workers used over wall_s: the node's
+    busy CPU seconds less the workers' own, over wall_s x cores (0 when the workers account for all of it)."""
+    if wall_s <= 0 or cores < 1:
+        return 0.0
+    return max(0.0, busy_s - own_s) / (wall_s * cores)
+
+
+def disturbance_line(labels: Sequence[str], shares: Sequence[float | None]) -> str | None:
+    """One warning line when other work took more than DISTURBED_SHARE of a node's CPU during some trial; else None."""
+    seen = [(label, s) for label, s in zip(labels, shares) if s is not None]
+    if not seen or max(s for _, s in seen) <= DISTURBED_SHARE:
+        return None
+    each = ", ".join(f"{label} {s:.0%}" for label, s in seen)
+    return (f"tune: warning: other processes used up to {max(s for _, s in seen):.0%} of a node's CPU during the "
+            f"trials ({each}); layouts slow down unequally under such load, so these times and the calibration "
+            "may mislead: re-run tune on idle nodes (an exclusive allocation, nothing else running)")
+
+
 def relative_error(predicted_s: float, measured_s: float) -> float:
     """(predicted - measured) / measured."""
     return (predicted_s - measured_s) / measured_s

@@ -47,7 +47,8 @@ class PhaseSpec:
     nproc_per_node: int
     torchrun_wrapper: tuple[str, ...] = ()
     """Command the node script runs torchrun under in this phase (neuron_parallel_compile for Trainium
-    compiles), inside the node-local compile cache, so its compiles are published when it has returned."""
+    compiles), inside the node-local compile cache, so its compiles are published when it has returned. The tune
+    phase runs under it only its first pass (graphs only), then torchrun again without it (timed)."""
     env: dict[str, str] = field(default_factory=dict)
     gpus_per_node: int = 0
     """GPUs each node asks SLURM for (sbatch --gpus-per-node); 0 asks for none."""
@@ -111,9 +112,13 @@ def make_phases(cfg: RunConfig, plan: Plan, platform: Platform, *,
 
 def make_tune_phase(cfg: RunConfig, plan: Plan, platform: Platform, *, extra_env: dict[str, str]) -> PhaseSpec:
     """`megatron-hpc tune`'s one job: the candidates' short trials and the collective micro-benchmark, with the
-    compile phase's time limit. No compiler wrapper: a graphs-only trial (neuron_parallel_compile) returns no
-    times; on Trainium the trials must run after the graphs are compiled (docs/planning.md#tune)."""
+    compile phase's time limit. Where the run would get a compile phase under a compiler wrapper (Trainium's
+    neuron_parallel_compile), the tune phase carries it: the node script runs the trials once under it (graphs
+    extracted and compiled into the cache, no times) and then once more from the warm cache, timed
+    (docs/planning.md#tune). Elsewhere (cpu, CUDA) the trials run once, timed."""
+    graphs_pass = platform.compile_wrapper if compile_left_out(cfg, platform) is None else ()
     return PhaseSpec(phase="tune", job_name=f"{cfg.name}-tune", num_nodes=plan.num_nodes,
                      nproc_per_node=plan.workers_per_node, env=phase_env(cfg, platform, extra=extra_env),
-                     gpus_per_node=platform.gpus_per_node, nofile_limit=cfg.launch.nofile_limit,
-                     exclusive=cfg.launch.exclusive, requeue=False, time_limit_min=cfg.launch.compile_time_limit_min)
+                     torchrun_wrapper=graphs_pass, gpus_per_node=platform.gpus_per_node,
+                     nofile_limit=cfg.launch.nofile_limit, exclusive=cfg.launch.exclusive, requeue=False,
+                     time_limit_min=cfg.launch.compile_time_limit_min)

@@ -3,16 +3,24 @@
 Every rank of the job reads the run folder's tune-candidates.json (written by launch/tune_job.py), then, in one
 process group: trains each candidate layout for compile.num_steps steps with the trainer's own trial path
 (train(..., phase="compile"), no checkpoints) and a fresh ParallelContext for its mesh, and times all-reduce,
-all-gather and send/receive of a few sizes over the whole world. A candidate's measured step time is the median of
-its steps after the warm-up (train/metrics.py WARMUP_STEPS), the slowest rank's; a collective's the median of its
-repetitions, the slowest rank's. The fit (plan/calibration_fit.py) writes tune.json,
-the winner's --set overlay and the calibration kept in the shared cache: rank 0 writes what it measured to
-tune-measured.json, and the node script's end-of-phase step fits it (launch/tune_job.py finish_tune_run).
+all-gather and send/receive of a few sizes over the whole world. A candidate's timed steps are the time per step of
+its logged intervals after the warm-up (train/metrics.py WARMUP_STEPS), each the slowest rank's: each step on CPU,
+blocks of steps with one host sync at each end on CUDA and XLA (launch/tune_job.py trial_log_interval); the fit
+takes their median (plan/calibration_fit.py trial_time). Each trial also measures the share of its node's CPU that
+other processes took (a trial disturbed by other work is named, not trusted). A collective's time is the median of
+its repetitions, the slowest rank's. Rank 0 writes what was measured to tune-measured.json, and the node script's
+end-of-phase step fits it (launch/tune_job.py finish_tune_run: tune.json, the winner's --set overlay and the
+calibration kept in the shared cache).
+
+On Trainium the node script runs this job twice (docs/planning.md#tune): first under neuron_parallel_compile,
+which sets NEURON_EXTRACT_GRAPHS_ONLY and makes every execution a stub returning zeros (shared/reference/
+neuron-xla.md 2.5): that pass only extracts the graphs and keeps no times; the second runs them compiled, timed.
 """
 
 from __future__ import annotations
 
 import io
+import os
 import statistics
 import time
 from datetime import timedelta
@@ -31,15 +39,16 @@ from megatron_hpc.parallel.device import (
     set_cpu_threads,
     step_barrier,
 )
-from megatron_hpc.plan.calibration_fit import node_mismatch
+from megatron_hpc.plan.calibration_fit import node_mismatch, other_work_share
 from megatron_hpc.plan.planner import check_torchrun_world
 from megatron_hpc.plan.spec import RunSpec
 from megatron_hpc.run_folder import TUNE_CANDIDATES_FILE, TUNE_MEASURED_FILE, read_json, write_json
-from megatron_hpc.train.entry import read_dist_env
+from megatron_hpc.train.entry import DistEnv, read_dist_env
 from megatron_hpc.train.loop import train
 
-BENCH_REPEATS = 5
-"""Timed repetitions of each collective, after one untimed."""
+BENCH_REPEATS = 15
+"""Timed repetitions of each collective, after one untimed: about a millisecond each on CPU. With 5, a tune on a
+loaded 2-core machine measured the 512 KiB all-reduce at 3.4 ms and the 2 MiB one at 1.4 ms."""
 
 
 def run_tune(run_dir: Path) -> int:
@@ -60,14 +69,26 @@ def run_tune(run_dir: Path) -> int:
                                                                     master_port=env.master_port),
                             timeout=timeout, **ranks)
     try:
-        measured = [_trial(spec, rank=env.rank, device=device, timeout=timeout) for spec in specs]
+        measured, others = [], []
+        for spec in specs:
+            clock = _NodeClock(env=env, device=device)
+            measured.append(_trial(spec, rank=env.rank, device=device, timeout=timeout))
+            others.append(clock.other_work_share())
         samples = [_bench(op, nbytes, device=device) for op, nbytes in request["benchmark"]]
     finally:
         dist.destroy_process_group()
+    if graphs_only_pass():
+        return 0  # stub executions: these times are not the trials'; the timed pass follows
     if env.rank == 0:  # the launcher fits them once the job succeeded (launch/tune_job.py finish_tune_run)
-        write_json(run_dir / TUNE_MEASURED_FILE, {"measured_s": measured, "bench_s": samples,
+        write_json(run_dir / TUNE_MEASURED_FILE, {"steps_s": measured, "bench_s": samples, "other_cpu_share": others,
                                                   "finished_at_s": time.time()})
     return 0
+
+
+def graphs_only_pass() -> bool:
+    """True in the run under neuron_parallel_compile, which extracts graphs and executes stubs (neuron-xla.md 2.5:
+    the variable "can be checked in the training script to prevent checking of bad outputs during trial run")."""
+    return bool(os.environ.get("NEURON_EXTRACT_GRAPHS_ONLY"))
 
 
 def _check_node(hardware: dict, *, device: DeviceInfo) -> None:
@@ -82,23 +103,64 @@ def _check_node(hardware: dict, *, device: DeviceInfo) -> None:
         raise PlanError(problem)
 
 
-def _trial(spec: RunSpec, *, rank: int, device: DeviceInfo, timeout: timedelta) -> float:
-    """The candidate's step time: the median of its timed steps on this rank, the maximum over ranks."""
+class _NodeClock:
+    """CPU time of this rank's node, its workers' own and the wall clock, from its creation: what share of the
+    node's CPU other processes took during a trial (plan/calibration_fit.py other_work_share). The host's CPUs,
+    read from Linux's /proc/stat; None where that cannot be read."""
+
+    def __init__(self, *, env: DistEnv, device: DeviceInfo):
+        self.env, self.device = env, device
+        self.wall, self.own, self.busy = time.perf_counter(), time.process_time(), _node_busy_s()
+
+    def other_work_share(self) -> float | None:
+        """The largest share over the job's nodes (a collective: every rank calls it)."""
+        nodes = self.env.world_size // self.env.local_world_size
+        node = self.env.rank // self.env.local_world_size  # torchrun numbers each node's workers contiguously
+        busy = _node_busy_s()
+        table = torch.zeros(3 * nodes, dtype=torch.float64 if self.device.kind == "cpu" else torch.float32,
+                            device=self.device.device)
+        table[node] = time.process_time() - self.own  # summed over the node's workers below
+        if self.env.local_rank == 0:  # one reading of the node's counters
+            readable = busy is not None and self.busy is not None
+            table[nodes + node] = busy - self.busy if readable else 0.0
+            table[2 * nodes + node] = 1.0 if readable else 0.0
+        dist.all_reduce(table)
+        step_barrier(self.device)
+        values = table.tolist()  # host sync: numbers for tune.json
+        wall, cores = time.perf_counter() - self.wall, os.cpu_count() or 1
+        shares = [other_work_share(busy_s=values[nodes + n], own_s=values[n], wall_s=wall, cores=cores)
+                  for n in range(nodes) if values[2 * nodes + n]]
+        return max(shares) if shares else None
+
+
+def _node_busy_s() -> float | None:
+    """Seconds every CPU of this host has been busy since boot (/proc/stat's first line: all but idle and iowait)."""
+    try:
+        ticks = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def _trial(spec: RunSpec, *, rank: int, device: DeviceInfo, timeout: timedelta) -> list[float]:
+    """The candidate's time per step in each of its timed intervals (single steps, or blocks where reading a step
+    waits for the device), each the slowest rank's: a step ends when its last rank is done."""
     ctx = ParallelContext.build(spec.plan.mesh, rank=rank, kind=device.kind, timeout=timeout)
     out = None if ctx.is_first_rank else io.StringIO()  # one banner and iteration lines per trial, in the log
     summary = train(spec, ctx, device=device, phase="compile", run_dir=None, checkpoints=False, out=out)
     timed = [r.elapsed_ms / 1e3 for r in summary.records if not r.warmup]
     if not timed:  # fewer steps than the warm-up: the CLI refuses that, so a short run is a bug
         raise RuntimeError(f"trial of {spec.plan.mesh} logged no step after its warm-up")
-    return _slowest(statistics.median(timed), device=device)
+    return _slowest(timed, device=device)
 
 
-def _slowest(seconds: float, *, device: DeviceInfo) -> float:
-    value = torch.tensor([seconds], dtype=torch.float64 if device.kind == "cpu" else torch.float32,
+def _slowest(seconds: list[float], *, device: DeviceInfo) -> list[float]:
+    """Each value's maximum over the ranks (every rank holds as many)."""
+    value = torch.tensor(seconds, dtype=torch.float64 if device.kind == "cpu" else torch.float32,
                          device=device.device)
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
     step_barrier(device)
-    return float(value.item())  # host sync: the result is a number for the fit
+    return value.tolist()  # host sync: the results are numbers for the fit
 
 
 def _bench(op: str, nbytes: int, *, device: DeviceInfo) -> float:
@@ -132,4 +194,4 @@ def _bench(op: str, nbytes: int, *, device: DeviceInfo) -> float:
         if i:
             times.append(time.perf_counter() - start)
     per_op = statistics.median(times) / (2 if op == "send_recv" else 1)
-    return _slowest(per_op, device=device)
+    return _slowest([per_op], device=device)[0]

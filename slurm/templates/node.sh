@@ -100,6 +100,37 @@ rm -f "$RUN_DIR/{{stop_request}}"  # an earlier attempt's request is not for thi
 trap 'request_stop USR2' USR2
 trap 'request_stop TERM' TERM
 
+# Tune on Trainium (docs/planning.md#tune), tune phase only: pass 1 runs the candidates' trials under the compiler
+# wrapper, which extracts their graphs (its trial executes stubs, so the trainer keeps no times) and compiles them
+# into the node-local cache after the trial returned; they are published at once, so the run that follows finds
+# the winner's graphs. Pass 2 is the command below without the wrapper: the same trials from the warm cache, timed.
+if [ "$PHASE" = tune ] && [ ${#TORCHRUN_WRAPPER[@]} -gt 0 ]; then
+  echo "megatron-hpc: tune pass 1 of 2: the trials' graphs under ${TORCHRUN_WRAPPER[*]} (no times kept)" \
+    | tee -a "$LOG"
+  ( trap '' USR2; exec "${TORCHRUN_WRAPPER[@]}" torchrun --nnodes="$NNODES" --node_rank="$NODE_RANK" \
+      --nproc_per_node={{nproc_per_node}} \
+      --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT" \
+      -m megatron_hpc train --run-dir "$RUN_DIR" --phase "$PHASE" ) 2>&1 \
+    | ( trap '' USR2 TERM; exec tee -a "$LOG" ) &
+  GRAPHS_PID=$!
+  wait "$GRAPHS_PID"; GRAPHS_STATUS=$?
+  while kill -0 "$GRAPHS_PID" 2>/dev/null; do wait "$GRAPHS_PID"; GRAPHS_STATUS=$?; done
+  if [ "$GRAPHS_STATUS" -eq 0 ] && [ "$LOCAL_CACHE" != "$SHARED_CACHE" ] \
+      && ! cache_transfer publish "$LOCAL_CACHE" "$SHARED_CACHE"; then
+    echo "megatron-hpc: warning: publishing to the shared compile cache $SHARED_CACHE failed" | tee -a "$LOG" >&2
+    GRAPHS_STATUS=1
+  fi
+  if [ "$GRAPHS_STATUS" -ne 0 ]; then  # no timed pass: it would compile what pass 1 could not
+    echo "megatron-hpc: error: tune pass 1 (graphs) failed (exit $GRAPHS_STATUS); no timed pass" | tee -a "$LOG" >&2
+    [ -n "${REMOVE_LOCAL_CACHE:-}" ] && rm -rf "$LOCAL_CACHE"
+    python -m megatron_hpc.launch.requeue --run-dir "$RUN_DIR" --phase "$PHASE" --exit-code "$GRAPHS_STATUS" \
+      --node-rank "$NODE_RANK" 2>&1 | tee -a "$LOG"
+    exit "${PIPESTATUS[0]}"
+  fi
+  TORCHRUN_WRAPPER=()
+  echo "megatron-hpc: tune pass 2 of 2: the timed trials from the warm cache" | tee -a "$LOG"
+fi
+
 # The workers' output stays on torchrun's stdout, where a neuron_parallel_compile around it parses the graph
 # list (never torchrun --redirect); tee logs what reaches it. In the background so that the traps run at
 # once; `wait` returns early on each trapped signal. torchrun (and a wrapper) ignore USR2 (its default would

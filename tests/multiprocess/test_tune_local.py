@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import statistics
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,9 @@ def test_tune_measures_every_layout_keeps_the_calibration_and_plan_uses_it(cli_i
     rows = result["candidates"]
     assert {r["label"] for r in rows} == {"TP 1 x PP 1 x DP 2", "TP 2 x PP 1 x DP 1", "TP 1 x PP 2 x DP 1"}
     assert all(r["measured_s"] > 0 and r["predicted_after_s"] > 0 for r in rows)
+    for r in rows:  # every step after the 2 warm-up steps timed (CPU), the median counted
+        assert len(r["measured_steps_s"]) == 3 and r["measured_s"] == statistics.median(r["measured_steps_s"])
+        assert 0.0 <= r["other_cpu_share"] <= 1.0  # other processes' share of the node's CPU during the trial
     fastest = min(rows, key=lambda r: r["measured_s"])
     assert result["winner"] == {"label": fastest["label"], "overlay": fastest["overlay"]}
     overlay = (out / "tune-overlay.txt").read_text().strip()

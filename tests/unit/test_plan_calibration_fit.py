@@ -16,11 +16,14 @@ from megatron_hpc.plan.calibration_fit import (
     Parts,
     Scales,
     collective_parts,
+    disturbance_line,
     fit_scales,
     node_mismatch,
+    other_work_share,
     parts_of,
     refit,
     scaled,
+    trial_time,
 )
 from megatron_hpc.plan.layout_choice import predict, rank_layouts
 from megatron_hpc.plan.planner import hardware_of
@@ -141,3 +144,22 @@ def test_a_part_too_small_to_see_is_held_not_fitted_negative():
     assert held == ("compute", "bandwidth", "latency")
     assert scales.compute == 1.0 and scales.overhead > 0
 
+
+
+def test_a_trial_is_timed_by_the_median_of_its_steps():
+    # Two steps slowed by other work on the node (0.9 s, 0.55 s) do not move the trial's time.
+    assert trial_time([0.31, 0.30, 0.9, 0.32, 0.55]) == 0.32
+    assert trial_time([0.12, 0.14]) == pytest.approx(0.13)
+    with pytest.raises(PlanError, match=r"--set compile.num_steps=12"):
+        trial_time([])
+
+
+def test_other_work_on_the_node_is_measured_and_warned_about():
+    # 2 cores for 10 s: the workers used 12 CPU seconds of the 19 the node was busy, so others took 7 of 20.
+    assert other_work_share(busy_s=19.0, own_s=12.0, wall_s=10.0, cores=2) == pytest.approx(0.35)
+    assert other_work_share(busy_s=11.9, own_s=12.0, wall_s=10.0, cores=2) == 0.0  # counters read apart
+    assert disturbance_line(["a", "b"], [0.02, 0.10]) is None  # at the threshold: quiet enough
+    assert disturbance_line(["a"], [None]) is None  # no /proc/stat: nothing to say
+    line = disturbance_line(["TP 1 x PP 1 x DP 2", "TP 1 x PP 2 x DP 1"], [0.62, None])
+    assert line is not None and "up to 62% of a node's CPU" in line and "TP 1 x PP 1 x DP 2 62%" in line
+    assert "re-run tune on idle nodes" in line and "\n" not in line
