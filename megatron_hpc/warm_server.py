@@ -51,9 +51,10 @@ from megatron_hpc.warm_protocol import (
 KILL_GRACE_S = 30.0
 """After a request's first failed worker, how long the others have after SIGTERM (torchrun's close timeout)."""
 REQUEST_TIMEOUT_S = 10.0
-PRELOAD = ("torch", "torch.distributed", "megatron_hpc.cli.main", "megatron_hpc.cli.train_cmd",
-           "megatron_hpc.train.entry")
-"""What a worker imports before it trains (`python -m megatron_hpc train`)."""
+PRELOAD = ("torch", "torch.distributed", "torch.optim", "torch._dynamo", "megatron_hpc.cli.main",
+           "megatron_hpc.cli.train_cmd", "megatron_hpc.train.entry", "megatron_hpc.recipes")
+"""What a worker imports before its first step (`python -m megatron_hpc train`). torch._dynamo is imported late, by
+torch.optim.Optimizer's constructor (with sympy: 1.7 s of a 2.3 s tiny run's start here, benchmarks/RESULTS.md)."""
 _PR_SET_PDEATHSIG = 1
 
 
