@@ -138,10 +138,12 @@ class Session:
             messages = self.messages()
             if messages is None:
                 return None, "the warm process closed the connection before starting the workers"
-            for message in messages:
+            for i, message in enumerate(messages):
                 if "error" in message:
                     return None, f"the warm process refused the request: {message['error']}"
                 if "started" in message:
+                    # Quick workers' exits may come in the same read.
+                    self.exits += [m["exit"] for m in messages[i + 1:] if "exit" in m]
                     return list(message["started"]), ""
 
     def wait(self) -> int:

@@ -38,6 +38,7 @@ from pathlib import Path
 
 from megatron_hpc.warm_protocol import (
     PID_NAME,
+    REGISTRY_GLOB,
     SOCKET_NAME,
     LineReader,
     WarmWorker,
@@ -351,10 +352,15 @@ def listen(path: Path) -> socket.socket:
 
 
 def cleanup(folder: Path) -> None:
+    """The folder goes with its warm process (a later one of the same job, after a requeue, makes its own)."""
     with contextlib.suppress(OSError):
-        if (folder / PID_NAME).read_text().strip() == str(os.getpid()):
-            (folder / PID_NAME).unlink()
-            (folder / SOCKET_NAME).unlink(missing_ok=True)
+        if (folder / PID_NAME).read_text().strip() != str(os.getpid()):
+            return
+        (folder / SOCKET_NAME).unlink(missing_ok=True)
+        for record in folder.glob(REGISTRY_GLOB):
+            record.unlink(missing_ok=True)
+        (folder / PID_NAME).unlink()
+        folder.rmdir()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
-
 from megatron_hpc.launch.scripts import in_job_command, render_node_script
 from megatron_hpc.launch.stack_dump import find_workers
 from megatron_hpc.launch.step_exit import worker_signal
+
 from megatron_hpc.plan.jobs import PhaseSpec
 from megatron_hpc.warm_protocol import SOCKET_NAME, warm_folder, worker_envs
 
@@ -46,7 +46,7 @@ def warm(tmp_path_factory):
     yield env, folder, server.pid
     server.terminate()
     assert server.wait(timeout=30) == 0
-    assert not (folder / SOCKET_NAME).exists()  # a client after this one starts torchrun
+    assert not folder.exists()  # a client after this one starts torchrun
 
 
 def client(env: dict, *worker: str, nproc: int = 2, node_rank: int = 0, nnodes: int = 1, **popen) -> subprocess.Popen:
@@ -107,7 +107,7 @@ def test_a_killed_worker_is_named_by_its_signal_and_the_others_are_ended(warm, t
     proc = client(env, "sleep", str(tmp_path / "pid"))
     first, second = _pids(tmp_path / "pid", range(2))
     os.kill(second, signal.SIGKILL)
-    out, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1 and _gone(first)
     # Only the worker that failed by itself is named; the one ended after it (SIGTERM) is not a cause.
     assert err.count("exitcode") == 1 and f"(pid {second}) failed: exitcode  : -9 (SIGKILL)" in err
@@ -167,3 +167,27 @@ def test_node_script_and_driver_line_with_and_without_warm_workers():
     assert '( trap \'\' USR2; exec "${WARM_CLIENT[@]}" "${TORCHRUN_WRAPPER[@]}" torchrun' in hot
     assert subprocess.run(["bash", "-n"], input=hot, text=True).returncode == 0
     assert " --warm -- " in in_job_command(spec, run_dir="/r", srun=["bash", "/r/node.sh", "run"])
+
+
+@pytest.mark.parametrize(("platform", "sets", "expected"), [
+    ("cpu", ["launch.spare_nodes=1"], True),
+    ("cpu", ["launch.spare_nodes=1", "launch.warm_restart=false"], False),
+    ("cpu", [], False),  # no spares: no in-job steps, torchrun as before
+    ("trn1", ["launch.spare_nodes=1"], False),  # torch_xla cannot be imported before a fork
+])
+def test_warm_restart_only_with_spares_and_never_on_xla(platform, sets, expected):
+    from megatron_hpc.config.loader import load_recipe
+    from megatron_hpc.config.platforms import get_platform
+    from megatron_hpc.plan.jobs import warm_restart
+
+    assert warm_restart(load_recipe("tiny", sets), get_platform(platform)) is expected
+
+
+def test_the_driver_starts_the_warm_step_on_every_node_of_the_allocation(tmp_path):
+    from megatron_hpc.launch.in_job import Driver
+
+    driver = Driver(run_dir=tmp_path, num_nodes=2, max_restarts=3, max_requeues=3, exclude_stragglers=False,
+                    srun_tail=["--kill-on-bad-exit=1", "--cpu-bind=none", "bash", "/r/node.sh", "run"], warm=True)
+    assert driver.warm_argv(("n1", "n2", "n3")) == [
+        "srun", "--overlap", "--no-kill", "--job-name=megatron-hpc-warm", "--nodes=3", "--ntasks=3",
+        "--ntasks-per-node=1", "--nodelist=n1,n2,n3", "--cpu-bind=none", "bash", "/r/node.sh", "warm"]
