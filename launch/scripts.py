@@ -77,8 +77,9 @@ _WARM_PHASE = """
 
 # Warm workers (launch.warm_restart, with hot spares): `node.sh warm` is the warm process of this node, started
 # once per allocation by the in-job driver (megatron_hpc/warm_server.py), after the limits above, which the
-# workers it forks inherit. An in-job step's run phase asks it for the workers (launch/warm_client.py), which
-# falls back to the torchrun command below with one line when there is none.
+# workers it forks inherit. An in-job step's run phase asks it for the workers (launch/warm_client.py); where
+# there is none, the client says so and starts them cold itself, from the `-m ...` of the torchrun command below
+# (a torchrun node would wait for the other nodes' torchrun agents, which warm nodes do not run).
 if [ "$PHASE" = warm ]; then
   exec python -m megatron_hpc.warm_server >>"$LOG" 2>&1
 fi

@@ -24,12 +24,17 @@ import os
 import shlex
 import signal
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
 
+from megatron_hpc.launch.step_exit import IN_JOB_STEP_ENV
+
 from megatron_hpc.warm_protocol import (
+    KILL_GRACE_S,
     PID_NAME,
+    REFUSED_NAME,
     SOCKET_NAME,
     LineReader,
     encode,
@@ -40,6 +45,7 @@ from megatron_hpc.warm_protocol import (
 
 START_WAIT_S = 60.0
 """How long a client waits for a warm process that is still importing (its pid file names a live process)."""
+POLL_S = 0.05
 FORWARDED = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -66,8 +72,10 @@ def _server_pid(folder: Path) -> int | None:
         return None
 
 
-def connect(folder: Path | None, *, wait_s: float = START_WAIT_S) -> tuple[socket.socket | None, str]:
-    """A connection to the warm process, or None and why there is none."""
+def connect(folder: Path | None, *, wait_for_start: bool = False,
+            wait_s: float = START_WAIT_S) -> tuple[socket.socket | None, str]:
+    """A connection to the warm process, or None and why there is none. One still importing (its pid file names a
+    live process) is waited for up to wait_s; with `wait_for_start` also one not started yet."""
     if folder is None:
         return None, "not in a SLURM job step (SLURM_JOB_ID, SLURMD_NODENAME unset)"
     path = folder / SOCKET_NAME
@@ -82,12 +90,16 @@ def connect(folder: Path | None, *, wait_s: float = START_WAIT_S) -> tuple[socke
             return sock, ""
         except (FileNotFoundError, ConnectionRefusedError):
             sock.close()
+        try:
+            return None, f"the warm process refused to serve: {(folder / REFUSED_NAME).read_text().strip()}"
+        except OSError:
+            pass
         pid = _server_pid(folder)
-        if not _alive(pid):
+        if not _alive(pid) and not wait_for_start:
             return None, f"no warm process at {path}"
         if time.monotonic() >= deadline:
-            return None, f"the warm process (pid {pid}) was not ready after {wait_s:.0f} s"
-        time.sleep(0.05)
+            return None, f"no warm process ready at {path} after {wait_s:.0f} s"
+        time.sleep(POLL_S)
 
 
 def worker_argv(command: list[str]) -> list[str]:
@@ -97,15 +109,62 @@ def worker_argv(command: list[str]) -> list[str]:
     return command[command.index("-m"):]
 
 
-def fall_back(command: list[str], why: str) -> int:
-    """Become node.sh's torchrun command. Python ignores SIGPIPE, and an exec keeps what is ignored: undone."""
-    say(f"{why} on {os.environ.get('SLURMD_NODENAME') or socket.gethostname()}; starting the workers with torchrun")
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    try:
-        os.execvp(command[0], command)
-    except OSError as exc:
-        say(f"cannot run {command[0]}: {exc}")
-    return 127
+def say_cold(why: str) -> None:
+    say(f"{why} on {os.environ.get('SLURMD_NODENAME') or socket.gethostname()}; starting the workers cold (new "
+        "interpreters, as torchrun would)")
+
+
+class ColdWorkers:
+    """The workers as new interpreters, children of this process, when there is no warm process: torchrun's way of
+    starting them, without its agent. Not torchrun itself: its agent waits for every node's agent before starting
+    a worker, so a node running it would wait for the warm nodes of the same step until launch.init_timeout_s;
+    these workers meet the others in the trainer's init_process_group, like warm ones. srun's step teardown kills
+    them with this process (they run in its step)."""
+
+    def __init__(self, argv: list[str], envs: list[dict[str, str]]):
+        # Started before the signal handlers below: they inherit node.sh's ignored USR2 (a handler would be reset
+        # to the default, which kills, until the trainer installs its own).
+        self.procs = [subprocess.Popen([sys.executable, *argv], env=env) for env in envs]
+        self.exits: list[dict] = []
+
+    def forward(self, signum: int, frame: object) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signum)
+
+    def wait(self) -> int:
+        """Like torchrun: after the first failure the others get SIGTERM, KILL_GRACE_S later SIGKILL."""
+        running, failed_at = dict(enumerate(self.procs)), None
+        while running:
+            for local_rank, proc in list(running.items()):
+                code = proc.poll()
+                if code is None:
+                    continue
+                del running[local_rank]
+                self.exits.append({"local_rank": local_rank, "pid": proc.pid, "code": code,
+                                   "first": failed_at is None})
+                if code != 0 and failed_at is None:
+                    failed_at = time.monotonic()
+                    for other in running.values():
+                        with contextlib.suppress(ProcessLookupError):
+                            other.terminate()
+            if failed_at is not None and time.monotonic() - failed_at > KILL_GRACE_S:
+                for other in running.values():
+                    with contextlib.suppress(ProcessLookupError):
+                        other.kill()
+            time.sleep(POLL_S)
+        return summarize(self.exits)
+
+
+def summarize(exits: list[dict]) -> int:
+    """torchrun's exit status, and each worker that failed by itself named as its failure summary names it."""
+    failed = [e for e in exits if e["code"] != 0]
+    for e in (e for e in failed if e.get("first")):
+        code = int(e["code"])
+        name = f" ({signal.Signals(-code).name})" if code < 0 and -code in signal.valid_signals() else ""
+        say(f"local rank {e['local_rank']} (pid {e['pid']}) failed: exitcode  : {code}{name}")
+    return 1 if failed else 0
 
 
 def request(sock: socket.socket, message: dict) -> None:
@@ -151,15 +210,10 @@ class Session:
             messages = self.messages()
             if messages is None:
                 say(f"the warm process died with {self.nproc - len(self.exits)} worker(s) running (they die with "
-                    "it); this step fails and the next one starts its workers with torchrun")
+                    "it); this step fails, and the next one starts its workers cold on this node")
                 return 1
             self.exits += [m["exit"] for m in messages if "exit" in m]
-        failed = [e for e in self.exits if e["code"] != 0]
-        for e in (e for e in failed if e.get("first")):
-            code = int(e["code"])
-            name = f" ({signal.Signals(-code).name})" if code < 0 and -code in signal.valid_signals() else ""
-            say(f"local rank {e['local_rank']} (pid {e['pid']}) failed: exitcode  : {code}{name}")
-        return 1 if failed else 0
+        return summarize(self.exits)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,24 +228,34 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("give node.sh's torchrun command after --")
-    sock, why = connect(warm_folder(os.environ))
-    if sock is None:
-        return fall_back(command, why)
     envs = worker_envs(os.environ, nproc_per_node=args.nproc_per_node, node_rank=args.node_rank, nnodes=args.nnodes,
                        master_addr=args.master_addr, master_port=args.master_port)
-    session = Session(sock, args.nproc_per_node)
+    workers = warm_workers(worker_argv(command), envs)
+    if isinstance(workers, str):
+        say_cold(workers)
+        workers = ColdWorkers(worker_argv(command), envs)
+    for sig in FORWARDED:  # only now that the workers run (see ColdWorkers)
+        signal.signal(sig, workers.forward)
+    return workers.wait()
+
+
+def warm_workers(argv: list[str], envs: list[dict[str, str]]) -> Session | str:
+    """The workers forked by this node's warm process, or why there are none. The first step of a job may start
+    while the warm process is still starting: it is waited for (a later step finds it ready, or never will)."""
+    first_step = os.environ.get(IN_JOB_STEP_ENV) == "0"
+    sock, why = connect(warm_folder(os.environ), wait_for_start=first_step)
+    if sock is None:
+        return why
+    session = Session(sock, len(envs))
     try:
-        request(sock, {"argv": worker_argv(command), "cwd": os.getcwd(),
-                       "affinity": sorted(os.sched_getaffinity(0)), "envs": envs})
+        request(sock, {"argv": argv, "cwd": os.getcwd(), "affinity": sorted(os.sched_getaffinity(0)), "envs": envs})
         started, why = session.started()
     except OSError as exc:
         started, why = None, f"the warm process failed the request: {exc}"
     if started is None:
         sock.close()
-        return fall_back(command, why)
-    for sig in FORWARDED:  # only now: before, an exec to torchrun must keep node.sh's ignored USR2
-        signal.signal(sig, session.forward)
-    return session.wait()
+        return why
+    return session
 
 
 if __name__ == "__main__":

@@ -31,7 +31,12 @@ from pathlib import Path
 SOCKET_NAME = "sock"
 PID_NAME = "server.pid"
 """Written as the warm process starts (before its imports): a client finding it alive waits for the socket."""
+REFUSED_NAME = "refused"
+"""Left by a warm process that will not serve (why, one line): its clients start the workers cold at once."""
 REGISTRY_GLOB = "worker-*.json"
+KILL_GRACE_S = 30.0
+"""After a step's first failed worker on a node, how long the others have after SIGTERM before SIGKILL (torchrun's
+close timeout)."""
 MAX_SOCKET_PATH = 107
 """sun_path holds 108 bytes with the terminating NUL (unix(7))."""
 WARM_STEP_NAME = "megatron-hpc-warm"

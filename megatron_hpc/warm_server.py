@@ -37,7 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_hpc.warm_protocol import (
+    KILL_GRACE_S,
     PID_NAME,
+    REFUSED_NAME,
     REGISTRY_GLOB,
     SOCKET_NAME,
     LineReader,
@@ -49,8 +51,6 @@ from megatron_hpc.warm_protocol import (
     write_registry,
 )
 
-KILL_GRACE_S = 30.0
-"""After a request's first failed worker, how long the others have after SIGTERM (torchrun's close timeout)."""
 REQUEST_TIMEOUT_S = 10.0
 PRELOAD = ("torch", "torch.distributed", "torch.optim", "torch._dynamo", "megatron_hpc.cli.main",
            "megatron_hpc.cli.train_cmd", "megatron_hpc.train.entry", "megatron_hpc.recipes")
@@ -332,7 +332,8 @@ def prepare_folder(folder: Path) -> str | None:
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         if folder.stat().st_uid != os.getuid():
             return f"{folder} belongs to another user; set TMPDIR to a folder of yours on this node"
-        (folder / SOCKET_NAME).unlink(missing_ok=True)  # an earlier attempt's, on this node
+        for stale in (SOCKET_NAME, REFUSED_NAME):  # an earlier attempt's, on this node
+            (folder / stale).unlink(missing_ok=True)
         (folder / PID_NAME).write_text(str(os.getpid()))
     except OSError as exc:
         return f"cannot prepare {folder}: {exc}"
@@ -351,16 +352,20 @@ def listen(path: Path) -> socket.socket:
     return listener
 
 
-def cleanup(folder: Path) -> None:
-    """The folder goes with its warm process (a later one of the same job, after a requeue, makes its own)."""
+def cleanup(folder: Path, *, refused: str | None = None) -> None:
+    """The folder goes with its warm process (a later one of the same job, after a requeue, makes its own); one
+    that refused to serve leaves why, so that its clients do not wait for it."""
     with contextlib.suppress(OSError):
         if (folder / PID_NAME).read_text().strip() != str(os.getpid()):
             return
         (folder / SOCKET_NAME).unlink(missing_ok=True)
         for record in folder.glob(REGISTRY_GLOB):
             record.unlink(missing_ok=True)
+        if refused:
+            (folder / REFUSED_NAME).write_text(refused + "\n")
         (folder / PID_NAME).unlink()
-        folder.rmdir()
+        if not refused:
+            folder.rmdir()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -380,20 +385,24 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         say(f"not started: {problem}")
         return 1
+    refused = None
     try:
         started = time.monotonic()
         preload()
         threads = thread_count()
         if threads != 1:
-            say(f"not serving: {threads} threads after importing torch (a fork keeps only one); the workers start "
-                "with torchrun")
+            refused = f"{threads} threads after importing torch (a fork keeps only one)"
+            say(f"not serving: {refused}; the workers start cold")
             return 1
         listener = listen(folder / SOCKET_NAME)
         say(f"ready on {socket.gethostname()} in {time.monotonic() - started:.2f} s (torch and the trainer "
             f"imported): {folder / SOCKET_NAME}")
         Server(folder, listener).serve()
+    except Exception as exc:
+        refused = f"{type(exc).__name__}: {exc}"
+        raise
     finally:
-        cleanup(folder)
+        cleanup(folder, refused=refused)
     return 0
 
 

@@ -138,15 +138,32 @@ def test_signals_the_step_gets_reach_the_workers(warm, tmp_path):
     assert proc.returncode == 1 and err.count("failed: exitcode  : 7") >= 1 and all(_gone(p) for p in pids)
 
 
-def test_without_a_warm_process_the_client_says_so_and_runs_the_command(tmp_path):
+def test_without_a_warm_process_the_client_says_so_and_starts_the_workers_cold(tmp_path):
     env = _env(tmp_path, job="9999")
-    proc = client(env, "env", nproc=1)
+    proc = client(env, "env", nproc=2, cwd=tmp_path)
     out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0
+    assert proc.returncode == 0, err
     folder = tmp_path / f"megatron-hpc-warm.9999.{NODE}"
     assert err.splitlines()[0] == (f"megatron-hpc: warm workers: no warm process at {folder}/{SOCKET_NAME} on "
-                                   f"{NODE}; starting the workers with torchrun")
-    assert out.startswith("RANK=None ")  # the command itself ran (torchrun would set RANK)
+                                   f"{NODE}; starting the workers cold (new interpreters, as torchrun would)")
+    # Not torchrun (its agent would wait for agents on the warm nodes): the same environment as forked workers.
+    lines = sorted(line.split(" pid=")[0] for line in out.splitlines())
+    assert lines == [f"RANK={r} LOCAL_RANK={r} WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 GROUP_RANK=0 MASTER_ADDR=10.0.0.1 "
+                     f"MASTER_PORT=29123 PROBE_MARK=None" for r in (0, 1)]
+    assert all(f"ppid={proc.pid} " in line for line in out.splitlines())
+
+
+def test_a_first_step_waits_for_a_starting_warm_process_but_not_for_one_that_refused(tmp_path):
+    env = {**_env(tmp_path, job="9998"), "MEGATRON_HPC_IN_JOB_STEP": "0"}
+    folder = warm_folder(env)
+    folder.mkdir()
+    (folder / "refused").write_text("3 threads after importing torch (a fork keeps only one)\n")
+    started = time.monotonic()
+    proc = client(env, "exit", "3", nproc=2)
+    _, err = proc.communicate(timeout=60)
+    assert time.monotonic() - started < 30 and proc.returncode == 1
+    assert err.splitlines()[0].startswith("megatron-hpc: warm workers: the warm process refused to serve: 3 threads")
+    assert "failed: exitcode  : 3" in err  # the cold workers' failure, named as for warm ones
 
 
 def test_worker_envs_follow_torchrun():
