@@ -5,10 +5,10 @@ workers, pass them this process's stdout and stderr, forward the signals the ste
         --master-port P -- torchrun ... -m megatron_hpc train --run-dir RUN --phase run
 
 The command after `--` is what node.sh runs without warm workers: the workers run its `-m MODULE ARGS...`
-(as `python -m` would, in the warm process's fork), and when there is no warm process on this node (none
-started, it died, it refused the request) this process says so in one line and becomes that command (exec), so
-a step never waits on a warm process that is not there. Messages: megatron_hpc/warm_protocol.py. No torch: a
-light Python, about 30 ms.
+(as `python -m` would, in the warm process's fork). When there is no warm process on this node (none started,
+it died, it refused the request) this process says so in one line and starts the workers cold itself
+(ColdWorkers), so a step never waits on a warm process that is not there (a job's first step waits for one still
+starting). Messages: megatron_hpc/warm_protocol.py. No torch: a light Python, about 30 ms.
 
 Exit status as torchrun's: 0 when every worker exited 0, else 1 with each worker that failed by itself (before
 the others were ended) named as torchrun's failure summary names it (`exitcode  : -9`), which

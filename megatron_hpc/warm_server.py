@@ -4,13 +4,13 @@
 
 The in-job driver (launch/in_job.py) starts it once per allocation on every node (node.sh's warm phase, one
 SLURM step beside the worker steps). A restarted step's workers then start without a new interpreter, a new
-torchrun and a second torch import (about 3 s of the 5 s a restart took on the test cluster: benchmarks/
+torchrun and a second torch import (a restart on the test cluster: 2.9 s instead of 7.4 s, benchmarks/
 RESULTS.md, issue 28). The protocol is megatron_hpc/warm_protocol.py's; launch/warm_client.py is the other end.
 
 Forking is safe only from a process with one thread that holds no device: this process imports torch and the
 trainer's modules but initialises no CUDA or XLA runtime and starts no thread pool (torch's intra-op pool starts
 at the first parallel op, in each worker; numpy's OpenBLAS would start one at import, so it gets one thread here).
-It refuses to serve when it has more than one thread anyway, and node.sh falls back to torchrun. Not for XLA
+It refuses to serve when it has more than one thread anyway (its clients start the workers cold). Not for XLA
 platforms: torch_xla must not be imported before a fork, and importing it is most of what this saves.
 
 Each forked worker gets the client's stdout and stderr, its cwd, CPU affinity and environment (one per local
@@ -115,7 +115,7 @@ class Server:
             if self.stopping and self.listener.fileno() >= 0:
                 self.selector.unregister(self.listener)
                 self.listener.close()
-                (self.folder / SOCKET_NAME).unlink(missing_ok=True)  # a new client starts torchrun instead
+                (self.folder / SOCKET_NAME).unlink(missing_ok=True)  # a new client starts its workers cold
             for key, _ in self.selector.select(self._timeout()):
                 if key.data == "accept":
                     self.accept()
