@@ -18,12 +18,16 @@ def main() -> int:
     if action == "env":
         keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
                 "PROBE_MARK")
-        print(" ".join(f"{k}={os.environ.get(k)}" for k in keys), f"pid={os.getpid()} ppid={os.getppid()}",
-              f"cwd={os.getcwd()}", flush=True)
-        print(f"err {rank}", file=sys.stderr, flush=True)
+        # One write per line: two workers share the pipe, and print's pieces may be written one by one.
+        line = " ".join(f"{k}={os.environ.get(k)}" for k in keys) + f" pid={os.getpid()} ppid={os.getppid()}"
+        sys.stdout.write(f"{line} cwd={os.getcwd()}\n")
+        sys.stdout.flush()
+        sys.stderr.write(f"err {rank}\n")
+        sys.stderr.flush()
         return 0
     if action == "exit":
-        print(f"exiting {rank}", flush=True)
+        sys.stdout.write(f"exiting {rank}\n")
+        sys.stdout.flush()
         return int(sys.argv[2]) if rank == "1" else 0
     if action == "term":
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))
