@@ -15,7 +15,10 @@ polls every POLL_S for each event of the recovery:
     checkpoint load  -> the trainer logged "> loaded checkpoint"
     first step       -> the last rank logged the first iteration after it
 
-    python benchmarks/in_job_restart.py --rounds 2
+    python benchmarks/in_job_restart.py --rounds 2 [--with-cold]
+
+The in-job runs start their workers from warm processes (launch.warm_restart, the default); --with-cold adds a
+third run per round with launch.warm_restart=false, whose steps start torchrun as before.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ FAIL_AT, SAVE_EVERY, NUM_STEPS = 6, 4, 12
 POLL_S = 0.05
 TIMEOUT_S = 300
 PHASES = ("detection", "teardown", "new step start", "checkpoint load", "first step")
+IN_JOB, IN_JOB_COLD = "in-job restart", "in-job, torchrun"
+"""With warm workers (launch.warm_restart, the default: the warm process forks the workers) and without."""
 
 
 @dataclass
@@ -64,9 +69,10 @@ def job_fields(job_id: str) -> dict[str, str]:
     return dict(t.split("=", 1) for t in out.split() if "=" in t)
 
 
-def submit(run_dir: Path, *, spares: int) -> str:
+def submit(run_dir: Path, *, spares: int, warm: bool = True) -> str:
     sets = ["data.source=synthetic", f"train.num_steps={NUM_STEPS}", "train.log_interval=1", "compile.enabled=false",
-            f"checkpoint.save_interval={SAVE_EVERY}", "train.tensorboard=false", f"launch.spare_nodes={spares}"]
+            f"checkpoint.save_interval={SAVE_EVERY}", "train.tensorboard=false", f"launch.spare_nodes={spares}",
+            f"launch.warm_restart={str(warm).lower()}"]
     cmd = [sys.executable, "-m", "megatron_hpc", "submit", "--recipe", "tiny", "--nodes", "2", "--platform", "cpu",
            "--cluster", "slurm", "--partition", "debug", "--json", "--out", str(run_dir)]
     proc = subprocess.run(cmd + [a for s in sets for a in ("--set", s)], capture_output=True, text=True,
@@ -102,8 +108,8 @@ def step_nodes(run_dir: Path) -> list[str]:
     return []
 
 
-def one_failure(run_dir: Path, *, spares: int) -> Recovery:
-    job_id = submit(run_dir, spares=spares)
+def one_failure(run_dir: Path, *, spares: int, warm: bool = True) -> Recovery:
+    job_id = submit(run_dir, spares=spares, warm=warm)
     log0, log1 = run_dir / "logs" / "run-node0.log", run_dir / "logs" / "run-node1.log"
     wait_for(lambda: f"iteration {FAIL_AT:8d}/" in _text(log1), f"iteration {FAIL_AT}")
     held = job_fields(job_id)["NodeList"]
@@ -111,7 +117,7 @@ def one_failure(run_dir: Path, *, spares: int) -> Recovery:
                                                              capture_output=True, text=True).stdout.split()
     lost = nodes[1]  # not the first node, where the batch script runs
     offsets = {"out": len(_job_output(run_dir)), "log0": len(_text(log0)), "log1": len(_text(log1))}
-    rec = Recovery(mode="in-job restart" if spares else "requeue", failed_at=time.time())
+    rec = Recovery(mode=(IN_JOB if warm else IN_JOB_COLD) if spares else "requeue", failed_at=time.time())
     subprocess.run(["scontrol", "update", f"nodename={lost}", "state=down", "reason=benchmark"], check=True)
     try:
         _follow(rec, run_dir, job_id, offsets, in_job=bool(spares))
@@ -159,28 +165,36 @@ def _resume(node: str) -> None:
 
 def report(recoveries: list[Recovery]) -> list[str]:
     lines = [f"{'mode':<16}" + "".join(f"{p:>17}" for p in PHASES) + f"{'total':>10}"]
-    for mode in ("in-job restart", "requeue"):
+    for mode in (IN_JOB, IN_JOB_COLD, "requeue"):
         mine = [r for r in recoveries if r.mode == mode]
+        if not mine:
+            continue
         cells = [statistics.median(r.durations()[p] for r in mine) for p in PHASES]
         total = statistics.median(r.total for r in mine)
         lines.append(f"{mode:<16}" + "".join(f"{c:>16.2f}s" for c in cells) + f"{total:>9.2f}s")
-    ratio = (statistics.median(r.total for r in recoveries if r.mode == "in-job restart")
-             / statistics.median(r.total for r in recoveries if r.mode == "requeue"))
-    lines.append(f"in-job / requeue: {ratio:.2f}x (goal <= 0.3x); medians of {len(recoveries) // 2} round(s)")
+    requeue = statistics.median(r.total for r in recoveries if r.mode == "requeue")
+    rounds = sum(r.mode == "requeue" for r in recoveries)
+    for mode, label in ((IN_JOB, "in-job"), (IN_JOB_COLD, "in-job, torchrun")):
+        mine = [r.total for r in recoveries if r.mode == mode]
+        if mine:
+            lines.append(f"{label} / requeue: {statistics.median(mine) / requeue:.2f}x (goal <= 0.3x); medians of "
+                         f"{rounds} round(s)")
     return lines
 
 
 def main(argv: list[str] | None = None) -> list[str]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--with-cold", action="store_true",
+                        help="also an in-job restart with launch.warm_restart=false (torchrun starts each step)")
     args = parser.parse_args(argv)
     if not os.environ.get("SLURM_CONF") or subprocess.run(["scontrol", "ping"], capture_output=True).returncode:
         raise SystemExit("no SLURM controller answers: start slurm/local-cluster-start.sh and export its SLURM_CONF")
     recoveries = []
     with tempfile.TemporaryDirectory(prefix="in-job-bench-") as tmp:
         for i in range(args.rounds):
-            for spares in (1, 0):
-                rec = one_failure(Path(tmp) / f"{i}-{spares}", spares=spares)
+            for spares, warm in ((1, True), *(((1, False),) if args.with_cold else ()), (0, True)):
+                rec = one_failure(Path(tmp) / f"{i}-{spares}-{warm}", spares=spares, warm=warm)
                 print(f"round {i + 1} {rec.mode}: {rec.total:.2f} s", file=sys.stderr, flush=True)
                 recoveries.append(rec)
     load = os.getloadavg()

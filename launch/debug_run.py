@@ -28,9 +28,10 @@ from megatron_hpc.launch.stack_dump import RankStacks, collect
 
 from megatron_hpc.debug_stacks import DEBUG_DIR
 from megatron_hpc.errors import LaunchError
+from megatron_hpc.warm_protocol import WARM_STEP_NAME
 
 DEBUG_STEP_NAME = "megatron-hpc-debug"
-_NOT_WORKER_STEPS = frozenset({"batch", "extern", "interactive", DEBUG_STEP_NAME})
+_NOT_WORKER_STEPS = frozenset({"batch", "extern", "interactive", DEBUG_STEP_NAME, WARM_STEP_NAME})
 """Step names that never run trainer workers: SLURM's own steps and debug's (which may run beside a worker step)."""
 _PY_SPY_THREAD = re.compile(r'^Thread \S+ \([^)]*\): "MainThread"')
 _FAULTHANDLER_CURRENT = re.compile(r"^Current thread 0x[0-9a-f]+ \(most recent call first\):")

@@ -62,11 +62,13 @@ from megatron_hpc.run_folder import (
     read_json,
 )
 from megatron_hpc.run_markers import FATAL_FILE, STOPPED_FILE, job_attempt, read_marker, read_stopped, write_marker
+from megatron_hpc.warm_protocol import WARM_STEP_NAME
 
 POLL_S = 0.5
 SCONTROL_TRIES = 3
 SCONTROL_RETRY_S = 5.0
 """scontrol answering no node list (a busy controller, a timeout) is asked again this often, this far apart."""
+WARM_STOP_S = 10.0
 
 
 # --------------------------------------------------------------------------------------- run-folder edges
@@ -178,6 +180,9 @@ class Driver:
     """metrics.jsonl's size when a restarted step started, until it logs its first iteration."""
     known: tuple[str, ...] = ()
     """The allocation as scontrol last gave it."""
+    warm: bool = False
+    """launch.warm_restart: one warm process per node (megatron_hpc/warm_server.py) forks each step's workers."""
+    warm_proc: subprocess.Popen | None = None
 
     def say(self, text: str) -> None:
         print(f"megatron-hpc: in-job: {text}", flush=True)
@@ -200,6 +205,35 @@ class Driver:
         n = str(len(nodes))
         return ["srun", f"--nodes={n}", f"--ntasks={n}", "--ntasks-per-node=1", f"--nodelist={','.join(nodes)}",
                 *self.srun_tail]
+
+    def start_warm(self) -> None:
+        """The warm processes: one step on every node of the allocation, for the job's life. --overlap shares the
+        nodes with the worker steps; --no-kill and no --kill-on-bad-exit keep it on the other nodes when one is
+        lost or one warm process fails (that node's steps then start torchrun: node.sh says so). The node command
+        is srun_tail's last three words (`bash node.sh run`, launch/scripts.py), here in its warm phase."""
+        nodes = self.allocation()
+        if not nodes:
+            return
+        self.warm_proc = subprocess.Popen(self.warm_argv(nodes), stdin=subprocess.DEVNULL)
+        self.say(f"warm workers: a warm process on each of {','.join(nodes)} (launch.warm_restart)")
+
+    def warm_argv(self, nodes: tuple[str, ...]) -> list[str]:
+        n = str(len(nodes))
+        *flags, bash, script, _phase = self.srun_tail
+        flags = [f for f in flags if not f.startswith("--kill-on-bad-exit")]
+        return ["srun", "--overlap", "--no-kill", f"--job-name={WARM_STEP_NAME}", f"--nodes={n}", f"--ntasks={n}",
+                "--ntasks-per-node=1", f"--nodelist={','.join(nodes)}", *flags, bash, script, "warm"]
+
+    def stop_warm(self) -> None:
+        """The warm step ends with the job anyway; ended here so that a finished driver leaves nothing running."""
+        if self.warm_proc is None or self.warm_proc.poll() is not None:
+            return
+        self.warm_proc.terminate()
+        try:
+            self.warm_proc.wait(timeout=WARM_STOP_S)
+        except subprocess.TimeoutExpired:
+            self.warm_proc.kill()
+            self.warm_proc.wait()
 
     def run_step(self, step: int, nodes: tuple[str, ...]) -> StepEnd:
         started, seen = time.time(), Seen.now(self.run_dir)
@@ -257,6 +291,14 @@ class Driver:
         return step_nodes(healthy, num_nodes=self.num_nodes, previous=previous), slow
 
     def loop(self) -> int:
+        if self.warm:
+            self.start_warm()
+        try:
+            return self.steps()
+        finally:
+            self.stop_warm()
+
+    def steps(self) -> int:
         state = DriverState(num_nodes=self.num_nodes, max_restarts=self.max_restarts)
         step, nodes, pending = 0, (), None
         while True:
@@ -319,13 +361,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-restarts", type=int, required=True, help="launch.max_in_job_restarts")
     parser.add_argument("--max-requeues", type=int, default=requeue_mod.DEFAULT_MAX_REQUEUES)
     parser.add_argument("--exclude-stragglers", action="store_true", help="launch.exclude_stragglers")
+    parser.add_argument("--warm", action="store_true", help="launch.warm_restart: warm processes fork the workers")
     parser.add_argument("srun", nargs=argparse.REMAINDER, help="-- then srun's flags and the node command")
     args = parser.parse_args(argv)
     tail = args.srun[1:] if args.srun[:1] == ["--"] else args.srun
     who = job_attempt()
     driver = Driver(run_dir=args.run_dir, num_nodes=args.nodes, max_restarts=args.max_restarts,
                     max_requeues=args.max_requeues, exclude_stragglers=args.exclude_stragglers, srun_tail=tail,
-                    job_id=str(who["job_id"] or ""), attempt=who["attempt"])
+                    warm=args.warm, job_id=str(who["job_id"] or ""), attempt=who["attempt"])
     driver.say(f"job {driver.job_id} attempt {driver.attempt} on {socket.gethostname()}: steps of {args.nodes} "
                f"node(s), up to {args.max_restarts} restart(s) in the job")
     return driver.loop()

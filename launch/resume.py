@@ -35,7 +35,7 @@ RESUMABLE_KEYS = frozenset({
     "compile.enabled",
     # What watches the run and where it runs, not what it computes (issue 28).
     "launch.hang_timeout_s", "launch.straggler_threshold", "launch.spare_nodes", "launch.max_in_job_restarts",
-    "launch.exclude_stragglers",
+    "launch.exclude_stragglers", "launch.warm_restart",
 })
 ACTIVE_STATES = frozenset({"PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPENDED",
                            "RESIZING", "REQUEUE_HOLD", "REQUEUE_FED", "SUBMITTED"})

@@ -73,12 +73,33 @@ def render(template: str, values: dict[str, object]) -> str:
     return _PLACEHOLDER.sub(lambda m: str(values[m.group(1)]), template)
 
 
+_WARM_PHASE = """
+
+# Warm workers (launch.warm_restart, with hot spares): `node.sh warm` is the warm process of this node, started
+# once per allocation by the in-job driver (megatron_hpc/warm_server.py), after the limits above, which the
+# workers it forks inherit. An in-job step's run phase asks it for the workers (launch/warm_client.py); where
+# there is none, the client says so and starts them cold itself, from the `-m ...` of the torchrun command below
+# (a torchrun node would wait for the other nodes' torchrun agents, which warm nodes do not run).
+if [ "$PHASE" = warm ]; then
+  exec python -m megatron_hpc.warm_server >>"$LOG" 2>&1
+fi
+WARM_CLIENT=()
+if [ "$PHASE" = run ] && [ -n "$IN_JOB_STEP" ]; then
+  WARM_CLIENT=(python -m megatron_hpc.launch.warm_client --nproc-per-node={{nproc_per_node}} \\
+    --node-rank="$NODE_RANK" --nnodes="$NNODES" --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" --)
+fi"""
+
+
 def render_node_script(spec: PhaseSpec, *, recipe: str, run_dir: str, bin_dir: str, backend: str,
-                       shared_cache: str) -> str:
+                       shared_cache: str, warm: bool = False) -> str:
     """The node script of a run folder. One script serves every phase (`node.sh compile|run`); `spec` is the
-    first phase submitted, and its torchrun_wrapper applies when the script runs that phase."""
+    first phase submitted, and its torchrun_wrapper applies when the script runs that phase. `warm` (a run phase
+    with launch.warm_restart) adds the warm phase and the warm client; without it the text is the same as before
+    warm workers existed."""
     exports = "\n".join(f"export {key}={shlex.quote(value)}" for key, value in sorted(spec.env.items()))
-    return render(load_template("node.sh"), {
+    template = load_template("node.sh").replace("{{warm_phase}}", _WARM_PHASE if warm else "")
+    return render(template, {
+        "warm_client": '"${WARM_CLIENT[@]}" ' if warm else "",
         "shared_cache": shlex.quote(shared_cache),
         # double quotes: the node-local root is known only on the node
         "cache_exports": "\n".join(f'export {key}="{value}"'
@@ -181,6 +202,8 @@ def in_job_command(spec: PhaseSpec, *, run_dir: str, srun: list[str]) -> str:
             "--max-requeues", spec.env.get(MAX_REQUEUES_ENV, str(DEFAULT_MAX_REQUEUES))]
     if spec.exclude_stragglers:
         argv.append("--exclude-stragglers")
+    if spec.warm_restart:
+        argv.append("--warm")
     return shlex.join([*argv, "--", *srun])
 
 

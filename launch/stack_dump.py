@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from megatron_hpc.debug_stacks import STACK_SIGNAL, stacks_file
+from megatron_hpc.warm_protocol import registered_workers, warm_folder
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,14 +45,20 @@ class RankStacks:
     error: str | None = None
 
 
-def find_workers(run_dir: Path, proc_root: Path = Path("/proc"), *, node_name: str | None = None) -> list[Worker]:
+def find_workers(run_dir: Path, proc_root: Path = Path("/proc"), *, node_name: str | None = None,
+                 warm: Path | None = None) -> list[Worker]:
     """This machine's trainer workers of the run, by rank (lowest pid first when a rank repeats).
 
     With `node_name` (SLURMD_NODENAME of this step), a worker whose own SLURMD_NODENAME differs is left out: it
     belongs to another node's slurmd, which happens when several SLURM nodes share one machine (the test cluster).
+    Workers a warm process forked (megatron_hpc/warm_server.py) keep its command line and environment: they are
+    read from its registry in `warm` (default: this job step's warm folder).
     """
     want = os.path.realpath(run_dir)
     found: dict[int, int] = {}
+    for forked in registered_workers(warm_folder(os.environ) if warm is None else warm, run_dir=run_dir,
+                                     proc_root=proc_root):
+        found[forked.rank] = min(forked.pid, found.get(forked.rank, forked.pid))
     for entry in proc_root.iterdir():
         if not entry.name.isdigit():
             continue

@@ -218,7 +218,8 @@ def write_run_files(req: SubmitRequest) -> RunFiles:
     node_script = req.run_dir / NODE_SCRIPT
     write_script(node_script, render_node_script(phases[0], recipe=req.cfg.name, run_dir=str(req.run_dir),
                                                  bin_dir=python_bin_dir(), backend=req.platform.backend,
-                                                 shared_cache=str(req.cache_root)))
+                                                 shared_cache=str(req.cache_root),
+                                                 warm=any(p.warm_restart for p in phases)))
     previous = None
     for spec in phases:
         text = render_sbatch(spec, req.plan, node_script=str(node_script), log_dir=str(req.run_dir / LOG_DIR),

@@ -51,6 +51,11 @@ def _worker_pids(run_dir: Path) -> dict[int, int]:
         if b"megatron_hpc" in cmd and str(run_dir).encode() in cmd and b"RANK" in env and \
                 not any(c.endswith(b"torchrun") for c in cmd):
             found[int(env[b"RANK"])] = int(proc.name)
+    # Workers a warm process forked (launch.warm_restart) keep its command line and environment: its registry.
+    from megatron_hpc.warm_protocol import registered_workers
+
+    for folder in Path(os.environ.get("TMPDIR") or "/tmp").glob("megatron-hpc-warm.*"):
+        found.update({w.rank: w.pid for w in registered_workers(folder, run_dir=run_dir)})
     return found
 
 

@@ -345,6 +345,10 @@ class LaunchConfig:
     """A node whose compute time per step stays above this multiple of the median node's is named a straggler."""
     exclude_stragglers: bool = False
     """Replace the nodes named as stragglers with spares at the next in-job restart."""
+    warm_restart: bool = True
+    """With spare_nodes > 0 on CPU or CUDA: one warm process per node of the allocation (torch and the trainer
+    imported once) forks each in-job step's workers, so a restart does not start Python and import torch again.
+    Off for XLA platforms (torch_xla must not be imported before a fork) and without spares; false uses torchrun."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -63,6 +63,8 @@ class PhaseSpec:
     its batch script runs the in-job driver, which starts the workers as steps on num_nodes healthy nodes."""
     max_in_job_restarts: int = 0
     exclude_stragglers: bool = False
+    warm_restart: bool = False
+    """Warm processes fork the in-job steps' workers (launch.warm_restart, only with spares, never on XLA)."""
 
     @property
     def billed_nodes(self) -> int:
@@ -79,6 +81,12 @@ def phase_env(cfg: RunConfig, platform: Platform, *, extra: dict[str, str]) -> d
         env.update(platform.bf16_env)
     env.update(extra)
     return env
+
+
+def warm_restart(cfg: RunConfig, platform: Platform) -> bool:
+    """Whether warm processes start the in-job steps' workers: asked for, with spares, and not on XLA, whose
+    runtime cannot be imported before a fork."""
+    return cfg.launch.warm_restart and cfg.launch.spare_nodes > 0 and platform.backend != "xla"
 
 
 def compile_left_out(cfg: RunConfig, platform: Platform) -> str | None:
@@ -100,7 +108,8 @@ def make_phases(cfg: RunConfig, plan: Plan, platform: Platform, *,
     run = PhaseSpec(phase="run", job_name=f"{cfg.name}-run", requeue=True,
                     time_limit_min=cfg.launch.time_limit_min, spare_nodes=cfg.launch.spare_nodes,
                     max_in_job_restarts=cfg.launch.max_in_job_restarts,
-                    exclude_stragglers=cfg.launch.exclude_stragglers, **common)
+                    exclude_stragglers=cfg.launch.exclude_stragglers,
+                    warm_restart=warm_restart(cfg, platform), **common)
     if compile_left_out(cfg, platform) is not None:
         return (run,)
     # Both phases requeue, as the reference scripts do: a preempted compile comes back too.

@@ -54,7 +54,7 @@ if ! ulimit -n {{nofile_limit}} 2>/dev/null; then
   echo "megatron-hpc: warning: cannot raise ulimit -n to {{nofile_limit}} (hard limit $hard); using $hard" \
     | tee -a "$LOG" >&2
   ulimit -n "$hard"
-fi
+fi{{warm_phase}}
 
 # Compile caches. The compilers use a cache on this node's own disk, never one shared over NFS, whose file
 # locks are unreliable (shared/reference/neuron-xla.md 2.3). Before the phase the node copies in what the
@@ -136,7 +136,7 @@ fi
 # once; `wait` returns early on each trapped signal. torchrun (and a wrapper) ignore USR2 (its default would
 # kill them under the saving workers, which install their own handler); tee ignores both signals, or the
 # workers' next print would hit a closed pipe.
-( trap '' USR2; exec "${TORCHRUN_WRAPPER[@]}" torchrun --nnodes="$NNODES" --node_rank="$NODE_RANK" \
+( trap '' USR2; exec {{warm_client}}"${TORCHRUN_WRAPPER[@]}" torchrun --nnodes="$NNODES" --node_rank="$NODE_RANK" \
     --nproc_per_node={{nproc_per_node}} \
     --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT" \
     -m megatron_hpc train --run-dir "$RUN_DIR" --phase "$PHASE" ) 2>&1 \

@@ -17,9 +17,11 @@ their one-way order are tests/unit/test_checkpoint_rooms.py's.
     run_markers     run_folder, plan, config, atomic_write, errors
     debug_stacks    run_folder, plan, config, atomic_write, errors
     heartbeat       run_folder, plan, config, atomic_write, errors
+    warm_protocol   (nothing: paths and messages the warm process and its client share)
+    warm_server     warm_protocol
     compile_cache   plan, config, atomic_write, errors
-    launch          compile_cache, checkpoint, run_markers, debug_stacks, heartbeat, run_folder, plan, config,
-                    atomic_write, errors, megatron_hpc
+    launch          compile_cache, checkpoint, run_markers, debug_stacks, heartbeat, warm_protocol, run_folder, plan,
+                    config, atomic_write, errors, megatron_hpc
     parallel        plan, config, errors
     model           parallel, plan, config, errors
     data            parallel, plan, config, errors
@@ -31,6 +33,7 @@ their one-way order are tests/unit/test_checkpoint_rooms.py's.
     cli             (every package above; train and the torch ones only inside its functions)
     __main__        cli
 
+`warm_server` imports torch and the trainer by name at run time (what it preloads before forking workers).
 `launch` may import `checkpoint` only for its pure path functions (run status reads the checkpoint tracker); that
 the launcher never reaches torch, parent `__init__`s included, is held by a test of its own below.
 """
@@ -110,9 +113,11 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "run_markers": _row("run_folder plan config atomic_write errors"),
     "debug_stacks": _row("run_folder plan config atomic_write errors"),
     "heartbeat": _row("run_folder plan config atomic_write errors"),
+    "warm_protocol": _row(""),
+    "warm_server": _row("warm_protocol"),
     "compile_cache": _row("plan config atomic_write errors"),
-    "launch": _row("compile_cache checkpoint run_markers debug_stacks heartbeat run_folder plan config atomic_write "
-                   "errors megatron_hpc"),
+    "launch": _row("compile_cache checkpoint run_markers debug_stacks heartbeat warm_protocol run_folder plan config "
+                   "atomic_write errors megatron_hpc"),
     "parallel": _row("plan config errors"),
     "model": _row("parallel plan config errors"),
     "data": _row("parallel plan config errors"),

@@ -263,13 +263,14 @@ def test_plan_counts_the_spares_and_the_sbatch_runs_the_driver(tmp_path, cli_in_
     sbatch = (out / "run.sbatch").read_text().splitlines()
     assert "#SBATCH --nodes=4" in sbatch and "#SBATCH --no-kill" in sbatch
     assert sbatch[-1] == (f"{sys.executable.rsplit('/', 1)[0]}/python -m megatron_hpc.launch.in_job --run-dir {out} "
-                          "--nodes 2 --max-restarts 3 --max-requeues 3 -- --kill-on-bad-exit=1 --cpu-bind=none bash "
-                          f"{out}/node.sh run")
+                          "--nodes 2 --max-restarts 3 --max-requeues 3 --warm -- --kill-on-bad-exit=1 --cpu-bind=none "
+                          f"bash {out}/node.sh run")
 
 
 def test_spares_may_change_on_resume():
     from megatron_hpc.launch.resume import check_overrides
 
-    check_overrides(["launch.spare_nodes=2", "launch.max_in_job_restarts=5", "launch.exclude_stragglers=true"])
+    check_overrides(["launch.spare_nodes=2", "launch.max_in_job_restarts=5", "launch.exclude_stragglers=true",
+                     "launch.warm_restart=false"])
     with pytest.raises(ConfigError, match=r"parallel\.tensor cannot change on --resume"):
         check_overrides(["launch.spare_nodes=1", "parallel.tensor=2"])

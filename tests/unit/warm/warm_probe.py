@@ -1,0 +1,41 @@
+"""A stand-in worker for tests/unit/test_warm_workers.py, run as `-m warm_probe ACTION` by a warm process (forked)
+or by the client's fallback (a new interpreter). Small on purpose: the protocol is under test, not the trainer.
+
+    env               print RANK LOCAL_RANK WORLD_SIZE MASTER_PORT and the pid on stdout, `err <rank>` on stderr
+    exit CODE         print `exiting <rank>` and exit with CODE on rank 1, 0 on the others
+    sleep FILE        write this pid to FILE.<rank>, then sleep until killed
+    term FILE         as sleep, but exit 7 on SIGTERM (a handler, as the trainer's)
+"""
+
+import os
+import signal
+import sys
+import time
+
+
+def main() -> int:
+    action, rank = sys.argv[1], os.environ.get("RANK", "?")
+    if action == "env":
+        keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+                "PROBE_MARK")
+        # One write per line: two workers share the pipe, and print's pieces may be written one by one.
+        line = " ".join(f"{k}={os.environ.get(k)}" for k in keys) + f" pid={os.getpid()} ppid={os.getppid()}"
+        sys.stdout.write(f"{line} cwd={os.getcwd()}\n")
+        sys.stdout.flush()
+        sys.stderr.write(f"err {rank}\n")
+        sys.stderr.flush()
+        return 0
+    if action == "exit":
+        sys.stdout.write(f"exiting {rank}\n")
+        sys.stdout.flush()
+        return int(sys.argv[2]) if rank == "1" else 0
+    if action == "term":
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))
+    with open(f"{sys.argv[2]}.{rank}", "w") as fh:
+        fh.write(str(os.getpid()))
+    while True:
+        time.sleep(0.05)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
