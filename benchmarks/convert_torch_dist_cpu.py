@@ -119,14 +119,71 @@ def write_source(root: Path, shape: Shape, *, tp: int, files: int, optimizer: bo
         adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, bf16=True, ckpt_format="torch_dist")
     folder = root / "iter_0000100"
     folder.mkdir(parents=True)
+    chunks, placed = _chunked(state, tp=tp)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save(state, storage_writer=FileSystemWriter(str(folder), thread_count=files),
+        dcp.save(chunks, storage_writer=FileSystemWriter(str(folder), thread_count=files),
                  planner=DefaultSavePlanner(flatten_state_dict=False), no_dist=True)
+    _merge_index(folder / ".metadata", state, placed)
     torch.save(common, folder / "common.pt")
     (folder / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                                                       "common_backend": "torch", "common_backend_version": 1}))
     (root / "latest_checkpointed_iteration.txt").write_text("100")
+
+
+def _chunked(state: dict[str, object], *, tp: int) -> tuple[dict[str, object], dict[str, tuple[str, tuple[int, ...]]]]:
+    """Each tensor as megatron-core's ranks save it: one chunk per decoder layer and TP shard (its sharded_state_dict
+    makes each layer of each rank a ShardedTensor at its global offset). Saved under a key of its own each, then
+    merged into one key per tensor by _merge_index. Returns (chunks by their own key, chunk key -> (key, offsets))."""
+    import torch
+
+    from megatron_hpc.checkpoint.foreign.torch_dist_keys import optimizer_key, tp_split_dim
+
+    chunks: dict[str, object] = {}
+    placed: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for key, value in state.items():
+        assert isinstance(value, torch.Tensor)
+        model_key = (optimizer_key(key) or ("", key))[1]
+        stacked = model_key.startswith("decoder.layers.")
+        dim = tp_split_dim(model_key)
+        for layer in range(value.shape[0]) if stacked else [None]:
+            part = value[layer] if layer is not None else value
+            pieces = part.chunk(tp, dim=dim) if dim is not None else [part]
+            for t, piece in enumerate(pieces):
+                offsets = [0] * part.ndim
+                if dim is not None:
+                    offsets[dim] = t * pieces[0].shape[dim]
+                if layer is not None:
+                    offsets = [layer, *offsets]
+                name = f"{key}/chunk_{len(placed)}"
+                chunks[name] = piece.unsqueeze(0).contiguous() if layer is not None else piece.contiguous()
+                placed[name] = (key, tuple(offsets))
+    return chunks, placed
+
+
+def _merge_index(path: Path, state: dict[str, object], placed: dict[str, tuple[str, tuple[int, ...]]]) -> None:
+    """torch.distributed.checkpoint's index of the chunk keys rewritten as one key per tensor with its chunks at their
+    global offsets (what a multi-rank save writes); the data files are left as they are."""
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
+
+    with path.open("rb") as fh:
+        metadata = pickle.load(fh)
+    records, storage = {}, {}
+    for name, (key, offsets) in placed.items():
+        saved = metadata.state_dict_metadata[name]
+        value = state[key]
+        assert isinstance(value, torch.Tensor)
+        record = records.setdefault(key, TensorStorageMetadata(properties=saved.properties, size=value.shape,
+                                                               chunks=[]))
+        record.chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=saved.size))
+        info = next(v for k, v in metadata.storage_data.items() if k.fqn == name)
+        storage[MetadataIndex(key, torch.Size(offsets), len(record.chunks) - 1)] = info
+    metadata.state_dict_metadata, metadata.storage_data = records, storage
+    with path.open("wb") as fh:
+        pickle.dump(metadata, fh)
 
 
 def main(argv: list[str] | None = None) -> None:
