@@ -17,9 +17,11 @@ times them):
     python benchmarks/convert_torch_dist_cpu.py --dir ./td-bench                       # 12 layers, hidden 1024
     python benchmarks/convert_torch_dist_cpu.py --dir ./td-bench --repeat 3            # medians of 3
     python benchmarks/convert_torch_dist_cpu.py --dir ./td-bench --layers 24 --hidden 2048 --optimizer
+    python benchmarks/convert_torch_dist_cpu.py --dir ./td-bench --optimizer --read-budget-gib 0.25   # bounded
 
-Goal: each convert within 2x of the copy's wall time. Peak RSS is reported: the torch_dist reader holds the whole
-checkpoint (it reads every key whole through torch.distributed.checkpoint), unlike the legacy reader's mapped files.
+Goal: each convert within 2x of the copy's wall time. Peak RSS is reported: `--to torch|xser` reads the source a
+unit (one layer of every stacked key, or one key with its moments) at a time, holding at most `--read-budget-gib`
+of it plus one unit besides the output rank being made; `--to torch_dist` reads it whole.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--files", type=int, default=4, help=".distcp files the source's data is spread over")
     p.add_argument("--optimizer", action="store_true", help="also plain Adam's fp32 masters and moments")
     p.add_argument("--to", nargs="+", choices=("torch", "xser", "torch_dist"), default=["torch", "xser", "torch_dist"])
+    p.add_argument("--read-budget-gib", type=float, help="passed to each convert (default: its own, 2)")
     p.add_argument("--repeat", type=int, default=1, help="runs of each, alternating; the table gives medians")
     p.add_argument("--keep", action="store_true", help="keep the work folder")
     p.add_argument("--write-source-only", action="store_true", help=argparse.SUPPRESS)
@@ -209,7 +212,8 @@ def main(argv: list[str] | None = None) -> None:
         out = work / f"ours-{to}"
         commands[f"convert --to {to} --tp {args.to_tp}"] = (
             [sys.executable, "-m", "megatron_hpc", "ckpt", "convert", str(src), "--to", to, "--tp", str(args.to_tp),
-             "--out", str(out)], out)
+             "--out", str(out), *(["--read-budget-gib", str(args.read_budget_gib)] if args.read_budget_gib else [])],
+            out)
     runs: dict[str, list[Row]] = {name: [] for name in commands}
     for i in range(args.repeat):  # alternating, so a change in the machine's load falls on all alike
         for name, (cmd, dst) in commands.items():

@@ -120,7 +120,18 @@ def _virtual(s: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     if args.ckpt_command == "convert":
-        return _convert(args)
+        import torch
+
+        # A convert only moves bytes (copies, casts, checksums, writes): torch's intra-op threads add a barrier to
+        # every copy and gain no bandwidth. One thread was faster in 3 of 3 alternating runs of
+        # benchmarks/convert_torch_dist_cpu.py's source (14.3-31.4 s against 18.2-37.1 s, a loaded 2-core VM).
+        # Restored after: `ckpt convert` also runs inside other processes (tests, notebooks).
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return _convert(args)
+        finally:
+            torch.set_num_threads(threads)
     if args.ckpt_command == "reshard":
         return _reshard(args)
     from megatron_hpc.checkpoint.foreign import is_hf_folder
