@@ -90,3 +90,11 @@ def test_the_distributed_optimizers_bucket_space_is_read_whole() -> None:
     dist = import_torch_dist(FIXTURES / "gpt_dp2_distopt" / ITER, stream_budget=1)
     assert dist.reader is None and dist.imported.source is None
     assert not any(w.is_meta for w in dist.imported.whole.first["model"].values())
+
+
+def test_the_adamw_group_template_is_what_torch_adamw_saves() -> None:
+    """The converter reads AdamW's group settings from its signature (making one imports torch._dynamo)."""
+    from megatron_hpc.checkpoint.foreign.importer import adamw_defaults
+
+    made = torch.optim.AdamW([torch.zeros(1)]).state_dict()["param_groups"][0]
+    assert adamw_defaults() == {k: v for k, v in made.items() if k != "params"}
