@@ -59,10 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--distributed-optimizer", action="store_true",
                    help="with --to torch_dist: Adam's state for a run with --use-distributed-optimizer (its "
                         "fully_reshardable form) instead of plain Adam's")
-    c.add_argument("--read-budget-gib", type=float, default=2.0, metavar="GIB",
+    c.add_argument("--read-budget-gib", type=float, metavar="GIB",
                    help="a torch_dist source converted --to torch|xser is read a part at a time, holding about this "
                         "much of it (plus one layer or embedding) at once; parts past it are read again for each "
-                        "output rank that needs them (default: 2)")
+                        "output rank that needs them (default: 1)")
     c.add_argument("--json", action="store_true", help="print JSON")
 
     r = sub.add_parser("reshard", help="the checkpoint at other tensor- and pipeline-parallel sizes (same iteration)")
@@ -182,11 +182,15 @@ def _read_source(args: argparse.Namespace) -> _Source:
     source = args.path
     folder = foreign_folder(source if args.iteration is None else iteration_dir(source, args.iteration))
     if folder is not None and is_torch_dist(folder):
-        if not args.read_budget_gib > 0:
-            raise CheckpointError(f"--read-budget-gib {args.read_budget_gib} must be above 0; use the default 2, or "
-                                  "less on a machine short of memory (each part past it is read once per output rank)")
+        from megatron_hpc.checkpoint.foreign.torch_dist_stream import READ_BUDGET
+
+        if args.read_budget_gib is not None and not args.read_budget_gib > 0:
+            raise CheckpointError(f"--read-budget-gib {args.read_budget_gib} must be above 0; drop it for the default "
+                                  f"{READ_BUDGET / 2**30:g}, or give less on a machine short of memory (each part past "
+                                  "it is read once per output rank)")
         # --to hf and torch_dist need the whole model; the others read a part at a time (torch_dist_stream.py).
-        budget = None if args.to in ("hf", "torch_dist") else int(args.read_budget_gib * 2**30)
+        budget = READ_BUDGET if args.read_budget_gib is None else int(args.read_budget_gib * 2**30)
+        budget = None if args.to in ("hf", "torch_dist") else budget
         dist = import_torch_dist(folder, vocab_size=args.vocab_size, stream_budget=budget)
         return _Source(dist.imported.whole, dist.imported.family, list(dist.imported.notes),
                        streamed=dist.imported.source, saved=dist.saved[:2])

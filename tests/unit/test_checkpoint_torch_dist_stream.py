@@ -98,3 +98,14 @@ def test_the_adamw_group_template_is_what_torch_adamw_saves() -> None:
 
     made = torch.optim.AdamW([torch.zeros(1)]).state_dict()["param_groups"][0]
     assert adamw_defaults() == {k: v for k, v in made.items() if k != "params"}
+
+
+def test_a_read_budget_of_zero_is_refused_before_anything_is_written(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from megatron_hpc.cli.main import main
+
+    code = main(["ckpt", "convert", str(FIXTURES / "gpt_tp2"), "--to", "torch", "--out", str(tmp_path / "out"),
+                 "--read-budget-gib", "0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1 and "--read-budget-gib 0.0 must be above 0" in err[0] and "default 1" in err[0]
+    assert not (tmp_path / "out").exists()

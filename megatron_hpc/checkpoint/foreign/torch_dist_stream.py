@@ -27,9 +27,9 @@ import torch
 from megatron_hpc.checkpoint.foreign import torch_dist_keys
 from megatron_hpc.checkpoint.foreign.torch_dist_files import Box, TorchDistFolder, read
 
-READ_BUDGET = 2 << 30
-"""Bytes of the source `ckpt convert` holds at once by default (plus one unit): enough to read each byte once for
-models of a few hundred million parameters with their Adam state, and a bound for any larger one."""
+READ_BUDGET = 1 << 30
+"""Bytes of the source `ckpt convert` holds at once by default (plus one unit). Reading a part again costs little
+beside writing it (benchmarks/RESULTS.md, issue 27), so the default is a bound, not a cache of the checkpoint."""
 _OUR_LAYER = re.compile(r"^h\.(\d+)\.")
 _SWIGLU_FC1 = ("decoder.layers.mlp.linear_fc1.weight", "decoder.layers.mlp.linear_fc1.bias")
 
