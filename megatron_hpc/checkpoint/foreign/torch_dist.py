@@ -1,12 +1,13 @@
 """A megatron-core torch_dist checkpoint as ours: `ckpt inspect` of it, and `ckpt convert` into our layout.
 
-The folder is read whole through torch.distributed.checkpoint (torch_dist_files.py): each key's global tensor, so the
-TP x PP x DP it was saved at does not matter. Its keys become our names (torch_dist_keys.py), the model config comes
-from the saved `args` (Megatron-LM's argument names) checked against the tensors, Adam's state from whichever layout
-the optimizer saved (torch_dist_optim.py), progress from iteration, consumed samples and the scheduler's num_steps
-(samples: applied steps = num_steps / global batch), and the RNG from the (pp 0, tp 0) rng_state object. The result
-is one rank (TP 1 x PP 1) of our checkpoint that stream.reshard writes at any TP x PP; `saved` says what the source
-was saved at, the default the CLI keeps.
+The folder is read through torch.distributed.checkpoint (torch_dist_files.py): each key's global tensor, so the TP x
+PP x DP it was saved at does not matter; whole, or for `ckpt convert --to torch|xser` a unit at a time as
+stream.reshard asks for it (torch_dist_stream.py). Its keys become our names (torch_dist_keys.py), the model config
+comes from the saved `args` (Megatron-LM's argument names) checked against the tensors, Adam's state from whichever
+layout the optimizer saved (torch_dist_optim.py), progress from iteration, consumed samples and the scheduler's
+num_steps (samples: applied steps = num_steps / global batch), and the RNG from the (pp 0, tp 0) rng_state object.
+The result is one rank (TP 1 x PP 1) of our checkpoint that stream.reshard writes at any TP x PP; `saved` says what
+the source was saved at, the default the CLI keeps.
 
 The learning-rate settings (Megatron-LM's args) go into the resolved config's optim and train sections, so a
 checkpoint converted back to torch_dist (torch_dist_export.py) carries the scheduler megatron-core checks on load.
