@@ -170,6 +170,7 @@ class _Source:
 def _read_source(args: argparse.Namespace) -> _Source:
     from megatron_hpc.checkpoint.conversion import read_whole
     from megatron_hpc.checkpoint.foreign import (
+        READ_BUDGET,
         foreign_folder,
         import_foreign,
         import_torch_dist,
@@ -182,8 +183,6 @@ def _read_source(args: argparse.Namespace) -> _Source:
     source = args.path
     folder = foreign_folder(source if args.iteration is None else iteration_dir(source, args.iteration))
     if folder is not None and is_torch_dist(folder):
-        from megatron_hpc.checkpoint.foreign.torch_dist_stream import READ_BUDGET
-
         if args.read_budget_gib is not None and not args.read_budget_gib > 0:
             raise CheckpointError(f"--read-budget-gib {args.read_budget_gib} must be above 0; drop it for the default "
                                   f"{READ_BUDGET / 2**30:g}, or give less on a machine short of memory (each part past "
