@@ -278,6 +278,7 @@ def read(src: TorchDistFolder, keys: Iterable[str], *, boxes: dict[str, Box] | N
         else:
             request[key] = io.BytesIO()
     offsets = {key: box[0] for key, box in boxes.items() if key in tensors}
+    assert not offsets or len(tensors) == len(request), "a load with boxes plans tensors only (Planner)"
     raw: dict[str, bytes] = {}
     parts = _batches(src, request, min(READ_THREADS, os.cpu_count() or 1)) if request else []
     with warnings.catch_warnings():  # one process on purpose: no_dist says so, torch warns anyway
