@@ -17,9 +17,11 @@ times them):
     python benchmarks/convert_torch_dist_cpu.py --dir ./td-bench                       # 12 layers, hidden 1024
     python benchmarks/convert_torch_dist_cpu.py --dir ./td-bench --repeat 3            # medians of 3
     python benchmarks/convert_torch_dist_cpu.py --dir ./td-bench --layers 24 --hidden 2048 --optimizer
+    python benchmarks/convert_torch_dist_cpu.py --dir ./td-bench --optimizer --read-budget-gib 0.25   # bounded
 
-Goal: each convert within 2x of the copy's wall time. Peak RSS is reported: the torch_dist reader holds the whole
-checkpoint (it reads every key whole through torch.distributed.checkpoint), unlike the legacy reader's mapped files.
+Goal: each convert within 2x of the copy's wall time. Peak RSS is reported: `--to torch|xser` reads the source a
+unit (one layer of every stacked key, or one key with its moments) at a time, holding at most `--read-budget-gib`
+of it plus one unit besides the output rank being made; `--to torch_dist` reads it whole.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--files", type=int, default=4, help=".distcp files the source's data is spread over")
     p.add_argument("--optimizer", action="store_true", help="also plain Adam's fp32 masters and moments")
     p.add_argument("--to", nargs="+", choices=("torch", "xser", "torch_dist"), default=["torch", "xser", "torch_dist"])
+    p.add_argument("--read-budget-gib", type=float, help="passed to each convert (default: its own, 2)")
     p.add_argument("--repeat", type=int, default=1, help="runs of each, alternating; the table gives medians")
     p.add_argument("--keep", action="store_true", help="keep the work folder")
     p.add_argument("--write-source-only", action="store_true", help=argparse.SUPPRESS)
@@ -119,14 +122,71 @@ def write_source(root: Path, shape: Shape, *, tp: int, files: int, optimizer: bo
         adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, bf16=True, ckpt_format="torch_dist")
     folder = root / "iter_0000100"
     folder.mkdir(parents=True)
+    chunks, placed = _chunked(state, tp=tp)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save(state, storage_writer=FileSystemWriter(str(folder), thread_count=files),
+        dcp.save(chunks, storage_writer=FileSystemWriter(str(folder), thread_count=files),
                  planner=DefaultSavePlanner(flatten_state_dict=False), no_dist=True)
+    _merge_index(folder / ".metadata", state, placed)
     torch.save(common, folder / "common.pt")
     (folder / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                                                       "common_backend": "torch", "common_backend_version": 1}))
     (root / "latest_checkpointed_iteration.txt").write_text("100")
+
+
+def _chunked(state: dict[str, object], *, tp: int) -> tuple[dict[str, object], dict[str, tuple[str, tuple[int, ...]]]]:
+    """Each tensor as megatron-core's ranks save it: one chunk per decoder layer and TP shard (its sharded_state_dict
+    makes each layer of each rank a ShardedTensor at its global offset). Saved under a key of its own each, then
+    merged into one key per tensor by _merge_index. Returns (chunks by their own key, chunk key -> (key, offsets))."""
+    import torch
+
+    from megatron_hpc.checkpoint.foreign.torch_dist_keys import optimizer_key, tp_split_dim
+
+    chunks: dict[str, object] = {}
+    placed: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for key, value in state.items():
+        assert isinstance(value, torch.Tensor)
+        model_key = (optimizer_key(key) or ("", key))[1]
+        stacked = model_key.startswith("decoder.layers.")
+        dim = tp_split_dim(model_key)
+        for layer in range(value.shape[0]) if stacked else [None]:
+            part = value[layer] if layer is not None else value
+            pieces = part.chunk(tp, dim=dim) if dim is not None else [part]
+            for t, piece in enumerate(pieces):
+                offsets = [0] * part.ndim
+                if dim is not None:
+                    offsets[dim] = t * pieces[0].shape[dim]
+                if layer is not None:
+                    offsets = [layer, *offsets]
+                name = f"{key}/chunk_{len(placed)}"
+                chunks[name] = piece.unsqueeze(0).contiguous() if layer is not None else piece.contiguous()
+                placed[name] = (key, tuple(offsets))
+    return chunks, placed
+
+
+def _merge_index(path: Path, state: dict[str, object], placed: dict[str, tuple[str, tuple[int, ...]]]) -> None:
+    """torch.distributed.checkpoint's index of the chunk keys rewritten as one key per tensor with its chunks at their
+    global offsets (what a multi-rank save writes); the data files are left as they are."""
+    import pickle
+
+    import torch
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
+
+    with path.open("rb") as fh:
+        metadata = pickle.load(fh)
+    records, storage = {}, {}
+    for name, (key, offsets) in placed.items():
+        saved = metadata.state_dict_metadata[name]
+        value = state[key]
+        assert isinstance(value, torch.Tensor)
+        record = records.setdefault(key, TensorStorageMetadata(properties=saved.properties, size=value.shape,
+                                                               chunks=[]))
+        record.chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=saved.size))
+        info = next(v for k, v in metadata.storage_data.items() if k.fqn == name)
+        storage[MetadataIndex(key, torch.Size(offsets), len(record.chunks) - 1)] = info
+    metadata.state_dict_metadata, metadata.storage_data = records, storage
+    with path.open("wb") as fh:
+        pickle.dump(metadata, fh)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -152,7 +212,8 @@ def main(argv: list[str] | None = None) -> None:
         out = work / f"ours-{to}"
         commands[f"convert --to {to} --tp {args.to_tp}"] = (
             [sys.executable, "-m", "megatron_hpc", "ckpt", "convert", str(src), "--to", to, "--tp", str(args.to_tp),
-             "--out", str(out)], out)
+             "--out", str(out), *(["--read-budget-gib", str(args.read_budget_gib)] if args.read_budget_gib else [])],
+            out)
     runs: dict[str, list[Row]] = {name: [] for name in commands}
     for i in range(args.repeat):  # alternating, so a change in the machine's load falls on all alike
         for name, (cmd, dst) in commands.items():

@@ -59,6 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--distributed-optimizer", action="store_true",
                    help="with --to torch_dist: Adam's state for a run with --use-distributed-optimizer (its "
                         "fully_reshardable form) instead of plain Adam's")
+    c.add_argument("--read-budget-gib", type=float, metavar="GIB",
+                   help="a torch_dist source converted --to torch|xser is read a part at a time, holding about this "
+                        "much of it (plus one layer or embedding) at once; parts past it are read again for each "
+                        "output rank that needs them (default: 1)")
     c.add_argument("--json", action="store_true", help="print JSON")
 
     r = sub.add_parser("reshard", help="the checkpoint at other tensor- and pipeline-parallel sizes (same iteration)")
@@ -116,7 +120,18 @@ def _virtual(s: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     if args.ckpt_command == "convert":
-        return _convert(args)
+        import torch
+
+        # A convert only moves bytes (copies, casts, checksums, writes): torch's intra-op threads add a barrier to
+        # every copy and gain no bandwidth. One thread was faster in 3 of 3 alternating runs of
+        # benchmarks/convert_torch_dist_cpu.py's source (14.3-31.4 s against 18.2-37.1 s, a loaded 2-core VM).
+        # Restored after: `ckpt convert` also runs inside other processes (tests, notebooks).
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return _convert(args)
+        finally:
+            torch.set_num_threads(threads)
     if args.ckpt_command == "reshard":
         return _reshard(args)
     from megatron_hpc.checkpoint.foreign import is_hf_folder
@@ -155,6 +170,7 @@ class _Source:
 def _read_source(args: argparse.Namespace) -> _Source:
     from megatron_hpc.checkpoint.conversion import read_whole
     from megatron_hpc.checkpoint.foreign import (
+        READ_BUDGET,
         foreign_folder,
         import_foreign,
         import_torch_dist,
@@ -167,8 +183,16 @@ def _read_source(args: argparse.Namespace) -> _Source:
     source = args.path
     folder = foreign_folder(source if args.iteration is None else iteration_dir(source, args.iteration))
     if folder is not None and is_torch_dist(folder):
-        dist = import_torch_dist(folder, vocab_size=args.vocab_size)
-        return _Source(dist.imported.whole, dist.imported.family, list(dist.imported.notes), saved=dist.saved[:2])
+        if args.read_budget_gib is not None and not args.read_budget_gib > 0:
+            raise CheckpointError(f"--read-budget-gib {args.read_budget_gib} must be above 0; drop it for the default "
+                                  f"{READ_BUDGET / 2**30:g}, or give less on a machine short of memory (each part past "
+                                  "it is read once per output rank)")
+        # --to hf and torch_dist need the whole model; the others read a part at a time (torch_dist_stream.py).
+        budget = READ_BUDGET if args.read_budget_gib is None else int(args.read_budget_gib * 2**30)
+        budget = None if args.to in ("hf", "torch_dist") else budget
+        dist = import_torch_dist(folder, vocab_size=args.vocab_size, stream_budget=budget)
+        return _Source(dist.imported.whole, dist.imported.family, list(dist.imported.notes),
+                       streamed=dist.imported.source, saved=dist.saved[:2])
     if folder is not None:
         # Except for --to hf and torch_dist (which need the whole model), the source is mapped and its weights are
         # read one output rank at a time by stream.reshard.

@@ -51,6 +51,9 @@ class Source:
     whole: WholeCheckpoint
     weight: Fetch
     release: Callable[[int, int, str], None]
+    moment: Callable[[int, int, str, str], torch.Tensor] | None = None
+    """(pp_rank, tp_rank, name, exp_avg | exp_avg_sq) -> that moment, for a whole whose optimizer state is meta too
+    (None: the whole's optimizer dicts hold the values); `release` lets a name's moments go with its weight."""
 
 
 def in_memory(whole: WholeCheckpoint) -> Source:
@@ -293,12 +296,15 @@ def _last_uses(plan: _Plan, ranks: list[tuple[int, int]]) -> dict[tuple[int, int
 
 
 def _moments_piece(plan: _Plan, name: str, rank: int, per_tp: list[dict[str, optim_layout.Moments]],
-                   buffers: _Buffers) -> dict[str, Any]:
+                   buffers: _Buffers, source: Source) -> dict[str, Any]:
     """The moments of `name` for output TP rank `rank`, split like the weight (step counts as they are)."""
     out = {}
+    h, moment = plan.holder[name], source.moment
     for key, first in per_tp[0][name].items():
         if not torch.is_tensor(first) or first.ndim == 0:
             out[key] = first  # the step count, the same on every rank
+        elif moment is not None:
+            out[key] = _piece(plan, name, rank, first, lambda k, key=key: moment(h, k, name, key), buffers)
         else:
             out[key] = _piece(plan, name, rank, first, lambda k, key=key: per_tp[k][name][key],
                               buffers)
@@ -356,7 +362,7 @@ def reshard(source: Source, *, tp: int, pp: int = 1, virtual: int = 1, first_sta
                 weights[name] = _piece(plan, name, t, meta, lambda k, n=name, h=h: source.weight(h, k, n),
                                        buffers)
                 if per_tp is not None and all(name in m for m in per_tp):
-                    moments[name] = _moments_piece(plan, name, t, per_tp, buffers)
+                    moments[name] = _moments_piece(plan, name, t, per_tp, buffers, source)
                 for k in _sources(plan, name, t):
                     if last[(h, k, name)] == i:
                         source.release(h, k, name)

@@ -21,9 +21,11 @@ from megatron_hpc.checkpoint.foreign.megatron_family import (
 )
 from megatron_hpc.checkpoint.foreign.torch_dist import import_torch_dist, torch_dist_summary
 from megatron_hpc.checkpoint.foreign.torch_dist_export import export_torch_dist
+from megatron_hpc.checkpoint.foreign.torch_dist_stream import READ_BUDGET
 
 __all__ = [
     "OURS",
+    "READ_BUDGET",
     "arg",
     "copy_tokenizer",
     "export_hf",

@@ -256,10 +256,21 @@ def _optimizers(src: ForeignCheckpoint, ranks: list[list[dict[str, torch.Tensor]
     return out
 
 
+def adamw_defaults() -> dict[str, Any]:
+    """The settings of a param group of torch's AdamW as its state_dict has them, read from its signature: making
+    one (the obvious way) imports torch._dynamo, 1-5 s of every `ckpt convert` (benchmarks/RESULTS.md, issue 27)."""
+    import inspect
+
+    group = {name: p.default for name, p in inspect.signature(torch.optim.AdamW.__init__).parameters.items()
+             if p.default is not inspect.Parameter.empty}
+    if "decoupled_weight_decay" in inspect.signature(torch.optim.Adam.__init__).parameters:
+        group["decoupled_weight_decay"] = True  # what AdamW passes to Adam
+    return group
+
+
 def adam_groups(hyper: dict[str, Any]) -> list[dict[str, Any]]:
     """Our trainer's two AdamW groups (weight decay, then none) with the source's settings."""
-    template = torch.optim.AdamW([torch.zeros(1)]).state_dict()["param_groups"][0]
-    decay = {**{k: v for k, v in template.items() if k != "params"}, **hyper}
+    decay = {**adamw_defaults(), **hyper}
     decay["betas"] = tuple(decay["betas"])
     return [decay, {**decay, "weight_decay": 0.0}]
 

@@ -1,12 +1,13 @@
 """A megatron-core torch_dist checkpoint as ours: `ckpt inspect` of it, and `ckpt convert` into our layout.
 
-The folder is read whole through torch.distributed.checkpoint (torch_dist_files.py): each key's global tensor, so the
-TP x PP x DP it was saved at does not matter. Its keys become our names (torch_dist_keys.py), the model config comes
-from the saved `args` (Megatron-LM's argument names) checked against the tensors, Adam's state from whichever layout
-the optimizer saved (torch_dist_optim.py), progress from iteration, consumed samples and the scheduler's num_steps
-(samples: applied steps = num_steps / global batch), and the RNG from the (pp 0, tp 0) rng_state object. The result
-is one rank (TP 1 x PP 1) of our checkpoint that stream.reshard writes at any TP x PP; `saved` says what the source
-was saved at, the default the CLI keeps.
+The folder is read through torch.distributed.checkpoint (torch_dist_files.py): each key's global tensor, so the TP x
+PP x DP it was saved at does not matter; whole, or for `ckpt convert --to torch|xser` a unit at a time as
+stream.reshard asks for it (torch_dist_stream.py). Its keys become our names (torch_dist_keys.py), the model config
+comes from the saved `args` (Megatron-LM's argument names) checked against the tensors, Adam's state from whichever
+layout the optimizer saved (torch_dist_optim.py), progress from iteration, consumed samples and the scheduler's
+num_steps (samples: applied steps = num_steps / global batch), and the RNG from the (pp 0, tp 0) rng_state object.
+The result is one rank (TP 1 x PP 1) of our checkpoint that stream.reshard writes at any TP x PP; `saved` says what
+the source was saved at, the default the CLI keeps.
 
 The learning-rate settings (Megatron-LM's args) go into the resolved config's optim and train sections, so a
 checkpoint converted back to torch_dist (torch_dist_export.py) carries the scheduler megatron-core checks on load.
@@ -20,11 +21,12 @@ from typing import Any
 
 import torch
 
-from megatron_hpc.checkpoint.conversion import WholeCheckpoint, optim_layout, pp_layout
+from megatron_hpc.checkpoint.conversion import WholeCheckpoint, optim_layout, pp_layout, stream
 from megatron_hpc.checkpoint.foreign import megatron_args, torch_dist_keys, torch_dist_optim
 from megatron_hpc.checkpoint.foreign.importer import Imported, adam_groups, rng_states
 from megatron_hpc.checkpoint.foreign.megatron_family import arg
 from megatron_hpc.checkpoint.foreign.torch_dist_files import TorchDistFolder, open_folder, read
+from megatron_hpc.checkpoint.foreign.torch_dist_stream import Slot, StreamedReader, slots
 from megatron_hpc.checkpoint.store import FoundCheckpoint, Manifest
 from megatron_hpc.errors import CheckpointError
 
@@ -36,6 +38,8 @@ class TorchDistImport:
     imported: Imported
     saved: tuple[int, int, int]
     """(tp, pp, dp) the source was saved at, from its args."""
+    reader: StreamedReader | None = None
+    """With import_torch_dist(stream_budget=...): what reads the source for the result's `source` (its peak_bytes)."""
 
 
 def _args(src: TorchDistFolder) -> Any:
@@ -82,13 +86,14 @@ def _progress(src: TorchDistFolder, args: Any, notes: list[str]) -> tuple[int, i
     return iteration, consumed, int(sched["num_steps"]) // int(gbs)
 
 
-def _read_model(src: TorchDistFolder, args: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], int]:
-    """(megatron-core model tensors by key, ours by name, layers)."""
+def _read_model(src: TorchDistFolder, args: Any, *, lazy: bool
+                ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], int]:
+    """(megatron-core model tensors by key, ours by name, layers); meta tensors when `lazy`."""
     keys = [k for k in src.tensor_keys() if torch_dist_keys.is_model_key(k)]
     for key in keys:
         torch_dist_keys.check_known(key)
     layers = _num_layers(src, keys, args)
-    tensors, _ = read(src, keys)
+    tensors = {k: _meta(src, k) for k in keys} if lazy else read(src, keys)[0]
     swiglu = bool(getattr(args, "swiglu", False))
     ours: dict[str, torch.Tensor] = {}
     for key, tensor in tensors.items():
@@ -96,20 +101,51 @@ def _read_model(src: TorchDistFolder, args: Any) -> tuple[dict[str, torch.Tensor
     return tensors, ours, layers
 
 
-def import_torch_dist(folder: Path, *, vocab_size: int | None = None) -> TorchDistImport:
-    """The torch_dist checkpoint in `folder` (an iteration folder) as our WholeCheckpoint at TP 1 x PP 1."""
+def _meta(src: TorchDistFolder, key: str) -> torch.Tensor:
+    record = src.keys[key]
+    return torch.empty(record.size, dtype=record.properties.dtype, device="meta")
+
+
+def _streamable(src: TorchDistFolder) -> bool:
+    """Whether the checkpoint can be read a part at a time: all but the distributed optimizer's bucket space, whose
+    flat buffers are placed by comparing them with the weights (torch_dist_optim._bucket_space)."""
+    try:
+        return torch_dist_optim.model_space(src) is not None
+    except ValueError:  # no optimizer state to carry: the weights stream
+        return True
+
+
+def _meta_adam(src: TorchDistFolder) -> torch_dist_optim.Adam:
+    """torch_dist_optim.read_adam's result for a model-space state, as meta tensors (ValueError as it)."""
+    layout = torch_dist_optim.model_space(src)
+    assert layout is not None  # _streamable said so
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for key, (what, model_key) in layout.keys.items():
+        state.setdefault(model_key, {})[what] = _meta(src, key)
+    return torch_dist_optim.Adam(state=state, step=layout.step, hyper=layout.hyper)
+
+
+def import_torch_dist(folder: Path, *, vocab_size: int | None = None,
+                      stream_budget: int | None = None) -> TorchDistImport:
+    """The torch_dist checkpoint in `folder` (an iteration folder) as our WholeCheckpoint at TP 1 x PP 1.
+
+    With `stream_budget` (bytes), where the checkpoint allows it, nothing is read yet: the whole's tensors are meta
+    and the result's `source` reads them a unit at a time for stream.reshard (torch_dist_stream.py), holding about
+    that many bytes at most."""
     src = open_folder(folder)
     args = _args(src)
     megatron_args.check_architecture({"args": args}, where=folder)
     notes: list[str] = []
     tp, pp = int(getattr(args, "tensor_model_parallel_size", 1)), int(getattr(args, "pipeline_model_parallel_size", 1))
     dp = int(getattr(args, "data_parallel_size", 0) or 0) or 1
-    megatron, model, layers = _read_model(src, args)
+    lazy = stream_budget is not None and _streamable(src)
+    megatron, model, layers = _read_model(src, args, lazy=lazy)
     cfg = megatron_args.model_config({"args": args}, model, where=folder, vocab_size=vocab_size, notes=notes)
     iteration, consumed, lr_steps = _progress(src, args, notes)
     optimizer = None
     try:
-        adam = torch_dist_optim.read_adam(src, megatron, tp=tp, pp=pp, swiglu=cfg["swiglu"], num_layers=layers)
+        adam = _meta_adam(src) if lazy else torch_dist_optim.read_adam(src, megatron, tp=tp, pp=pp,
+                                                                         swiglu=cfg["swiglu"], num_layers=layers)
     except ValueError as exc:
         notes.append(f"the source's optimizer state was not carried over: {exc}; a resumed run starts Adam's "
                      "moments at zero")
@@ -125,8 +161,34 @@ def import_torch_dist(folder: Path, *, vocab_size: int | None = None) -> TorchDi
     manifest = Manifest(iteration=iteration, format="torch", tensor_parallel=1, pipeline_parallel=1,
                         data_parallel=1, world_size=1)
     whole = WholeCheckpoint(found=FoundCheckpoint(folder=folder, manifest=manifest), grid=[[state]])
-    return TorchDistImport(imported=Imported(whole=whole, family=FAMILY, notes=list(dict.fromkeys(notes))),
-                           saved=(tp, pp, dp))
+    source, reader = None, None
+    if lazy:
+        assert stream_budget is not None
+        source, reader = _streamed(src, whole, megatron, moments=optimizer is not None, swiglu=cfg["swiglu"],
+                                   num_layers=layers, budget=stream_budget)
+    return TorchDistImport(imported=Imported(whole=whole, family=FAMILY, notes=list(dict.fromkeys(notes)),
+                                             source=source), saved=(tp, pp, dp), reader=reader)
+
+
+def _streamed(src: TorchDistFolder, whole: WholeCheckpoint, megatron: dict[str, torch.Tensor], *, moments: bool,
+              swiglu: bool, num_layers: int, budget: int) -> tuple[stream.Source, StreamedReader]:
+    """stream.Source over `whole` (meta) whose weights (and with `moments`, Adam's) a StreamedReader reads; each
+    weight from its fp32 master where the optimizer kept one, as _our_adam takes it."""
+    by_model: dict[str, dict[str, str]] = {key: {"weight": key} for key in megatron}
+    layout = torch_dist_optim.model_space(src) if moments else None
+    for key, (what, model_key) in (layout.keys.items() if layout is not None else ()):
+        by_model[model_key]["weight" if what == "param" else what] = key
+    roles: dict[str, dict[str, Slot]] = {}
+    for model_key, sources in by_model.items():
+        for role, source_key in sources.items():
+            for name, slot in slots(model_key, megatron[model_key].shape, source_key=source_key, swiglu=swiglu,
+                                    num_layers=num_layers).items():
+                roles.setdefault(name, {})[role] = slot
+    reader = StreamedReader(src=src, roles=roles, budget=budget)
+    source = stream.Source(whole=whole, weight=lambda p, t, name: reader.fetch(name, "weight"),
+                           release=lambda p, t, name: reader.release(name),
+                           moment=lambda p, t, name, what: reader.fetch(name, what))
+    return source, reader
 
 
 def _our_adam(adam: torch_dist_optim.Adam, model: dict[str, torch.Tensor], *, swiglu: bool, num_layers: int,

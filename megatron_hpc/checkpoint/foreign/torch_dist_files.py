@@ -110,16 +110,35 @@ def _classes() -> tuple[type, type]:
     load planner (tensors copied into the tensors given) with ShardedObject bytes kept raw."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
+    from torch.distributed.checkpoint.planner import LoadPlan
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
             return _read_metadata(Path(self.path) / METADATA, Metadata)
 
     class Planner(DefaultLoadPlanner):
-        def __init__(self, raw: dict[str, bytes]) -> None:
+        def __init__(self, raw: dict[str, bytes], offsets: dict[str, tuple[int, ...]] | None = None) -> None:
             super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
             self.raw = raw
+            self.offsets = offsets or {}
+            """Keys asked for a box of the global tensor: where it starts (its size is the tensor given)."""
+
+        def create_local_plan(self) -> LoadPlan:
+            if not self.offsets:
+                return super().create_local_plan()
+            # A box of a key: torch's own resharding (the one a rank loading its shard uses) gives the reads of
+            # the saved chunks that overlap it, each copied into the tensor given at its place.
+            items = []
+            for fqn, obj in self.state_dict.items():
+                chunk = ChunkStorageMetadata(offsets=torch.Size(self.offsets.get(fqn, (0,) * obj.ndim)),
+                                             sizes=obj.size())
+                items += create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], [chunk])
+            return LoadPlan(items)
+
+        def lookup_tensor(self, index: Any) -> torch.Tensor:
+            return self.state_dict[index.fqn] if index.fqn in self.offsets else super().lookup_tensor(index)
 
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
             self.raw[read_item.dest_index.fqn] = value.getvalue()
@@ -218,12 +237,13 @@ def _batches(src: TorchDistFolder, request: dict[str, Any], count: int) -> list[
     return parts
 
 
-def _load(src: TorchDistFolder, request: dict[str, Any], raw: dict[str, bytes]) -> None:
+def _load(src: TorchDistFolder, request: dict[str, Any], raw: dict[str, bytes],
+          offsets: dict[str, tuple[int, ...]]) -> None:
     import torch.distributed.checkpoint as dcp
 
     reader, planner = _classes()
     try:
-        dcp.load(request, storage_reader=reader(str(src.folder)), planner=planner(raw), no_dist=True)
+        dcp.load(request, storage_reader=reader(str(src.folder)), planner=planner(raw, offsets), no_dist=True)
     except CheckpointError:
         raise
     except PermissionError as exc:
@@ -234,30 +254,40 @@ def _load(src: TorchDistFolder, request: dict[str, Any], raw: dict[str, bytes]) 
                               "or damaged, copy the checkpoint again") from None
 
 
-def read(src: TorchDistFolder, keys: Iterable[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """(tensors, objects) of `keys`, whole: each tensor at its global shape and saved dtype, each ShardedObject
-    key's value (the list of its shards' data megatron-core saved) unpickled by safe_load.
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+"""(offsets, sizes) of a part of a key's global tensor."""
+
+
+def read(src: TorchDistFolder, keys: Iterable[str], *, boxes: dict[str, Box] | None = None
+         ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(tensors, objects) of `keys`: each tensor at its global shape and saved dtype (or only the part `boxes` names
+    for it, say one layer of a stacked key), each ShardedObject key's value (the list of its shards' data
+    megatron-core saved) unpickled by safe_load.
 
     The .distcp files are read by up to READ_THREADS loads side by side (each its own files): torch's reader copies
     every chunk twice (out of the file into a storage, then into the tensor asked for), one file after another, and
     those copies, not the disk, bound it (benchmarks/convert_torch_dist_cpu.py)."""
+    boxes = boxes or {}
     tensors: dict[str, torch.Tensor] = {}
     request: dict[str, Any] = {}
     for key in keys:
         record = src.keys[key]
         if _is_tensor(record):
-            tensors[key] = request[key] = torch.empty(record.size, dtype=record.properties.dtype)
+            size = boxes[key][1] if key in boxes else record.size
+            tensors[key] = request[key] = torch.empty(size, dtype=record.properties.dtype)
         else:
             request[key] = io.BytesIO()
+    offsets = {key: box[0] for key, box in boxes.items() if key in tensors}
+    assert not offsets or len(tensors) == len(request), "a load with boxes plans tensors only (Planner)"
     raw: dict[str, bytes] = {}
     parts = _batches(src, request, min(READ_THREADS, os.cpu_count() or 1)) if request else []
     with warnings.catch_warnings():  # one process on purpose: no_dist says so, torch warns anyway
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         if len(parts) == 1:
-            _load(src, parts[0], raw)
+            _load(src, parts[0], raw, offsets)
         elif parts:
             with ThreadPoolExecutor(len(parts)) as pool:
-                for done in [pool.submit(_load, src, part, raw) for part in parts]:
+                for done in [pool.submit(_load, src, part, raw, offsets) for part in parts]:
                     done.result()  # the first failure, re-raised here
     objects = {key: safe_load(io.BytesIO(data), what=src.folder / f"{key} (in a .distcp file)")
                for key, data in raw.items()}

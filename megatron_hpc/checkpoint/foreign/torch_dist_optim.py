@@ -70,23 +70,62 @@ class Adam:
     """lr, betas, eps, weight_decay of the decay group."""
 
 
-def read_adam(src: TorchDistFolder, model: dict[str, torch.Tensor], *, tp: int, pp: int, swiglu: bool,
-              num_layers: int) -> Adam:
-    """The checkpoint's Adam state over `model` (its model keys, whole); ValueError with the reason when it cannot
-    be carried over (the caller drops it with a note)."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelSpace:
+    """Where a model-space Adam state lies (nothing read yet)."""
+
+    keys: dict[str, tuple[str, str]]
+    """Each optimizer key -> (param | exp_avg | exp_avg_sq, its model key); param is the fp32 master."""
+    step: float | None
+    hyper: dict[str, Any]
+
+
+def model_space(src: TorchDistFolder) -> ModelSpace | None:
+    """The model-space layout's keys, None for the distributed optimizer's bucket space (dp_reshardable); ValueError
+    with the reason when the state cannot be carried over (the caller drops it with a note)."""
     optimizer = src.common.get("optimizer")
     if not isinstance(optimizer, dict):
         raise ValueError("the checkpoint holds no optimizer state (saved with --no-save-optim)")
     kind = optimizer.get("param_state_sharding_type")
     if kind is None:
-        return _model_space(src, optimizer.get("param_groups"), step=_common_step(optimizer), fp32="fp32_param")
-    if kind == "fully_reshardable":
+        groups, step, fp32 = optimizer.get("param_groups"), _common_step(optimizer), "fp32_param"
+    elif kind == "fully_reshardable":
         groups = (optimizer.get("optimizer") or {}).get("param_groups")
-        return _model_space(src, groups, step=_group_step(groups), fp32="param")
-    if kind == "dp_reshardable":
+        step, fp32 = _group_step(groups), "param"
+    elif kind == "dp_reshardable":
+        return None
+    else:
+        raise ValueError(f"the distributed optimizer's {kind!r} layout is not read (fully_reshardable and "
+                         "dp_reshardable are)")
+    hyper = _hyper(groups)
+    wanted: dict[str, tuple[str, str]] = {}
+    for key in src.tensor_keys():
+        found = torch_dist_keys.optimizer_key(key)
+        if found and found[0] in ("exp_avg", "exp_avg_sq", fp32):
+            wanted[key] = ("param" if found[0] == fp32 else found[0], found[1])
+    if not wanted:
+        raise ValueError("it has no optimizer.state.exp_avg tensors")
+    per: dict[str, set[str]] = {}
+    for what, model_key in wanted.values():
+        per.setdefault(model_key, set()).add(what)
+    for model_key, whats in per.items():
+        if "exp_avg" not in whats or "exp_avg_sq" not in whats:
+            raise ValueError(f"{model_key} has {sorted(whats)} but not both Adam moments")
+    return ModelSpace(keys=wanted, step=step, hyper=hyper)
+
+
+def read_adam(src: TorchDistFolder, model: dict[str, torch.Tensor], *, tp: int, pp: int, swiglu: bool,
+              num_layers: int) -> Adam:
+    """The checkpoint's Adam state over `model` (its model keys, whole); ValueError with the reason when it cannot
+    be carried over (the caller drops it with a note)."""
+    layout = model_space(src)
+    if layout is None:
         return _bucket_space(src, model, tp=tp, pp=pp, swiglu=swiglu, num_layers=num_layers)
-    raise ValueError(f"the distributed optimizer's {kind!r} layout is not read (fully_reshardable and "
-                     "dp_reshardable are)")
+    tensors, _ = read(src, layout.keys)
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for key, (what, model_key) in layout.keys.items():
+        state.setdefault(model_key, {})[what] = tensors.pop(key)
+    return Adam(state=state, step=layout.step, hyper=layout.hyper)
 
 
 def _hyper(groups: Any) -> dict[str, Any]:
@@ -106,25 +145,6 @@ def _group_step(groups: Any) -> float | None:
     if len(steps) > 1:
         raise ValueError(f"its param groups took different step counts {sorted(steps)}")
     return steps.pop() if steps else None
-
-
-def _model_space(src: TorchDistFolder, groups: Any, *, step: float | None, fp32: str) -> Adam:
-    hyper = _hyper(groups)
-    wanted: dict[str, tuple[str, str]] = {}
-    for key in src.tensor_keys():
-        found = torch_dist_keys.optimizer_key(key)
-        if found and found[0] in ("exp_avg", "exp_avg_sq", fp32):
-            wanted[key] = found
-    if not wanted:
-        raise ValueError("it has no optimizer.state.exp_avg tensors")
-    tensors, _ = read(src, wanted)
-    state: dict[str, dict[str, torch.Tensor]] = {}
-    for key, (what, model_key) in wanted.items():
-        state.setdefault(model_key, {})["param" if what == fp32 else what] = tensors.pop(key)
-    for model_key, moments in state.items():
-        if "exp_avg" not in moments or "exp_avg_sq" not in moments:
-            raise ValueError(f"{model_key} has {sorted(moments)} but not both Adam moments")
-    return Adam(state=state, step=step, hyper=hyper)
 
 
 def stage_layers(num_layers: int, pp: int, args: Any) -> list[range]:

@@ -1,0 +1,111 @@
+"""`ckpt convert` of a torch_dist checkpoint reads it a part at a time (torch_dist_stream.py): what it holds of the
+source at once stays within its budget plus one unit (a layer of every stacked key, or one other key with its
+moments), well under the checkpoint, and what it writes equals the whole read's output tensor for tensor. The source
+is real megatron-core's (tests/fixtures/megatron_core_torch_dist): plain Adam with fp32 masters (gpt_tp2) and the
+distributed optimizer saved fully reshardable with SwiGLU (llama_tp2_distopt)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_hpc.checkpoint.conversion import read_whole, stream
+from megatron_hpc.checkpoint.conversion.optim_layout import by_name
+from megatron_hpc.checkpoint.foreign import import_torch_dist
+from megatron_hpc.checkpoint.foreign.torch_dist_files import open_folder
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "megatron_core_torch_dist"
+ITER = "iter_0000003"
+
+
+def _bytes(record: object) -> int:
+    size = record.size  # type: ignore[attr-defined]
+    return size.numel() * torch.empty(0, dtype=record.properties.dtype).element_size()  # type: ignore[attr-defined]
+
+
+def _bounds(folder: Path) -> tuple[int, int]:
+    """(every tensor's bytes, the largest unit's at most: one layer of all stacked keys, or the largest other key
+    with its optimizer keys), from the index alone."""
+    src = open_folder(folder)
+    layers = src.common["args"].num_layers
+    records = {k: src.keys[k] for k in src.tensor_keys()}
+    per_layer = sum(_bytes(r) // layers for k, r in records.items() if "decoder.layers." in k)
+    single = max(sum(_bytes(r) for k, r in records.items() if k.endswith(key))
+                 for key in records if "decoder.layers." not in key)
+    return sum(_bytes(r) for r in records.values()), max(per_layer, single)
+
+
+def _tensors(out: Path) -> dict[str, torch.Tensor]:
+    whole = read_whole(out)
+    found = {}
+    for p, row in enumerate(whole.grid):
+        for t, state in enumerate(row):
+            for name, w in state["model"].items():
+                found[f"{p}.{t}.{name}"] = w
+            for name, moments in by_name(state["model"], state["optimizer"]).items():
+                found.update({f"{p}.{t}.{name}.{k}": v for k, v in moments.items() if torch.is_tensor(v)})
+    return found
+
+
+@pytest.mark.parametrize("case", ["gpt_tp2", "llama_tp2_distopt"])
+def test_a_small_budget_holds_one_unit_and_writes_what_the_whole_read_writes(case: str, tmp_path: Path) -> None:
+    folder = FIXTURES / case / ITER
+    total, unit = _bounds(folder)
+    whole = import_torch_dist(folder)
+    assert whole.reader is None
+    stream.reshard(stream.in_memory(whole.imported.whole), tp=2, out=tmp_path / "whole", fmt="torch")
+
+    streamed = import_torch_dist(folder, stream_budget=1)
+    reader = streamed.reader
+    assert reader is not None and reader.peak_bytes == 0  # nothing read before reshard asks
+    assert all(w.is_meta for w in streamed.imported.whole.first["model"].values())
+    stream.reshard(streamed.imported.source, tp=2, out=tmp_path / "streamed", fmt="torch")
+    assert 0 < reader.peak_bytes <= unit < total / 2
+    assert reader.held_bytes == 0  # every unit let go once its last output rank was written
+    units = 2 + int(open_folder(folder).common["args"].num_layers)  # layers, word embeddings, final norm (+ more)
+    assert reader.unit_reads >= 2 * units  # nothing kept past the budget: each output rank reads its units again
+
+    expected, got = _tensors(tmp_path / "whole"), _tensors(tmp_path / "streamed")
+    assert sorted(got) == sorted(expected)
+    for key, value in expected.items():
+        assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+
+
+def test_a_budget_above_the_checkpoint_reads_each_unit_once(tmp_path: Path) -> None:
+    folder = FIXTURES / "gpt_tp2" / ITER
+    total, _ = _bounds(folder)
+    once = import_torch_dist(folder, stream_budget=total)
+    stream.reshard(once.imported.source, tp=2, out=tmp_path / "once", fmt="xser")
+    small = import_torch_dist(folder, stream_budget=1)
+    stream.reshard(small.imported.source, tp=2, out=tmp_path / "small", fmt="xser")
+    assert once.reader is not None and small.reader is not None
+    assert small.reader.unit_reads == 2 * once.reader.unit_reads
+    assert small.reader.peak_bytes < once.reader.peak_bytes <= total
+
+
+def test_the_distributed_optimizers_bucket_space_is_read_whole() -> None:
+    """Its flat buffers are placed by comparing them with the weights, so that checkpoint is not streamed."""
+    dist = import_torch_dist(FIXTURES / "gpt_dp2_distopt" / ITER, stream_budget=1)
+    assert dist.reader is None and dist.imported.source is None
+    assert not any(w.is_meta for w in dist.imported.whole.first["model"].values())
+
+
+def test_the_adamw_group_template_is_what_torch_adamw_saves() -> None:
+    """The converter reads AdamW's group settings from its signature (making one imports torch._dynamo)."""
+    from megatron_hpc.checkpoint.foreign.importer import adamw_defaults
+
+    made = torch.optim.AdamW([torch.zeros(1)]).state_dict()["param_groups"][0]
+    assert adamw_defaults() == {k: v for k, v in made.items() if k != "params"}
+
+
+def test_a_read_budget_of_zero_is_refused_before_anything_is_written(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from megatron_hpc.cli.main import main
+
+    code = main(["ckpt", "convert", str(FIXTURES / "gpt_tp2"), "--to", "torch", "--out", str(tmp_path / "out"),
+                 "--read-budget-gib", "0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1 and "--read-budget-gib 0.0 must be above 0" in err[0] and "default 1" in err[0]
+    assert not (tmp_path / "out").exists()
