@@ -248,12 +248,12 @@ def _build_pulse(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, pha
     """This rank's heartbeat (with a run folder) and step timing. Only the run phase has a watchdog, so only it
     holds a step to launch.hang_timeout_s."""
     writer = HeartbeatWriter(run_dir, ctx.rank, host=socket.gethostname()) if run_dir is not None else None
-    world_max = _world_max(device) if dist.is_initialized() and dist.get_world_size() > 1 else None
+    world_max = world_max_over_ranks(device) if dist.is_initialized() and dist.get_world_size() > 1 else None
     return Pulse(writer, rank=ctx.rank, device=device.device, slowdown=knobs_for_tests().slowdown,
                  hang_timeout_s=spec.config.launch.hang_timeout_s if phase == "run" else None, world_max=world_max)
 
 
-def _world_max(device: DeviceInfo) -> Callable[[float], float]:
+def world_max_over_ranks(device: DeviceInfo) -> Callable[[float], float]:
     """The largest of every rank's value, over the world group on the training device (read on the host)."""
     def world_max(value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64 if device.kind != "xla" else torch.float32,

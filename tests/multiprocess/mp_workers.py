@@ -546,14 +546,14 @@ def hang_timeout_check(rank: int, world: int, ports: list[int], timeout_s: float
     at the first timed step ("" when it let the step pass)."""
     from megatron_hpc.errors import ConfigError
     from megatron_hpc.parallel.device import DeviceInfo
-    from megatron_hpc.train.loop import _world_max
+    from megatron_hpc.train.loop import world_max_over_ranks
     from megatron_hpc.train.pulse import Pulse, SlowdownForTests
 
     _init(rank, world, ports[0])
     try:
+        cpu = DeviceInfo(kind="cpu", device=torch.device("cpu"), backend="gloo")
         pulse = Pulse(None, rank=rank, device=torch.device("cpu"), hang_timeout_s=timeout_s,
-                      slowdown=SlowdownForTests(rank=1, seconds=slow_s),
-                      world_max=_world_max(DeviceInfo(kind="cpu", device=torch.device("cpu"), backend="gloo")))
+                      slowdown=SlowdownForTests(rank=1, seconds=slow_s), world_max=world_max_over_ranks(cpu))
         try:
             for iteration in range(1, pulse.first_timed + 1):
                 pulse.step_begins(iteration)
