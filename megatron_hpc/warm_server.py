@@ -14,14 +14,16 @@ It refuses to serve when it has more than one thread anyway (its clients start t
 platforms: torch_xla must not be imported before a fork, and importing it is most of what this saves.
 
 Each forked worker gets the client's stdout and stderr, its cwd, CPU affinity and environment (one per local
-rank, as torchrun sets them), and dies with this process (PR_SET_PDEATHSIG). Like torchrun, when one worker of a
-request fails, the others get SIGTERM and KILL_GRACE_S later SIGKILL; when the client's connection closes (srun
+rank, as torchrun sets them), and dies with this process (PR_SET_PDEATHSIG). It ends as an interpreter would
+(non-daemon threads joined, atexit handlers run, a SystemExit message printed). Like torchrun, when one worker of
+a request fails, the others get SIGTERM and KILL_GRACE_S later SIGKILL; when the client's connection closes (srun
 killed the step it ran in) the request's workers get SIGKILL at once, since they are not in that step.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import ctypes
 import importlib
@@ -31,8 +33,8 @@ import selectors
 import signal
 import socket
 import sys
+import threading
 import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -91,6 +93,30 @@ def _die_with_parent(parent: int) -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent:  # the warm process died before prctl took effect
         os._exit(1)
+
+
+def _exit_status(code: object) -> int:
+    """SystemExit's code as the interpreter turns it into a status: a message is printed, and fails."""
+    if code is None or isinstance(code, int):
+        return code or 0
+    with contextlib.suppress(Exception):
+        print(code, file=sys.stderr)
+    return 1
+
+
+def _finalize(code: int) -> int:
+    """What the interpreter does at exit before its status (Py_FinalizeEx), which os._exit skips: join the
+    non-daemon threads (the checkpoint writer's), run the atexit handlers, flush stdout and stderr."""
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]  # the interpreter's own wait for non-daemon threads
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = code or 1
+    atexit._run_exitfuncs()  # prints a failing handler's traceback itself, as at a normal exit
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    return code
 
 
 class Server:
@@ -230,15 +256,12 @@ class Server:
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
             code = 0
         except SystemExit as exc:
-            code = exc.code
+            code = _exit_status(exc.code)
         except BaseException:  # a worker reports any error on its stderr, as an interpreter would
-            traceback.print_exc()
+            sys.excepthook(*sys.exc_info())
             code = 1
         finally:
-            with contextlib.suppress(Exception):
-                sys.stdout.flush()
-                sys.stderr.flush()
-            os._exit(code if isinstance(code, int) else (0 if code is None else 1))
+            os._exit(_finalize(code))
 
     def _owner(self, pid: int) -> Request | None:
         return next((r for r in self.requests if pid in r.workers), None)

@@ -102,6 +102,18 @@ def test_a_failed_worker_fails_the_client_as_torchrun_reports_it(warm, tmp_path)
     assert "local rank 1 (pid " in err and "failed: exitcode  : 5" in err
 
 
+@pytest.mark.parametrize("job", [JOB, "9997"], ids=["warm", "cold"])
+def test_a_worker_ends_as_an_interpreter_would(warm, tmp_path, job):
+    # The trainer's checkpoint writer is a non-daemon thread, and the CLI exits with messages: a forked worker
+    # must join the one, run atexit handlers and print the other, as the cold worker's interpreter does.
+    env = {**warm[0], "SLURM_JOB_ID": job}
+    proc = client(env, "finish", str(tmp_path / "out"))
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.atexit", "out.thread"]
+    assert "fatal: rank 1 stops" in err and "failed: exitcode  : 1" in err
+
+
 def test_a_killed_worker_is_named_by_its_signal_and_the_others_are_ended(warm, tmp_path):
     env, _, _ = warm
     proc = client(env, "sleep", str(tmp_path / "pid"))
