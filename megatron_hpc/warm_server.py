@@ -188,7 +188,8 @@ class Server:
             for fd in fds:
                 os.close(fd)
         self.selector.register(conn, selectors.EVENT_READ, request)
-        conn.sendall(encode({"started": [{"local_rank": r, "pid": p} for p, r in request.workers.items()]}))
+        # A client already gone (srun ended its step as it started) is one whose workers go: never this process.
+        self.send(request, {"started": [{"local_rank": r, "pid": p} for p, r in request.workers.items()]})
 
     @staticmethod
     def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,7 +19,7 @@ from megatron_hpc.launch.stack_dump import find_workers
 from megatron_hpc.launch.step_exit import worker_signal
 
 from megatron_hpc.plan.jobs import PhaseSpec
-from megatron_hpc.warm_protocol import SOCKET_NAME, warm_folder, worker_envs
+from megatron_hpc.warm_protocol import SOCKET_NAME, encode, warm_folder, worker_envs
 
 PROBE_DIR = Path(__file__).parent / "warm"
 JOB, NODE = "4242", "warmnode"
@@ -138,6 +139,24 @@ def test_the_workers_die_with_a_killed_client_and_are_found_for_debug_meanwhile(
     proc.wait(timeout=10)
     assert all(_gone(pid) for pid in pids)
     assert find_workers(run_dir, warm=folder) == []
+
+
+def test_a_client_gone_before_its_workers_started_ends_them_and_the_warm_process_serves_on(warm, tmp_path):
+    # srun may kill a step as it starts (another node failed): the reply to a client that left must not end the
+    # warm process, and what it forked for that client must not outlive it.
+    env, folder, server_pid = warm
+    envs = worker_envs(env, nproc_per_node=2, node_rank=0, nnodes=1, master_addr="m", master_port=7)
+    message = {"argv": ["-m", "warm_probe", "sleep", str(tmp_path / "pid")], "cwd": str(tmp_path), "envs": envs}
+    with open(os.devnull, "w") as null, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(str(folder / SOCKET_NAME))
+        socket.send_fds(sock, [encode(message)], [null.fileno(), null.fileno()])
+    time.sleep(1.0)
+    assert Path(f"/proc/{server_pid}").exists() and (folder / SOCKET_NAME).exists()
+    forked = [int(p.read_text()) for p in tmp_path.glob("pid.*") if p.read_text()]
+    assert all(_gone(pid) for pid in forked) and not list(folder.glob("worker-*.json"))  # killed and reaped
+    proc = client(env, "exit", "0")
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "cold" not in err, err
 
 
 def test_signals_the_step_gets_reach_the_workers(warm, tmp_path):
