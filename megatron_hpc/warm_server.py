@@ -215,21 +215,23 @@ class Server:
         run_dir = _run_dir_of(argv, cwd)
         sys.stdout.flush()
         sys.stderr.flush()  # what is buffered here would be written again by every child
+        server = os.getpid()  # taken here: a child's getppid() is already init's once this process died
         for local_rank, env in enumerate(envs):
             pid = os.fork()
             if pid == 0:
-                self._become_worker(argv=argv, cwd=cwd, env=env, affinity=affinity, fds=fds)
+                self._become_worker(argv=argv, cwd=cwd, env=env, affinity=affinity, fds=fds, server=server)
             with contextlib.suppress(OSError):
                 os.setpgid(pid, pid)  # also in the child: whichever runs first
             request.workers[pid] = local_rank
             write_registry(self.folder, WarmWorker(rank=int(env["RANK"]), pid=pid, server_pid=os.getpid(),
                                                    run_dir=run_dir))
 
-    def _become_worker(self, *, argv: list[str], cwd: str, env: dict, affinity: set[int], fds: list[int]) -> None:
+    def _become_worker(self, *, argv: list[str], cwd: str, env: dict, affinity: set[int], fds: list[int],
+                       server: int) -> None:
         code: object = 1
         try:
             os.setpgid(0, 0)
-            _die_with_parent(os.getppid())
+            _die_with_parent(server)
             signal.set_wakeup_fd(-1)
             for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
                 signal.signal(sig, signal.SIG_DFL)
