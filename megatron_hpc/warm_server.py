@@ -173,6 +173,7 @@ class Server:
         request = Request(conn=conn)
         self.requests.append(request)  # before forking: each child closes every request's connection
         try:
+            conn.sendall(encode({"hello": os.getpid()}))  # the client sends its descriptors only after it
             message, fds = self._read_request(conn)
             self.spawn(request, message, fds)
         except (OSError, ValueError, KeyError, TypeError) as exc:

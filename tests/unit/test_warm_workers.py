@@ -149,6 +149,7 @@ def test_a_client_gone_before_its_workers_started_ends_them_and_the_warm_process
     message = {"argv": ["-m", "warm_probe", "sleep", str(tmp_path / "pid")], "cwd": str(tmp_path), "envs": envs}
     with open(os.devnull, "w") as null, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.connect(str(folder / SOCKET_NAME))
+        assert b'"hello"' in sock.recv(256)  # as the client does: the request goes to a warm process that answers
         socket.send_fds(sock, [encode(message)], [null.fileno(), null.fileno()])
     time.sleep(1.0)
     assert Path(f"/proc/{server_pid}").exists() and (folder / SOCKET_NAME).exists()
@@ -195,6 +196,26 @@ def test_a_first_step_waits_for_a_starting_warm_process_but_not_for_one_that_ref
     assert time.monotonic() - started < 30 and proc.returncode == 1
     assert err.splitlines()[0].startswith("megatron-hpc: warm workers: the warm process refused to serve: 3 threads")
     assert "failed: exitcode  : 3" in err  # the cold workers' failure, named as for warm ones
+
+
+def test_a_warm_process_that_never_answers_is_not_waited_for_forever(tmp_path):
+    # A warm process alive but not serving (stopped, stuck): the kernel accepts the connection for it, and the
+    # step must not hang on its reply. A listening socket nobody accepts on stands for it.
+    env = _env(tmp_path, job="9996")
+    folder = warm_folder(env)
+    folder.mkdir()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as mute:
+        mute.bind(str(folder / SOCKET_NAME))
+        mute.listen(8)
+        code = ("import sys; import megatron_hpc.launch.warm_client as c; c.REPLY_WAIT_S = 1.0; "
+                "sys.exit(c.main(sys.argv[1:]))")
+        proc = subprocess.run([sys.executable, "-c", code, "--nproc-per-node=2", "--node-rank=0", "--nnodes=1",
+                               "--master-addr=m", "--master-port=7", "--", "python", "-m", "warm_probe", "exit", "0"],
+                              env=env, text=True, capture_output=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines()[0] == ("megatron-hpc: warm workers: the warm process did not answer in 1 s on "
+                                           f"{NODE}; starting the workers cold (new interpreters, as torchrun would)")
+    assert sorted(proc.stdout.split()) == ["0", "1", "exiting", "exiting"]  # the cold workers ran
 
 
 def test_worker_envs_follow_torchrun():
