@@ -45,6 +45,10 @@ from megatron_hpc.warm_protocol import (
 
 START_WAIT_S = 60.0
 """How long a client waits for a warm process that is still importing (its pid file names a live process)."""
+REPLY_WAIT_S = 30.0
+"""How long a client waits for the warm process's greeting, then for its reply to the request: its kernel
+accepts the connection even when it serves nobody (stopped, stuck), and a step must not hang on it. Above the
+warm process's own REQUEST_TIMEOUT_S (10 s), the most another client's request may keep it from answering."""
 POLL_S = 0.05
 FORWARDED = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
@@ -192,6 +196,13 @@ class Session:
         data = self.sock.recv(1 << 16)
         return self.reader.feed(data) if data else None
 
+    def greeted(self) -> None:
+        """Returns at the warm process's greeting, or at its end (which started() then reports)."""
+        while True:
+            messages = self.messages()
+            if messages is None or any("hello" in m for m in messages):
+                return
+
     def started(self) -> tuple[list[dict] | None, str]:
         while True:
             messages = self.messages()
@@ -247,14 +258,21 @@ def warm_workers(argv: list[str], envs: list[dict[str, str]]) -> Session | str:
     if sock is None:
         return why
     session = Session(sock, len(envs))
+    sock.settimeout(REPLY_WAIT_S)
     try:
+        # Our descriptors go only to a warm process that answers: sent to one that never accepts, they would stay
+        # in its socket's queue, and node.sh's tee would never see the end of its input.
+        session.greeted()
         request(sock, {"argv": argv, "cwd": os.getcwd(), "affinity": sorted(os.sched_getaffinity(0)), "envs": envs})
         started, why = session.started()
+    except TimeoutError:  # closing the connection makes it kill whatever it forks for this request later
+        started, why = None, f"the warm process did not answer in {REPLY_WAIT_S:g} s"
     except OSError as exc:
         started, why = None, f"the warm process failed the request: {exc}"
     if started is None:
         sock.close()
         return why
+    sock.settimeout(None)  # the workers run as long as they run
     return session
 
 

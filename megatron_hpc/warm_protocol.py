@@ -9,6 +9,7 @@ as on the test cluster). Each worker step's node.sh runs the client instead of t
 its stdout and stderr descriptors (SCM_RIGHTS), and the warm process forks the workers. Then the messages are
 one JSON object per line:
 
+    server -> client  {"hello": 123}                    on accepting (the client's fds go only to a live server)
     client -> server  {"argv": [...], "cwd": "...", "affinity": [...], "envs": [{...}, ...]}   (+ 2 fds)
     server -> client  {"started": [{"local_rank": 0, "pid": 123}, ...]}
     client -> server  {"signal": 12}                    a signal node.sh's step got, for the workers

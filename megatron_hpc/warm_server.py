@@ -14,14 +14,16 @@ It refuses to serve when it has more than one thread anyway (its clients start t
 platforms: torch_xla must not be imported before a fork, and importing it is most of what this saves.
 
 Each forked worker gets the client's stdout and stderr, its cwd, CPU affinity and environment (one per local
-rank, as torchrun sets them), and dies with this process (PR_SET_PDEATHSIG). Like torchrun, when one worker of a
-request fails, the others get SIGTERM and KILL_GRACE_S later SIGKILL; when the client's connection closes (srun
+rank, as torchrun sets them), and dies with this process (PR_SET_PDEATHSIG). It ends as an interpreter would
+(non-daemon threads joined, atexit handlers run, a SystemExit message printed). Like torchrun, when one worker of
+a request fails, the others get SIGTERM and KILL_GRACE_S later SIGKILL; when the client's connection closes (srun
 killed the step it ran in) the request's workers get SIGKILL at once, since they are not in that step.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import ctypes
 import importlib
@@ -31,8 +33,8 @@ import selectors
 import signal
 import socket
 import sys
+import threading
 import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -93,6 +95,30 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+def _exit_status(code: object) -> int:
+    """SystemExit's code as the interpreter turns it into a status: a message is printed, and fails."""
+    if code is None or isinstance(code, int):
+        return code or 0
+    with contextlib.suppress(Exception):
+        print(code, file=sys.stderr)
+    return 1
+
+
+def _finalize(code: int) -> int:
+    """What the interpreter does at exit before its status (Py_FinalizeEx), which os._exit skips: join the
+    non-daemon threads (the checkpoint writer's), run the atexit handlers, flush stdout and stderr."""
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]  # the interpreter's own wait for non-daemon threads
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = code or 1
+    atexit._run_exitfuncs()  # prints a failing handler's traceback itself, as at a normal exit
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    return code
+
+
 class Server:
     def __init__(self, folder: Path, listener: socket.socket):
         self.folder, self.listener = folder, listener
@@ -147,6 +173,7 @@ class Server:
         request = Request(conn=conn)
         self.requests.append(request)  # before forking: each child closes every request's connection
         try:
+            conn.sendall(encode({"hello": os.getpid()}))  # the client sends its descriptors only after it
             message, fds = self._read_request(conn)
             self.spawn(request, message, fds)
         except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -162,7 +189,8 @@ class Server:
             for fd in fds:
                 os.close(fd)
         self.selector.register(conn, selectors.EVENT_READ, request)
-        conn.sendall(encode({"started": [{"local_rank": r, "pid": p} for p, r in request.workers.items()]}))
+        # A client already gone (srun ended its step as it started) is one whose workers go: never this process.
+        self.send(request, {"started": [{"local_rank": r, "pid": p} for p, r in request.workers.items()]})
 
     @staticmethod
     def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
@@ -188,21 +216,23 @@ class Server:
         run_dir = _run_dir_of(argv, cwd)
         sys.stdout.flush()
         sys.stderr.flush()  # what is buffered here would be written again by every child
+        server = os.getpid()  # taken here: a child's getppid() is already init's once this process died
         for local_rank, env in enumerate(envs):
             pid = os.fork()
             if pid == 0:
-                self._become_worker(argv=argv, cwd=cwd, env=env, affinity=affinity, fds=fds)
+                self._become_worker(argv=argv, cwd=cwd, env=env, affinity=affinity, fds=fds, server=server)
             with contextlib.suppress(OSError):
                 os.setpgid(pid, pid)  # also in the child: whichever runs first
             request.workers[pid] = local_rank
             write_registry(self.folder, WarmWorker(rank=int(env["RANK"]), pid=pid, server_pid=os.getpid(),
                                                    run_dir=run_dir))
 
-    def _become_worker(self, *, argv: list[str], cwd: str, env: dict, affinity: set[int], fds: list[int]) -> None:
+    def _become_worker(self, *, argv: list[str], cwd: str, env: dict, affinity: set[int], fds: list[int],
+                       server: int) -> None:
         code: object = 1
         try:
             os.setpgid(0, 0)
-            _die_with_parent(os.getppid())
+            _die_with_parent(server)
             signal.set_wakeup_fd(-1)
             for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
                 signal.signal(sig, signal.SIG_DFL)
@@ -230,15 +260,12 @@ class Server:
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
             code = 0
         except SystemExit as exc:
-            code = exc.code
+            code = _exit_status(exc.code)
         except BaseException:  # a worker reports any error on its stderr, as an interpreter would
-            traceback.print_exc()
+            sys.excepthook(*sys.exc_info())
             code = 1
         finally:
-            with contextlib.suppress(Exception):
-                sys.stdout.flush()
-                sys.stderr.flush()
-            os._exit(code if isinstance(code, int) else (0 if code is None else 1))
+            os._exit(_finalize(code))
 
     def _owner(self, pid: int) -> Request | None:
         return next((r for r in self.requests if pid in r.workers), None)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,7 +19,7 @@ from megatron_hpc.launch.stack_dump import find_workers
 from megatron_hpc.launch.step_exit import worker_signal
 
 from megatron_hpc.plan.jobs import PhaseSpec
-from megatron_hpc.warm_protocol import SOCKET_NAME, warm_folder, worker_envs
+from megatron_hpc.warm_protocol import SOCKET_NAME, encode, warm_folder, worker_envs
 
 PROBE_DIR = Path(__file__).parent / "warm"
 JOB, NODE = "4242", "warmnode"
@@ -102,6 +103,18 @@ def test_a_failed_worker_fails_the_client_as_torchrun_reports_it(warm, tmp_path)
     assert "local rank 1 (pid " in err and "failed: exitcode  : 5" in err
 
 
+@pytest.mark.parametrize("job", [JOB, "9997"], ids=["warm", "cold"])
+def test_a_worker_ends_as_an_interpreter_would(warm, tmp_path, job):
+    # The trainer's checkpoint writer is a non-daemon thread, and the CLI exits with messages: a forked worker
+    # must join the one, run atexit handlers and print the other, as the cold worker's interpreter does.
+    env = {**warm[0], "SLURM_JOB_ID": job}
+    proc = client(env, "finish", str(tmp_path / "out"))
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.atexit", "out.thread"]
+    assert "fatal: rank 1 stops" in err and "failed: exitcode  : 1" in err
+
+
 def test_a_killed_worker_is_named_by_its_signal_and_the_others_are_ended(warm, tmp_path):
     env, _, _ = warm
     proc = client(env, "sleep", str(tmp_path / "pid"))
@@ -126,6 +139,25 @@ def test_the_workers_die_with_a_killed_client_and_are_found_for_debug_meanwhile(
     proc.wait(timeout=10)
     assert all(_gone(pid) for pid in pids)
     assert find_workers(run_dir, warm=folder) == []
+
+
+def test_a_client_gone_before_its_workers_started_ends_them_and_the_warm_process_serves_on(warm, tmp_path):
+    # srun may kill a step as it starts (another node failed): the reply to a client that left must not end the
+    # warm process, and what it forked for that client must not outlive it.
+    env, folder, server_pid = warm
+    envs = worker_envs(env, nproc_per_node=2, node_rank=0, nnodes=1, master_addr="m", master_port=7)
+    message = {"argv": ["-m", "warm_probe", "sleep", str(tmp_path / "pid")], "cwd": str(tmp_path), "envs": envs}
+    with open(os.devnull, "w") as null, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(str(folder / SOCKET_NAME))
+        assert b'"hello"' in sock.recv(256)  # as the client does: the request goes to a warm process that answers
+        socket.send_fds(sock, [encode(message)], [null.fileno(), null.fileno()])
+    time.sleep(1.0)
+    assert Path(f"/proc/{server_pid}").exists() and (folder / SOCKET_NAME).exists()
+    forked = [int(p.read_text()) for p in tmp_path.glob("pid.*") if p.read_text()]
+    assert all(_gone(pid) for pid in forked) and not list(folder.glob("worker-*.json"))  # killed and reaped
+    proc = client(env, "exit", "0")
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "cold" not in err, err
 
 
 def test_signals_the_step_gets_reach_the_workers(warm, tmp_path):
@@ -164,6 +196,26 @@ def test_a_first_step_waits_for_a_starting_warm_process_but_not_for_one_that_ref
     assert time.monotonic() - started < 30 and proc.returncode == 1
     assert err.splitlines()[0].startswith("megatron-hpc: warm workers: the warm process refused to serve: 3 threads")
     assert "failed: exitcode  : 3" in err  # the cold workers' failure, named as for warm ones
+
+
+def test_a_warm_process_that_never_answers_is_not_waited_for_forever(tmp_path):
+    # A warm process alive but not serving (stopped, stuck): the kernel accepts the connection for it, and the
+    # step must not hang on its reply. A listening socket nobody accepts on stands for it.
+    env = _env(tmp_path, job="9996")
+    folder = warm_folder(env)
+    folder.mkdir()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as mute:
+        mute.bind(str(folder / SOCKET_NAME))
+        mute.listen(8)
+        code = ("import sys; import megatron_hpc.launch.warm_client as c; c.REPLY_WAIT_S = 1.0; "
+                "sys.exit(c.main(sys.argv[1:]))")
+        proc = subprocess.run([sys.executable, "-c", code, "--nproc-per-node=2", "--node-rank=0", "--nnodes=1",
+                               "--master-addr=m", "--master-port=7", "--", "python", "-m", "warm_probe", "exit", "0"],
+                              env=env, text=True, capture_output=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines()[0] == ("megatron-hpc: warm workers: the warm process did not answer in 1 s on "
+                                           f"{NODE}; starting the workers cold (new interpreters, as torchrun would)")
+    assert sorted(proc.stdout.split()) == ["0", "1", "exiting", "exiting"]  # the cold workers ran
 
 
 def test_worker_envs_follow_torchrun():

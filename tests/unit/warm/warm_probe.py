@@ -5,12 +5,18 @@ or by the client's fallback (a new interpreter). Small on purpose: the protocol 
     exit CODE         print `exiting <rank>` and exit with CODE on rank 1, 0 on the others
     sleep FILE        write this pid to FILE.<rank>, then sleep until killed
     term FILE         as sleep, but exit 7 on SIGTERM (a handler, as the trainer's)
+    finish FILE       rank 0: leave an atexit handler and a non-daemon thread (the checkpoint writer's kind),
+                      writing FILE.atexit and FILE.thread, and return 0; rank 1: once both are written (10 s at
+                      most), sys.exit with a message
 """
 
+import atexit
 import os
 import signal
 import sys
+import threading
 import time
+from pathlib import Path
 
 
 def main() -> int:
@@ -29,6 +35,18 @@ def main() -> int:
         sys.stdout.write(f"exiting {rank}\n")
         sys.stdout.flush()
         return int(sys.argv[2]) if rank == "1" else 0
+    if action == "finish" and rank == "0":
+        atexit.register(Path(f"{sys.argv[2]}.atexit").write_text, "ran")
+        threading.Thread(target=lambda: (time.sleep(0.3), Path(f"{sys.argv[2]}.thread").write_text("ran")),
+                         daemon=False).start()
+        return 0
+    if action == "finish":  # after rank 0's end: the first failure ends the others, as under torchrun
+        deadline = time.monotonic() + 10
+        while not all(Path(f"{sys.argv[2]}.{what}").exists() for what in ("atexit", "thread")):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        sys.exit(f"fatal: rank {rank} stops")
     if action == "term":
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))
     with open(f"{sys.argv[2]}.{rank}", "w") as fh:
