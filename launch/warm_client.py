@@ -29,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+from megatron_hpc.launch.process_alive import pid_alive
 from megatron_hpc.launch.step_exit import IN_JOB_STEP_ENV
 
 from megatron_hpc.warm_protocol import (
@@ -58,15 +59,7 @@ def say(text: str) -> None:
 
 
 def _alive(pid: int | None) -> bool:
-    if pid is None:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid is not None and pid_alive(pid)
 
 
 def _server_pid(folder: Path) -> int | None:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_hpc.launch.debug_run import DebugReport, format_report, group_ranks
+from megatron_hpc.launch.process_alive import pid_alive
 from megatron_hpc.launch.stack_dump import (
     RankStacks,
     Worker,
@@ -161,7 +162,7 @@ class Watch:
         earlier step's last beat fails the first test whatever its time says: after an in-job restart it may
         come from another machine whose clock runs ahead, or from this one within CLOCK_SKEW_S of the start."""
         beat = read_beat(self.run_dir, rank)
-        if beat is None or not _alive(beat.pid):
+        if beat is None or not pid_alive(beat.pid):
             return None
         return beat if beat.wall >= self.started_wall - CLOCK_SKEW_S else None
 
@@ -241,18 +242,7 @@ def _launch_settings(run_dir: Path) -> tuple[float | None, float, int]:
 
 
 def _parent_alive(pid: int | None) -> bool:
-    return True if pid is None else _alive(pid)
-
-
-def _alive(pid: int) -> bool:
-    """Whether a process `pid` runs on this machine."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return True if pid is None else pid_alive(pid)
 
 
 def watch(args: argparse.Namespace) -> int:

@@ -12,8 +12,6 @@ come from this file, never from the code.
 from __future__ import annotations
 
 import json
-import os
-import stat
 import subprocess
 import sys
 from dataclasses import replace
@@ -33,6 +31,9 @@ from megatron_hpc.plan.calibration import DEFAULT_CALIBRATION
 from megatron_hpc.plan.jobs import make_tune_phase
 from megatron_hpc.plan.planner import make_plan
 from megatron_hpc.run_folder import TUNE_MEASURED_FILE
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
+from stand_in_phase import run_phase_under_stand_in
 
 pytestmark = pytest.mark.multiprocess
 
@@ -95,17 +96,7 @@ def trainium_like_tune(run_dir: Path, cache_root: Path) -> None:
 
 
 def run_tune_phase(tmp_path: Path, run_dir: Path, shared: Path, *, fail: bool = False) -> subprocess.CompletedProcess:
-    bin_dir = tmp_path / "stand-in-bin"
-    bin_dir.mkdir()
-    tool = bin_dir / "neuron_parallel_compile"
-    tool.write_text(STAND_IN)
-    tool.chmod(tool.stat().st_mode | stat.S_IXUSR)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "NEURON_", "MEGATRON_HPC_LOCAL"))}
-    env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", PYTHONPATH=os.pathsep.join(sys.path),
-               TMPDIR=str(tmp_path), FAKE_NPC_SHARED=str(shared), FAKE_NPC_REPORT=str(tmp_path / "tool.json"),
-               FAKE_NPC_FAIL="1" if fail else "0")
-    return subprocess.run(["bash", str(run_dir / "node.sh"), "tune"], env=env, capture_output=True, text=True,
-                          timeout=600)
+    return run_phase_under_stand_in(tmp_path, run_dir, shared, phase="tune", stand_in=STAND_IN, fail=fail)
 
 
 def test_tune_compiles_the_graphs_first_then_times_them_and_the_winner_skips_its_compile(tmp_path,

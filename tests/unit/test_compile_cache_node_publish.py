@@ -12,8 +12,6 @@ Neuron's cache environment, so the trainer runs on CPU. Expected bytes come from
 from __future__ import annotations
 
 import json
-import os
-import stat
 import subprocess
 import sys
 from dataclasses import replace
@@ -30,6 +28,9 @@ from megatron_hpc.config.platforms import get_platform
 from megatron_hpc.plan.jobs import make_phases
 from megatron_hpc.plan.planner import make_plan
 from megatron_hpc.run_folder import FINGERPRINT_FILE, PUBLISHED_DIR
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
+from stand_in_phase import run_phase_under_stand_in
 
 KEY = "neuronxcc-2.15.141.0+d3cfc8ca/MODULE_98ba4c9111d5882d2331+39f12043"  # names as in neuron-xla.md 2.2/2.4
 NEFF = b"made-up neff " * 64
@@ -81,17 +82,7 @@ def trainium_like_run(tmp_path: Path) -> Path:
 
 
 def run_compile_phase(tmp_path: Path, run_dir: Path, shared: Path, *, fail: bool) -> subprocess.CompletedProcess:
-    bin_dir = tmp_path / "stand-in-bin"
-    bin_dir.mkdir(exist_ok=True)
-    tool = bin_dir / "neuron_parallel_compile"
-    tool.write_text(FAKE_TOOL)
-    tool.chmod(tool.stat().st_mode | stat.S_IXUSR)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "NEURON_", "MEGATRON_HPC_LOCAL"))}
-    env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", PYTHONPATH=os.pathsep.join(sys.path),
-               TMPDIR=str(tmp_path), FAKE_NPC_SHARED=str(shared), FAKE_NPC_REPORT=str(tmp_path / "tool.json"),
-               FAKE_NPC_FAIL="1" if fail else "0")
-    return subprocess.run(["bash", str(run_dir / "node.sh"), "compile"], env=env, capture_output=True, text=True,
-                          timeout=600)
+    return run_phase_under_stand_in(tmp_path, run_dir, shared, phase="compile", stand_in=FAKE_TOOL, fail=fail)
 
 
 def markers(shared: Path) -> list[Path]:
