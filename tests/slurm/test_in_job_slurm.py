@@ -163,13 +163,9 @@ def test_restart_exclude_moves_a_running_job_off_a_node(reference, tmp_path, cli
     assert finished.returncode == 1 and "is not running" in finished.stderr
 
 
-def test_with_no_restart_left_the_job_is_requeued_as_without_spares(reference, tmp_path, worker_pids):
-    import torch
-
-    run_dir = tmp_path / "bounded"
-    job_id = submit(run_dir, spares=1, extra=["launch.max_in_job_restarts=0"])
-    wait_for_iteration(run_dir, 6)
-    os.kill(worker_pids(run_dir)[1], 9)
+def requeued_once_then_completed(job_id: str, run_dir: Path) -> list[dict]:
+    """Waits until the job was requeued once (the same job id runs again) and completed; its two attempts, the
+    first a requeue and the second done, are returned."""
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while job_fields(job_id).get("Restarts") != "1":  # requeued: the same job id runs again
         assert time.monotonic() < deadline, driver_log(run_dir)[-3000:]
@@ -177,6 +173,17 @@ def test_with_no_restart_left_the_job_is_requeued_as_without_spares(reference, t
     assert wait_job_end(job_id) == "COMPLETED", driver_log(run_dir)[-3000:]
     attempts = [json.loads(x) for x in (run_dir / "attempts.jsonl").read_text().splitlines()]
     assert [(a["attempt"], a["action"], a["requeued"]) for a in attempts] == [(0, "requeue", True), (1, "done", False)]
+    return attempts
+
+
+def test_with_no_restart_left_the_job_is_requeued_as_without_spares(reference, tmp_path, worker_pids):
+    import torch
+
+    run_dir = tmp_path / "bounded"
+    job_id = submit(run_dir, spares=1, extra=["launch.max_in_job_restarts=0"])
+    wait_for_iteration(run_dir, 6)
+    os.kill(worker_pids(run_dir)[1], 9)
+    requeued_once_then_completed(job_id, run_dir)
     assert "launch.max_in_job_restarts=0 restarts done in this job: requeueing instead" in driver_log(run_dir)
     assert not (run_dir / "restarts.jsonl").exists()
     want, got = final_tensors(reference), final_tensors(run_dir)
@@ -192,13 +199,7 @@ def test_the_time_signal_requeues_a_job_with_spares_which_resumes_as_without(ref
     # What SLURM does --signal=USR2@90 before the limit: USR2 to every process of the job's steps. The workers save
     # and stop; a stop is not a failure, so the driver hands over to the requeue instead of restarting in the job.
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    while job_fields(job_id).get("Restarts") != "1":  # requeued: the same job id runs again
-        assert time.monotonic() < deadline, driver_log(run_dir)[-3000:]
-        time.sleep(0.5)
-    assert wait_job_end(job_id) == "COMPLETED", driver_log(run_dir)[-3000:]
-    attempts = [json.loads(x) for x in (run_dir / "attempts.jsonl").read_text().splitlines()]
-    assert [(a["attempt"], a["action"], a["requeued"]) for a in attempts] == [(0, "requeue", True), (1, "done", False)]
+    attempts = requeued_once_then_completed(job_id, run_dir)
     k = attempts[0]["iteration"]
     node0 = (run_dir / "logs" / "run-node0.log").read_text(errors="replace")
     assert f"> stopping at iteration {k} on signal SIGUSR2" in node0 and 4 <= k < NUM_STEPS
