@@ -52,6 +52,10 @@ accepts the connection even when it serves nobody (stopped, stuck), and a step m
 warm process's own REQUEST_TIMEOUT_S (10 s), the most another client's request may keep it from answering."""
 POLL_S = 0.05
 FORWARDED = (signal.SIGUSR2, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+TEARDOWN = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""Signals that end the step (srun's teardown after another node failed, scancel): a worker that exits after one
+of them was passed on is a victim of the teardown, never named as failing by itself (torchrun, signalled, prints
+no failure summary either), or the driver would blame this node too and leave it out of the next step."""
 
 
 def say(text: str) -> None:
@@ -123,8 +127,10 @@ class ColdWorkers:
         # to the default, which kills, until the trainer installs its own).
         self.procs = [subprocess.Popen([sys.executable, *argv], env=env) for env in envs]
         self.exits: list[dict] = []
+        self.torn_down = False
 
     def forward(self, signum: int, frame: object) -> None:
+        self.torn_down = self.torn_down or signum in TEARDOWN
         for proc in self.procs:
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -140,7 +146,7 @@ class ColdWorkers:
                     continue
                 del running[local_rank]
                 self.exits.append({"local_rank": local_rank, "pid": proc.pid, "code": code,
-                                   "first": failed_at is None})
+                                   "first": failed_at is None and not self.torn_down})
                 if code != 0 and failed_at is None:
                     failed_at = time.monotonic()
                     for other in running.values():
@@ -179,8 +185,10 @@ class Session:
         self.sock, self.nproc = sock, nproc
         self.reader = LineReader()
         self.exits: list[dict] = []
+        self.torn_down = False
 
     def forward(self, signum: int, frame: object) -> None:
+        self.torn_down = self.torn_down or signum in TEARDOWN
         with contextlib.suppress(OSError):  # the warm process is gone; wait() reports it
             self.sock.sendall(encode({"signal": signum}))
 
@@ -216,8 +224,12 @@ class Session:
                 say(f"the warm process died with {self.nproc - len(self.exits)} worker(s) running (they die with "
                     "it); this step fails, and the next one starts its workers cold on this node")
                 return 1
-            self.exits += [m["exit"] for m in messages if "exit" in m]
+            self.exits += [self.as_seen(m["exit"]) for m in messages if "exit" in m]
         return summarize(self.exits)
+
+    def as_seen(self, exit_: dict) -> dict:
+        """A worker's exit; not its own failure when the step was being torn down (TEARDOWN)."""
+        return {**exit_, "first": False} if self.torn_down else exit_
 
 
 def main(argv: list[str] | None = None) -> int:

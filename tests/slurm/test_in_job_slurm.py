@@ -91,7 +91,7 @@ def check_restarted_on_the_spare(run_dir: Path, job_id: str, reference: Path, *,
     import torch
 
     assert wait_job_end(job_id) == "COMPLETED", driver_log(run_dir)[-3000:]
-    assert job_fields(job_id)["Restarts"] == "0"  # never left the allocation
+    assert job_fields(job_id)["Restarts"] == "0", driver_log(run_dir)[-3000:]  # never left the allocation
     (line,) = [json.loads(x) for x in (run_dir / "restarts.jsonl").read_text().splitlines() if '"reason"' in x]
     assert (line["reason"], line["nodes_lost"], line["step"]) == (reason, [lost], 1)
     assert lost not in line["nodes"] and len(line["nodes"]) == 2

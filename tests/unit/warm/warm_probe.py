@@ -4,7 +4,7 @@ or by the client's fallback (a new interpreter). Small on purpose: the protocol 
     env               print RANK LOCAL_RANK WORLD_SIZE MASTER_PORT and the pid on stdout, `err <rank>` on stderr
     exit CODE         print `exiting <rank>` and exit with CODE on rank 1, 0 on the others
     sleep FILE        write this pid to FILE.<rank>, then sleep until killed
-    term FILE         as sleep, but exit 7 on SIGTERM (a handler, as the trainer's)
+    term FILE         as sleep, but on SIGTERM write FILE.RANK.term and exit 7 (a handler, as the trainer's)
     finish FILE       rank 0: leave an atexit handler and a non-daemon thread (the checkpoint writer's kind),
                       writing FILE.atexit and FILE.thread, and return 0; rank 1: once both are written (10 s at
                       most), sys.exit with a message
@@ -48,7 +48,11 @@ def main() -> int:
             time.sleep(0.02)
         sys.exit(f"fatal: rank {rank} stops")
     if action == "term":
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))
+        def on_term(*_: object) -> None:
+            Path(f"{sys.argv[2]}.{rank}.term").write_text("7")
+            sys.exit(7)
+
+        signal.signal(signal.SIGTERM, on_term)
     with open(f"{sys.argv[2]}.{rank}", "w") as fh:
         fh.write(str(os.getpid()))
     while True:
