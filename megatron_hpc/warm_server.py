@@ -95,6 +95,16 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
+def _fresh_random_state() -> None:
+    """numpy's global generator seeded from the OS, as a new interpreter's is: a fork copies the warm process's
+    state, and every worker would draw the same numbers. (Python's `random` reseeds itself in a forked child; the
+    str hash seed stays the warm process's, fixed when an interpreter starts; torch's default generator needs
+    nothing: a new interpreter's starts from a fixed seed too, which the warm process never draws from.)"""
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+
+
 def _exit_status(code: object) -> int:
     """SystemExit's code as the interpreter turns it into a status: a message is printed, and fails."""
     if code is None or isinstance(code, int):
@@ -141,7 +151,10 @@ class Server:
             if self.stopping and self.listener.fileno() >= 0:
                 self.selector.unregister(self.listener)
                 self.listener.close()
-                (self.folder / SOCKET_NAME).unlink(missing_ok=True)  # a new client starts its workers cold
+                (self.folder / SOCKET_NAME).unlink(missing_ok=True)  # a new client starts its workers cold,
+                with contextlib.suppress(OSError):  # at once, not after waiting for this live process to listen
+                    (self.folder / REFUSED_NAME).write_text("it got SIGTERM and only serves its running workers to "
+                                                            "their end\n")
             for key, _ in self.selector.select(self._timeout()):
                 if key.data == "accept":
                     self.accept()
@@ -252,6 +265,7 @@ class Server:
             os.chdir(cwd)
             os.environ.clear()
             os.environ.update({str(k): str(v) for k, v in env.items()})
+            _fresh_random_state()
             if affinity:
                 with contextlib.suppress(OSError):  # CPUs this step's cgroup does not hold: keep its own
                     os.sched_setaffinity(0, affinity)
@@ -390,6 +404,8 @@ def cleanup(folder: Path, *, refused: str | None = None) -> None:
             record.unlink(missing_ok=True)
         if refused:
             (folder / REFUSED_NAME).write_text(refused + "\n")
+        else:  # the draining note (Server.serve)
+            (folder / REFUSED_NAME).unlink(missing_ok=True)
         (folder / PID_NAME).unlink()
         if not refused:
             folder.rmdir()

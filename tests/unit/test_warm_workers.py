@@ -36,6 +36,15 @@ def warm(tmp_path_factory):
     """(environment, folder, pid) of a warm process for job JOB on node NODE."""
     tmp = tmp_path_factory.mktemp("warm")
     env = _env(tmp)
+    server, folder = _start_server(env, tmp)
+    yield env, folder, server.pid
+    server.terminate()
+    assert server.wait(timeout=30) == 0
+    assert not folder.exists()  # a client after this one starts torchrun
+
+
+def _start_server(env: dict[str, str], tmp: Path) -> tuple[subprocess.Popen, Path]:
+    """A warm process for env's job, once it listens."""
     log = (tmp / "server.log").open("w")
     server = subprocess.Popen([sys.executable, "-m", "megatron_hpc.warm_server"], env=env, cwd=tmp, stdout=log,
                               stderr=subprocess.STDOUT)
@@ -44,10 +53,7 @@ def warm(tmp_path_factory):
     while not (folder / SOCKET_NAME).exists():
         assert server.poll() is None and time.monotonic() < deadline, (tmp / "server.log").read_text()
         time.sleep(0.05)
-    yield env, folder, server.pid
-    server.terminate()
-    assert server.wait(timeout=30) == 0
-    assert not folder.exists()  # a client after this one starts torchrun
+    return server, folder
 
 
 def client(env: dict, *worker: str, nproc: int = 2, node_rank: int = 0, nnodes: int = 1, **popen) -> subprocess.Popen:
@@ -90,8 +96,12 @@ def test_forked_workers_get_torchruns_environment_and_the_clients_stdout_and_std
         "RANK=3 LOCAL_RANK=1 WORLD_SIZE=4 LOCAL_WORLD_SIZE=2 GROUP_RANK=1 MASTER_ADDR=10.0.0.1 MASTER_PORT=29123 "
         "PROBE_MARK=from-node-sh"]
     # Forked by the warm process (no new interpreter), in the client's folder; stderr reached the client's stderr.
-    assert all(f"ppid={server_pid} cwd={tmp_path}" in line for line in lines)
+    assert all(f"ppid={server_pid} cwd={tmp_path} draws=" in line for line in lines)
     assert sorted(err.split()) == ["2", "3", "err", "err"]
+    # Each worker's global generators seeded anew, as a new interpreter's: a fork shares numpy's (Python's
+    # random reseeds itself after a fork).
+    draws = [line.split(" draws=")[1] for line in lines]
+    assert len({d.split(":")[0] for d in draws}) == 2 and len({d.split(":")[1] for d in draws}) == 2
 
 
 def test_a_failed_worker_fails_the_client_as_torchrun_reports_it(warm, tmp_path):
@@ -183,6 +193,28 @@ def test_cold_workers_signalled_by_the_teardown_are_not_named_either(tmp_path):
     assert proc.returncode == 1 and all(_gone(p) for p in pids) and "starting the workers cold" in err
     assert [(tmp_path / f"pid.{r}.term").read_text() for r in range(2)] == ["7", "7"]
     assert "exitcode" not in err, err
+
+
+def test_a_draining_warm_process_sends_new_clients_cold_at_once_and_ends_with_its_workers(tmp_path):
+    env = _env(tmp_path, job="9996")
+    server, folder = _start_server(env, tmp_path)
+    running = client(env, "sleep", str(tmp_path / "pid"))
+    (pid, _) = _pids(tmp_path / "pid", range(2))
+    server.send_signal(signal.SIGTERM)  # a job-level TERM: it serves its running workers to their end
+    deadline = time.monotonic() + 10
+    while (folder / SOCKET_NAME).exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    started = time.monotonic()
+    later = client(env, "exit", "0", nproc=1)
+    _, err = later.communicate(timeout=60)
+    assert later.returncode == 0 and time.monotonic() - started < 20, err  # not START_WAIT_S for a live process
+    assert err.splitlines()[0].startswith("megatron-hpc: warm workers: the warm process refused to serve: it got "
+                                          "SIGTERM"), err
+    assert server.poll() is None  # still serving the first request
+    running.send_signal(signal.SIGTERM)  # its workers end (sleep has no handler) and the warm process with them
+    running.communicate(timeout=60)
+    assert server.wait(timeout=30) == 0 and _gone(pid) and not folder.exists()
 
 
 def test_without_a_warm_process_the_client_says_so_and_starts_the_workers_cold(tmp_path):

@@ -1,7 +1,8 @@
 """A stand-in worker for tests/unit/test_warm_workers.py, run as `-m warm_probe ACTION` by a warm process (forked)
 or by the client's fallback (a new interpreter). Small on purpose: the protocol is under test, not the trainer.
 
-    env               print RANK LOCAL_RANK WORLD_SIZE MASTER_PORT and the pid on stdout, `err <rank>` on stderr
+    env               print RANK LOCAL_RANK WORLD_SIZE MASTER_PORT, the pid and a draw of Python's and numpy's global
+                      generators on stdout, `err <rank>` on stderr
     exit CODE         print `exiting <rank>` and exit with CODE on rank 1, 0 on the others
     sleep FILE        write this pid to FILE.<rank>, then sleep until killed
     term FILE         as sleep, but on SIGTERM write FILE.RANK.term and exit 7 (a handler, as the trainer's)
@@ -12,6 +13,7 @@ or by the client's fallback (a new interpreter). Small on purpose: the protocol 
 
 import atexit
 import os
+import random
 import signal
 import sys
 import threading
@@ -26,7 +28,10 @@ def main() -> int:
                 "PROBE_MARK")
         # One write per line: two workers share the pipe, and print's pieces may be written one by one.
         line = " ".join(f"{k}={os.environ.get(k)}" for k in keys) + f" pid={os.getpid()} ppid={os.getppid()}"
-        sys.stdout.write(f"{line} cwd={os.getcwd()}\n")
+        import numpy
+
+        draws = f"{random.getrandbits(64)}:{numpy.random.randint(1 << 31)}"
+        sys.stdout.write(f"{line} cwd={os.getcwd()} draws={draws}\n")
         sys.stdout.flush()
         sys.stderr.write(f"err {rank}\n")
         sys.stderr.flush()
