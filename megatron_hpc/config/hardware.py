@@ -75,7 +75,7 @@ BUILTIN_HARDWARE: dict[str, Hardware] = {
     "trn1": Hardware(
         name="trn1", runtime="trn1", workers_per_node=32, memory_per_worker_gib=16.0,
         memory_bandwidth_gbytes_per_s=410.0, peak_tflops_16bit=95.0, peak_tflops_fp32=23.75,
-        intra_node=Link(bandwidth_gbytes_per_s=96.0, latency_us=10.0),
+        intra_node=Link(bandwidth_gbytes_per_s=103.1, latency_us=10.0),
         inter_node=Link(bandwidth_gbytes_per_s=100.0, latency_us=20.0),
         sources={
             "peak_tflops_16bit": f"{_NEURON_ARCH}, trainium: 190 BF16 TFLOPS per chip of 2 NeuronCore-v2",
@@ -83,8 +83,9 @@ BUILTIN_HARDWARE: dict[str, Hardware] = {
             "memory_per_worker_gib": f"{_NEURON_ARCH}, trainium: 32 GiB per chip of 2 cores",
             "memory_bandwidth_gbytes_per_s": f"{_NEURON_ARCH}, trainium: 820 GiB/s per chip of 2 cores",
             "inter_node": f"{_NEURON_ARCH}, trn1-arch: trn1.32xlarge EFA 800 Gbps = 100 GB/s",
-            "intra_node": "assumed: the pages give NeuronLink-v2 (4D hypercube) no per-device figure; "
-                          "96 GB/s per core is a placeholder for a measured calibration",
+            "intra_node": f"{_NEURON_ARCH}, trn1-arch: NeuronLink-v2 384 GiB/s per device on trn1.32xlarge "
+                          "(768 on trn1n), read as both directions (as NVLink's 900 GB/s): 206 GB/s each way "
+                          "per device of 2 cores",
             "latency_us": "assumed: typical collective startup costs, not published",
         },
     ),
@@ -99,7 +100,8 @@ BUILTIN_HARDWARE: dict[str, Hardware] = {
             "memory_per_worker_gib": f"{_NEURON_ARCH}, trainium2: 96 GiB per chip of 4 logical cores",
             "memory_bandwidth_gbytes_per_s": f"{_NEURON_ARCH}, trainium2: 2.9 TB/s per chip of 4 logical cores",
             "inter_node": "AWS trn2.48xlarge: 3.2 Tbps EFAv3 = 400 GB/s per node",
-            "intra_node": "assumed: NeuronLink-v3 share per logical core; a placeholder for a measured calibration",
+            "intra_node": f"{_NEURON_ARCH}, trainium2: NeuronLink-v3 1.28 TB/s per chip, read as both "
+                          "directions (as NVLink's 900 GB/s): 640 GB/s each way per chip of 4 logical cores",
             "latency_us": "assumed: typical collective startup costs, not published",
         },
     ),
