@@ -47,7 +47,7 @@ from megatron_hpc.launch.restart_rules import (
     stragglers_to_exclude,
 )
 from megatron_hpc.launch.run_status import last_checkpoint
-from megatron_hpc.launch.slurm_nodes import allocation_nodes, unusable_nodes
+from megatron_hpc.launch.slurm_nodes import allocation_nodes, hostnames, unusable_nodes
 from megatron_hpc.launch.step_exit import IN_JOB_STEP_ENV, read_node_exits, step_folder
 
 from megatron_hpc.run_folder import (
@@ -197,7 +197,13 @@ class Driver:
                 return nodes
             if attempt + 1 < SCONTROL_TRIES:
                 time.sleep(SCONTROL_RETRY_S)
-        self.say(f"scontrol gave no node list for job {self.job_id} ({SCONTROL_TRIES} tries); the last known one "
+        which = "the last known one"
+        if not self.known:
+            # Before any answer (a controller busy as the job starts), the list the job started with: this
+            # script's own SLURM_JOB_NODELIST, expanded without asking the controller. No list at all would read as
+            # no healthy node and requeue a job that holds every node it asked for.
+            self.known, which = hostnames(os.environ.get("SLURM_JOB_NODELIST", "")), "the job's starting one"
+        self.say(f"scontrol gave no node list for job {self.job_id} ({SCONTROL_TRIES} tries); {which} "
                  f"stands: {','.join(self.known) or 'none'}")
         return self.known
 

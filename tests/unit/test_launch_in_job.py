@@ -151,6 +151,14 @@ def test_scontrol_answering_no_node_list_loses_no_node(tmp_path, monkeypatch):
     assert nxt.action == "restart" and nxt.failure.reason == "rank_failed" and "n1" not in nxt.excluded
 
 
+def test_scontrol_answering_nothing_as_the_job_starts_falls_back_to_the_starting_node_list(tmp_path, monkeypatch):
+    driver = driver_on_stubs(tmp_path, monkeypatch, srun="exit 0", answers=0)
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n1,n2,n3")
+    # Not "fewer than 2 healthy nodes": that would requeue a job holding every node it asked for.
+    assert driver.choose(STATE, ()) == (("n1", "n2"), ())
+    assert driver.known == ALLOC
+
+
 def test_a_restart_request_taken_as_the_step_starts_survives_node_sh_clearing_old_stop_requests(tmp_path, monkeypatch):
     # The stand-in for node.sh removes an earlier attempt's stop request as it starts (a second after srun), then
     # stops (exit 0) once a stop request is there; without one it fails after 5 s.
