@@ -60,9 +60,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="with --to torch_dist: Adam's state for a run with --use-distributed-optimizer (its "
                         "fully_reshardable form) instead of plain Adam's")
     c.add_argument("--read-budget-gib", type=float, metavar="GIB",
-                   help="a torch_dist source converted --to torch|xser is read a part at a time, holding about this "
-                        "much of it (plus one layer or embedding) at once; parts past it are read again for each "
-                        "output rank that needs them (default: 1)")
+                   help="a torch_dist source converted --to torch|xser|hf is read a part at a time, holding about "
+                        "this much of it (plus one layer or embedding) at once; parts past it are read again for each "
+                        "output rank or shard that needs them (default: 1)")
+    c.add_argument("--shard-size-gb", type=float, metavar="GB",
+                   help="with --to hf: the largest weights file, in GB of 10^9 bytes as transformers' max_shard_size; "
+                        "a larger model is written in shards with model.safetensors.index.json, and about one shard "
+                        "is held in memory (default: 5, transformers 4's)")
     c.add_argument("--json", action="store_true", help="print JSON")
 
     r = sub.add_parser("reshard", help="the checkpoint at other tensor- and pipeline-parallel sizes (same iteration)")
@@ -187,10 +191,12 @@ def _read_source(args: argparse.Namespace) -> _Source:
             raise CheckpointError(f"--read-budget-gib {args.read_budget_gib} must be above 0; drop it for the default "
                                   f"{READ_BUDGET / 2**30:g}, or give less on a machine short of memory (each part past "
                                   "it is read once per output rank)")
-        # --to hf and torch_dist need the whole model; the others read a part at a time (torch_dist_stream.py).
+        # --to torch_dist needs the whole model; the others read a part at a time (torch_dist_stream.py), --to hf
+        # its weights only.
         budget = READ_BUDGET if args.read_budget_gib is None else int(args.read_budget_gib * 2**30)
-        budget = None if args.to in ("hf", "torch_dist") else budget
-        dist = import_torch_dist(folder, vocab_size=args.vocab_size, stream_budget=budget)
+        budget = None if args.to == "torch_dist" else budget
+        dist = import_torch_dist(folder, vocab_size=args.vocab_size, stream_budget=budget,
+                                 weights_only=args.to == "hf")
         return _Source(dist.imported.whole, dist.imported.family, list(dist.imported.notes),
                        streamed=dist.imported.source, saved=dist.saved[:2])
     if folder is not None:
@@ -213,6 +219,9 @@ def _convert(args: argparse.Namespace) -> int:
     if args.to == "hf" and (args.tp is not None or args.pp is not None):
         raise CheckpointError("--tp and --pp choose the layout of a Megatron checkpoint; a Hugging Face folder has "
                               "none, drop them")
+    if args.shard_size_gb is not None and (args.to != "hf" or not args.shard_size_gb > 0):
+        raise CheckpointError(f"--shard-size-gb {args.shard_size_gb} sets the file size of --to hf and must be above "
+                              "0; drop it for the default 5, or give it with --to hf")
     from megatron_hpc.checkpoint.foreign import is_hf_folder
 
     if is_hf_folder(source):
@@ -226,14 +235,15 @@ def _convert(args: argparse.Namespace) -> int:
               "out": str(out), "from_tp": from_tp, "from_pp": from_pp}
     if args.to != "hf":  # the export writes fp32 whatever the source held
         report["weights_dtype"] = _weights_dtype(whole)
-    if args.to == "torch_dist":
-        from megatron_hpc.checkpoint.foreign import export_torch_dist
+    from megatron_hpc.checkpoint.foreign import SHARD_BYTES, export_torch_dist
 
+    if args.to == "torch_dist":
         exported = export_torch_dist(whole, out, tp=tp, pp=pp, distributed=args.distributed_optimizer)
         written, report["optimizer"] = exported.folder, exported.optimizer
         notes += exported.notes
     elif args.to == "hf":
-        written, report["tokenizer"] = _export_hf(whole, out)
+        shard = SHARD_BYTES if args.shard_size_gb is None else int(args.shard_size_gb * 10**9)
+        written, report["tokenizer"] = _export_hf(whole, out, source=src.streamed, max_shard_bytes=shard)
         tp, pp = whole.tensor_parallel, whole.pipeline_parallel
     elif src.ours and args.tp is None and args.pp is None:
         from megatron_hpc.checkpoint.conversion import convert_format
@@ -316,9 +326,10 @@ def _import_hf(args: argparse.Namespace, out: Path) -> int:
     return 0
 
 
-def _export_hf(whole: Any, out: Path) -> tuple[Path, list[str] | None]:
-    """The model, and the run's tokenizer when it has one (else a note on stderr): the weights file and the
-    tokenizer files written (None without a tokenizer)."""
+def _export_hf(whole: Any, out: Path, **weights: Any) -> tuple[Path, list[str] | None]:
+    """The model, and the run's tokenizer when it has one (else a note on stderr): the weights file (or the shards'
+    index) and the tokenizer files written (None without a tokenizer). `weights`: export_hf's source and
+    max_shard_bytes."""
     from megatron_hpc.checkpoint.conversion import hf_tokenizer_files, tokenizer_files
     from megatron_hpc.checkpoint.foreign import export_hf
     from megatron_hpc.data.tokenizer import EOD_TOKEN, GPT2BPETokenizer
@@ -336,16 +347,16 @@ def _export_hf(whole: Any, out: Path) -> tuple[Path, list[str] | None]:
             if tok.vocab_size > model["vocab_size"]:
                 files = f"{files[0]} has {tok.vocab_size} tokens but the model only {model['vocab_size']}"
     if isinstance(files, str) and hf_tokenizer_files(whole):
-        return _export_hf_with_tokenizer_json(whole, out)
+        return _export_hf_with_tokenizer_json(whole, out, **weights)
     if isinstance(files, str) or tok is None:
         print(f"megatron-hpc: note: no tokenizer files written: {files}; {out} holds the model only (add GPT-2 "
               "vocab.json and merges.txt to it for transformers.AutoTokenizer)", file=sys.stderr)
-        return export_hf(whole, out), None
-    written = export_hf(whole, out, eos_token_id=tok.vocab.get(EOD_TOKEN))
+        return export_hf(whole, out, **weights), None
+    written = export_hf(whole, out, eos_token_id=tok.vocab.get(EOD_TOKEN), **weights)
     return written, [str(p) for p in tok.save_hf(out, model_max_length=model["max_position_embeddings"])]
 
 
-def _export_hf_with_tokenizer_json(whole: Any, out: Path) -> tuple[Path, list[str]]:
+def _export_hf_with_tokenizer_json(whole: Any, out: Path, **weights: Any) -> tuple[Path, list[str]]:
     """The model with the run's tokenizer.json (HuggingFaceTokenizer) and its settings, or Llama 2's
     tokenizer.model (Llama2Tokenizer), copied as they are."""
     import shutil
@@ -372,7 +383,7 @@ def _export_hf_with_tokenizer_json(whole: Any, out: Path) -> tuple[Path, list[st
     if tok.vocab_size > model["vocab_size"]:
         raise CheckpointError(f"the run's {files[0]} has {tok.vocab_size} tokens but the model only "
                               f"{model['vocab_size']}; it is not this model's tokenizer")
-    written = export_hf(whole, out, eos_token_id=eod, token_ids=_generation_ids(files))
+    written = export_hf(whole, out, eos_token_id=eod, token_ids=_generation_ids(files), **weights)
     return written, [shutil.copyfile(p, out / p.name) for p in files]
 
 

@@ -109,3 +109,49 @@ def test_a_read_budget_of_zero_is_refused_before_anything_is_written(tmp_path: P
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and len(err) == 1 and "--read-budget-gib 0.0 must be above 0" in err[0] and "default 1" in err[0]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("case", ["gpt_tp2", "llama_tp2_distopt"])
+def test_the_hf_export_streams_in_shards_equal_to_the_whole_reads(case: str, tmp_path: Path) -> None:
+    """`--to hf` reads the source a unit at a time and writes save_pretrained's shards one at a time: the same
+    files, index and tensors as the export of the whole read, holding at most one unit of the source."""
+    import json
+
+    import transformers
+    from safetensors.torch import load_file
+
+    from megatron_hpc.checkpoint.foreign import export_hf
+
+    folder = FIXTURES / case / ITER
+    total, unit = _bounds(folder)
+    whole = import_torch_dist(folder).imported.whole
+    shard = sum(w.numel() * 4 for w in whole.first["model"].values()) // 3  # fp32 out: three shards or more
+    export_hf(whole, tmp_path / "whole", max_shard_bytes=shard)
+
+    streamed = import_torch_dist(folder, stream_budget=1, weights_only=True)
+    reader = streamed.reader
+    assert reader is not None and all(w.is_meta for w in streamed.imported.whole.first["model"].values())
+    written = export_hf(streamed.imported.whole, tmp_path / "streamed", source=streamed.imported.source,
+                        max_shard_bytes=shard)
+    assert 0 < reader.peak_bytes <= unit < total / 2 and reader.held_bytes == 0
+
+    assert written.name == "model.safetensors.index.json"
+    files = sorted(p.name for p in (tmp_path / "whole").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "streamed").iterdir())
+    shards = [f for f in files if f.endswith(".safetensors")]
+    assert len(shards) >= 3 and all((tmp_path / "streamed" / f).stat().st_size < shard + 4096 for f in shards)
+    for name in ("config.json", written.name):
+        assert (tmp_path / "streamed" / name).read_text() == (tmp_path / "whole" / name).read_text()
+    index = json.loads(written.read_text())
+    for f in shards:
+        want, got = load_file(tmp_path / "whole" / f), load_file(tmp_path / "streamed" / f)
+        assert list(got) == list(want) and all(index["weight_map"][k] == f for k in got)
+        for key, value in want.items():
+            assert got[key].dtype == value.dtype and torch.equal(got[key], value), (f, key)
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "streamed").eval()
+    want = json.loads((FIXTURES / case / "expected.json").read_text())
+    with torch.no_grad():
+        logits = hf(torch.tensor(want["tokens"])).logits[0]
+    expected = torch.tensor(want["logits"])
+    torch.testing.assert_close(logits, expected[..., :logits.shape[-1]], rtol=0, atol=1e-4)

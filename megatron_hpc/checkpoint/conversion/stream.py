@@ -54,6 +54,9 @@ class Source:
     moment: Callable[[int, int, str, str], torch.Tensor] | None = None
     """(pp_rank, tp_rank, name, exp_avg | exp_avg_sq) -> that moment, for a whole whose optimizer state is meta too
     (None: the whole's optimizer dicts hold the values); `release` lets a name's moments go with its weight."""
+    unit: Callable[[int, int, str], str] | None = None
+    """(pp_rank, tp_rank, name) -> what the source reads together with that weight (one decoder layer, say), for a
+    reader that asks for a unit's weights together (the Hugging Face export); None: each weight alone."""
 
 
 def in_memory(whole: WholeCheckpoint) -> Source:

@@ -9,6 +9,7 @@ imports it. Everything outside the room imports from here, never from a module i
 
 from megatron_hpc.checkpoint.foreign.hf_export import export_hf
 from megatron_hpc.checkpoint.foreign.hf_import import copy_tokenizer, import_hf, is_hf_folder
+from megatron_hpc.checkpoint.foreign.hf_shards import SHARD_BYTES
 from megatron_hpc.checkpoint.foreign.importer import import_foreign
 from megatron_hpc.checkpoint.foreign.megatron_family import (
     OURS,
@@ -26,6 +27,7 @@ from megatron_hpc.checkpoint.foreign.torch_dist_stream import READ_BUDGET
 __all__ = [
     "OURS",
     "READ_BUDGET",
+    "SHARD_BYTES",
     "arg",
     "copy_tokenizer",
     "export_hf",

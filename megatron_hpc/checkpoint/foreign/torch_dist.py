@@ -1,11 +1,12 @@
 """A megatron-core torch_dist checkpoint as ours: `ckpt inspect` of it, and `ckpt convert` into our layout.
 
 The folder is read through torch.distributed.checkpoint (torch_dist_files.py): each key's global tensor, so the TP x
-PP x DP it was saved at does not matter; whole, or for `ckpt convert --to torch|xser` a unit at a time as
-stream.reshard asks for it (torch_dist_stream.py). Its keys become our names (torch_dist_keys.py), the model config
-comes from the saved `args` (Megatron-LM's argument names) checked against the tensors, Adam's state from whichever
-layout the optimizer saved (torch_dist_optim.py), progress from iteration, consumed samples and the scheduler's
-num_steps (samples: applied steps = num_steps / global batch), and the RNG from the (pp 0, tp 0) rng_state object.
+PP x DP it was saved at does not matter; whole, or for `ckpt convert --to torch|xser|hf` a unit at a time as
+stream.reshard or the Hugging Face export asks for it (torch_dist_stream.py). Its keys become our names
+(torch_dist_keys.py), the model config comes from the saved `args` (Megatron-LM's argument names) checked against
+the tensors, Adam's state from whichever layout the optimizer saved (torch_dist_optim.py), progress from iteration,
+consumed samples and the scheduler's num_steps (samples: applied steps = num_steps / global batch), and the RNG
+from the (pp 0, tp 0) rng_state object.
 The result is one rank (TP 1 x PP 1) of our checkpoint that stream.reshard writes at any TP x PP; `saved` says what
 the source was saved at, the default the CLI keeps.
 
@@ -125,13 +126,14 @@ def _meta_adam(src: TorchDistFolder) -> torch_dist_optim.Adam:
     return torch_dist_optim.Adam(state=state, step=layout.step, hyper=layout.hyper)
 
 
-def import_torch_dist(folder: Path, *, vocab_size: int | None = None,
-                      stream_budget: int | None = None) -> TorchDistImport:
+def import_torch_dist(folder: Path, *, vocab_size: int | None = None, stream_budget: int | None = None,
+                      weights_only: bool = False) -> TorchDistImport:
     """The torch_dist checkpoint in `folder` (an iteration folder) as our WholeCheckpoint at TP 1 x PP 1.
 
     With `stream_budget` (bytes), where the checkpoint allows it, nothing is read yet: the whole's tensors are meta
-    and the result's `source` reads them a unit at a time for stream.reshard (torch_dist_stream.py), holding about
-    that many bytes at most."""
+    and the result's `source` reads them a unit at a time for stream.reshard or the Hugging Face export
+    (torch_dist_stream.py), holding about that many bytes at most. `weights_only`: its source reads no moments (the
+    weights still come from the fp32 masters where the optimizer kept them, as the whole read takes them)."""
     src = open_folder(folder)
     args = _args(src)
     megatron_args.check_architecture({"args": args}, where=folder)
@@ -164,20 +166,22 @@ def import_torch_dist(folder: Path, *, vocab_size: int | None = None,
     source, reader = None, None
     if lazy:
         assert stream_budget is not None
-        source, reader = _streamed(src, whole, megatron, moments=optimizer is not None, swiglu=cfg["swiglu"],
+        source, reader = _streamed(src, whole, megatron, masters=optimizer is not None,
+                                   moments=optimizer is not None and not weights_only, swiglu=cfg["swiglu"],
                                    num_layers=layers, budget=stream_budget)
     return TorchDistImport(imported=Imported(whole=whole, family=FAMILY, notes=list(dict.fromkeys(notes)),
                                              source=source), saved=(tp, pp, dp), reader=reader)
 
 
-def _streamed(src: TorchDistFolder, whole: WholeCheckpoint, megatron: dict[str, torch.Tensor], *, moments: bool,
-              swiglu: bool, num_layers: int, budget: int) -> tuple[stream.Source, StreamedReader]:
-    """stream.Source over `whole` (meta) whose weights (and with `moments`, Adam's) a StreamedReader reads; each
-    weight from its fp32 master where the optimizer kept one, as _our_adam takes it."""
+def _streamed(src: TorchDistFolder, whole: WholeCheckpoint, megatron: dict[str, torch.Tensor], *, masters: bool,
+              moments: bool, swiglu: bool, num_layers: int, budget: int) -> tuple[stream.Source, StreamedReader]:
+    """stream.Source over `whole` (meta) whose weights (and with `moments`, Adam's) a StreamedReader reads; with
+    `masters` each weight from its fp32 master where the optimizer kept one, as _our_adam takes it."""
     by_model: dict[str, dict[str, str]] = {key: {"weight": key} for key in megatron}
-    layout = torch_dist_optim.model_space(src) if moments else None
+    layout = torch_dist_optim.model_space(src) if masters else None
     for key, (what, model_key) in (layout.keys.items() if layout is not None else ()):
-        by_model[model_key]["weight" if what == "param" else what] = key
+        if what == "param" or moments:
+            by_model[model_key]["weight" if what == "param" else what] = key
     roles: dict[str, dict[str, Slot]] = {}
     for model_key, sources in by_model.items():
         for role, source_key in sources.items():
@@ -187,7 +191,8 @@ def _streamed(src: TorchDistFolder, whole: WholeCheckpoint, megatron: dict[str, 
     reader = StreamedReader(src=src, roles=roles, budget=budget)
     source = stream.Source(whole=whole, weight=lambda p, t, name: reader.fetch(name, "weight"),
                            release=lambda p, t, name: reader.release(name),
-                           moment=lambda p, t, name, what: reader.fetch(name, what))
+                           moment=lambda p, t, name, what: reader.fetch(name, what),
+                           unit=lambda p, t, name: reader.roles[name]["weight"].unit)
     return source, reader
 
 
