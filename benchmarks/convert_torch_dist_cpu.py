@@ -12,16 +12,20 @@ times them):
 - anchor: `cp -r SRC DST`;
 - ours:   `megatron-hpc ckpt convert SRC --to torch --tp N --out DIR` (one file per output rank);
 - ours:   the same `--to xser` (one file per tensor, the trainer's default format);
-- ours:   the same `--to torch_dist` (read and written back in megatron-core's format).
+- ours:   the same `--to torch_dist` (read and written back in megatron-core's format);
+- ours:   `--to hf` (weights only, at TP 1: save_pretrained's safetensors shards; `--shard-size-gb`).
 
     python benchmarks/convert_torch_dist_cpu.py --dir ./td-bench                       # 12 layers, hidden 1024
     python benchmarks/convert_torch_dist_cpu.py --dir ./td-bench --repeat 3            # medians of 3
     python benchmarks/convert_torch_dist_cpu.py --dir ./td-bench --layers 24 --hidden 2048 --optimizer
     python benchmarks/convert_torch_dist_cpu.py --dir ./td-bench --optimizer --read-budget-gib 0.25   # bounded
+    python benchmarks/convert_torch_dist_cpu.py --dir ./td-bench --optimizer --to hf --read-budget-gib 0.25 \
+        --shard-size-gb 0.1
 
 Goal: each convert within 2x of the copy's wall time. Peak RSS is reported: `--to torch|xser` reads the source a
 unit (one layer of every stacked key, or one key with its moments) at a time, holding at most `--read-budget-gib`
-of it plus one unit besides the output rank being made; `--to torch_dist` reads it whole.
+of it plus one unit besides the output rank being made, `--to hf` the same plus one output shard; `--to
+torch_dist` reads it whole.
 """
 
 from __future__ import annotations
@@ -50,8 +54,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--to-tp", type=int, default=2)
     p.add_argument("--files", type=int, default=4, help=".distcp files the source's data is spread over")
     p.add_argument("--optimizer", action="store_true", help="also plain Adam's fp32 masters and moments")
-    p.add_argument("--to", nargs="+", choices=("torch", "xser", "torch_dist"), default=["torch", "xser", "torch_dist"])
-    p.add_argument("--read-budget-gib", type=float, help="passed to each convert (default: its own, 2)")
+    p.add_argument("--to", nargs="+", choices=("torch", "xser", "torch_dist", "hf"),
+                   default=["torch", "xser", "torch_dist"])
+    p.add_argument("--read-budget-gib", type=float, help="passed to each convert (default: its own, 1)")
+    p.add_argument("--shard-size-gb", type=float, help="passed to --to hf (default: its own, 5)")
     p.add_argument("--repeat", type=int, default=1, help="runs of each, alternating; the table gives medians")
     p.add_argument("--keep", action="store_true", help="keep the work folder")
     p.add_argument("--write-source-only", action="store_true", help=argparse.SUPPRESS)
@@ -210,8 +216,10 @@ def main(argv: list[str] | None = None) -> None:
     commands = {"cp -r": (["cp", "-r", str(src), str(copy)], copy)}
     for to in args.to:
         out = work / f"ours-{to}"
-        commands[f"convert --to {to} --tp {args.to_tp}"] = (
-            [sys.executable, "-m", "megatron_hpc", "ckpt", "convert", str(src), "--to", to, "--tp", str(args.to_tp),
+        sizes = ["--tp", str(args.to_tp)] if to != "hf" else (
+            ["--shard-size-gb", str(args.shard_size_gb)] if args.shard_size_gb else [])
+        commands[f"convert --to {to} {' '.join(sizes[:2])}".strip()] = (
+            [sys.executable, "-m", "megatron_hpc", "ckpt", "convert", str(src), "--to", to, *sizes,
              "--out", str(out), *(["--read-budget-gib", str(args.read_budget_gib)] if args.read_budget_gib else [])],
             out)
     runs: dict[str, list[Row]] = {name: [] for name in commands}

@@ -48,7 +48,8 @@ CASES: dict[str, tuple[list[str], str]] = {
                        r"^time goal \(<= 2x copy\): (met|NOT met); memory goal \(< two output ranks' shards\): "
                        r"(met|NOT met)$"),
     "convert_torch_dist_cpu.py": (["--dir", "{tmp}/td", "--layers", "1", "--hidden", "64", "--heads", "8",
-                                   "--vocab", "300", "--seq", "32", "--files", "2", "--optimizer"],
+                                   "--vocab", "300", "--seq", "32", "--files", "2", "--optimizer", "--to", "torch",
+                                   "xser", "torch_dist", "hf", "--shard-size-gb", "0.0001"],
                                   r"^time goal \(each convert <= 2x copy\): (met|NOT met); worst [\d.]+x; convert "
                                   r"peak RSS / source [\d.]+x$"),
     "data_index_build.py": (["--self-anchor", "--docs", "200", "--mean-tokens", "50", "--seq-length", "64",
