@@ -100,14 +100,18 @@ def test_the_adamw_group_template_is_what_torch_adamw_saves() -> None:
     assert adamw_defaults() == {k: v for k, v in made.items() if k != "params"}
 
 
-def test_a_read_budget_of_zero_is_refused_before_anything_is_written(tmp_path: Path,
-                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(("flags", "said"), [
+    (["--to", "torch", "--read-budget-gib", "0"], "--read-budget-gib 0.0 must be above 0; drop it for the default 1"),
+    (["--to", "hf", "--shard-size-gb", "0"], "--shard-size-gb 0.0 sets the file size of --to hf and must be above 0"),
+    (["--to", "torch", "--shard-size-gb", "1"], "--shard-size-gb 1.0 sets the file size of --to hf"),
+])
+def test_a_bad_budget_or_shard_size_is_refused_before_anything_is_written(
+        flags: list[str], said: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from megatron_hpc.cli.main import main
 
-    code = main(["ckpt", "convert", str(FIXTURES / "gpt_tp2"), "--to", "torch", "--out", str(tmp_path / "out"),
-                 "--read-budget-gib", "0"])
+    code = main(["ckpt", "convert", str(FIXTURES / "gpt_tp2"), *flags, "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 1 and len(err) == 1 and "--read-budget-gib 0.0 must be above 0" in err[0] and "default 1" in err[0]
+    assert code == 1 and len(err) == 1 and said in err[0]
     assert not (tmp_path / "out").exists()
 
 
@@ -155,3 +159,20 @@ def test_the_hf_export_streams_in_shards_equal_to_the_whole_reads(case: str, tmp
         logits = hf(torch.tensor(want["tokens"])).logits[0]
     expected = torch.tensor(want["logits"])
     torch.testing.assert_close(logits, expected[..., :logits.shape[-1]], rtol=0, atol=1e-4)
+
+
+def test_the_shard_plan_is_save_pretraineds() -> None:
+    """hf_shards.plan_shards fills and names files as huggingface_hub's splitter, which save_pretrained calls: a
+    tensor past the limit alone, a new file where the next tensor would pass it, one file without a number."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    from megatron_hpc.checkpoint.foreign.hf_shards import plan_shards
+
+    sd = {f"t{i}": torch.zeros(n) for i, n in enumerate([10, 300, 50, 50, 900, 20, 20, 100])}
+    for max_bytes in (100, 400, 1000, 10**6):
+        theirs = split_torch_state_dict_into_shards(sd, filename_pattern="model{suffix}.safetensors",
+                                                    max_shard_size=max_bytes)
+        ours = plan_shards({k: (t.numel() * 4, t.numel()) for k, t in sd.items()}, max_bytes=max_bytes,
+                           stem="model", suffix=".safetensors")
+        assert dict(ours.files) == theirs.filename_to_tensors, max_bytes
+        assert ours.total_size == theirs.metadata["total_size"]
