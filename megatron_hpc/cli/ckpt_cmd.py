@@ -191,10 +191,8 @@ def _read_source(args: argparse.Namespace) -> _Source:
             raise CheckpointError(f"--read-budget-gib {args.read_budget_gib} must be above 0; drop it for the default "
                                   f"{READ_BUDGET / 2**30:g}, or give less on a machine short of memory (each part past "
                                   "it is read once per output rank)")
-        # --to torch_dist needs the whole model; the others read a part at a time (torch_dist_stream.py), --to hf
-        # its weights only.
+        # Every format reads a part at a time (torch_dist_stream.py), --to hf its weights only.
         budget = READ_BUDGET if args.read_budget_gib is None else int(args.read_budget_gib * 2**30)
-        budget = None if args.to == "torch_dist" else budget
         dist = import_torch_dist(folder, vocab_size=args.vocab_size, stream_budget=budget,
                                  weights_only=args.to == "hf")
         return _Source(dist.imported.whole, dist.imported.family, list(dist.imported.notes),
@@ -238,7 +236,9 @@ def _convert(args: argparse.Namespace) -> int:
     from megatron_hpc.checkpoint.foreign import SHARD_BYTES, export_torch_dist
 
     if args.to == "torch_dist":
-        exported = export_torch_dist(whole, out, tp=tp, pp=pp, distributed=args.distributed_optimizer)
+        # A streamed torch_dist source is written a part at a time as it is read (torch_dist_write.py).
+        exported = export_torch_dist(whole, out, tp=tp, pp=pp, distributed=args.distributed_optimizer,
+                                     source=src.streamed if src.saved is not None else None)
         written, report["optimizer"] = exported.folder, exported.optimizer
         notes += exported.notes
     elif args.to == "hf":

@@ -13,8 +13,8 @@ import torch
 
 from megatron_hpc.checkpoint.conversion import read_whole, stream
 from megatron_hpc.checkpoint.conversion.optim_layout import by_name
-from megatron_hpc.checkpoint.foreign import import_torch_dist
-from megatron_hpc.checkpoint.foreign.torch_dist_files import open_folder
+from megatron_hpc.checkpoint.foreign import export_torch_dist, import_torch_dist
+from megatron_hpc.checkpoint.foreign.torch_dist_files import open_folder, read
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "megatron_core_torch_dist"
 ITER = "iter_0000003"
@@ -176,3 +176,43 @@ def test_the_shard_plan_is_save_pretraineds() -> None:
                            stem="model", suffix=".safetensors")
         assert dict(ours.files) == theirs.filename_to_tensors, max_bytes
         assert ours.total_size == theirs.metadata["total_size"]
+
+
+def _written(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, object], dict[str, list[tuple[int, ...]]]]:
+    """(tensors, objects, each tensor key's chunk offsets) of a written torch_dist folder, read by our reader."""
+    src = open_folder(folder)
+    tensors, objects = read(src, list(src.keys))
+    chunks = {k: sorted(tuple(c.offsets) for c in src.keys[k].chunks) for k in src.tensor_keys()}
+    return tensors, objects, chunks
+
+
+@pytest.mark.parametrize(("case", "distributed"), [("gpt_tp2", False), ("llama_tp2_distopt", True)])
+def test_to_torch_dist_streams_and_writes_what_the_whole_read_writes(case: str, distributed: bool,
+                                                                    tmp_path: Path) -> None:
+    """`--to torch_dist` from a torch_dist source reads and writes a part at a time (one layer of every stacked key,
+    or one other key, with Adam's state), each part read once, and writes the whole read's tensors, objects and
+    common.pt; each stacked key is one chunk per layer, as megatron-core saved the source."""
+    folder = FIXTURES / case / ITER
+    total, unit = _bounds(folder)
+    whole = import_torch_dist(folder)
+    export_torch_dist(whole.imported.whole, tmp_path / "whole", tp=2, pp=1, distributed=distributed)
+    streamed = import_torch_dist(folder, stream_budget=1)
+    reader = streamed.reader
+    assert reader is not None and streamed.imported.source is not None
+    export_torch_dist(streamed.imported.whole, tmp_path / "streamed", tp=2, pp=1, distributed=distributed,
+                      source=streamed.imported.source)
+    assert 0 < reader.peak_bytes <= unit < total / 2
+    assert reader.held_bytes == 0
+    layers = int(open_folder(folder).common["args"].num_layers)
+    assert layers + 2 <= reader.unit_reads <= layers + 5  # each part once: the layers, embeddings, norms, output
+
+    expected, got = _written(tmp_path / "whole" / ITER), _written(tmp_path / "streamed" / ITER)
+    assert sorted(got[0]) == sorted(expected[0]) and got[2] == expected[2] and got[1] == expected[1]
+    for key, value in expected[0].items():
+        assert got[0][key].dtype == value.dtype and torch.equal(got[0][key], value), key
+    source_chunks = {k: sorted(tuple(c.offsets) for c in open_folder(folder).keys[k].chunks)
+                     for k in open_folder(folder).tensor_keys() if k.startswith("decoder.layers.")}
+    assert all(got[2][k] == [(i,) + (0,) * (len(v[0]) - 1) for i in range(layers)] for k, v in source_chunks.items())
+    ours, theirs = (torch.load(tmp_path / d / ITER / "common.pt", weights_only=False) for d in ("streamed", "whole"))
+    assert vars(ours.pop("args")) == vars(theirs.pop("args"))
+    assert repr(ours) == repr(theirs)

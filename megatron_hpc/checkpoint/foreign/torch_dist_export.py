@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import warnings
+import re
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,9 +34,17 @@ from typing import Any
 import torch
 
 from megatron_hpc.atomic_write import write_text_atomic
-from megatron_hpc.checkpoint.conversion import WholeCheckpoint, model_config, optim_layout, pp_layout, tp_layout
+from megatron_hpc.checkpoint.conversion import (
+    WholeCheckpoint,
+    model_config,
+    optim_layout,
+    pp_layout,
+    stream,
+    tp_layout,
+)
 from megatron_hpc.checkpoint.foreign import torch_dist_keys
 from megatron_hpc.checkpoint.foreign.torch_dist_files import BACKEND, COMMON, CONFIG
+from megatron_hpc.checkpoint.foreign.torch_dist_write import Box, PartWriter
 from megatron_hpc.checkpoint.store import paths, staged_iteration
 from megatron_hpc.errors import CheckpointError
 from megatron_hpc.plan.vocab import padded_vocab_size
@@ -45,6 +54,7 @@ _GROUP = {"is_expert_parallel": False, "default_config": True, "lr_mult": 1.0, "
           "fused": None, "decoupled_weight_decay": True}
 """megatron-core's Adam param group keys besides the ones set here (wd_mult, lr_mult, is_expert_parallel and
 is_decoupled_lr are how it matches a loaded group to its own)."""
+_OUR_LAYER = re.compile(r"^h\.(\d+)\.(.+)$")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -162,9 +172,13 @@ def _repad(model: dict[str, torch.Tensor], *, vocab: int, padded: int) -> dict[s
             else t for n, t in model.items()}
 
 
-def export_torch_dist(whole: WholeCheckpoint, out: Path, *, tp: int, pp: int,
-                      distributed: bool = False) -> Exported:
-    """Write `whole` into `out` as a torch_dist checkpoint for a megatron-core run at tp x pp (any DP)."""
+def export_torch_dist(whole: WholeCheckpoint, out: Path, *, tp: int, pp: int, distributed: bool = False,
+                      source: stream.Source | None = None) -> Exported:
+    """Write `whole` into `out` as a torch_dist checkpoint for a megatron-core run at tp x pp (any DP).
+
+    With `source` (a stream.Source over `whole` at TP 1 x PP 1 whose tensors are meta, as import_torch_dist's
+    streamed read gives), the data are fetched and written a part at a time (a decoder layer, or one other
+    weight, with its Adam state) and each part is released once written, so the convert holds about one part."""
     cfg = model_config(whole)
     state = whole.first
     if paths.iteration_dir(out, whole.iteration).exists():
@@ -174,13 +188,12 @@ def export_torch_dist(whole: WholeCheckpoint, out: Path, *, tp: int, pp: int,
         raise CheckpointError(f"tp {tp} x pp {pp} does not fit the model ({heads} heads, {groups} query groups, "
                               f"{cfg['num_layers']} layers): pick a TP size dividing both and a PP size dividing the "
                               "layers")
+    if source is not None and (whole.tensor_parallel, whole.pipeline_parallel) != (1, 1):
+        raise CheckpointError("a streamed torch_dist export takes a source read at TP 1 x PP 1")  # callers' bug
     notes: list[str] = []
     padded = padded_vocab_size(cfg["vocab_size"], divisible_by=cfg.get("make_vocab_size_divisible_by", 128),
                                tensor_parallel=tp)
     model, moments = _merged(whole, num_layers=cfg["num_layers"])
-    model = _repad(model, vocab=cfg["vocab_size"], padded=padded)
-    tied = cfg.get("tie_embeddings", True)
-    tensors = torch_dist_keys.to_megatron(model, tied=tied)
     lr_steps = int((state.get("lr_scheduler") or {}).get("successful_steps", whole.iteration))
     schedule = _schedule(state.get("resolved_config") or {}, lr_steps)
     kind = "distributed" if distributed else "adam"
@@ -196,8 +209,6 @@ def export_torch_dist(whole: WholeCheckpoint, out: Path, *, tp: int, pp: int,
         assert moments is not None and schedule is not None  # kind says so
         sched, train_args = schedule
         step = float(next(iter(moments.values()))["step"])
-        tensors.update(_optimizer_tensors(moments, model=model, tied=tied, vocab=cfg["vocab_size"], padded=padded,
-                                          fp32_key="param" if distributed else "fp32_param"))
         groups_ = _groups(train_args, step=step if distributed else None)
         if distributed:
             common["optimizer"] = {"optimizer": {"param_groups": groups_},
@@ -211,8 +222,65 @@ def export_torch_dist(whole: WholeCheckpoint, out: Path, *, tp: int, pp: int,
         content.update(distrib_optim_sharding_type="fully_reshardable",
                        distrib_optim_fully_reshardable_mem_efficient=False)
     common["content_metadata"] = content
-    folder = _write(out, whole.iteration, {**tensors, **_extra_states(cfg["num_layers"])}, common)
+    fetch = _Fetch.of(model, moments, source)
+    parts = _parts(model, fetch, adam=None if kind == "none" else "param" if distributed else "fp32_param",
+                   tied=cfg.get("tie_embeddings", True), vocab=cfg["vocab_size"], padded=padded,
+                   num_layers=cfg["num_layers"])
+    folder = _write(out, whole.iteration, parts, _extra_states(cfg["num_layers"]), common)
     return Exported(folder=folder, optimizer=kind, notes=notes)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Fetch:
+    """Our whole model's values by name: from the merged dicts, or fetched from a streamed source."""
+
+    weight: Callable[[str], torch.Tensor]
+    moment: Callable[[str, str], torch.Tensor]
+    release: Callable[[str], None]
+
+    @staticmethod
+    def of(model: dict[str, torch.Tensor], moments: dict[str, dict[str, Any]] | None,
+           source: stream.Source | None) -> _Fetch:
+        if source is None:
+            return _Fetch(weight=model.__getitem__, moment=lambda n, what: moments[n][what],  # type: ignore[index]
+                          release=lambda n: None)
+        if source.moment is None:  # the whole's optimizer dicts hold the values
+            return _Fetch(weight=lambda n: source.weight(0, 0, n),
+                          moment=lambda n, what: moments[n][what],  # type: ignore[index]
+                          release=lambda n: source.release(0, 0, n))
+        fetch_moment = source.moment
+        return _Fetch(weight=lambda n: source.weight(0, 0, n), moment=lambda n, what: fetch_moment(0, 0, n, what),
+                      release=lambda n: source.release(0, 0, n))
+
+
+def _parts(model: dict[str, torch.Tensor], fetch: _Fetch, *, adam: str | None, tied: bool, vocab: int, padded: int,
+           num_layers: int) -> Iterator[dict[str, tuple[torch.Tensor, Box | None]]]:
+    """megatron-core's tensors a part at a time, each with its box in the global tensor: one decoder layer's slice
+    of every stacked key (built as layer 0 by to_megatron, placed at layer N), or one other weight; with `adam`
+    (the master's key: fp32_param, or param for the distributed optimizer), Adam's state beside each. A part's
+    names are released once it has been handed on (written)."""
+    units: dict[int | str, list[str]] = {}
+    for name in model:
+        match = _OUR_LAYER.match(name)
+        units.setdefault(int(match.group(1)) if match else name, []).append(name)
+    for unit, names in units.items():
+        layer = unit if isinstance(unit, int) else None
+        local = {(_OUR_LAYER.sub(r"h.0.\2", n) if layer is not None else n): n for n in names}
+        weights = _repad({ln: fetch.weight(n) for ln, n in local.items()}, vocab=vocab, padded=padded)
+        tensors = torch_dist_keys.to_megatron(weights, tied=tied)
+        if adam is not None:
+            moments = {ln: {what: fetch.moment(n, what) for what in ("exp_avg", "exp_avg_sq")}
+                       for ln, n in local.items()}
+            tensors.update(_optimizer_tensors(moments, model=weights, tied=tied, vocab=vocab, padded=padded,
+                                              fp32_key=adam))
+        part = {key: (t, None if layer is None else ((layer,) + (0,) * (t.ndim - 1),
+                                                     torch.Size((num_layers, *t.shape[1:]))))
+                for key, t in tensors.items()}
+        del weights, tensors
+        yield part
+        del part  # written: not held while the next part is made
+        for name in names:
+            fetch.release(name)
 
 
 def _extra_states(num_layers: int) -> dict[str, list[None]]:
@@ -237,20 +305,18 @@ def _optimizer_tensors(moments: dict[str, dict[str, Any]], *, model: dict[str, t
     return out
 
 
-def _write(out: Path, iteration: int, values: dict[str, Any], common: dict[str, Any]) -> Path:
-    """The iteration folder through a temporary one (metadata.json last, as megatron-core), then the tracker."""
-    import torch.distributed.checkpoint as dcp  # 0.7 s to import: here, not at every `ckpt convert`
-    from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-
+def _write(out: Path, iteration: int, parts: Iterable[dict[str, tuple[torch.Tensor, Box | None]]],
+           objects: dict[str, Any], common: dict[str, Any]) -> Path:
+    """The iteration folder through a temporary one, a part at a time (torch_dist_write.py), metadata.json last as
+    megatron-core writes it, then the tracker."""
     final = paths.iteration_dir(out, iteration)
     with staged_iteration(out, iteration) as tmp:
-        with warnings.catch_warnings():  # one process on purpose: no_dist says so, torch warns anyway
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            # Not flattened: a key holds a tensor, or an object torch.save'd as megatron-core saves a ShardedObject
-            dcp.save({k: v.contiguous() if torch.is_tensor(v) else v for k, v in values.items()},
-                     storage_writer=FileSystemWriter(str(tmp)), planner=DefaultSavePlanner(flatten_state_dict=False),
-                     no_dist=True)
+        writer = PartWriter(tmp)
+        for part in parts:
+            writer.write(part)
+            del part  # the part's tensors go before the next is made
+        writer.write(objects)
+        writer.finish()
         torch.save(common, tmp / COMMON)
         (tmp / CONFIG).write_text(json.dumps(BACKEND), encoding="utf-8")
         tmp.rename(final)
