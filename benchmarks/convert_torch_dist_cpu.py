@@ -25,7 +25,7 @@ times them):
 Goal: each convert within 2x of the copy's wall time. Peak RSS is reported: `--to torch|xser` reads the source a
 unit (one layer of every stacked key, or one key with its moments) at a time, holding at most `--read-budget-gib`
 of it plus one unit besides the output rank being made, `--to hf` the same plus one output shard; `--to
-torch_dist` reads it whole.
+torch_dist` reads and writes a unit at a time.
 """
 
 from __future__ import annotations

@@ -60,9 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="with --to torch_dist: Adam's state for a run with --use-distributed-optimizer (its "
                         "fully_reshardable form) instead of plain Adam's")
     c.add_argument("--read-budget-gib", type=float, metavar="GIB",
-                   help="a torch_dist source converted --to torch|xser|hf is read a part at a time, holding about "
-                        "this much of it (plus one layer or embedding) at once; parts past it are read again for each "
-                        "output rank or shard that needs them (default: 1)")
+                   help="a torch_dist source converted --to torch|xser|hf|torch_dist is read a part at a time, "
+                        "holding about this much of it (plus one layer or embedding) at once; parts past it are read "
+                        "again for each output rank or shard that needs them (default: 1)")
     c.add_argument("--shard-size-gb", type=float, metavar="GB",
                    help="with --to hf: the largest weights file, in GB of 10^9 bytes as transformers' max_shard_size; "
                         "a larger model is written in shards with model.safetensors.index.json, and about one shard "

@@ -4,8 +4,10 @@ and continues: `ckpt convert SRC --to torch_dist [--tp N --pp M] [--distributed-
 What is written (the layout torch_dist_files.py reads; the state dict Megatron-LM's generate_state_dict makes, read
 in megatron/training/checkpointing.py):
 
-- the data through torch.distributed.checkpoint's own writer (one process): each model key's whole tensor
-  (torch_dist_keys.to_megatron: layers stacked, fused norm names, SwiGLU [gate; up]), the word embeddings and an
+- the data through torch.distributed.checkpoint's own writer (one process), a part at a time (torch_dist_write.py:
+  one decoder layer's slice of every stacked key, or one other key, each with its Adam state; with a streamed
+  source, read a part at a time too): each model key's global tensor (torch_dist_keys.to_megatron: layers stacked,
+  one chunk per layer as megatron-core saves them, fused norm names, SwiGLU [gate; up]), the word embeddings and an
   untied output layer padded for tp N as Megatron pads them, and Adam's state in model space;
 - common.pt: args (the model's and the run's settings under Megatron-LM's argument names, the sizes tp N x pp M,
   no_save_rng: our RNG streams are not megatron-core's), iteration, checkpoint_version 3.0, the scheduler
