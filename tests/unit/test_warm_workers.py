@@ -195,7 +195,8 @@ def test_cold_workers_signalled_by_the_teardown_are_not_named_either(tmp_path):
     assert "exitcode" not in err, err
 
 
-def test_a_draining_warm_process_sends_new_clients_cold_at_once_and_ends_with_its_workers(tmp_path):
+def test_a_draining_warm_process_sends_new_clients_cold_at_once_and_ends_with_its_workers(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("drain")  # short: the socket's path must fit AF_UNIX's 108 bytes
     env = _env(tmp_path, job="9996")
     server, folder = _start_server(env, tmp_path)
     running = client(env, "sleep", str(tmp_path / "pid"))
