@@ -250,7 +250,8 @@ def bucket_groups(src: TorchDistFolder) -> tuple[dict[str, Any], float | None]:
     """(hyper, step) of the bucket space, from rank 0's param groups (a ShardedObject: small)."""
     wanted = [k for k in src.object_keys() if k.startswith("optimizer.distributed.dp_group_idx_0.optimizer/")]
     _, objects = read(src, wanted) if wanted else ({}, {})
-    groups = next(iter(objects.values()), [None])[0] if objects else None
+    shards = next(iter(objects.values()), None)  # the list of the object's shards' data
+    groups = shards[0] if isinstance(shards, list) and shards else None
     groups = groups.get("param_groups") if isinstance(groups, dict) else None
     return _hyper(groups), _group_step(groups)
 
