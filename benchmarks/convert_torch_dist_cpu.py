@@ -19,6 +19,7 @@ times them):
     python benchmarks/convert_torch_dist_cpu.py --dir ./td-bench --repeat 3            # medians of 3
     python benchmarks/convert_torch_dist_cpu.py --dir ./td-bench --layers 24 --hidden 2048 --optimizer
     python benchmarks/convert_torch_dist_cpu.py --dir ./td-bench --optimizer --read-budget-gib 0.25   # bounded
+    python benchmarks/convert_torch_dist_cpu.py --dir ./td-bench --dp-reshardable   # distributed optimizer buckets
     python benchmarks/convert_torch_dist_cpu.py --dir ./td-bench --optimizer --to hf --read-budget-gib 0.25 \
         --shard-size-gb 0.1
 
