@@ -137,11 +137,11 @@ def import_torch_dist(folder: Path, *, vocab_size: int | None = None, stream_bud
                       weights_only: bool = False) -> TorchDistImport:
     """The torch_dist checkpoint in `folder` (an iteration folder) as our WholeCheckpoint at TP 1 x PP 1.
 
-    With `stream_budget` (bytes), nothing is read yet (but the dp_reshardable layout's sample, torch_dist_buckets.py):
-    the whole's tensors are meta
-    and the result's `source` reads them a unit at a time for stream.reshard or the Hugging Face export
-    (torch_dist_stream.py), holding about that many bytes at most. `weights_only`: its source reads no moments (the
-    weights still come from the fp32 masters where the optimizer kept them, as the whole read takes them)."""
+    With `stream_budget` (bytes), nothing is read yet but the dp_reshardable layout's sample (torch_dist_buckets.py):
+    the whole's tensors are meta and the result's `source` reads them a unit at a time for stream.reshard or the
+    Hugging Face export (torch_dist_stream.py), holding about that many bytes at most. `weights_only`: its source
+    reads no moments (the weights still come from the fp32 masters where the optimizer kept them, as the whole read
+    takes them)."""
     src = open_folder(folder)
     args = _args(src)
     megatron_args.check_architecture({"args": args}, where=folder)
