@@ -61,7 +61,9 @@ class BucketSpace:
 
 
 def assemble(flat: Flat, tensors: dict[str, torch.Tensor], boxes: dict[str, Box]) -> torch.Tensor:
-    """`flat`'s global fp32 tensor from its pieces' flat boxes (read as `boxes` name them)."""
+    """`flat`'s global fp32 tensor from its pieces' flat boxes (read as `boxes` name them). A copy even where one
+    piece is all of it: a view would keep the unit's whole box alive for as long as an output rank holds it (tried:
+    peak RSS 2.6 -> 3.2 GiB on the benchmark's source)."""
     whole = torch.zeros(flat.shape, dtype=torch.float32)
     for piece in flat.pieces:
         offset = piece.start - boxes[piece.flat][0][0]
