@@ -19,6 +19,7 @@ times them):
     python benchmarks/convert_torch_dist_cpu.py --dir ./td-bench --repeat 3            # medians of 3
     python benchmarks/convert_torch_dist_cpu.py --dir ./td-bench --layers 24 --hidden 2048 --optimizer
     python benchmarks/convert_torch_dist_cpu.py --dir ./td-bench --optimizer --read-budget-gib 0.25   # bounded
+    python benchmarks/convert_torch_dist_cpu.py --dir ./td-bench --dp-reshardable   # distributed optimizer buckets
     python benchmarks/convert_torch_dist_cpu.py --dir ./td-bench --optimizer --to hf --read-budget-gib 0.25 \
         --shard-size-gb 0.1
 
@@ -54,6 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--to-tp", type=int, default=2)
     p.add_argument("--files", type=int, default=4, help=".distcp files the source's data is spread over")
     p.add_argument("--optimizer", action="store_true", help="also plain Adam's fp32 masters and moments")
+    p.add_argument("--dp-reshardable", action="store_true",
+                   help="the optimizer state as the distributed optimizer saves it by default (Megatron-LM's "
+                        "dp_reshardable flat buffers, one chunk per parameter); implies --optimizer")
     p.add_argument("--to", nargs="+", choices=("torch", "xser", "torch_dist", "hf"),
                    default=["torch", "xser", "torch_dist"])
     p.add_argument("--read-budget-gib", type=float, help="passed to each convert (default: its own, 1)")
@@ -62,6 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="keep the work folder")
     p.add_argument("--write-source-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.optimizer = args.optimizer or args.dp_reshardable
     if args.hidden % args.heads or args.heads % args.from_tp or args.heads % args.to_tp:
         p.error(f"--heads {args.heads} must divide --hidden {args.hidden} and be divisible by --from-tp and --to-tp")
     if args.repeat < 1 or args.files < 1:
@@ -69,7 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def write_source(root: Path, shape: Shape, *, tp: int, files: int, optimizer: bool) -> None:
+def write_source(root: Path, shape: Shape, *, tp: int, files: int, optimizer: bool, dp_reshardable: bool = False
+                 ) -> None:
     """The torch_dist checkpoint under `root` (tracker + iter_0000100), as megatron-core lays it out."""
     import argparse as ap
     import json
@@ -103,7 +109,10 @@ def write_source(root: Path, shape: Shape, *, tp: int, files: int, optimizer: bo
     common: dict[str, object] = {"checkpoint_version": 3.0, "iteration": 100,
                                  "content_metadata": {"singleton_local_shards": False,
                                                       "chained_optim_avoid_prefix": True}}
-    if optimizer:
+    flats: dict[str, tuple[str, tuple[int, ...], object]] = {}
+    if dp_reshardable:
+        flats, common["optimizer"] = _flat_buckets(model, tp=tp), {"param_state_sharding_type": "dp_reshardable"}
+    elif optimizer:
         for key, t in model.items():
             state[f"optimizer.state.fp32_param.{key}"] = t.float()
             state[f"optimizer.state.exp_avg.{key}"] = t.float() * 0.1
@@ -112,6 +121,7 @@ def write_source(root: Path, shape: Shape, *, tp: int, files: int, optimizer: bo
                  "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
         common["optimizer"] = {"state": {"common_step": torch.tensor(100.0)},
                                "param_groups": [group, {**group, "wd_mult": 0.0, "weight_decay": 0.0}]}
+    if optimizer:
         common["opt_param_scheduler"] = {"max_lr": 1e-4, "lr_warmup_steps": 80, "num_steps": 800,
                                          "lr_decay_style": "cosine", "lr_decay_steps": 8000, "min_lr": 1e-5,
                                          "start_wd": 0.1, "end_wd": 0.1, "wd_incr_style": "constant",
@@ -129,15 +139,64 @@ def write_source(root: Path, shape: Shape, *, tp: int, files: int, optimizer: bo
     folder = root / "iter_0000100"
     folder.mkdir(parents=True)
     chunks, placed = _chunked(state, tp=tp)
+    for name, (key, offsets, value) in flats.items():
+        chunks[name], placed[name] = value, (key, offsets)
+    if dp_reshardable:
+        chunks["optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1"] = _groups()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(chunks, storage_writer=FileSystemWriter(str(folder), thread_count=files),
                  planner=DefaultSavePlanner(flatten_state_dict=False), no_dist=True)
-    _merge_index(folder / ".metadata", state, placed)
+    _merge_index(folder / ".metadata", {**state, **{k: v for k, _, v in _flat_wholes(flats)}}, placed)
     torch.save(common, folder / "common.pt")
     (folder / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                                                       "common_backend": "torch", "common_backend_version": 1}))
     (root / "latest_checkpointed_iteration.txt").write_text("100")
+
+
+def _flat_buckets(model: dict[str, object], *, tp: int) -> dict[str, tuple[str, tuple[int, ...], object]]:
+    """The distributed optimizer's dp_reshardable state of `model` at DP 1: per TP rank one bucket whose flat param
+    (fp32 master), exp_avg and exp_avg_sq hold the rank's parameters in reverse module order, each at a multiple of
+    64 from the bucket's start (megatron-core 0.16.1 param_and_grad_buffer.py), saved one chunk per parameter as
+    its dp_reshardable sharded_state_dict does. Returns chunk key -> (flat key, offsets, piece)."""
+    import torch
+
+    from megatron_hpc.checkpoint.foreign import torch_dist_optim as optim
+
+    tensors = {k: v for k, v in model.items() if isinstance(v, torch.Tensor)}
+    layers = next(v.shape[0] for k, v in tensors.items() if k.startswith("decoder.layers."))
+    out: dict[str, tuple[str, tuple[int, ...], object]] = {}
+    for t in range(tp):
+        prefix = f"optimizer.distributed.dp_group_idx_{t}.gbuf_idx_0.dtype_(torch.float32, torch.float32).bucket_idx_0."
+        params = optim.rank_params(tensors, optim.LAYER_ORDERS[0], range(layers), first=True, last=True, pp=1)
+        used = 0
+        for key, layer in reversed(params):
+            full = tensors[key] if layer is None else tensors[key][layer]
+            index = optim.index_of(optim.local_ranges(key, full.shape, tp=tp, rank=t, swiglu=False))
+            local = (full if index is None else full.index_select(index[0], index[1])).float().reshape(-1)
+            start = -(-used // 64) * 64
+            for what, value in (("param", local), ("exp_avg", local * 0.1), ("exp_avg_sq", local.square())):
+                out[f"{prefix}{what}/chunk_{t}_{start}"] = (prefix + what, (start,), value.contiguous())
+            used = start + local.numel()
+    return out
+
+
+def _flat_wholes(flats: dict[str, tuple[str, tuple[int, ...], object]]) -> list[tuple[str, None, object]]:
+    """Each flat key's global tensor as a meta stand-in (only its shape and dtype go into the index)."""
+    import torch
+
+    ends: dict[str, int] = {}
+    for key, (start,), value in flats.values():
+        ends[key] = max(ends.get(key, 0), start + value.numel())  # type: ignore[attr-defined]
+    return [(k, None, torch.empty(n, dtype=torch.float32, device="meta")) for k, n in ends.items()]
+
+
+def _groups() -> object:
+    """The rank's param groups as the dp_reshardable save keeps them: a ShardedObject, which
+    torch.distributed.checkpoint pickles (torch.save) as a list of its shards' data."""
+    group = {"wd_mult": 1.0, "lr_mult": 1.0, "is_expert_parallel": False, "is_decoupled_lr": False, "lr": 1e-4,
+             "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "step": 100.0}
+    return [{"param_groups": [group, {**group, "wd_mult": 0.0, "weight_decay": 0.0}]}]
 
 
 def _chunked(state: dict[str, object], *, tp: int) -> tuple[dict[str, object], dict[str, tuple[str, tuple[int, ...]]]]:
@@ -190,7 +249,9 @@ def _merge_index(path: Path, state: dict[str, object], placed: dict[str, tuple[s
         record.chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=saved.size))
         info = next(v for k, v in metadata.storage_data.items() if k.fqn == name)
         storage[MetadataIndex(key, torch.Size(offsets), len(record.chunks) - 1)] = info
-    metadata.state_dict_metadata, metadata.storage_data = records, storage
+    kept = {k: v for k, v in metadata.state_dict_metadata.items() if k not in placed}  # ShardedObjects
+    storage.update({i: v for i, v in metadata.storage_data.items() if i.fqn in kept})
+    metadata.state_dict_metadata, metadata.storage_data = {**records, **kept}, storage
     with path.open("wb") as fh:
         pickle.dump(metadata, fh)
 
@@ -201,7 +262,8 @@ def main(argv: list[str] | None = None) -> None:
     work = args.dir
     src, copy = work / "src", work / "copy"
     if args.write_source_only:
-        write_source(src, shape, tp=args.from_tp, files=args.files, optimizer=args.optimizer)
+        write_source(src, shape, tp=args.from_tp, files=args.files, optimizer=args.optimizer,
+                     dp_reshardable=args.dp_reshardable)
         return
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -211,7 +273,8 @@ def main(argv: list[str] | None = None) -> None:
                    check=True)
     params = convert_cpu.num_params(shape, padded=padded_vocab(shape.vocab, tp=args.from_tp))
     print(f"source: {params / 1e9:.3f} B parameters, torch_dist in {args.files} .distcp files, "
-          f"{'with' if args.optimizer else 'without'} optimizer, {du(src) / GIB:.2f} GiB, written in "
+          f"{'with' if args.optimizer else 'without'} optimizer{' (dp_reshardable)' * args.dp_reshardable}, "
+          f"{du(src) / GIB:.2f} GiB, written in "
           f"{time.perf_counter() - t0:.0f} s; load {os.getloadavg()[0]:.2f}", flush=True)
     commands = {"cp -r": (["cp", "-r", str(src), str(copy)], copy)}
     for to in args.to:

@@ -52,6 +52,10 @@ CASES: dict[str, tuple[list[str], str]] = {
                                    "xser", "torch_dist", "hf", "--shard-size-gb", "0.0001"],
                                   r"^time goal \(each convert <= 2x copy\): (met|NOT met); worst [\d.]+x; convert "
                                   r"peak RSS / source [\d.]+x$"),
+    "convert_torch_dist_cpu.py[dp_reshardable]": (
+        ["--dir", "{tmp}/td", "--layers", "2", "--hidden", "64", "--heads", "8", "--vocab", "300", "--seq", "32",
+         "--files", "2", "--dp-reshardable", "--to", "torch", "torch_dist"],
+        r"^time goal \(each convert <= 2x copy\): (met|NOT met); worst [\d.]+x; convert peak RSS / source [\d.]+x$"),
     "data_index_build.py": (["--self-anchor", "--docs", "200", "--mean-tokens", "50", "--seq-length", "64",
                              "--epochs", "1", "--rounds", "1", "--dir", "{tmp}"],
                             r"^ 1 epoch\(s\) megatron-hpc/megatron-hpc again \(\d+ samples\), per round: build "

@@ -174,10 +174,10 @@ def test_training_continues_where_megatron_core_would_have(case: str, converted:
 def test_the_dp_reshardable_layout_is_megatron_cores_grad_buffer() -> None:
     """Worked by hand from param_and_grad_buffer.py: reverse order, 64-aligned starts from each bucket's start, a
     bucket closes where its recorded unpadded length ends."""
-    assert torch_dist_optim._layout([3, 70, 5], [195], 64) == [(0, 192), (0, 64), (0, 0)]
-    assert torch_dist_optim._layout([3, 70, 5], [134, 3], 64) == [(1, 0), (0, 64), (0, 0)]
-    assert torch_dist_optim._layout([3, 70, 5], [78], 1) == [(0, 75), (0, 5), (0, 0)]
-    assert torch_dist_optim._layout([3, 70, 5], [200], 64) is None  # the lengths must come out exactly
+    assert torch_dist_optim.layout([3, 70, 5], [195], 64) == [(0, 192), (0, 64), (0, 0)]
+    assert torch_dist_optim.layout([3, 70, 5], [134, 3], 64) == [(1, 0), (0, 64), (0, 0)]
+    assert torch_dist_optim.layout([3, 70, 5], [78], 1) == [(0, 75), (0, 5), (0, 0)]
+    assert torch_dist_optim.layout([3, 70, 5], [200], 64) is None  # the lengths must come out exactly
 
 
 def test_a_dp_reshardable_buffer_out_of_place_is_not_taken(tmp_path: Path, capsys: pytest.CaptureFixture[str],

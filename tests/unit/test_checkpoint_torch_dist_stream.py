@@ -1,8 +1,9 @@
 """`ckpt convert` of a torch_dist checkpoint reads it a part at a time (torch_dist_stream.py): what it holds of the
 source at once stays within its budget plus one unit (a layer of every stacked key, or one other key with its
 moments), well under the checkpoint, and what it writes equals the whole read's output tensor for tensor. The source
-is real megatron-core's (tests/fixtures/megatron_core_torch_dist): plain Adam with fp32 masters (gpt_tp2) and the
-distributed optimizer saved fully reshardable with SwiGLU (llama_tp2_distopt)."""
+is real megatron-core's (tests/fixtures/megatron_core_torch_dist): plain Adam with fp32 masters (gpt_tp2), the
+distributed optimizer saved fully reshardable with SwiGLU (llama_tp2_distopt), and in its default dp_reshardable
+flat buffers at DP 2 and at PP 2 with a tied embedding (gpt_dp2_distopt, gpt_pp2_distopt)."""
 
 from __future__ import annotations
 
@@ -85,11 +86,67 @@ def test_a_budget_above_the_checkpoint_reads_each_unit_once(tmp_path: Path) -> N
     assert small.reader.peak_bytes < once.reader.peak_bytes <= total
 
 
-def test_the_distributed_optimizers_bucket_space_is_read_whole() -> None:
-    """Its flat buffers are placed by comparing them with the weights, so that checkpoint is not streamed."""
-    dist = import_torch_dist(FIXTURES / "gpt_dp2_distopt" / ITER, stream_budget=1)
-    assert dist.reader is None and dist.imported.source is None
-    assert not any(w.is_meta for w in dist.imported.whole.first["model"].values())
+def _bucket_bound(folder: Path, *, tp: int, states: int = 3) -> int:
+    """Bytes a dp_reshardable unit holds at most, from the index: the largest unit's fp32 states (param, exp_avg,
+    exp_avg_sq; param alone weights only) assembled, the same again as the boxes of the flat buffers they come from,
+    and the 64-element alignment gaps those boxes span (16 parameters a layer at most, a box per TP rank and state)."""
+    src = open_folder(folder)
+    layers = src.common["args"].num_layers
+    model = {k: src.keys[k].size.numel() for k in src.tensor_keys() if not k.startswith("optimizer.")}
+    per_layer = sum(n // layers for k, n in model.items() if "decoder.layers." in k)
+    single = max(n for k, n in model.items() if "decoder.layers." not in k)
+    return states * (2 * 4 * max(per_layer, single) + tp * 16 * 64 * 4)
+
+
+def _convert_both(folder: Path, tmp_path: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], object]:
+    """(the whole read's output, the streamed one's, the streamed reader), both written at TP 2."""
+    whole = import_torch_dist(folder)
+    assert whole.reader is None and not whole.imported.notes
+    stream.reshard(stream.in_memory(whole.imported.whole), tp=2, out=tmp_path / "whole", fmt="torch")
+    streamed = import_torch_dist(folder, stream_budget=1)
+    reader = streamed.reader
+    assert reader is not None and reader.peak_bytes == 0 and not streamed.imported.notes
+    assert all(w.is_meta for w in streamed.imported.whole.first["model"].values())
+    stream.reshard(streamed.imported.source, tp=2, out=tmp_path / "streamed", fmt="torch")
+    return _tensors(tmp_path / "whole"), _tensors(tmp_path / "streamed"), reader
+
+
+@pytest.mark.parametrize("case", ["gpt_dp2_distopt", "gpt_pp2_distopt"])
+def test_the_distributed_optimizers_bucket_space_streams_a_layer_at_a_time(case: str, tmp_path: Path) -> None:
+    """dp_reshardable's flat buffers are read as one box per bucket and state a layer, each parameter put together
+    from them: weights (the fp32 masters) and both moments equal the whole read's; gpt_pp2_distopt's tied embedding
+    is the last stage's copy as there."""
+    folder = FIXTURES / case / ITER
+    total, _ = _bounds(folder)
+    expected, got, reader = _convert_both(folder, tmp_path)
+    assert 0 < reader.peak_bytes <= _bucket_bound(folder, tp=1) < total  # type: ignore[attr-defined]
+    assert reader.held_bytes == 0  # type: ignore[attr-defined]
+    assert sorted(got) == sorted(expected) and any(k.endswith(".exp_avg_sq") for k in got)
+    for key, value in expected.items():
+        assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+
+
+def test_a_module_order_that_only_fits_the_sizes_is_passed_over(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every order fills gpt_dp2_distopt's bucket length, so sizes alone cannot choose: the sample (the first layer,
+    at the end of the bucket) must turn down the wrong orders tried first."""
+    from megatron_hpc.checkpoint.foreign import torch_dist_buckets, torch_dist_optim
+
+    folder = FIXTURES / "gpt_dp2_distopt" / ITER
+    orders = torch_dist_optim.LAYER_ORDERS
+    wrong = tuple(reversed(orders[0]))
+    src = open_folder(folder)
+    model = {k: torch.empty(tuple(src.keys[k].size), device="meta") for k in src.tensor_keys()
+             if not k.startswith("optimizer.")}
+    params = torch_dist_optim.rank_params(model, wrong, range(2), first=True, last=True, pp=1)
+    sizes = [model[k].numel() if i is None else model[k][0].numel() for k, i in params]
+    length = src.keys[next(k for k in src.tensor_keys() if k.endswith("bucket_idx_0.param"))].size[0]
+    assert torch_dist_optim.layout(sizes, [length], 64) is not None
+    monkeypatch.setattr(torch_dist_optim, "LAYER_ORDERS", (wrong, *reversed(orders)))
+    expected, got, _ = _convert_both(folder, tmp_path)
+    assert torch_dist_buckets.optim.LAYER_ORDERS[0] == wrong
+    for key, value in expected.items():
+        assert torch.equal(got[key], value), key
 
 
 def test_the_adamw_group_template_is_what_torch_adamw_saves() -> None:
@@ -115,10 +172,11 @@ def test_a_bad_budget_or_shard_size_is_refused_before_anything_is_written(
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("case", ["gpt_tp2", "llama_tp2_distopt"])
+@pytest.mark.parametrize("case", ["gpt_tp2", "llama_tp2_distopt", "gpt_pp2_distopt"])
 def test_the_hf_export_streams_in_shards_equal_to_the_whole_reads(case: str, tmp_path: Path) -> None:
     """`--to hf` reads the source a unit at a time and writes save_pretrained's shards one at a time: the same
-    files, index and tensors as the export of the whole read, holding at most one unit of the source."""
+    files, index and tensors as the export of the whole read, holding at most one unit of the source (for
+    dp_reshardable, gpt_pp2_distopt, the weights are the fp32 masters put together from the flat buffers)."""
     import json
 
     import transformers
@@ -128,6 +186,8 @@ def test_the_hf_export_streams_in_shards_equal_to_the_whole_reads(case: str, tmp
 
     folder = FIXTURES / case / ITER
     total, unit = _bounds(folder)
+    if case.endswith("_distopt") and "llama" not in case:  # dp_reshardable: the flat buffers' spans
+        unit = _bucket_bound(folder, tp=1, states=1)
     whole = import_torch_dist(folder).imported.whole
     shard = sum(w.numel() * 4 for w in whole.first["model"].values()) // 3  # fp32 out: three shards or more
     export_hf(whole, tmp_path / "whole", max_shard_bytes=shard)
@@ -186,7 +246,8 @@ def _written(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, object], 
     return tensors, objects, chunks
 
 
-@pytest.mark.parametrize(("case", "distributed"), [("gpt_tp2", False), ("llama_tp2_distopt", True)])
+@pytest.mark.parametrize(("case", "distributed"), [("gpt_tp2", False), ("llama_tp2_distopt", True),
+                                                   ("gpt_dp2_distopt", True), ("gpt_pp2_distopt", False)])
 def test_to_torch_dist_streams_and_writes_what_the_whole_read_writes(case: str, distributed: bool,
                                                                     tmp_path: Path) -> None:
     """`--to torch_dist` from a torch_dist source reads and writes a part at a time (one layer of every stacked key,
@@ -194,6 +255,9 @@ def test_to_torch_dist_streams_and_writes_what_the_whole_read_writes(case: str, 
     common.pt; each stacked key is one chunk per layer, as megatron-core saved the source."""
     folder = FIXTURES / case / ITER
     total, unit = _bounds(folder)
+    ceiling = total / 2
+    if case in ("gpt_dp2_distopt", "gpt_pp2_distopt"):  # dp_reshardable: a layer's spans of the flat buffers and
+        unit, ceiling = _bucket_bound(folder, tp=1), total  # what they make, over half of these 2 layers
     whole = import_torch_dist(folder)
     export_torch_dist(whole.imported.whole, tmp_path / "whole", tp=2, pp=1, distributed=distributed)
     streamed = import_torch_dist(folder, stream_budget=1)
@@ -201,7 +265,7 @@ def test_to_torch_dist_streams_and_writes_what_the_whole_read_writes(case: str, 
     assert reader is not None and streamed.imported.source is not None
     export_torch_dist(streamed.imported.whole, tmp_path / "streamed", tp=2, pp=1, distributed=distributed,
                       source=streamed.imported.source)
-    assert 0 < reader.peak_bytes <= unit < total / 2
+    assert 0 < reader.peak_bytes <= unit < ceiling
     assert reader.held_bytes == 0
     layers = int(open_folder(folder).common["args"].num_layers)
     assert layers + 2 <= reader.unit_reads <= layers + 5  # each part once: the layers, embeddings, norms, output

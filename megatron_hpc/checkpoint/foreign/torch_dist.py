@@ -16,7 +16,7 @@ checkpoint converted back to torch_dist (torch_dist_export.py) carries the sched
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from megatron_hpc.checkpoint.conversion import WholeCheckpoint, optim_layout, pp
 from megatron_hpc.checkpoint.foreign import megatron_args, torch_dist_keys, torch_dist_optim
 from megatron_hpc.checkpoint.foreign.importer import Imported, adam_groups, rng_states
 from megatron_hpc.checkpoint.foreign.megatron_family import arg
+from megatron_hpc.checkpoint.foreign.torch_dist_buckets import BucketSpace, bucket_space
 from megatron_hpc.checkpoint.foreign.torch_dist_files import TorchDistFolder, open_folder, read
 from megatron_hpc.checkpoint.foreign.torch_dist_stream import Slot, StreamedReader, slots
 from megatron_hpc.checkpoint.store import FoundCheckpoint, Manifest
@@ -107,22 +108,28 @@ def _meta(src: TorchDistFolder, key: str) -> torch.Tensor:
     return torch.empty(record.size, dtype=record.properties.dtype, device="meta")
 
 
-def _streamable(src: TorchDistFolder) -> bool:
-    """Whether the checkpoint can be read a part at a time: all but the distributed optimizer's bucket space, whose
-    flat buffers are placed by comparing them with the weights (torch_dist_optim._bucket_space)."""
-    try:
-        return torch_dist_optim.model_space(src) is not None
-    except ValueError:  # no optimizer state to carry: the weights stream
-        return True
+Layout = torch_dist_optim.ModelSpace | BucketSpace
 
 
-def _meta_adam(src: TorchDistFolder) -> torch_dist_optim.Adam:
-    """torch_dist_optim.read_adam's result for a model-space state, as meta tensors (ValueError as it)."""
+def _optim_layout(src: TorchDistFolder, megatron: dict[str, torch.Tensor], *, tp: int, pp: int, swiglu: bool,
+                  num_layers: int) -> Layout:
+    """Where the optimizer state lies, nothing read but the bucket space's sample (ValueError as read_adam)."""
     layout = torch_dist_optim.model_space(src)
-    assert layout is not None  # _streamable said so
+    if layout is not None:
+        return layout
+    return bucket_space(src, megatron, tp=tp, pp=pp, swiglu=swiglu, num_layers=num_layers)
+
+
+def _meta_adam(src: TorchDistFolder, layout: Layout, megatron: dict[str, torch.Tensor]) -> torch_dist_optim.Adam:
+    """torch_dist_optim.read_adam's result as meta tensors."""
     state: dict[str, dict[str, torch.Tensor]] = {}
-    for key, (what, model_key) in layout.keys.items():
-        state.setdefault(model_key, {})[what] = _meta(src, key)
+    if isinstance(layout, BucketSpace):  # fp32 as the whole read's _place makes them
+        for key in layout.model_keys():
+            state[key] = {what: torch.empty(megatron[key].shape, dtype=torch.float32, device="meta")
+                          for what in torch_dist_optim.KEYS}
+    else:
+        for key, (what, model_key) in layout.keys.items():
+            state.setdefault(model_key, {})[what] = _meta(src, key)
     return torch_dist_optim.Adam(state=state, step=layout.step, hyper=layout.hyper)
 
 
@@ -130,24 +137,28 @@ def import_torch_dist(folder: Path, *, vocab_size: int | None = None, stream_bud
                       weights_only: bool = False) -> TorchDistImport:
     """The torch_dist checkpoint in `folder` (an iteration folder) as our WholeCheckpoint at TP 1 x PP 1.
 
-    With `stream_budget` (bytes), where the checkpoint allows it, nothing is read yet: the whole's tensors are meta
-    and the result's `source` reads them a unit at a time for stream.reshard or the Hugging Face export
-    (torch_dist_stream.py), holding about that many bytes at most. `weights_only`: its source reads no moments (the
-    weights still come from the fp32 masters where the optimizer kept them, as the whole read takes them)."""
+    With `stream_budget` (bytes), nothing is read yet but the dp_reshardable layout's sample (torch_dist_buckets.py):
+    the whole's tensors are meta and the result's `source` reads them a unit at a time for stream.reshard or the
+    Hugging Face export (torch_dist_stream.py), holding about that many bytes at most. `weights_only`: its source
+    reads no moments (the weights still come from the fp32 masters where the optimizer kept them, as the whole read
+    takes them)."""
     src = open_folder(folder)
     args = _args(src)
     megatron_args.check_architecture({"args": args}, where=folder)
     notes: list[str] = []
     tp, pp = int(getattr(args, "tensor_model_parallel_size", 1)), int(getattr(args, "pipeline_model_parallel_size", 1))
     dp = int(getattr(args, "data_parallel_size", 0) or 0) or 1
-    lazy = stream_budget is not None and _streamable(src)
+    lazy = stream_budget is not None
     megatron, model, layers = _read_model(src, args, lazy=lazy)
     cfg = megatron_args.model_config({"args": args}, model, where=folder, vocab_size=vocab_size, notes=notes)
     iteration, consumed, lr_steps = _progress(src, args, notes)
-    optimizer = None
+    optimizer, layout = None, None
     try:
-        adam = _meta_adam(src) if lazy else torch_dist_optim.read_adam(src, megatron, tp=tp, pp=pp,
-                                                                         swiglu=cfg["swiglu"], num_layers=layers)
+        if lazy:
+            layout = _optim_layout(src, megatron, tp=tp, pp=pp, swiglu=cfg["swiglu"], num_layers=layers)
+            adam = _meta_adam(src, layout, megatron)
+        else:
+            adam = torch_dist_optim.read_adam(src, megatron, tp=tp, pp=pp, swiglu=cfg["swiglu"], num_layers=layers)
     except ValueError as exc:
         notes.append(f"the source's optimizer state was not carried over: {exc}; a resumed run starts Adam's "
                      "moments at zero")
@@ -166,20 +177,26 @@ def import_torch_dist(folder: Path, *, vocab_size: int | None = None, stream_bud
     source, reader = None, None
     if lazy:
         assert stream_budget is not None
-        source, reader = _streamed(src, whole, megatron, masters=optimizer is not None,
-                                   moments=optimizer is not None and not weights_only, swiglu=cfg["swiglu"],
+        carried = layout if optimizer is not None else None
+        source, reader = _streamed(src, whole, megatron, carried, moments=not weights_only, swiglu=cfg["swiglu"],
                                    num_layers=layers, budget=stream_budget)
     return TorchDistImport(imported=Imported(whole=whole, family=FAMILY, notes=list(dict.fromkeys(notes)),
                                              source=source), saved=(tp, pp, dp), reader=reader)
 
 
-def _streamed(src: TorchDistFolder, whole: WholeCheckpoint, megatron: dict[str, torch.Tensor], *, masters: bool,
-              moments: bool, swiglu: bool, num_layers: int, budget: int) -> tuple[stream.Source, StreamedReader]:
-    """stream.Source over `whole` (meta) whose weights (and with `moments`, Adam's) a StreamedReader reads; with
-    `masters` each weight from its fp32 master where the optimizer kept one, as _our_adam takes it."""
+def _streamed(src: TorchDistFolder, whole: WholeCheckpoint, megatron: dict[str, torch.Tensor], layout: Layout | None,
+              *, moments: bool, swiglu: bool, num_layers: int, budget: int) -> tuple[stream.Source, StreamedReader]:
+    """stream.Source over `whole` (meta) whose weights (and with `moments`, Adam's) a StreamedReader reads; with an
+    optimizer `layout` each weight from its fp32 master where the optimizer kept one, as _our_adam takes it."""
     by_model: dict[str, dict[str, str]] = {key: {"weight": key} for key in megatron}
-    layout = torch_dist_optim.model_space(src) if masters else None
-    for key, (what, model_key) in (layout.keys.items() if layout is not None else ()):
+    flats: dict[tuple[str, str], str] = {}  # (model key, role) -> what of the bucket space
+    if isinstance(layout, BucketSpace):
+        for model_key in layout.model_keys():
+            for what in torch_dist_optim.KEYS if moments else ("param",):
+                role = "weight" if what == "param" else what
+                by_model[model_key][role] = f"{model_key}#{what}"  # names the cache entry, not a key of the file
+                flats[(model_key, role)] = what
+    for key, (what, model_key) in (layout.keys.items() if isinstance(layout, torch_dist_optim.ModelSpace) else ()):
         if what == "param" or moments:
             by_model[model_key]["weight" if what == "param" else what] = key
     roles: dict[str, dict[str, Slot]] = {}
@@ -187,6 +204,9 @@ def _streamed(src: TorchDistFolder, whole: WholeCheckpoint, megatron: dict[str, 
         for role, source_key in sources.items():
             for name, slot in slots(model_key, megatron[model_key].shape, source_key=source_key, swiglu=swiglu,
                                     num_layers=num_layers).items():
+                if (model_key, role) in flats:
+                    assert isinstance(layout, BucketSpace)
+                    slot = replace(slot, flat=layout.flats[(model_key, slot.layer, flats[(model_key, role)])])
                 roles.setdefault(name, {})[role] = slot
     reader = StreamedReader(src=src, roles=roles, budget=budget)
     source = stream.Source(whole=whole, weight=lambda p, t, name: reader.fetch(name, "weight"),

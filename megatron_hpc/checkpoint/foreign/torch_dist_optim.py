@@ -16,7 +16,8 @@ _build_sharded_state_dict_metadata):
   hold the param groups (with the step) and each bucket's unpadded length. The module order is megatron-core's
   (embedding; per layer: input norm, linear_proj, linear_qkv, pre-MLP norm, linear_fc1, linear_fc2; final norm,
   output layer), with Transformer Engine's fused norms inside linear_qkv / linear_fc1; the layout that puts every
-  parameter's fp32 master where its weight's values are is the one taken, so a wrong order cannot pass.
+  parameter's fp32 master where its weight's values are is the one taken, so a wrong order cannot pass (read whole
+  here; the streamed convert confirms the layout on a sample instead, torch_dist_buckets.py).
 
 fully_sharded_model_space and dp_zero_gather_scatter (deprecated) are not read: the moments are then dropped with a
 note, as are any the checks above reject.
@@ -37,7 +38,7 @@ from megatron_hpc.checkpoint.foreign.torch_dist_files import TorchDistFolder, re
 KEYS = ("param", "exp_avg", "exp_avg_sq")
 _BUCKET = re.compile(r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)\."
                      r"(param|exp_avg|exp_avg_sq)$")
-_ALIGNMENTS = (64, 1)
+ALIGNMENTS = (64, 1)
 _LN = ("layer_norm_weight", "layer_norm_bias")
 # One layer's parameters in module (named_parameters) order; q = linear_qkv, f = linear_fc1.
 _LOCAL = ("self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias",
@@ -162,7 +163,7 @@ def stage_layers(num_layers: int, pp: int, args: Any) -> list[range]:
     return [range(s, s + n) for s, n in zip(starts, sizes)]
 
 
-def _rank_params(model: dict[str, torch.Tensor], order: tuple[str, ...], layers: range, *, first: bool, last: bool,
+def rank_params(model: dict[str, torch.Tensor], order: tuple[str, ...], layers: range, *, first: bool, last: bool,
                  pp: int) -> list[tuple[str, int | None]]:
     """One stage's parameters in module order, as (model key, global layer or None)."""
     out: list[tuple[str, int | None]] = []
@@ -180,24 +181,38 @@ def _rank_params(model: dict[str, torch.Tensor], order: tuple[str, ...], layers:
     return out
 
 
-def _local_index(key: str, full: torch.Size, *, tp: int, rank: int, swiglu: bool) -> tuple[int, torch.Tensor] | None:
-    """(dim, indices) of TP rank `rank`'s piece of a per-layer tensor of shape `full` (None: replicated)."""
+Ranges = tuple[int, tuple[tuple[int, int], ...]]
+"""(dim, [start, end) runs) of one TP rank's piece of a tensor along dim."""
+
+
+def local_ranges(key: str, full: torch.Size, *, tp: int, rank: int, swiglu: bool) -> Ranges | None:
+    """Where TP rank `rank`'s piece of a per-layer tensor of shape `full` lies (None: replicated)."""
     dim = torch_dist_keys.tp_split_dim(key)
     if dim is None or tp == 1:
         return None
     size = full[dim] // tp
     if swiglu and key.startswith("decoder.layers.mlp.linear_fc1.") and "layer_norm" not in key:
-        half = full[0] // 2 // tp  # [gate_r; up_r] of the global [gate; up]
-        return 0, torch.cat([torch.arange(rank * half, (rank + 1) * half),
-                             full[0] // 2 + torch.arange(rank * half, (rank + 1) * half)])
-    return dim, torch.arange(rank * size, (rank + 1) * size)
+        half, up = full[0] // 2 // tp, full[0] // 2  # [gate_r; up_r] of the global [gate; up]
+        return 0, ((rank * half, (rank + 1) * half), (up + rank * half, up + (rank + 1) * half))
+    return dim, ((rank * size, (rank + 1) * size),)
+
+
+def index_of(ranges: Ranges | None) -> tuple[int, torch.Tensor] | None:
+    if ranges is None:
+        return None
+    return ranges[0], torch.cat([torch.arange(lo, hi) for lo, hi in ranges[1]])
+
+
+def _local_index(key: str, full: torch.Size, *, tp: int, rank: int, swiglu: bool) -> tuple[int, torch.Tensor] | None:
+    """(dim, indices) of TP rank `rank`'s piece of a per-layer tensor of shape `full` (None: replicated)."""
+    return index_of(local_ranges(key, full, tp=tp, rank=rank, swiglu=swiglu))
 
 
 def _local(tensor: torch.Tensor, index: tuple[int, torch.Tensor] | None) -> torch.Tensor:
     return tensor if index is None else tensor.index_select(index[0], index[1])
 
 
-def _layout(sizes: list[int], buckets: list[int], align: int) -> list[tuple[int, int]] | None:
+def layout(sizes: list[int], buckets: list[int], align: int) -> list[tuple[int, int]] | None:
     """(bucket, start) of each parameter (in module order) in the saved flat tensors, None when the parameters do
     not fill the buckets' recorded lengths by this rule."""
     placed: list[tuple[int, int]] = [(0, 0)] * len(sizes)
@@ -215,8 +230,8 @@ def _layout(sizes: list[int], buckets: list[int], align: int) -> list[tuple[int,
     return placed if bucket == len(buckets) and used == 0 else None
 
 
-def _bucket_space(src: TorchDistFolder, model: dict[str, torch.Tensor], *, tp: int, pp: int, swiglu: bool,
-                  num_layers: int) -> Adam:
+def bucket_keys(src: TorchDistFolder, *, tp: int, pp: int) -> dict[int, dict[int, dict[str, str]]]:
+    """Each model-parallel rank's buckets: rank -> bucket -> {param, exp_avg, exp_avg_sq: its flat key}."""
     found: dict[int, dict[int, dict[str, str]]] = {}
     for key in src.tensor_keys():
         match = _BUCKET.match(key)
@@ -228,12 +243,30 @@ def _bucket_space(src: TorchDistFolder, model: dict[str, torch.Tensor], *, tp: i
     if sorted(found) != list(range(tp * pp)):
         raise ValueError(f"its distributed optimizer holds model-parallel ranks {sorted(found)}, not the tp {tp} x "
                          f"pp {pp} of its arguments")
-    objects_wanted = [k for k in src.object_keys() if k.startswith("optimizer.distributed.dp_group_idx_0.optimizer/")]
-    flat, objects = read(src, [k for per in found.values() for b in per.values() for k in b.values()]
-                         + objects_wanted)
-    groups = next(iter(objects.values()), [None])[0] if objects else None
+    return found
+
+
+def bucket_groups(src: TorchDistFolder) -> tuple[dict[str, Any], float | None]:
+    """(hyper, step) of the bucket space, from rank 0's param groups (a ShardedObject: small)."""
+    wanted = [k for k in src.object_keys() if k.startswith("optimizer.distributed.dp_group_idx_0.optimizer/")]
+    _, objects = read(src, wanted) if wanted else ({}, {})
+    shards = next(iter(objects.values()), None)  # the list of the object's shards' data
+    groups = shards[0] if isinstance(shards, list) and shards else None
     groups = groups.get("param_groups") if isinstance(groups, dict) else None
-    hyper, step = _hyper(groups), _group_step(groups)
+    return _hyper(groups), _group_step(groups)
+
+
+def layout_error(m: int, lengths: list[int]) -> ValueError:
+    return ValueError(f"the dp_reshardable buffers of model-parallel rank {m} (buckets {lengths}) do not lay out as "
+                      "megatron-core's grad buffer over the model's parameters; save with "
+                      "--dist-ckpt-optim-fully-reshardable to carry the moments")
+
+
+def _bucket_space(src: TorchDistFolder, model: dict[str, torch.Tensor], *, tp: int, pp: int, swiglu: bool,
+                  num_layers: int) -> Adam:
+    found = bucket_keys(src, tp=tp, pp=pp)
+    hyper, step = bucket_groups(src)
+    flat, _ = read(src, [k for per in found.values() for b in per.values() for k in b.values()])
     stages = stage_layers(num_layers, pp, src.common.get("args"))
     state: dict[str, dict[str, torch.Tensor]] = {}
     for m in range(tp * pp):
@@ -243,9 +276,7 @@ def _bucket_space(src: TorchDistFolder, model: dict[str, torch.Tensor], *, tp: i
         chosen = _choose_layout(model, stages[p], buckets, lengths, tp=tp, rank=t, pp=pp, first=p == 0,
                                 last=p == pp - 1, swiglu=swiglu)
         if chosen is None:
-            raise ValueError(f"the dp_reshardable buffers of model-parallel rank {m} (buckets {lengths}) do not lay "
-                             "out as megatron-core's grad buffer over the model's parameters; save with "
-                             "--dist-ckpt-optim-fully-reshardable to carry the moments")
+            raise layout_error(m, lengths)
         for (key, layer), (bucket, start) in chosen:
             _place(state, model, flat, found[m][sorted(found[m])[bucket]], key, layer, start, tp=tp, rank=t,
                    swiglu=swiglu)
@@ -257,13 +288,13 @@ def _choose_layout(model: dict[str, torch.Tensor], layers: range, buckets: list[
                    ) -> list[tuple[tuple[str, int | None], tuple[int, int]]] | None:
     """The first module order and alignment whose layout puts each parameter's fp32 master on its weight."""
     for order in LAYER_ORDERS:
-        params = _rank_params(model, order, layers, first=first, last=last, pp=pp)
+        params = rank_params(model, order, layers, first=first, last=last, pp=pp)
         locals_ = []
         for key, layer in params:
             full = model[key] if layer is None else model[key][layer]
             locals_.append(_local(full, _local_index(key, full.shape, tp=tp, rank=rank, swiglu=swiglu)))
-        for align in _ALIGNMENTS:
-            placed = _layout([w.numel() for w in locals_], lengths, align)
+        for align in ALIGNMENTS:
+            placed = layout([w.numel() for w in locals_], lengths, align)
             if placed is None:
                 continue
             if all(torch.equal(buckets[b][s:s + w.numel()].to(w.dtype).view(w.shape), w)

@@ -4,8 +4,11 @@ Reading it whole (torch_dist_files.read of every key) holds the whole checkpoint
 whole's tensors are meta and stream.reshard fetches each of our tensors when it makes an output rank: the fetch reads
 its *unit* through torch.distributed.checkpoint, one load of a subset of keys (no process group): for a decoder layer,
 that layer's slice of every stacked key (weights, fp32 masters, Adam's moments: a box of each global tensor, which
-megatron-core saves as one chunk per layer and TP rank), else one key with its moments. reshard walks our tensors in
-model order, layer after layer, so a unit's tensors are asked for together and let go together.
+megatron-core saves as one chunk per layer and TP rank), else one key with its moments. The distributed optimizer's
+dp_reshardable state is read the same way: a unit's parameters lie side by side in each flat bucket buffer, so it is
+one 1-D box per (rank, bucket, state), each parameter put together from its TP pieces (torch_dist_buckets.py); the
+boxes are held beside what they make until it is made. reshard walks our tensors in model order, layer after layer,
+so a unit's tensors are asked for together and let go together.
 
 A unit stays held until reshard releases all its tensors (their last output rank is written) while the held bytes stay
 within `budget`; one read past the budget is held only until the next unit is read, and read again if a later output
@@ -19,12 +22,14 @@ the 16-bit weights are not read at all then.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
 import torch
 
 from megatron_hpc.checkpoint.foreign import torch_dist_keys
+from megatron_hpc.checkpoint.foreign.torch_dist_buckets import Flat, assemble, widen
 from megatron_hpc.checkpoint.foreign.torch_dist_files import Box, TorchDistFolder, read
 
 READ_BUDGET = 1 << 30
@@ -44,6 +49,9 @@ class Slot:
     half: int | None
     unit: str
     """What is read with it: `layer N` for a stacked key, else the model key (the weight with its moments)."""
+    flat: Flat | None = None
+    """Set for the distributed optimizer's bucket space (torch_dist_buckets.py): `key` only names it, and the value
+    is put together from these pieces of the flat buffers."""
 
 
 def slots(model_key: str, size: torch.Size, *, source_key: str, swiglu: bool, num_layers: int) -> dict[str, Slot]:
@@ -110,18 +118,34 @@ class StreamedReader:
     def _read(self, unit: str) -> None:
         if self._transient is not None:
             self._drop(self._transient)
-        wanted = {(s.key, s.layer) for per in self.roles.values() for s in per.values() if s.unit == unit}
+        wanted = {(s.key, s.layer): s for per in self.roles.values() for s in per.values() if s.unit == unit}
         boxes: dict[str, Box] = {}
-        for key, layer in wanted:
+        keys: set[str] = set()
+        flat_keys: set[str] = set()
+        for (key, layer), slot in wanted.items():
+            if slot.flat is not None:  # one 1-D box per flat key: the unit's parameters lie side by side in it
+                for piece in slot.flat.pieces:
+                    widen(boxes, piece.flat, piece.start, piece.start + math.prod(piece.shape))
+                    flat_keys.add(piece.flat)
+                continue
+            keys.add(key)
             if layer is not None:
                 size = tuple(self.src.keys[key].size)
                 boxes[key] = ((layer,) + (0,) * (len(size) - 1), (1, *size[1:]))
-        tensors, _ = read(self.src, sorted({key for key, _ in wanted}), boxes=boxes)
-        self._cache[unit] = {(key, layer): tensors[key] for key, layer in wanted}
-        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        tensors, _ = read(self.src, sorted(keys | flat_keys), boxes=boxes)
+        values = {}
+        for (key, layer), slot in wanted.items():
+            if slot.flat is None:
+                values[(key, layer)] = tensors[key]
+            else:  # stacked as a layer box reads, so fetch takes [0] alike
+                value = assemble(slot.flat, tensors, boxes)
+                values[(key, layer)] = value if layer is None else value.unsqueeze(0)
+        self._cache[unit] = values
+        size = sum(t.numel() * t.element_size() for t in values.values())
+        flat = sum(tensors[k].numel() * tensors[k].element_size() for k in flat_keys)
         if self.held_bytes + size > self.budget:
             self._transient = unit
         self._sizes[unit] = size
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes + size + flat)  # the flat boxes until assembled
         self.held_bytes += size
-        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
         self.unit_reads += 1
