@@ -43,11 +43,13 @@ from megatron_hpc.launch.restart_rules import (
     decide,
     healthy_nodes,
     node_names,
+    node_unusable,
+    only_not_responding,
     step_nodes,
     stragglers_to_exclude,
 )
 from megatron_hpc.launch.run_status import last_checkpoint
-from megatron_hpc.launch.slurm_nodes import allocation_nodes, hostnames, unusable_nodes
+from megatron_hpc.launch.slurm_nodes import allocation_nodes, hostnames, node_states, unusable_nodes
 from megatron_hpc.launch.step_exit import IN_JOB_STEP_ENV, read_node_exits, step_folder
 
 from megatron_hpc.run_folder import (
@@ -257,8 +259,10 @@ class Driver:
         suspects, hang_at = hang_reports(self.run_dir, seen=seen.hang_reports)
         suspects = node_names(suspects, (*allocation, *nodes))
         folder = step_folder(self.run_dir, job_id=self.job_id, attempt=self.attempt, step=step)
+        states = node_states(tuple(set(allocation) | set(nodes)))
         return StepEnd(step=step, nodes=nodes, exit_code=proc.returncode, started_at=started, ended_at=ended,
-                       allocation=allocation, unusable=unusable_nodes(tuple(set(allocation) | set(nodes))),
+                       allocation=allocation, unusable=frozenset(n for n, s in states.items() if node_unusable(s)),
+                       not_responding=frozenset(n for n, s in states.items() if only_not_responding(s)),
                        exits=read_node_exits(folder), hang_suspects=suspects, hang_detected_at=hang_at,
                        stopped=marker_new(self.run_dir, STOPPED_FILE, seen.stopped),
                        fatal=marker_new(self.run_dir, FATAL_FILE, seen.fatal), requested=requested)

@@ -28,6 +28,14 @@ UNUSABLE_STATES = frozenset({"DOWN", "DRAIN", "DRAINED", "DRAINING", "FAIL", "FA
 """Node state words (`scontrol show node -o`, State=IDLE+DRAIN, ALLOCATED*) that keep a node out of a step."""
 
 
+def only_not_responding(state: str) -> bool:
+    """Whether a State= value says no more than that slurmd did not answer the controller's last ping (a trailing
+    *, NOT_RESPONDING): a node busy tearing a step down, under load, may say so for seconds and answer again."""
+    words = set(state.upper().rstrip("*").replace("+", " ").split())
+    return (state.endswith("*") or bool(words & {"NOT_RESPONDING", "NO_RESPOND"})) and \
+        not words & (UNUSABLE_STATES - {"NOT_RESPONDING", "NO_RESPOND"})
+
+
 def node_unusable(state: str) -> bool:
     """Whether a State= value of `scontrol show node` keeps the node out (a trailing * means not responding)."""
     if state.endswith("*"):
@@ -48,6 +56,8 @@ class StepEnd:
     allocation: tuple[str, ...]
     """The job's nodes as SLURM sees them now (a failed node leaves the list under --no-kill)."""
     unusable: frozenset[str] = frozenset()
+    not_responding: frozenset[str] = frozenset()
+    """The unusable nodes that were only not responding (only_not_responding) as the step ended."""
     exits: tuple[NodeExit, ...] = ()
     """The nodes' exit records of this step, earliest first."""
     hang_suspects: tuple[str, ...] = ()
@@ -118,11 +128,15 @@ def classify(end: StepEnd) -> Failure:
     """Why a step that did not finish failed, and which nodes to leave out of the next one."""
     if end.requested is not None:
         return Failure(reason="requested", nodes_lost=end.requested, failed_at=end.ended_at)
-    lost = tuple(n for n in end.nodes if n in end.unusable or n not in end.allocation)
+    hung = bool(end.hang_suspects) or end.hang_detected_at is not None
+    # A watchdog's hang report is firmer than a node that did not answer a ping while the hung step was torn down
+    # (its slurmd busy): that node is a hang's, not a lost one. Gone from the job, or DOWN/DRAIN, it is lost.
+    lost = tuple(n for n in end.nodes if n not in end.allocation or
+                 (n in end.unusable and not (hung and n in end.not_responding)))
     first_exit = min((e.time for e in end.exits if e.exit_code), default=end.ended_at)
     if lost:
         return Failure(reason="node_lost", nodes_lost=lost, failed_at=min(first_exit, end.ended_at))
-    if end.hang_suspects or end.hang_detected_at is not None:
+    if hung:
         # A watchdog tore the step down: its SIGKILL reads as a worker killed by a signal on its own node, which
         # is no evidence (every node's watchdog sees the hang; the first to fire is chance). Only suspects count.
         suspects = tuple(n for n in dict.fromkeys(end.hang_suspects) if n in end.nodes)

@@ -32,13 +32,17 @@ def allocation_nodes(job_id: str) -> tuple[str, ...]:
     return hostnames(job_fields(job_id).get("NodeList", ""))
 
 
-def unusable_nodes(nodes: tuple[str, ...]) -> frozenset[str]:
-    """The nodes SLURM reports DOWN, DRAIN, FAIL or NOT_RESPONDING."""
+def node_states(nodes: tuple[str, ...]) -> dict[str, str]:
+    """NodeName -> State= of `scontrol show node` for these nodes ({} when scontrol does not answer)."""
     if not nodes:
-        return frozenset()
-    bad = set()
+        return {}
+    states = {}
     for line in _slurm(["scontrol", "show", "node", "-o", ",".join(nodes)]).splitlines():
         fields = dict(tok.split("=", 1) for tok in line.split() if "=" in tok)
-        if node_unusable(fields.get("State", "")):
-            bad.add(fields.get("NodeName", ""))
-    return frozenset(bad)
+        states[fields.get("NodeName", "")] = fields.get("State", "")
+    return states
+
+
+def unusable_nodes(nodes: tuple[str, ...]) -> frozenset[str]:
+    """The nodes SLURM reports DOWN, DRAIN, FAIL or NOT_RESPONDING."""
+    return frozenset(name for name, state in node_states(nodes).items() if node_unusable(state))

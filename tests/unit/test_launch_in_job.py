@@ -24,6 +24,7 @@ from megatron_hpc.launch.restart_rules import (
     healthy_nodes,
     node_names,
     node_unusable,
+    only_not_responding,
     step_nodes,
     stragglers_to_exclude,
 )
@@ -177,6 +178,21 @@ def test_scontrol_requeue_not_answering_leaves_the_driver_standing_and_the_attem
     assert driver.finish(Next(action="requeue", message="no room"), exit_code=1) == 1
     [line] = (driver.run_dir / ATTEMPTS_FILE).read_text().splitlines()
     assert json.loads(line)["action"] == "requeue" and json.loads(line)["requeued"] is False
+
+
+def test_a_hung_node_that_only_stopped_answering_pings_is_a_hang_not_a_lost_node():
+    # Its slurmd busy tearing the hung step down, SLURM said n2 ALLOCATED* (not responding) for a few seconds.
+    assert only_not_responding("ALLOCATED*") and only_not_responding("MIXED+NOT_RESPONDING")
+    assert not only_not_responding("DOWN*") and not only_not_responding("IDLE+DRAIN") and \
+        not only_not_responding("ALLOCATED")
+    quiet = dict(unusable=frozenset({"n2"}), not_responding=frozenset({"n2"}))
+    hang = classify(end(**quiet, hang_suspects=("n2",), hang_detected_at=120.0))
+    assert (hang.reason, hang.nodes_lost) == ("hang", ("n2",))
+    assert classify(end(**quiet)).reason == "node_lost"  # no hang report: a node that stops answering is lost
+    down = classify(end(unusable=frozenset({"n2"}), hang_suspects=("n1",), hang_detected_at=120.0))
+    assert (down.reason, down.nodes_lost) == ("node_lost", ("n2",))  # DOWN stays lost, whatever a watchdog said
+    gone = classify(end(allocation=("n1", "n3"), not_responding=frozenset({"n2"}), hang_detected_at=120.0))
+    assert gone.reason == "node_lost"
 
 
 def test_failed_at_is_the_first_failure_not_when_the_driver_noticed():
