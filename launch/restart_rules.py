@@ -129,10 +129,12 @@ def classify(end: StepEnd) -> Failure:
     if end.requested is not None:
         return Failure(reason="requested", nodes_lost=end.requested, failed_at=end.ended_at)
     hung = bool(end.hang_suspects) or end.hang_detected_at is not None
-    # A watchdog's hang report is firmer than a node that did not answer a ping while the hung step was torn down
-    # (its slurmd busy): that node is a hang's, not a lost one. Gone from the job, or DOWN/DRAIN, it is lost.
+    reported = {e.host for e in end.exits}
+    # A node that did not answer one ping while the step was torn down (its slurmd busy under load) is not lost when
+    # firmer evidence says what happened: its own exit record (it was up to write it) or a watchdog's hang report.
+    # Gone from the job, or DOWN/DRAIN, it is lost.
     lost = tuple(n for n in end.nodes if n not in end.allocation or
-                 (n in end.unusable and not (hung and n in end.not_responding)))
+                 (n in end.unusable and not (n in end.not_responding and (hung or n in reported))))
     first_exit = min((e.time for e in end.exits if e.exit_code), default=end.ended_at)
     if lost:
         return Failure(reason="node_lost", nodes_lost=lost, failed_at=min(first_exit, end.ended_at))

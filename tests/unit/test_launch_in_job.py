@@ -188,7 +188,10 @@ def test_a_hung_node_that_only_stopped_answering_pings_is_a_hang_not_a_lost_node
     quiet = dict(unusable=frozenset({"n2"}), not_responding=frozenset({"n2"}))
     hang = classify(end(**quiet, hang_suspects=("n2",), hang_detected_at=120.0))
     assert (hang.reason, hang.nodes_lost) == ("hang", ("n2",))
-    assert classify(end(**quiet)).reason == "node_lost"  # no hang report: a node that stops answering is lost
+    assert classify(end(**quiet)).reason == "node_lost"  # nothing else known: a node that stops answering is lost
+    # It wrote its own exit record (a worker killed there): up, and the failure is that worker's.
+    killed = classify(end(**quiet, exits=(exit_("n2", 110.0, sig=9), exit_("n1", 111.0))))
+    assert (killed.reason, killed.nodes_lost) == ("rank_failed", ("n2",))
     down = classify(end(unusable=frozenset({"n2"}), hang_suspects=("n1",), hang_detected_at=120.0))
     assert (down.reason, down.nodes_lost) == ("node_lost", ("n2",))  # DOWN stays lost, whatever a watchdog said
     gone = classify(end(allocation=("n1", "n3"), not_responding=frozenset({"n2"}), hang_detected_at=120.0))
