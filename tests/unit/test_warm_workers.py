@@ -56,11 +56,32 @@ def _start_server(env: dict[str, str], tmp: Path) -> tuple[subprocess.Popen, Pat
     return server, folder
 
 
+_CLIENTS: list[subprocess.Popen] = []
+"""Clients and a test's own warm processes, ended after each test (a module's warm process is its fixture's)."""
+
+
+@pytest.fixture(autouse=True)
+def _no_client_left():
+    """A test that failed halfway must not leave its client (and so its workers) running for the rest of the tier."""
+    yield
+    while _CLIENTS:
+        proc = _CLIENTS.pop()  # the newest first: clients before the warm process they came after
+        if proc.poll() is None:
+            proc.terminate()  # passed on to its workers, as srun's teardown does
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
 def client(env: dict, *worker: str, nproc: int = 2, node_rank: int = 0, nnodes: int = 1, **popen) -> subprocess.Popen:
     argv = [sys.executable, "-m", "megatron_hpc.launch.warm_client", f"--nproc-per-node={nproc}",
             f"--node-rank={node_rank}", f"--nnodes={nnodes}", "--master-addr=10.0.0.1", "--master-port=29123", "--",
             sys.executable, "-m", "warm_probe", *worker]
-    return subprocess.Popen(argv, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
+    proc = subprocess.Popen(argv, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
+    _CLIENTS.append(proc)
+    return proc
 
 
 def _pids(prefix: Path, ranks: range, timeout: float = 60) -> list[int]:
@@ -199,6 +220,7 @@ def test_a_draining_warm_process_sends_new_clients_cold_at_once_and_ends_with_it
     tmp_path = tmp_path_factory.mktemp("drain")  # short: the socket's path must fit AF_UNIX's 108 bytes
     env = _env(tmp_path, job="9996")
     server, folder = _start_server(env, tmp_path)
+    _CLIENTS.append(server)  # ended after the test, its clients before it
     running = client(env, "sleep", str(tmp_path / "pid"))
     (pid, _) = _pids(tmp_path / "pid", range(2))
     server.send_signal(signal.SIGTERM)  # a job-level TERM: it serves its running workers to their end
