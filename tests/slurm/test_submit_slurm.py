@@ -20,6 +20,10 @@ pytestmark = pytest.mark.slurm
 
 SUBMIT_TIMEOUT_S = 420
 COMPILE = ["--set", "train.compile=true"]
+# torch.compile with aot_eager: the phases, their order and the trial are what these tests are about, and inductor's
+# kernels took ~50 s of each two-rank compile phase on two cores; tests/slurm/test_compile_skip_slurm.py runs
+# inductor and its shared cache for real.
+QUICK_COMPILE = [*COMPILE, "--set", "train.compile_backend=aot_eager"]
 
 
 def submit_command(run_dir: Path, data: list[str], *extra: str) -> list[str]:
@@ -44,7 +48,7 @@ def jobs_by_phase(report: dict) -> dict[str, dict]:
 
 def test_tiny_on_two_nodes_compiles_then_trains(slurm_cluster, sacct_job, tmp_path, demo_data):
     run_dir = tmp_path / "run"
-    code, report, stderr = submit(run_dir, demo_data, *COMPILE)
+    code, report, stderr = submit(run_dir, demo_data, *QUICK_COMPILE)
     assert code == 0, f"{report}\n{stderr}"
     jobs = jobs_by_phase(report)
     assert jobs["run"]["depends_on"] == jobs["compile"]["job_id"]
@@ -83,7 +87,7 @@ def test_failed_compile_means_the_run_never_starts(slurm_cluster, sacct_job, tmp
     # An absurd learning rate without clipping makes every loss after the first step non-finite:
     # a real trainer failure in the compile phase's trial run.
     # aot_eager: the failure is the trainer's, not the compiler's, so nothing needs inductor's minutes of kernels
-    code, report, _stderr = submit(run_dir, demo_data, *COMPILE, "--set", "train.compile_backend=aot_eager",
+    code, report, _stderr = submit(run_dir, demo_data, *QUICK_COMPILE,
                                   "--set", "optim.lr=1e30", "--set", "optim.clip_grad=0",
                                   "--set", "optim.lr_warmup_iters=0",
                                   "--set", "train.max_skipped_steps=2")
