@@ -301,6 +301,32 @@ def read_tensor_into(path: Path, target: torch.Tensor, layout: TensorLayout, *,
     _check(path, size=size, crc=crc, data=None, expected=expected)
 
 
+def verify_file(path: Path, expected: FileRecord) -> None:
+    """Check the file against its manifest record (size, crc32 or sha256), reading it a chunk at a time: nothing of
+    it stays in this process (a convert that maps a large file checks it first without holding it)."""
+    fd = _open(path)
+    crc, sha = 0, hashlib.sha256() if expected.sha256 is not None else None
+    buffer = bytearray(CHUNK)
+    done = 0
+    try:
+        size = os.fstat(fd).st_size
+        _check_size(path, size, expected)
+        while n := os.readv(fd, [buffer]):
+            view = memoryview(buffer)[:n]
+            crc = crc32(view, crc)
+            if sha is not None:
+                sha.update(view)
+            done += n
+    finally:
+        os.close(fd)
+    if done != size:
+        raise CheckpointError(f"{path} changed while it was read ({done} of {size} bytes); load it again")
+    _check(path, size=size, crc=crc, data=None, expected=FileRecord(size=expected.size, crc32=expected.crc32))
+    if sha is not None and sha.hexdigest() != expected.sha256:
+        raise CheckpointError(f"{path} has sha256 {sha.hexdigest()[:16]}... but the manifest says "
+                              f"{str(expected.sha256)[:16]}... (altered); load an earlier checkpoint")
+
+
 def read_torch_file(path: Path, *, expected: FileRecord | None = None, allowed: tuple[type, ...] = ()) -> Any:
     """Load one torch file (CPU), checked against `expected` when given; see the module docstring."""
     fd = _open(path)
