@@ -19,7 +19,7 @@ from test_checkpoint_torch_dist_export import FIXTURES, dcp_tensors
 
 from megatron_hpc.checkpoint.conversion import read_lazy, read_whole, stream
 from megatron_hpc.checkpoint.conversion.whole import write_whole
-from megatron_hpc.checkpoint.foreign import export_hf, export_torch_dist
+from megatron_hpc.checkpoint.foreign import export_hf, export_torch_dist, import_foreign, read_foreign
 from megatron_hpc.cli.main import main
 
 
@@ -33,7 +33,7 @@ def ours(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     and Llama-shaped (megatron-core's RMSNorm / SwiGLU / GQA / untied fixture), each as xser and as torch files."""
     root = tmp_path_factory.mktemp("own")
     reference_checkpoint(root / "ref", tp=2, pp=2, xser_files=True)
-    out = {}
+    out = {"legacy": root / "ref" / "iter_0000030"}
     for fmt in ("xser", "torch"):
         out[f"gpt-{fmt}"] = root / f"gpt-{fmt}"
         _convert(root / "ref" / "iter_0000030", out[f"gpt-{fmt}"], "--to", fmt, "--vocab-size", "50")
@@ -45,11 +45,14 @@ def ours(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 CASES = ["gpt-xser", "gpt-torch", "llama-xser", "llama-torch"]
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", [*CASES, "legacy"])
 def test_the_hf_export_streams_equal_to_the_whole_read(case: str, ours: dict[str, Path], tmp_path: Path) -> None:
+    """Ours, and the reference's legacy TP 2 x PP 2 folder (mapped, as --to torch|xser already read it)."""
     src = ours[case]
-    export_hf(read_whole(src), tmp_path / "whole", max_shard_bytes=20_000)
-    _convert(src, tmp_path / "streamed", "--to", "hf", "--shard-size-gb", "0.00002", "--read-budget-gib", "1e-9")
+    whole = read_whole(src) if case != "legacy" else import_foreign(read_foreign(src), vocab_size=50).whole
+    export_hf(whole, tmp_path / "whole", max_shard_bytes=20_000)
+    _convert(src, tmp_path / "streamed", "--to", "hf", "--shard-size-gb", "0.00002", "--read-budget-gib", "1e-9",
+             *(["--vocab-size", "50"] if case == "legacy" else []))
     names = sorted(p.name for p in (tmp_path / "whole").iterdir())
     assert names == sorted(p.name for p in (tmp_path / "streamed").iterdir())
     assert len([n for n in names if n.endswith(".safetensors")]) >= 3  # shards, with their index

@@ -1,8 +1,7 @@
 """Whole checkpoints of ours rewritten offline, in one process: read every rank (whole, or a tensor at a time as the
-writers ask: read_lazy), write them at another TP x PP size one output rank at a time (stream.reshard) or in the other
-file format (convert_lazy), and the
-layouts that say how a weight or an Adam moment splits over TP ranks (tp_layout), pipeline stages (pp_layout) and
-parameter groups (optim_layout).
+writers ask: read_lazy), write them at another TP x PP size one output rank at a time (stream.reshard) or in the
+other file format (convert_lazy), and the layouts that say how a weight or an Adam moment splits over TP ranks
+(tp_layout), pipeline stages (pp_layout) and parameter groups (optim_layout).
 
 Above store/ (it reads and writes through store's face), below foreign/ (whose importers hand their result to
 stream.reshard). Everything outside the room imports from here, never from a module inside it.
