@@ -56,7 +56,8 @@ Key = tuple[int, int, str, str]
 class OwnReader:
     """Our checkpoint's weights and moments by Key, read when fetched; see the module docstring for the budget."""
 
-    loads: dict[Key, Callable[[], torch.Tensor]]
+    loads: dict[tuple[int, int, str], dict[str, Callable[[], torch.Tensor]]]
+    """(pp_rank, tp_rank, name) -> role -> how to read it."""
     budget: int
     held_bytes: int = 0
     peak_bytes: int = 0
@@ -69,7 +70,7 @@ class OwnReader:
             return self._cache[key]
         if self._transient is not None:
             self._drop(self._transient)
-        value = self.loads[key]()
+        value = self.loads[key[:3]][key[3]]()
         size = value.numel() * value.element_size()
         self._cache[key] = value
         self.held_bytes += size
@@ -81,9 +82,8 @@ class OwnReader:
 
     def release(self, p: int, t: int, name: str) -> None:
         """`name` of rank (p, t), its moments with it, will not be fetched again."""
-        for key in [k for k in self.loads if k[:3] == (p, t, name)]:
-            self._drop(key)
-            del self.loads[key]
+        for role in self.loads.pop((p, t, name), {}):
+            self._drop((p, t, name, role))
 
     def _drop(self, key: Key) -> None:
         value = self._cache.pop(key, None)
@@ -98,7 +98,7 @@ def read_lazy(path: Path, *, iteration: int | None = None, budget: int) -> tuple
     moments, and the reader behind it."""
     found = locate(path, iteration=iteration)
     m = found.manifest
-    loads: dict[Key, Callable[[], torch.Tensor]] = {}
+    loads: dict[tuple[int, int, str], dict[str, Callable[[], torch.Tensor]]] = {}
     files = {found.folder / rel: rec for rel, rec in m.files.items()}
     grid = [[_rank(found, files, p, t, loads) for t in range(m.tensor_parallel)] for p in range(m.pipeline_parallel)]
     reader = OwnReader(loads=loads, budget=budget)
@@ -115,7 +115,7 @@ def _unit(name: str) -> str:
 
 
 def _rank(found: FoundCheckpoint, files: dict[Path, Any], p: int, t: int,
-          loads: dict[Key, Callable[[], torch.Tensor]]) -> dict[str, Any]:
+          loads: dict[tuple[int, int, str], dict[str, Callable[[], torch.Tensor]]]) -> dict[str, Any]:
     """Rank (p, t)'s state with its weights and moments meta (their loads put in `loads`), the rest read; `files`:
     the manifest's records by path."""
     m = found.manifest
@@ -133,8 +133,8 @@ def _rank(found: FoundCheckpoint, files: dict[Path, Any], p: int, t: int,
         state = read_xser(main, mmap=True)
         stand_ins = {id(x): (lambda x=x: x) for x in _tensors(state)}
     lazy = _lazy(state)
-    for key, tensor in lazy.items():
-        loads[(p, t, *key)] = stand_ins[id(tensor)]
+    for (name, role), tensor in lazy.items():
+        loads.setdefault((p, t, name), {})[role] = stand_ins[id(tensor)]
     wanted = {id(x) for x in lazy.values()}
     # Everything else (steps, RNG states) is small: read now, copied out of a mapping so it does not pin the file.
     return _replace(state, lambda x: torch.empty(x.shape, dtype=x.dtype, device="meta") if id(x) in wanted
