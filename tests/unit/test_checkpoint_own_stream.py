@@ -120,3 +120,26 @@ def test_the_reader_holds_one_tensor_at_a_budget_of_one_byte(case: str, ours: di
         assert not reader.loads, "every tensor was released"
     assert 0 < peaks[1] <= largest
     assert peaks[1 << 40] > 3 * largest
+
+
+def _mapped_from(folder: Path) -> list[tuple[int, int]]:
+    """The address ranges of this process mapped from files under `folder` (/proc/self/maps)."""
+    out = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith(str(folder.resolve())):
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            out.append((lo, hi))
+    return out
+
+
+def test_a_torch_file_is_read_not_mapped_into_what_is_fetched(ours: dict[str, Path]) -> None:
+    """torch.load(mmap=True) maps the rank file for its structure; a fetched tensor must be read into its own memory,
+    not be a view of that mapping (whose pages would count in RSS until the file's last tensor went)."""
+    source, _ = read_lazy(ours["llama-torch"], budget=1 << 40)
+    name = "h.0.attn.qkv.weight"
+    mapped = _mapped_from(ours["llama-torch"])
+    assert mapped, "the rank files are mapped for their structure"
+    got = source.weight(0, 0, name)
+    assert not any(lo <= got.data_ptr() < hi for lo, hi in mapped)
+    assert torch.equal(got, read_whole(ours["llama-torch"]).grid[0][0]["model"][name])

@@ -13,11 +13,12 @@ How the bytes are read differs by format, on purpose:
 - xser keeps each tensor in its own file, so a fetch reads just that file into fresh memory, checked against the
   manifest's crc32 on the way (store's read_torch_file), and releasing it frees that memory.
 - torch keeps a rank's whole state in one file. It is checked against the manifest first, a chunk at a time
-  (verify_file), then mapped (torch.load mmap=True) and a fetch is a view of the mapping. Mapped pages are the page
-  cache's, clean and reclaimable, not anonymous memory, so the host never needs the checkpoint's size in RAM. But
-  they count in the process's RSS while mapped, and the mapping lives until the rank's last tensor goes: the RSS a
-  tool like /usr/bin/time reports grows by each source rank's file as it is read (benchmarks/RESULTS.md, issue 27,
-  "Our own checkpoints streamed"). The small tensors kept up front are copied out, so they do not pin it.
+  (verify_file), then mapped (torch.load mmap=True) for its structure, and a fetch reads the tensor's bytes from the
+  file into fresh memory (pread at its data record's offset). Mapping alone would do for the host (mapped pages are
+  the page cache's, clean and reclaimable), but they count in the process's RSS while mapped, and one file's mapping
+  lives until its last tensor goes: RSS grew by each source rank's whole file as it was read (3.42 GiB against 1.43
+  of one output rank: benchmarks/RESULTS.md, issue 27, "A checkpoint of ours streamed"). Nothing reads the mapping's
+  pages now, so they never become resident.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from megatron_hpc.checkpoint.store import (
     PipelineLayout,
     RankInfo,
     commit_save,
+    data_records,
     paths,
     read_references,
     read_torch_file,
@@ -131,7 +133,7 @@ def _rank(found: FoundCheckpoint, files: dict[Path, Any], p: int, t: int,
     else:
         verify_file(main, record)
         state = read_xser(main, mmap=True)
-        stand_ins = {id(x): (lambda x=x: x) for x in _tensors(state)}
+        stand_ins = _torch_file_reads(main, _tensors(state))
     lazy = _lazy(state)
     for (name, role), tensor in lazy.items():
         loads.setdefault((p, t, name), {})[role] = stand_ins[id(tensor)]
@@ -139,6 +141,32 @@ def _rank(found: FoundCheckpoint, files: dict[Path, Any], p: int, t: int,
     # Everything else (steps, RNG states) is small: read now, copied out of a mapping so it does not pin the file.
     return _replace(state, lambda x: torch.empty(x.shape, dtype=x.dtype, device="meta") if id(x) in wanted
                     else stand_ins[id(x)]().clone())
+
+
+def _torch_file_reads(main: Path, mapped: list[torch.Tensor]) -> dict[int, Callable[[], torch.Tensor]]:
+    """id(tensor) -> a read of its storage's bytes from `main` into fresh memory, for the tensors torch.load mapped
+    from it (mmap=True lays every storage at the mapping's start + its data record's offset, which is how each is
+    found); the mapped tensors themselves when the file's records do not line up so (an unusual file)."""
+    as_mapped = {id(x): (lambda x=x: x) for x in mapped}
+    records = data_records(main)
+    storages = {x.untyped_storage().data_ptr(): x.untyped_storage().nbytes() for x in mapped
+                if x.untyped_storage().nbytes()}
+    if not records or not storages:
+        return as_mapped
+    base = min(storages) - min(o for o, n in records.items() if n)
+    if any(records.get(ptr - base) != n for ptr, n in storages.items()):
+        return as_mapped
+
+    def read(x: torch.Tensor) -> torch.Tensor:
+        storage = x.untyped_storage()
+        data = torch.empty(storage.nbytes(), dtype=torch.uint8)
+        with open(main, "rb", buffering=0) as fh:
+            fh.seek(storage.data_ptr() - base)
+            if fh.readinto(memoryview(data.numpy())) != storage.nbytes():
+                raise CheckpointError(f"{main} changed while it was read; load it again")
+        return torch.empty(0, dtype=x.dtype).set_(data.untyped_storage(), x.storage_offset(), x.shape, x.stride())
+
+    return {id(x): (lambda x=x: read(x)) for x in mapped}
 
 
 def _xser_stand_in(path: Path, files: dict[Path, Any], stand_ins: dict[int, Callable[[], torch.Tensor]]

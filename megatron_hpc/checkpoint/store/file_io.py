@@ -178,23 +178,38 @@ def _read_into(fd: int, view: memoryview, offset: int, crc: int) -> int:
 
 def _data_record(fh: Any) -> tuple[int, int] | None:
     """(offset, size) of the only data record of a torch zip file, if it is stored uncompressed; else None."""
+    records = _data_records(fh)
+    return records[0] if records is not None and len(records) == 1 else None
+
+
+def _data_records(fh: Any) -> list[tuple[int, int]] | None:
+    """(offset, size) of every data record (a storage's elements) of a torch zip file, if all are stored uncompressed
+    in little-endian order; else None."""
     try:
         with zipfile.ZipFile(fh) as zf:
             records = [i for i in zf.infolist() if "/data/" in i.filename and "/.data/" not in i.filename]
-            if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED:
+            if any(info.compress_type != zipfile.ZIP_STORED for info in records):
                 return None
-            info = records[0]
             order = [i for i in zf.infolist() if i.filename.endswith("/byteorder")]
             if order and zf.read(order[0]) != b"little":  # torch.load would swap the bytes; leave that to it
                 return None
-        fh.seek(info.header_offset)
-        header = _LOCAL_HEADER.unpack(fh.read(_LOCAL_HEADER.size))
+        out = []
+        for info in records:
+            fh.seek(info.header_offset)
+            header = _LOCAL_HEADER.unpack(fh.read(_LOCAL_HEADER.size))
+            if header[0] != b"PK\x03\x04":
+                return None
+            name_len, extra_len = header[9], header[10]
+            out.append((info.header_offset + _LOCAL_HEADER.size + name_len + extra_len, info.file_size))
     except (zipfile.BadZipFile, OSError, ValueError, struct.error, EOFError, KeyError, NotImplementedError):
         return None  # damaged or unusual: the generic path reads, checks and reports it
-    if header[0] != b"PK\x03\x04":
-        return None
-    name_len, extra_len = header[9], header[10]
-    return info.header_offset + _LOCAL_HEADER.size + name_len + extra_len, info.file_size
+    return out
+
+
+def data_records(path: Path) -> dict[int, int] | None:
+    """Offset -> size of every data record of the torch file `path` (see _data_records), None when unusual."""
+    with open(path, "rb") as fh:
+        return dict(_data_records(fh) or []) or None
 
 
 def _check_size(path: Path, size: int, expected: FileRecord | None) -> None:
