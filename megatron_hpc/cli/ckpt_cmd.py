@@ -165,7 +165,7 @@ class _Source:
     family: str
     notes: list[str]
     streamed: Any = None
-    """stream.Source over a mapped foreign checkpoint (its whole's weights are meta), or None."""
+    """stream.Source whose weights (and moments) are read as they are fetched (its whole's are meta)."""
     saved: tuple[int, int] | None = None
     """(tp, pp) a source read whole at TP 1 x PP 1 (torch_dist) was saved at."""
     ours: bool = False
@@ -207,9 +207,13 @@ def _read_source(args: argparse.Namespace) -> _Source:
         return _Source(dist.imported.whole, dist.imported.family, list(dist.imported.notes),
                        streamed=dist.imported.source, saved=dist.saved[:2])
     if folder is not None:
-        _budget(args)  # its check; a mapped source's bytes are the page cache's
+        _budget(args)  # its check
         imported = import_foreign(read_foreign(folder, mmap=True), vocab_size=args.vocab_size, lazy=True)
-        return _Source(imported.whole, imported.family, list(imported.notes), streamed=imported.source)
+        notes = list(imported.notes)
+        if args.read_budget_gib is not None:
+            notes.append(f"--read-budget-gib does not apply to {imported.family}'s files: they are mapped (torch.load "
+                         "mmap), their bytes are the page cache's, which the kernel drops as needed")
+        return _Source(imported.whole, imported.family, notes, streamed=imported.source)
     if args.vocab_size is not None:
         raise CheckpointError("--vocab-size is for checkpoints of other trainers; ours record their vocabulary")
     streamed, _ = read_lazy(source, iteration=args.iteration, budget=_budget(args))

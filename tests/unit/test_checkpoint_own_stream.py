@@ -46,13 +46,16 @@ CASES = ["gpt-xser", "gpt-torch", "llama-xser", "llama-torch"]
 
 
 @pytest.mark.parametrize("case", [*CASES, "legacy"])
-def test_the_hf_export_streams_equal_to_the_whole_read(case: str, ours: dict[str, Path], tmp_path: Path) -> None:
+def test_the_hf_export_streams_equal_to_the_whole_read(case: str, ours: dict[str, Path], tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
     """Ours, and the reference's legacy TP 2 x PP 2 folder (mapped, as --to torch|xser already read it)."""
     src = ours[case]
     whole = read_whole(src) if case != "legacy" else import_foreign(read_foreign(src), vocab_size=50).whole
     export_hf(whole, tmp_path / "whole", max_shard_bytes=20_000)
     _convert(src, tmp_path / "streamed", "--to", "hf", "--shard-size-gb", "0.00002", "--read-budget-gib", "1e-9",
              *(["--vocab-size", "50"] if case == "legacy" else []))
+    # A mapped legacy folder holds no budget: said, not silently ignored.
+    assert ("--read-budget-gib does not apply" in capsys.readouterr().err) == (case == "legacy")
     names = sorted(p.name for p in (tmp_path / "whole").iterdir())
     assert names == sorted(p.name for p in (tmp_path / "streamed").iterdir())
     assert len([n for n in names if n.endswith(".safetensors")]) >= 3  # shards, with their index
