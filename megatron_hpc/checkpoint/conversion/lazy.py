@@ -153,17 +153,22 @@ def _torch_file_reads(main: Path, mapped: list[torch.Tensor]) -> dict[int, Calla
                 if x.untyped_storage().nbytes()}
     if not records or not storages:
         return as_mapped
-    base = min(storages) - min(o for o, n in records.items() if n)
+    base = min(storages) - min((o for o, n in records.items() if n), default=0)
     if any(records.get(ptr - base) != n for ptr, n in storages.items()):
         return as_mapped
 
     def read(x: torch.Tensor) -> torch.Tensor:
         storage = x.untyped_storage()
         data = torch.empty(storage.nbytes(), dtype=torch.uint8)
+        view, offset = memoryview(data.numpy()), storage.data_ptr() - base
         with open(main, "rb", buffering=0) as fh:
-            fh.seek(storage.data_ptr() - base)
-            if fh.readinto(memoryview(data.numpy())) != storage.nbytes():
-                raise CheckpointError(f"{main} changed while it was read; load it again")
+            while view.nbytes:  # one read(2) stops at 2 GiB on Linux; a 70B model's embeddings are more
+                fh.seek(offset)
+                done = fh.readinto(view)
+                if not done:
+                    raise CheckpointError(f"{main} changed while it was read (shorter than its records); load it "
+                                          "again")
+                view, offset = view[done:], offset + done
         return torch.empty(0, dtype=x.dtype).set_(data.untyped_storage(), x.storage_offset(), x.shape, x.stride())
 
     return {id(x): (lambda x=x: read(x)) for x in mapped}
