@@ -22,6 +22,8 @@ times them):
     python benchmarks/convert_torch_dist_cpu.py --dir ./td-bench --dp-reshardable   # distributed optimizer buckets
     python benchmarks/convert_torch_dist_cpu.py --dir ./td-bench --optimizer --to hf --read-budget-gib 0.25 \
         --shard-size-gb 0.1
+    python benchmarks/convert_torch_dist_cpu.py --dir ./td-bench --optimizer --ours xser --ours-pp 2 \
+        --to torch hf torch_dist --baseline ../main     # a checkpoint of ours, against main's code side by side
 
 Goal: each convert within 2x of the copy's wall time. Peak RSS is reported: `--to torch|xser` reads the source a
 unit (one layer of every stacked key, or one key with its moments) at a time, holding at most `--read-budget-gib`
@@ -63,6 +65,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--read-budget-gib", type=float, help="passed to each convert (default: its own, 1)")
     p.add_argument("--shard-size-gb", type=float, help="passed to --to hf (default: its own, 5)")
     p.add_argument("--repeat", type=int, default=1, help="runs of each, alternating; the table gives medians")
+    p.add_argument("--ours", choices=("xser", "torch"),
+                   help="convert the source once (untimed) into a checkpoint of ours in this format at --from-tp x "
+                        "--ours-pp, and time the converts of that instead (read a tensor at a time)")
+    p.add_argument("--ours-pp", type=int, default=1, help="with --ours: its pipeline size")
+    p.add_argument("--baseline", type=Path, help="a checkout of another commit (say main's): each convert runs "
+                   "with that tree's megatron_hpc too, alternating with this one's")
     p.add_argument("--keep", action="store_true", help="keep the work folder")
     p.add_argument("--write-source-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -256,6 +264,17 @@ def _merge_index(path: Path, state: dict[str, object], placed: dict[str, tuple[s
         pickle.dump(metadata, fh)
 
 
+def _ours(src: Path, out: Path, *, fmt: str, tp: int, pp: int) -> Path:
+    """`src` converted once into a checkpoint of ours (what `--ours` then times the converts of)."""
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "megatron_hpc", "ckpt", "convert", str(src), "--to", fmt, "--tp", str(tp),
+                    "--pp", str(pp), "--out", str(out)], check=True, stdout=subprocess.DEVNULL)
+    shutil.rmtree(src)
+    print(f"source of ours: {fmt} at tp {tp} x pp {pp}, {du(out) / GIB:.2f} GiB, made in "
+          f"{time.perf_counter() - t0:.0f} s", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     shape = Shape(layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab, seq=args.seq)
@@ -276,15 +295,22 @@ def main(argv: list[str] | None = None) -> None:
           f"{'with' if args.optimizer else 'without'} optimizer{' (dp_reshardable)' * args.dp_reshardable}, "
           f"{du(src) / GIB:.2f} GiB, written in "
           f"{time.perf_counter() - t0:.0f} s; load {os.getloadavg()[0]:.2f}", flush=True)
+    if args.ours:
+        src = _ours(src, work / "ours-src", fmt=args.ours, tp=args.from_tp, pp=args.ours_pp)
     commands = {"cp -r": (["cp", "-r", str(src), str(copy)], copy)}
+    trees = {"": [sys.executable, "-m", "megatron_hpc"]}
+    if args.baseline:  # sys.path[0] first: `python -m` would import the working directory's tree
+        trees["baseline: "] = [sys.executable, "-c", "import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); "
+                               "runpy.run_module('megatron_hpc', run_name='__main__', alter_sys=True)",
+                               str(args.baseline.resolve())]
     for to in args.to:
-        out = work / f"ours-{to}"
-        sizes = ["--tp", str(args.to_tp)] if to != "hf" else (
-            ["--shard-size-gb", str(args.shard_size_gb)] if args.shard_size_gb else [])
-        commands[f"convert --to {to} {' '.join(sizes[:2])}".strip()] = (
-            [sys.executable, "-m", "megatron_hpc", "ckpt", "convert", str(src), "--to", to, *sizes,
-             "--out", str(out), *(["--read-budget-gib", str(args.read_budget_gib)] if args.read_budget_gib else [])],
-            out)
+        for tag, python in trees.items():
+            out = work / f"{tag[:4]}ours-{to}"
+            sizes = ["--tp", str(args.to_tp)] if to != "hf" else (
+                ["--shard-size-gb", str(args.shard_size_gb)] if args.shard_size_gb else [])
+            commands[f"{tag}convert --to {to} {' '.join(sizes[:2])}".strip()] = (
+                [*python, "ckpt", "convert", str(src), "--to", to, *sizes, "--out", str(out),
+                 *(["--read-budget-gib", str(args.read_budget_gib)] if args.read_budget_gib else [])], out)
     runs: dict[str, list[Row]] = {name: [] for name in commands}
     for i in range(args.repeat):  # alternating, so a change in the machine's load falls on all alike
         for name, (cmd, dst) in commands.items():

@@ -60,9 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="with --to torch_dist: Adam's state for a run with --use-distributed-optimizer (its "
                         "fully_reshardable form) instead of plain Adam's")
     c.add_argument("--read-budget-gib", type=float, metavar="GIB",
-                   help="a torch_dist source converted --to torch|xser|hf|torch_dist is read a part at a time, "
-                        "holding about this much of it (plus one layer or embedding) at once; parts past it are read "
-                        "again for each output rank or shard that needs them (default: 1)")
+                   help="a checkpoint of ours or a torch_dist one is read a part at a time, holding about this much "
+                        "of it (plus one layer or embedding) at once; parts past it are read again for each output "
+                        "rank or shard that needs them (default: 1)")
     c.add_argument("--shard-size-gb", type=float, metavar="GB",
                    help="with --to hf: the largest weights file, in GB of 10^9 bytes as transformers' max_shard_size; "
                         "a larger model is written in shards with model.safetensors.index.json, and about one shard "
@@ -165,16 +165,30 @@ class _Source:
     family: str
     notes: list[str]
     streamed: Any = None
-    """stream.Source over a mapped foreign checkpoint (its whole's weights are meta), or None."""
+    """stream.Source whose weights (and moments) are read as they are fetched (its whole's are meta)."""
     saved: tuple[int, int] | None = None
     """(tp, pp) a source read whole at TP 1 x PP 1 (torch_dist) was saved at."""
     ours: bool = False
 
 
+def _budget(args: argparse.Namespace) -> int:
+    """--read-budget-gib in bytes (default READ_BUDGET); 0 or less is refused in one line."""
+    from megatron_hpc.checkpoint.foreign import READ_BUDGET
+    from megatron_hpc.errors import CheckpointError
+
+    if args.read_budget_gib is not None and not args.read_budget_gib > 0:
+        raise CheckpointError(f"--read-budget-gib {args.read_budget_gib} must be above 0; drop it for the default "
+                              f"{READ_BUDGET / 2**30:g}, or give less on a machine short of memory (each part past "
+                              "it is read once per output rank)")
+    return READ_BUDGET if args.read_budget_gib is None else int(args.read_budget_gib * 2**30)
+
+
 def _read_source(args: argparse.Namespace) -> _Source:
-    from megatron_hpc.checkpoint.conversion import read_whole
+    """The source with its weights (and moments) read a part at a time as the writer asks (every kind, every --to):
+    a torch_dist folder through torch_dist_stream.py, ours through conversion/lazy.py, a legacy Megatron folder
+    mapped (torch.load mmap)."""
+    from megatron_hpc.checkpoint.conversion import read_lazy
     from megatron_hpc.checkpoint.foreign import (
-        READ_BUDGET,
         foreign_folder,
         import_foreign,
         import_torch_dist,
@@ -187,25 +201,23 @@ def _read_source(args: argparse.Namespace) -> _Source:
     source = args.path
     folder = foreign_folder(source if args.iteration is None else iteration_dir(source, args.iteration))
     if folder is not None and is_torch_dist(folder):
-        if args.read_budget_gib is not None and not args.read_budget_gib > 0:
-            raise CheckpointError(f"--read-budget-gib {args.read_budget_gib} must be above 0; drop it for the default "
-                                  f"{READ_BUDGET / 2**30:g}, or give less on a machine short of memory (each part past "
-                                  "it is read once per output rank)")
         # Every format reads a part at a time (torch_dist_stream.py), --to hf its weights only.
-        budget = READ_BUDGET if args.read_budget_gib is None else int(args.read_budget_gib * 2**30)
-        dist = import_torch_dist(folder, vocab_size=args.vocab_size, stream_budget=budget,
+        dist = import_torch_dist(folder, vocab_size=args.vocab_size, stream_budget=_budget(args),
                                  weights_only=args.to == "hf")
         return _Source(dist.imported.whole, dist.imported.family, list(dist.imported.notes),
                        streamed=dist.imported.source, saved=dist.saved[:2])
     if folder is not None:
-        # Except for --to hf and torch_dist (which need the whole model), the source is mapped and its weights are
-        # read one output rank at a time by stream.reshard.
-        lazy = args.to not in ("hf", "torch_dist")
-        imported = import_foreign(read_foreign(folder, mmap=lazy), vocab_size=args.vocab_size, lazy=lazy)
-        return _Source(imported.whole, imported.family, list(imported.notes), streamed=imported.source)
+        _budget(args)  # its check
+        imported = import_foreign(read_foreign(folder, mmap=True), vocab_size=args.vocab_size, lazy=True)
+        notes = list(imported.notes)
+        if args.read_budget_gib is not None:
+            notes.append(f"--read-budget-gib does not apply to {imported.family}'s files: they are mapped (torch.load "
+                         "mmap), their bytes are the page cache's, which the kernel drops as needed")
+        return _Source(imported.whole, imported.family, notes, streamed=imported.source)
     if args.vocab_size is not None:
         raise CheckpointError("--vocab-size is for checkpoints of other trainers; ours record their vocabulary")
-    return _Source(read_whole(source, iteration=args.iteration), "megatron-hpc", [], ours=True)
+    streamed, _ = read_lazy(source, iteration=args.iteration, budget=_budget(args))
+    return _Source(streamed.whole, "megatron-hpc", [], streamed=streamed, ours=True)
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -233,27 +245,30 @@ def _convert(args: argparse.Namespace) -> int:
               "out": str(out), "from_tp": from_tp, "from_pp": from_pp}
     if args.to != "hf":  # the export writes fp32 whatever the source held
         report["weights_dtype"] = _weights_dtype(whole)
+    from megatron_hpc.checkpoint.conversion import stream
     from megatron_hpc.checkpoint.foreign import SHARD_BYTES, export_torch_dist
 
+    if args.to in ("torch_dist", "hf"):
+        # The exports take the model whole (TP 1 x PP 1): a source at other sizes is put together a tensor at a
+        # time as they fetch it, a part (a decoder layer, or one other key) at a time.
+        one = stream.merged(src.streamed)
+        whole = one.whole
     if args.to == "torch_dist":
-        # A streamed torch_dist source is written a part at a time as it is read (torch_dist_write.py).
-        exported = export_torch_dist(whole, out, tp=tp, pp=pp, distributed=args.distributed_optimizer,
-                                     source=src.streamed if src.saved is not None else None)
+        # Written a part at a time as it is read (torch_dist_write.py).
+        exported = export_torch_dist(whole, out, tp=tp, pp=pp, distributed=args.distributed_optimizer, source=one)
         written, report["optimizer"] = exported.folder, exported.optimizer
         notes += exported.notes
     elif args.to == "hf":
         shard = SHARD_BYTES if args.shard_size_gb is None else int(args.shard_size_gb * 10**9)
-        written, report["tokenizer"] = _export_hf(whole, out, source=src.streamed, max_shard_bytes=shard)
-        tp, pp = whole.tensor_parallel, whole.pipeline_parallel
+        written, report["tokenizer"] = _export_hf(whole, out, source=one, max_shard_bytes=shard)
+        tp, pp = src.whole.tensor_parallel, src.whole.pipeline_parallel
     elif src.ours and args.tp is None and args.pp is None:
-        from megatron_hpc.checkpoint.conversion import convert_format
+        from megatron_hpc.checkpoint.conversion import convert_lazy
 
-        written = convert_format(whole, to=args.to, out=out)
+        written = convert_lazy(src.streamed, to=args.to, out=out)
     else:
-        from megatron_hpc.checkpoint.conversion import stream
-
-        # One output rank at a time; whole is not read again (its weights are released as they are used).
-        result = stream.reshard(src.streamed or stream.in_memory(whole), tp=tp, pp=pp, out=out, fmt=args.to)
+        # One output rank at a time; the source's weights are fetched as they are needed and released after.
+        result = stream.reshard(src.streamed, tp=tp, pp=pp, out=out, fmt=args.to)
         written, report["optimizer"] = result.folder, result.optimizer
         if result.note and not any("Adam" in n for n in notes):
             notes.append(result.note)
@@ -402,13 +417,16 @@ def _generation_ids(files: list[Path]) -> dict[str, Any]:
 
 
 def _reshard(args: argparse.Namespace) -> int:
-    from megatron_hpc.checkpoint.conversion import read_whole, stream
+    from megatron_hpc.checkpoint.conversion import read_lazy, stream
+    from megatron_hpc.checkpoint.foreign import READ_BUDGET
     from megatron_hpc.checkpoint.store import PipelineLayout, reshard_out
     from megatron_hpc.errors import CheckpointError
 
     if args.tp is None and args.pp is None:
         raise CheckpointError("say what to reshard to: --tp N and/or --pp M (an omitted one keeps the checkpoint's)")
-    whole = read_whole(args.path, iteration=args.iteration)
+    # Read a tensor at a time as the output ranks need it (conversion/lazy.py), the default budget held at most.
+    source, _ = read_lazy(args.path, iteration=args.iteration, budget=READ_BUDGET)
+    whole = source.whole
     # Without --pp the checkpoint's pipeline layout is kept; with it, the stages split evenly unless told otherwise.
     keep = whole.layout if args.pp is None else PipelineLayout(pipeline=args.pp)
     given = (args.virtual_pipeline, args.pipeline_first_stage_layers, args.pipeline_last_stage_layers)
@@ -417,8 +435,8 @@ def _reshard(args: argparse.Namespace) -> int:
     layout = PipelineLayout(pipeline=keep.pipeline, virtual=virtual, first_stage_layers=first, last_stage_layers=last)
     tp = whole.tensor_parallel if args.tp is None else args.tp
     out = args.out or reshard_out(whole.found.folder, tensor_parallel=tp, layout=layout)
-    # One output rank at a time; whole's weights are released as they are used (not read again).
-    result = stream.reshard(stream.in_memory(whole), tp=tp, pp=layout.pipeline, virtual=layout.virtual,
+    # One output rank at a time; the source's weights are released after their last use.
+    result = stream.reshard(source, tp=tp, pp=layout.pipeline, virtual=layout.virtual,
                             first_stage_layers=layout.first_stage_layers, last_stage_layers=layout.last_stage_layers,
                             out=out)
     report = {"source": str(whole.found.folder), "iteration": whole.iteration, "from_tp": result.from_tp,

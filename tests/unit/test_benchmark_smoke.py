@@ -56,6 +56,11 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["--dir", "{tmp}/td", "--layers", "2", "--hidden", "64", "--heads", "8", "--vocab", "300", "--seq", "32",
          "--files", "2", "--dp-reshardable", "--to", "torch", "torch_dist"],
         r"^time goal \(each convert <= 2x copy\): (met|NOT met); worst [\d.]+x; convert peak RSS / source [\d.]+x$"),
+    "convert_torch_dist_cpu.py[ours]": (
+        ["--dir", "{tmp}/td", "--layers", "2", "--hidden", "64", "--heads", "8", "--vocab", "300", "--seq", "32",
+         "--files", "2", "--optimizer", "--ours", "xser", "--ours-pp", "2", "--to", "hf",
+         "--baseline", "."],
+        r"^time goal \(each convert <= 2x copy\): (met|NOT met); worst [\d.]+x; convert peak RSS / source [\d.]+x$"),
     "data_index_build.py": (["--self-anchor", "--docs", "200", "--mean-tokens", "50", "--seq-length", "64",
                              "--epochs", "1", "--rounds", "1", "--dir", "{tmp}"],
                             r"^ 1 epoch\(s\) megatron-hpc/megatron-hpc again \(\d+ samples\), per round: build "

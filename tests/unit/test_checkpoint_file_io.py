@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_hpc.checkpoint.store import RankInfo, load_checkpoint, paths, save_checkpoint
+from megatron_hpc.checkpoint.store import RankInfo, load_checkpoint, paths, read_torch_file, save_checkpoint
 from megatron_hpc.checkpoint.store.checksum import IMPLEMENTATION, crc32
-from megatron_hpc.checkpoint.store.file_io import CHUNK, read_torch_file, write_torch_file
+from megatron_hpc.checkpoint.store.file_io import CHUNK, write_torch_file
 from megatron_hpc.checkpoint.store.manifest import FileRecord
 from megatron_hpc.errors import CheckpointError
 

@@ -23,23 +23,23 @@ from megatron_hpc.checkpoint.foreign import import_foreign, read_foreign
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "convert_cpu.py"
 
 
-def _assert_same_tree(a: Any, b: Any, where: str = "") -> None:
+def assert_same_tree(a: Any, b: Any, where: str = "") -> None:
     assert type(a) is type(b), where
     if isinstance(a, torch.Tensor):
         assert (a.dtype, a.shape) == (b.dtype, b.shape) and torch.equal(a, b), where
     elif isinstance(a, dict):
         assert list(a) == list(b), where
         for key in a:
-            _assert_same_tree(a[key], b[key], f"{where}.{key}")
+            assert_same_tree(a[key], b[key], f"{where}.{key}")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), where
         for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same_tree(x, y, f"{where}[{i}]")
+            assert_same_tree(x, y, f"{where}[{i}]")
     else:
         assert a == b, where
 
 
-def _assert_same_checkpoint(old: Path, new: Path) -> None:
+def assert_same_checkpoint(old: Path, new: Path) -> None:
     a, b = read_whole(old), read_whole(new)
     ma, mb = a.found.manifest, b.found.manifest
     assert (ma.iteration, ma.format, ma.tensor_parallel, ma.pipeline_parallel, ma.virtual_pipeline) == \
@@ -49,7 +49,7 @@ def _assert_same_checkpoint(old: Path, new: Path) -> None:
         (new / "latest_checkpointed_iteration.txt").read_text()
     for row_a, row_b in zip(a.grid, b.grid, strict=True):
         for sa, sb in zip(row_a, row_b, strict=True):
-            _assert_same_tree(sa, sb)
+            assert_same_tree(sa, sb)
 
 
 def _old_and_new(folder: Path, out: Path, *, tp: int, pp: int, optimizer: str = "resharded") -> None:
@@ -60,7 +60,7 @@ def _old_and_new(folder: Path, out: Path, *, tp: int, pp: int, optimizer: str = 
     assert all(w.device.type == "meta" for row in new.whole.grid for s in row for w in s["model"].values())
     b = stream.reshard(new.source, tp=tp, pp=pp, out=out / f"new-{tp}-{pp}", fmt="xser")
     assert (a.optimizer, b.optimizer, a.note) == (optimizer, optimizer, b.note)
-    _assert_same_checkpoint(out / f"old-{tp}-{pp}", out / f"new-{tp}-{pp}")
+    assert_same_checkpoint(out / f"old-{tp}-{pp}", out / f"new-{tp}-{pp}")
 
 
 def test_streamed_convert_of_a_torch_file_checkpoint_equals_the_whole_model_path(tmp_path: Path) -> None:
@@ -82,7 +82,7 @@ def test_streamed_convert_equals_the_whole_model_path(tmp_path: Path) -> None:
     ours = tmp_path / "new-1-1"
     reshard(read_whole(ours), tp=4, pp=2, virtual=2, out=tmp_path / "old-ours", fmt="torch", release=True)
     stream.reshard(stream.in_memory(read_whole(ours)), tp=4, pp=2, virtual=2, out=tmp_path / "new-ours", fmt="torch")
-    _assert_same_checkpoint(tmp_path / "old-ours", tmp_path / "new-ours")
+    assert_same_checkpoint(tmp_path / "old-ours", tmp_path / "new-ours")
     grown = torch.cat([s["model"]["wte.weight"] for s in read_whole(tmp_path / "new-ours").grid[0]])
     assert grown.shape[0] == 64 and torch.equal(grown[56:], grown[49:50].expand(8, -1))
 
@@ -203,4 +203,4 @@ def test_the_stream_holds_one_output_rank_the_whole_model_path_all(tmp_path: Pat
     slack = 32 << 10
     assert new_peak <= one_rank + slack, (new_peak, one_rank)
     assert old_peak > one_rank + slack, (old_peak, one_rank)  # the measure tells the two paths apart
-    _assert_same_checkpoint(tmp_path / "old", tmp_path / "new")
+    assert_same_checkpoint(tmp_path / "old", tmp_path / "new")

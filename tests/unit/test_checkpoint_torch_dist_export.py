@@ -26,7 +26,7 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "megatron_core_tor
 ITER = "iter_0000003"
 
 
-def _tensors(folder: Path, keys: list[str] | None = None) -> dict[str, torch.Tensor]:
+def dcp_tensors(folder: Path, keys: list[str] | None = None) -> dict[str, torch.Tensor]:
     """Keys of a torch_dist folder read with torch.distributed.checkpoint alone (its default planner)."""
     metadata = FileSystemReader(folder).read_metadata()
     wanted = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in metadata.state_dict_metadata.items()
@@ -57,8 +57,8 @@ def test_the_written_folder_holds_megatron_cores_own_tensors(llama_ours: Path, t
     assert (tmp_path / "back" / "latest_checkpointed_iteration.txt").read_text() == "3"
     assert json.loads((written / "metadata.json").read_text()) == json.loads(
         (FIXTURES / "llama_tp2_distopt" / ITER / "metadata.json").read_text())
-    theirs = _tensors(FIXTURES / "llama_tp2_distopt" / ITER)
-    ours = _tensors(written, list(theirs))
+    theirs = dcp_tensors(FIXTURES / "llama_tp2_distopt" / ITER)
+    ours = dcp_tensors(written, list(theirs))
     assert sorted(ours) == sorted(theirs)
     for key, tensor in theirs.items():
         assert torch.equal(ours[key], tensor), key
@@ -77,8 +77,8 @@ def test_plain_adams_form_and_its_step(tmp_path: Path) -> None:
     form megatron-core's own non-distributed Adam saved in the GPT TP 2 fixture (the same keys and values)."""
     _convert(FIXTURES / "gpt_tp2", tmp_path / "back", "--to", "torch_dist")
     written = tmp_path / "back" / ITER
-    theirs = _tensors(FIXTURES / "gpt_tp2" / ITER)
-    ours = _tensors(written)
+    theirs = dcp_tensors(FIXTURES / "gpt_tp2" / ITER)
+    ours = dcp_tensors(written)
     assert set(theirs) <= set(ours)
     assert {k for k in set(ours) - set(theirs)} == {k for k in ours if k.startswith("optimizer.state.fp32_param.")}
     for key, tensor in theirs.items():
@@ -117,7 +117,7 @@ def test_weights_only_when_the_lr_schedule_is_unknown(llama_ours: Path, tmp_path
     assert len(exported.notes) == 1 and "weights only" in exported.notes[0] and "--finetune" in exported.notes[0]
     common = torch.load(tmp_path / "back" / ITER / "common.pt", weights_only=False)
     assert common["args"].no_save_optim is True and "optimizer" not in common
-    assert not any(k.startswith("optimizer.") for k in _tensors(tmp_path / "back" / ITER))
+    assert not any(k.startswith("optimizer.") for k in dcp_tensors(tmp_path / "back" / ITER))
 
 
 def test_distributed_optimizer_needs_torch_dist(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -71,6 +71,67 @@ def in_memory(whole: WholeCheckpoint) -> Source:
     return Source(whole=whole, weight=weight, release=release)
 
 
+def merged(source: Source) -> Source:
+    """`source` as one rank (TP 1 x PP 1, the layers of every stage, each tensor whole), for the exports that take a
+    whole model a part at a time (`--to hf`, `--to torch_dist`): a weight or moment is put together from its TP
+    pieces (pp_layout.merge_grid's result, tensor by tensor) when fetched, and releasing it releases its pieces in
+    every stage that holds it. The whole's model and Adam moments are meta; the rest is the first rank's state."""
+    whole = source.whole
+    if (whole.tensor_parallel, whole.pipeline_parallel) == (1, 1):
+        return source
+    grid = [[s["model"] for s in row] for row in whole.grid]
+    shapes = merged_shapes(grid, source.weight, num_layers=model_config(whole)["num_layers"])
+    holders = {n: [p for p, row in enumerate(grid) if n in row[0]] for n in shapes}
+    first = {k: v for k, v in whole.first.items() if k != "optimizer"}
+    first["model"] = shapes
+    per_tp = _moments_by_name(whole)
+    moments = source.moment
+    if per_tp is not None:
+        meta = {n: {k: _merged_meta(n, [m[n][k] for m in per_tp]) if torch.is_tensor(v) and v.ndim else v
+                    for k, v in per_tp[0][n].items()} for n in shapes if all(n in m for m in per_tp)}
+        groups = optim_layout.group_template(whole.first["optimizer"], whole.first["model"])
+        first["optimizer"] = optim_layout.indexed(meta, model=shapes, groups=groups)
+        if moments is None:  # the values are in the whole's optimizer dicts
+            def moments(p: int, t: int, name: str, key: str) -> torch.Tensor:
+                return per_tp[t][name][key]
+
+    def pieces(name: str, fetch: Callable[[int], torch.Tensor]) -> torch.Tensor:
+        tp = 1 if tp_layout.split_of(name) == "replicated" else whole.tensor_parallel
+        return tp_layout.merge(name, [fetch(k) for k in range(tp)])
+
+    def release(_p: int, _t: int, name: str) -> None:
+        for p in holders[name]:
+            for t in range(whole.tensor_parallel):
+                source.release(p, t, name)
+
+    def moment(_p: int, _t: int, name: str, key: str) -> torch.Tensor:
+        assert moments is not None, "fetched only where the whole holds moments"
+        return pieces(name, lambda k: moments(holders[name][0], k, name, key))
+
+    one = WholeCheckpoint(found=whole.found, grid=[[first]])
+    return Source(whole=one, weight=lambda _p, _t, n: pieces(n, lambda k: source.weight(holders[n][0], k, n)),
+                  release=release, moment=moment if per_tp is not None else None,
+                  unit=lambda _p, _t, n: n if pp_layout.layer_of(n) is None else f"layer {pp_layout.layer_of(n)}")
+
+
+def _moments_by_name(whole: WholeCheckpoint) -> list[dict[str, optim_layout.Moments]] | None:
+    """Each TP rank's moments by name over its stages (the first holder's), None when a rank has none or they are
+    not the trainer's AdamW (the exports then write the weights only)."""
+    if not all("optimizer" in s for row in whole.grid for s in row):
+        return None
+    per_tp: list[dict[str, optim_layout.Moments]] = []
+    try:
+        for t in range(whole.tensor_parallel):
+            named: dict[str, optim_layout.Moments] = {}
+            for row in whole.grid:
+                for name, m in optim_layout.by_name(row[t]["model"], row[t]["optimizer"]).items():
+                    named.setdefault(name, m)
+            per_tp.append(named)
+    except (KeyError, ValueError, TypeError):
+        return None
+    return per_tp
+
+
 def merged_shapes(grid: list[list[dict[str, torch.Tensor]]], weight: Fetch, *,
                   num_layers: int | None = None) -> dict[str, torch.Tensor]:
     """pp_layout.merged_shapes of a grid whose tensors may be meta: the tied embedding copies of later stages are

@@ -2,8 +2,8 @@
 
 For the offline tools (`ckpt convert`, `ckpt reshard`), which run on one machine without a process
 group. Writing goes through the saver's own per-rank writer and finisher (write_rank_folder, commit_save), so the
-result has the same layout, manifest and atomic tracker as a checkpoint the trainer saved. convert_format is
-`ckpt convert --to xser|torch` at the same size; another TP x PP size is stream.py's.
+result has the same layout, manifest and atomic tracker as a checkpoint the trainer saved. `ckpt convert` and `ckpt
+reshard` read our checkpoints a tensor at a time instead (lazy.py); another TP x PP size is stream.py's.
 """
 
 from __future__ import annotations
@@ -118,7 +118,3 @@ def write_whole(root: Path, iteration: int, grid: list[list[dict[str, Any]]], *,
         ranks = RankInfo(world_size=tp * pp, tp_size=tp, pp_size=pp)
         return commit_save(tmp, root, iteration, ranks=ranks, fmt=fmt, layout=layout)
 
-
-def convert_format(whole: WholeCheckpoint, *, to: str, out: Path) -> Path:
-    """The same checkpoint (every rank, every key) in the other file format."""
-    return write_whole(out, whole.iteration, whole.grid, fmt=to, layout=whole.layout)

@@ -4,8 +4,9 @@ hf_formats.py; the run's tokenizer files that go beside it are found by checkpoi
 one process, CPU.
 
 The weights come from a checkpoint read whole, or from a stream.Source over a TP 1 x PP 1 one whose weights are read
-a unit at a time (a torch_dist source: torch_dist_stream.py); then the export holds the source's read budget plus one
-unit, one shard of the output, and one unit's Hugging Face tensors while they are made.
+a unit at a time (a torch_dist source: torch_dist_stream.py; ours or a legacy Megatron one at any TP x PP through
+stream.merged); then the export holds the source's read budget plus one unit, one shard of the output, and one
+unit's Hugging Face tensors while they are made.
 """
 
 from __future__ import annotations

@@ -22,14 +22,14 @@ _EXPORTS = {
     "async_save": ("AsyncSave",),
     "compat": ("PipelineLayout", "check_before_queue", "foreign_message", "is_foreign", "reshard_out"),
     "contents": ("Progress", "build_state_dict", "read_progress", "read_rng", "saved_global_batch"),
-    "file_io": ("safe_load",),
+    "file_io": ("data_records", "read_torch_file", "safe_load", "tensor_layout", "verify_file"),
     "loader": ("FoundCheckpoint", "find_checkpoint", "load_checkpoint", "read_shard"),
     "manifest": ("Manifest", "read_manifest"),
     "paths": ("iteration_dir", "parse_tracker", "tracker_file"),
     "ranks": ("RankInfo",),
     "saver": ("commit_save", "save_checkpoint", "write_rank_folder"),
     "staging": ("staged_iteration",),
-    "xser": ("Snapshot", "iter_tensors", "read_xser"),
+    "xser": ("Snapshot", "iter_tensors", "read_references", "read_xser", "resolve"),
 }
 _HOME = {name: module for module, names in _EXPORTS.items() for name in names}
 

@@ -178,23 +178,38 @@ def _read_into(fd: int, view: memoryview, offset: int, crc: int) -> int:
 
 def _data_record(fh: Any) -> tuple[int, int] | None:
     """(offset, size) of the only data record of a torch zip file, if it is stored uncompressed; else None."""
+    records = _data_records(fh)
+    return records[0] if records is not None and len(records) == 1 else None
+
+
+def _data_records(fh: Any) -> list[tuple[int, int]] | None:
+    """(offset, size) of every data record (a storage's elements) of a torch zip file, if all are stored uncompressed
+    in little-endian order; else None."""
     try:
         with zipfile.ZipFile(fh) as zf:
             records = [i for i in zf.infolist() if "/data/" in i.filename and "/.data/" not in i.filename]
-            if len(records) != 1 or records[0].compress_type != zipfile.ZIP_STORED:
+            if any(info.compress_type != zipfile.ZIP_STORED for info in records):
                 return None
-            info = records[0]
             order = [i for i in zf.infolist() if i.filename.endswith("/byteorder")]
             if order and zf.read(order[0]) != b"little":  # torch.load would swap the bytes; leave that to it
                 return None
-        fh.seek(info.header_offset)
-        header = _LOCAL_HEADER.unpack(fh.read(_LOCAL_HEADER.size))
+        out = []
+        for info in records:
+            fh.seek(info.header_offset)
+            header = _LOCAL_HEADER.unpack(fh.read(_LOCAL_HEADER.size))
+            if header[0] != b"PK\x03\x04":
+                return None
+            name_len, extra_len = header[9], header[10]
+            out.append((info.header_offset + _LOCAL_HEADER.size + name_len + extra_len, info.file_size))
     except (zipfile.BadZipFile, OSError, ValueError, struct.error, EOFError, KeyError, NotImplementedError):
         return None  # damaged or unusual: the generic path reads, checks and reports it
-    if header[0] != b"PK\x03\x04":
-        return None
-    name_len, extra_len = header[9], header[10]
-    return info.header_offset + _LOCAL_HEADER.size + name_len + extra_len, info.file_size
+    return out
+
+
+def data_records(path: Path) -> dict[int, int] | None:
+    """Offset -> size of every data record of the torch file `path` (see _data_records), None when unusual."""
+    with open(path, "rb") as fh:
+        return dict(_data_records(fh) or []) or None
 
 
 def _check_size(path: Path, size: int, expected: FileRecord | None) -> None:
@@ -299,6 +314,32 @@ def read_tensor_into(path: Path, target: torch.Tensor, layout: TensorLayout, *,
     finally:
         os.close(fd)
     _check(path, size=size, crc=crc, data=None, expected=expected)
+
+
+def verify_file(path: Path, expected: FileRecord) -> None:
+    """Check the file against its manifest record (size, crc32 or sha256), reading it a chunk at a time: nothing of
+    it stays in this process (a convert that maps a large file checks it first without holding it)."""
+    fd = _open(path)
+    crc, sha = 0, hashlib.sha256() if expected.sha256 is not None else None
+    buffer = bytearray(CHUNK)
+    done = 0
+    try:
+        size = os.fstat(fd).st_size
+        _check_size(path, size, expected)
+        while n := os.readv(fd, [buffer]):
+            view = memoryview(buffer)[:n]
+            crc = crc32(view, crc)
+            if sha is not None:
+                sha.update(view)
+            done += n
+    finally:
+        os.close(fd)
+    if done != size:
+        raise CheckpointError(f"{path} changed while it was read ({done} of {size} bytes); load it again")
+    _check(path, size=size, crc=crc, data=None, expected=FileRecord(size=expected.size, crc32=expected.crc32))
+    if sha is not None and sha.hexdigest() != expected.sha256:
+        raise CheckpointError(f"{path} has sha256 {sha.hexdigest()[:16]}... but the manifest says "
+                              f"{str(expected.sha256)[:16]}... (altered); load an earlier checkpoint")
 
 
 def read_torch_file(path: Path, *, expected: FileRecord | None = None, allowed: tuple[type, ...] = ()) -> Any:

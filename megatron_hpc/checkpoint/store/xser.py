@@ -281,6 +281,12 @@ def read_xser(main: Path, *, files: dict[Path, FileRecord] | None = None, mmap: 
     return resolve(ref_data, lambda tid: ready[tid] if tid in ready else load(tid))
 
 
+def read_references(main: Path, *, files: dict[Path, FileRecord]) -> Any:
+    """An xser main file's object with its TensorReferences left in (resolve() puts tensors in their places),
+    checked against the manifest records `files`: where a reader that reads each tensor file when asked starts."""
+    return _read(main, files)
+
+
 def _referenced_tids(value: Any) -> set[int]:
     if type(value) is TensorReference:
         tid = value.__dict__.get("tid")
