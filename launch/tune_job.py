@@ -39,6 +39,7 @@ from megatron_hpc.errors import ConfigError, LaunchError, PlanError
 from megatron_hpc.plan.calibration import Calibration
 from megatron_hpc.plan.calibration_fit import (
     CollectiveSample,
+    Fit,
     Observation,
     Parts,
     Scales,
@@ -225,10 +226,9 @@ def finish_tune(run_dir: Path, request: dict[str, Any], *, steps_s: list[list[fl
              for shape, p, m in zip(request.get("gemm_benchmark", []), request.get("gemm_parts", []), gemm_s or [])]
     hw = request["hardware"]
     source = f"measured by tune on {hw['name']} ({request['cluster']}), run {run_dir}"
-    fit = refit(base, trials + bench, source=source, gemms=gemms)
+    fit, held_out, method, scores = _chosen_fit(base, trials, bench, gemms, source=source)
     after = [o.parts.at(fit.scales) for o in trials]
     winner = min(range(len(trials)), key=lambda i: measured_s[i])
-    held_out = _left_out_errors(base, trials, bench, gemms)
     rows = [{"label": c["label"], "overlay": c["overlay"], "predicted_before_s": c["predicted_s"],
              "predicted_after_s": a, "measured_s": m, "error_before": relative_error(c["predicted_s"], m),
              "error_after": relative_error(a, m), "error_left_out": e, "measured_steps_s": steps,
@@ -241,7 +241,8 @@ def finish_tune(run_dir: Path, request: dict[str, Any], *, steps_s: list[list[fl
     result = {
         "recipe": request["recipe"], "hardware": hw, "trial_steps": request["trial_steps"],
         "fit": {"scales": dataclasses.asdict(fit.scales), "held": list(fit.held), "observations": fit.observations,
-                "calibration": calibration_to_json(fit.calibration)},
+                "calibration": calibration_to_json(fit.calibration), "method": method,
+                "median_abs_error_left_out_by_method": scores},
         "candidates": rows,
         "benchmark": [{"label": o.label, "measured_s": o.measured_s,
                        "predicted_before_s": o.parts.at(Scales()), "predicted_after_s": o.parts.at(fit.scales)}
@@ -299,6 +300,31 @@ def winner_line(result: dict[str, Any]) -> str:
     return (f"tune: fastest measured {win['label']}; median prediction error after calibration "
             f"{result['median_abs_error_after']:.1%} (each layout left out of the fit: "
             f"{result['median_abs_error_left_out']:.1%}); run it with {overlay_line(win['overlay'])}")
+
+
+def _chosen_fit(base: Calibration, trials: list[Observation], bench: list[Observation], gemms: list[Observation], *,
+                source: str) -> tuple[Fit, list[float | None], str, dict[str, float | None]]:
+    """The fit in two stages (the GEMM curve from the timed products) or in one (the trials' own scales), whichever
+    predicts the trials better when each is left out (median absolute error; a fit that fails, or that no trial
+    can be left out of, counts as worst; the two-stage one on a tie). Its left-out errors, its name and both scores.
+
+    Why both: the products fix the GEMM curve that a few trials cannot (benchmarks/RESULTS.md "Issue 29: tune's
+    accuracy"), but where the step's cost outside the products is what differs between layouts (tiny on CPU: a TP
+    layout's per-micro-batch work), the one-stage fit's free fixed cost can stand in for it better."""
+    tried: dict[str, tuple[Fit, list[float | None]]] = {}
+    for name, products in (("two stages", gemms), ("one stage", [])):
+        if name == "two stages" and not gemms:
+            continue
+        try:
+            tried[name] = (refit(base, trials + bench, source=source, gemms=products),
+                           _left_out_errors(base, trials, bench, products))
+        except PlanError:
+            if name == "one stage" and not tried:
+                raise
+    scores = {name: median(seen) if (seen := [abs(e) for e in errors if e is not None]) else None
+              for name, (_, errors) in tried.items()}
+    best = min(tried, key=lambda name: (math.inf if scores[name] is None else scores[name], name != "two stages"))
+    return *tried[best], best, scores
 
 
 def _left_out_errors(base: Calibration, trials: list[Observation], bench: list[Observation],
