@@ -242,7 +242,7 @@ def finish_tune(run_dir: Path, request: dict[str, Any], *, steps_s: list[list[fl
         "recipe": request["recipe"], "hardware": hw, "trial_steps": request["trial_steps"],
         "fit": {"scales": dataclasses.asdict(fit.scales), "held": list(fit.held), "observations": fit.observations,
                 "calibration": calibration_to_json(fit.calibration), "method": method,
-                "median_abs_error_left_out_by_method": scores},
+                "rms_error_left_out_by_method": scores},
         "candidates": rows,
         "benchmark": [{"label": o.label, "measured_s": o.measured_s,
                        "predicted_before_s": o.parts.at(Scales()), "predicted_after_s": o.parts.at(fit.scales)}
@@ -305,8 +305,10 @@ def winner_line(result: dict[str, Any]) -> str:
 def _chosen_fit(base: Calibration, trials: list[Observation], bench: list[Observation], gemms: list[Observation], *,
                 source: str) -> tuple[Fit, list[float | None], str, dict[str, float | None]]:
     """The fit in two stages (the GEMM curve from the timed products) or in one (the trials' own scales), whichever
-    predicts the trials better when each is left out (median absolute error; a fit that fails, or that no trial
-    can be left out of, counts as worst; the two-stage one on a tie). Its left-out errors, its name and both scores.
+    predicts the trials better when each is left out (root mean square of the relative errors, the measure the fit
+    itself minimises: one layout mispredicted by half weighs more than in a median of three; a fit that fails, or
+    that no trial can be left out of, counts as worst; the two-stage one on a tie). Its left-out errors, its name
+    and both scores.
 
     Why both: the products fix the GEMM curve that a few trials cannot (benchmarks/RESULTS.md "Issue 29: tune's
     accuracy"), but where the step's cost outside the products is what differs between layouts (tiny on CPU: a TP
@@ -321,8 +323,8 @@ def _chosen_fit(base: Calibration, trials: list[Observation], bench: list[Observ
         except PlanError:
             if name == "one stage" and not tried:
                 raise
-    scores = {name: median(seen) if (seen := [abs(e) for e in errors if e is not None]) else None
-              for name, (_, errors) in tried.items()}
+    scores = {name: math.sqrt(sum(e * e for e in seen) / len(seen)) if (seen := [e for e in errors if e is not None])
+              else None for name, (_, errors) in tried.items()}
     best = min(tried, key=lambda name: (math.inf if scores[name] is None else scores[name], name != "two stages"))
     return *tried[best], best, scores
 

@@ -40,7 +40,7 @@ def test_tune_measures_every_layout_keeps_the_calibration_and_plan_uses_it(cli_i
     gemms = result["gemm_benchmark"]
     assert len(gemms) >= 2 * 7 and all(g["measured_s"] > 0 and g["predicted_after_s"] > 0 for g in gemms)
     fit = result["fit"]
-    assert set(fit["median_abs_error_left_out_by_method"]) == {"two stages", "one stage"}
+    assert set(fit["rms_error_left_out_by_method"]) == {"two stages", "one stage"}
     assert fit["method"] in ("two stages", "one stage")
     assert fit["observations"] == 3 + 9 + (len(gemms) if fit["method"] == "two stages" else 0)
     kept = own_compile_cache / "megatron-hpc" / "calibrations" / "cpu.json"

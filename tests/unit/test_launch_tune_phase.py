@@ -106,7 +106,7 @@ def test_tune_fits_the_gemm_curve_from_the_products_and_says_which_fit_it_kept(t
     result = finish_tune(tmp_path, request, steps_s=steps, bench_s=at, finished_at_s=0.0, gemm_s=gemm)
     assert result["fit"]["method"] == "two stages"
     assert result["fit"]["scales"] == pytest.approx(dataclasses.asdict(truth), rel=1e-6)
-    scores = result["fit"]["median_abs_error_left_out_by_method"]
+    scores = result["fit"]["rms_error_left_out_by_method"]
     assert scores["two stages"] == pytest.approx(0.0, abs=1e-9) and scores["one stage"] > 0.01
     assert all(abs(r["error_left_out"]) < 1e-9 for r in result["candidates"])
     assert [g["measured_s"] for g in result["gemm_benchmark"]] == gemm
