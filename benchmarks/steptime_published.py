@@ -43,6 +43,7 @@ from megatron_hpc.config.loader import load_recipe
 from megatron_hpc.config.platforms import PLATFORMS, get_platform
 from megatron_hpc.config.schema import RunConfig
 from megatron_hpc.plan.calibration import DEFAULT_CALIBRATION, Calibration
+from megatron_hpc.plan.calibration_fit import Observation, fit_two_stage, gemm_parts, scaled
 from megatron_hpc.plan.model_math import flops_per_token
 from megatron_hpc.plan.stages import split_layers
 from megatron_hpc.plan.steptime import Layout, StepTime, predict_step_time
@@ -205,6 +206,56 @@ def _cells(r: Result) -> str:
     return f"{over} | {ours}"
 
 
+XLA_H100_MATMULS: tuple[tuple[int, int, int, int, float], ...] = (
+    (1, 1024, 2048, 256, 139.52), (2, 256, 2048, 2048, 332.25), (1, 256, 2048, 256, 41.84),
+    (4, 512, 256, 256, 42.37), (1, 4096, 512, 512, 238.82), (4, 4096, 256, 2048, 588.67),
+    (1, 512, 256, 512, 21.79), (2, 2048, 256, 512, 139.23), (2, 1024, 2048, 1024, 493.45),
+    (1, 256, 2048, 4096, 285.87), (2, 512, 2048, 2048, 525.31), (4, 1024, 2048, 2048, 712.74),
+    (1, 4096, 1024, 512, 343.71), (1, 2048, 2048, 2048, 631.98), (4, 256, 256, 256, 22.55),
+    (2, 256, 256, 1024, 36.95), (1, 256, 512, 4096, 91.68), (1, 256, 1024, 256, 22.67),
+    (1, 4096, 4096, 256, 392.16), (2, 256, 1024, 2048, 216.13), (2, 2048, 4096, 1024, 678.72),
+    (2, 4096, 512, 256, 211.03), (2, 4096, 4096, 2048, 763.01), (1, 4096, 4096, 4096, 783.33),
+    (1, 512, 256, 256, 11.46), (1, 256, 512, 256, 11.46), (1, 1024, 1024, 2048, 349.98),
+    (4, 2048, 2048, 2048, 725.75), (2, 4096, 2048, 4096, 783.19), (1, 1024, 256, 1024, 68.34),
+)
+"""Measured bf16 matmul throughput on Hopper (sm_90, H100), (batch, m, n, k, TFLOP/s): 30 entries of OpenXLA's
+kDefaultMatmulPTable (xla/service/gpu/model/matmul_interpolator_data.h, as tensorflow/tensorflow's third_party/xla
+holds it, read 2026-11-28; XLA's GPU cost model interpolates in it), transcribed from the start of the table to span
+its sizes (11 to 783 TFLOP/s) before any fit was made, rounded to 0.01 TFLOP/s. No such table for A100 (sm_80) was
+found: no version of the file seen has an sm_80 entry (another starts with sm_100)."""
+
+
+def h100_gemm_calibration() -> Calibration:
+    """The defaults with the GEMM curve fitted to XLA_H100_MATMULS by tune's own first stage (plan/calibration_fit.py
+    fit_two_stage: residuals in time), against p5's 989 TFLOP/s."""
+    peak = get_platform("p5").hardware.peak_flops("bf16")
+    products = []
+    for b, m, n, k, tflops in XLA_H100_MATMULS:
+        flops = 2.0 * b * m * n * k
+        products.append(Observation(label=f"{b}x{m}x{n}x{k}", parts=gemm_parts(flops, peak_flops=peak,
+                                                                                 base=DEFAULT_CALIBRATION),
+                                    measured_s=flops / (tflops * 1e12)))
+    scales, _ = fit_two_stage(products, [])
+    return scaled(DEFAULT_CALIBRATION, scales, source="OpenXLA's H100 matmul table")
+
+
+def _what_if_h100() -> None:
+    """The H100 rows again with h100_gemm_calibration (printed beside the table; not what the table uses)."""
+    cal = h100_gemm_calibration()
+    h100 = get_platform("p5").hardware
+    print(f"\nWith the H100 GEMM curve fitted to OpenXLA's measured table (share of peak "
+          f"{cal.gemm_peak_fraction:.3f}, fixed cost {cal.gemm_overhead_s * 1e6:.2f} us; not adopted):\n")
+    print("| run | error, built-in curve | error, OpenXLA H100 curve |")
+    print("| --- | --- | --- |")
+    for row in ROWS_H100:
+        cells = []
+        for c in (DEFAULT_CALIBRATION, cal):
+            errors = [predict(row, h100, c, v)[1].mfu / float(row.mfu) - 1 for v in row.virtual]
+            cells.append(f"{errors[0]:+.0%}" + (f" (v: {min(errors):+.0%} to {max(errors):+.0%})"
+                                                if len(errors) > 1 else ""))
+        print(f"| {row.name} | {cells[0]} | {cells[1]} |")
+
+
 def main() -> None:
     rows = results()
     print("| run | GPUs | TP x PP | global batch | predicted step | predicted | published | error | virtual stages | "
@@ -221,6 +272,7 @@ def main() -> None:
     within = [len([r for r in group if abs(r.error) <= TOLERANCE]) for group in (a100, h100)]
     print(f"\nwithin 20%: {sum(within)} of {len(rows)} rows (A100 {within[0]} of {len(a100)}, H100 {within[1]} of "
           f"{len(h100)})")
+    _what_if_h100()
 
 
 if __name__ == "__main__":

@@ -39,17 +39,20 @@ from megatron_hpc.errors import ConfigError, LaunchError, PlanError
 from megatron_hpc.plan.calibration import Calibration
 from megatron_hpc.plan.calibration_fit import (
     CollectiveSample,
+    Fit,
     Observation,
     Parts,
     Scales,
     collective_parts,
     disturbance_line,
+    gemm_parts,
     median,
     parts_of,
     refit,
     relative_error,
     trial_time,
 )
+from megatron_hpc.plan.gemm_shapes import RankGemms, benchmark_shapes, rank_gemms
 from megatron_hpc.plan.jobs import compile_left_out
 from megatron_hpc.plan.layout_choice import predict, rank_layouts
 from megatron_hpc.plan.node_shape import SINFO_FORMAT, node_shape_mismatch, partition_nodes
@@ -84,6 +87,8 @@ class Candidate:
     spec: RunSpec
     predicted_s: float
     parts: Parts
+    gemms: RankGemms
+    """The matrix products of one micro-batch on one of its ranks: what the GEMM micro-benchmark times."""
 
 
 def plan_candidates(recipe: str, overrides: list[str], *, plan: Plan, platform: Platform, top: int,
@@ -108,8 +113,10 @@ def plan_candidates(recipe: str, overrides: list[str], *, plan: Plan, platform: 
         trial_plan = make_plan(trial_cfg, num_nodes=plan.num_nodes, platform=platform, calibration=calibration)
         parts = parts_of(lambda cal, s=r.sizes: predict(cfg, s, hardware=hardware, calibration=cal).step_time_s,
                          calibration)
+        gemms = rank_gemms(cfg.model, micro_batch=cfg.train.micro_batch_size, tensor_parallel=mesh.tensor_parallel,
+                           padded_vocab=trial_plan.padded_vocab_size)
         found.append(Candidate(label=r.label, overlay=overlay, spec=RunSpec(config=trial_cfg, plan=trial_plan),
-                               predicted_s=r.time.step_time_s, parts=parts))
+                               predicted_s=r.time.step_time_s, parts=parts, gemms=gemms))
     return found
 
 
@@ -168,6 +175,8 @@ def write_request(run_dir: Path, candidates: list[Candidate], *, platform: Platf
     precision = 4 if candidates[0].spec.config.train.precision == "fp32" else 2
     bench = benchmark_samples(first, hidden_size=candidates[0].spec.config.model.hidden_size,
                               precision_bytes=precision)
+    shapes = benchmark_shapes([c.gemms for c in candidates])
+    peak = hardware.peak_flops(candidates[0].spec.config.train.precision)
     request = {
         "recipe": candidates[0].spec.config.name, "cluster": cluster, "cache_root": str(cache_root),
         "hardware": {"name": hardware.name, "runtime": first.platform, "workers_per_node": first.workers_per_node,
@@ -184,6 +193,11 @@ def write_request(run_dir: Path, candidates: list[Candidate], *, platform: Platf
         "benchmark_parts": [dataclasses.asdict(_bench_parts(op, n, ranks=first.world_size, hardware=hardware,
                                                             base=calibration, per_node=first.workers_per_node))
                             for op, n in bench],
+        # Every distinct product of the candidates' ranks, forward and backward, timed on each device in the
+        # trials' precision (train/tune_trials.py): the fit's GEMM curve (plan/calibration_fit.py fit_two_stage).
+        "gemm_precision": candidates[0].spec.config.train.precision,
+        "gemm_benchmark": [[g.batch, g.m, g.k, g.n] for g in shapes],
+        "gemm_parts": [dataclasses.asdict(gemm_parts(g.flops, peak_flops=peak, base=calibration)) for g in shapes],
     }
     write_json(run_dir / TUNE_CANDIDATES_FILE, request)
     return request
@@ -196,9 +210,11 @@ def _bench_parts(op: str, nbytes: int, *, ranks: int, hardware: Hardware, base: 
 
 
 def finish_tune(run_dir: Path, request: dict[str, Any], *, steps_s: list[list[float]], bench_s: list[float],
-                finished_at_s: float, other_cpu_share: list[float | None] | None = None) -> dict[str, Any]:
+                finished_at_s: float, other_cpu_share: list[float | None] | None = None,
+                gemm_s: list[float] | None = None) -> dict[str, Any]:
     """Fit the calibration to what the job measured (each candidate's timed steps, plan/calibration_fit.py
-    trial_time); write tune.json and the overlay, keep the calibration."""
+    trial_time; the GEMM micro-benchmark's times, where the request asked for them); write tune.json and the
+    overlay, keep the calibration."""
     base = calibration_from_json(request["base_calibration"])
     cands = request["candidates"]
     measured_s = [trial_time(steps) for steps in steps_s]
@@ -206,12 +222,13 @@ def finish_tune(run_dir: Path, request: dict[str, Any], *, steps_s: list[list[fl
     trials = [Observation(label=c["label"], parts=Parts(**c["parts"]), measured_s=m) for c, m in zip(cands, measured_s)]
     bench = [Observation(label=f"{op} {n} B", parts=Parts(**p), measured_s=m)
              for (op, n), p, m in zip(request["benchmark"], request["benchmark_parts"], bench_s)]
+    gemms = [Observation(label="x".join(map(str, shape)), parts=Parts(**p), measured_s=m)
+             for shape, p, m in zip(request.get("gemm_benchmark", []), request.get("gemm_parts", []), gemm_s or [])]
     hw = request["hardware"]
     source = f"measured by tune on {hw['name']} ({request['cluster']}), run {run_dir}"
-    fit = refit(base, trials + bench, source=source)
+    fit, held_out, method, scores = _chosen_fit(base, trials, bench, gemms, source=source)
     after = [o.parts.at(fit.scales) for o in trials]
     winner = min(range(len(trials)), key=lambda i: measured_s[i])
-    held_out = _left_out_errors(base, trials, bench)
     rows = [{"label": c["label"], "overlay": c["overlay"], "predicted_before_s": c["predicted_s"],
              "predicted_after_s": a, "measured_s": m, "error_before": relative_error(c["predicted_s"], m),
              "error_after": relative_error(a, m), "error_left_out": e, "measured_steps_s": steps,
@@ -224,11 +241,14 @@ def finish_tune(run_dir: Path, request: dict[str, Any], *, steps_s: list[list[fl
     result = {
         "recipe": request["recipe"], "hardware": hw, "trial_steps": request["trial_steps"],
         "fit": {"scales": dataclasses.asdict(fit.scales), "held": list(fit.held), "observations": fit.observations,
-                "calibration": calibration_to_json(fit.calibration)},
+                "calibration": calibration_to_json(fit.calibration), "method": method,
+                "rms_error_left_out_by_method": scores},
         "candidates": rows,
         "benchmark": [{"label": o.label, "measured_s": o.measured_s,
                        "predicted_before_s": o.parts.at(Scales()), "predicted_after_s": o.parts.at(fit.scales)}
                       for o in bench],
+        "gemm_benchmark": [{"shape": o.label, "measured_s": o.measured_s, "predicted_before_s": o.parts.at(Scales()),
+                            "predicted_after_s": o.parts.at(fit.scales)} for o in gemms],
         "median_abs_error_after": median([abs(r["error_after"]) for r in rows]),
         "median_abs_error_left_out": median([abs(e) for e in held_out if e is not None] or [math.nan]),
         "winner": {"label": rows[winner]["label"], "overlay": rows[winner]["overlay"]},
@@ -271,7 +291,7 @@ def finish_tune_run(run_dir: Path) -> str:
     measured = read_json(run_dir / TUNE_MEASURED_FILE)
     result = finish_tune(run_dir, read_json(run_dir / TUNE_CANDIDATES_FILE), steps_s=measured["steps_s"],
                          bench_s=measured["bench_s"], finished_at_s=measured["finished_at_s"],
-                         other_cpu_share=measured.get("other_cpu_share"))
+                         other_cpu_share=measured.get("other_cpu_share"), gemm_s=measured.get("gemm_s"))
     return "\n".join(line for line in (result["disturbed"], winner_line(result)) if line)
 
 
@@ -282,13 +302,42 @@ def winner_line(result: dict[str, Any]) -> str:
             f"{result['median_abs_error_left_out']:.1%}); run it with {overlay_line(win['overlay'])}")
 
 
-def _left_out_errors(base: Calibration, trials: list[Observation], bench: list[Observation]) -> list[float | None]:
+def _chosen_fit(base: Calibration, trials: list[Observation], bench: list[Observation], gemms: list[Observation], *,
+                source: str) -> tuple[Fit, list[float | None], str, dict[str, float | None]]:
+    """The fit in two stages (the GEMM curve from the timed products) or in one (the trials' own scales), whichever
+    predicts the trials better when each is left out (root mean square of the relative errors, the measure the fit
+    itself minimises: one layout mispredicted by half weighs more than in a median of three; a fit that fails, or
+    that no trial can be left out of, counts as worst; the two-stage one on a tie). Its left-out errors, its name
+    and both scores.
+
+    Why both: the products fix the GEMM curve that a few trials cannot (benchmarks/RESULTS.md "Issue 29: tune's
+    accuracy"), but where the step's cost outside the products is what differs between layouts (tiny on CPU: a TP
+    layout's per-micro-batch work), the one-stage fit's free fixed cost can stand in for it better."""
+    tried: dict[str, tuple[Fit, list[float | None]]] = {}
+    for name, products in (("two stages", gemms), ("one stage", [])):
+        if name == "two stages" and not gemms:
+            continue
+        try:
+            tried[name] = (refit(base, trials + bench, source=source, gemms=products),
+                           _left_out_errors(base, trials, bench, products))
+        except PlanError:
+            if name == "one stage" and not tried:
+                raise
+    scores = {name: math.sqrt(sum(e * e for e in seen) / len(seen)) if (seen := [e for e in errors if e is not None])
+              else None for name, (_, errors) in tried.items()}
+    best = min(tried, key=lambda name: (math.inf if scores[name] is None else scores[name], name != "two stages"))
+    return *tried[best], best, scores
+
+
+def _left_out_errors(base: Calibration, trials: list[Observation], bench: list[Observation],
+                     gemms: list[Observation]) -> list[float | None]:
     """Each trial predicted by a calibration fitted without it: how well the fit predicts a layout it did not see
-    (the in-sample error says little when the trials are as few as the unknowns). None where the rest fit nothing."""
+    (the in-sample error says little when the trials are as few as the unknowns). The GEMM samples stay in: they
+    are the micro-benchmark's, a second of matrix products, not the trial. None where the rest fit nothing."""
     errors: list[float | None] = []
     for i, trial in enumerate(trials):
         try:
-            fit = refit(base, trials[:i] + trials[i + 1:] + bench, source="left out")
+            fit = refit(base, trials[:i] + trials[i + 1:] + bench, source="left out", gemms=gemms)
         except PlanError:
             errors.append(None)
             continue

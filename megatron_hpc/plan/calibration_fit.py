@@ -1,22 +1,27 @@
-"""Refit the step-time model's Calibration from measured trials and a collective micro-benchmark. Pure.
+"""Refit the step-time model's Calibration from measured trials and micro-benchmarks. Pure.
 
-`megatron-hpc tune` runs the K best predicted layouts for a few steps and times all-reduce, all-gather and
-send/receive of a few sizes over the job's process group. This module turns those times into a Calibration that
-plan/steptime.py uses like the built-in one.
+`megatron-hpc tune` runs the K best predicted layouts for a few steps, times all-reduce, all-gather and
+send/receive of a few sizes over the job's process group, and times the matrix products of every candidate's
+ranks (plan/gemm_shapes.py) on each device. This module turns those times into a Calibration that plan/steptime.py
+uses like the built-in one.
 
-The model's time of anything it predicts is linear in four scales of the calibration it was made with, so the fit
-is a small linear least squares:
-- `compute`: the GEMMs' time at their achievable peak, the memory-bound kernels and the optimizer step (divides
-  gemm_peak_fraction and memory_bandwidth_fraction: a GEMM takes (ideal + overhead) / gemm_peak_fraction);
+The model's time of anything it predicts is linear in five scales of the calibration it was made with:
+- `compute`: the GEMMs' time at their achievable peak (divides gemm_peak_fraction: a GEMM takes
+  (ideal + overhead) / gemm_peak_fraction);
 - `overhead`: the GEMMs' fixed cost (gemm_overhead_s), which grows with the number of GEMMs rather than their size
   (TP splits each GEMM and runs more micro-batches per rank);
+- `memory`: the memory-bound kernels and the optimizer step (divides memory_bandwidth_fraction);
 - `bandwidth`: the bytes part of collectives and send/receive (divides collective_bandwidth_fraction);
 - `latency`: their per-message startup cost (multiplies collective_latency_factor).
-A trial's step time constrains all four, a collective's only the last two (its sizes tell them apart). The parts
-are read off the model itself (`parts_of`: five evaluations), never re-derived here. Each residual is relative
-to its measurement, so a 100 us all-reduce weighs as much as a 1 s step. An unknown nothing constrains, one the
-data cannot tell from the others (one trial cannot split compute from overhead), or one it puts at or below zero
-(a part too small to see) stays at 1 and is named.
+The parts are read off the model itself (`parts_of`: six evaluations), never re-derived here. Each residual is
+relative to its measurement, so a 100 us all-reduce weighs as much as a 1 s step.
+
+With GEMM samples the fit has two stages: the GEMMs alone give `compute` and `overhead` (their sizes tell the two
+apart, which a few trials cannot: the trials of a small model that differ only in how they split the same work are
+nearly proportional in both), and the trials and collectives then fit the rest with those two fixed. Without them
+(a request written before the GEMM benchmark) one fit with `memory` tied to `compute`, as the model had one scale
+for both. An unknown nothing constrains, one the data cannot tell from the others (one trial cannot split compute
+from overhead), or one it puts at or below zero (a part too small to see) stays at 1 and is named.
 """
 
 from __future__ import annotations
@@ -36,8 +41,9 @@ _RING_STEPS = {"all_reduce": 2, "all_gather": 1}
 """Ring passes of each collective (plan/steptime.py ring_time's steps_per_rank)."""
 
 
-UNKNOWNS = ("compute", "overhead", "bandwidth", "latency")
+UNKNOWNS = ("compute", "overhead", "memory", "bandwidth", "latency")
 """The scales the fit solves for, in the order of Parts' fields."""
+_COMPUTE, _OVERHEAD, _MEMORY, _BANDWIDTH, _LATENCY = range(len(UNKNOWNS))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -46,12 +52,13 @@ class Parts:
 
     compute_s: float
     overhead_s: float = 0.0
+    memory_s: float = 0.0
     bandwidth_s: float = 0.0
     latency_s: float = 0.0
     fixed_s: float = 0.0
 
-    def vector(self) -> tuple[float, float, float, float]:
-        return (self.compute_s, self.overhead_s, self.bandwidth_s, self.latency_s)
+    def vector(self) -> tuple[float, float, float, float, float]:
+        return (self.compute_s, self.overhead_s, self.memory_s, self.bandwidth_s, self.latency_s)
 
     def at(self, scales: Scales) -> float:
         return sum(p * k for p, k in zip(self.vector(), scales.vector())) + self.fixed_s
@@ -63,11 +70,12 @@ class Scales:
 
     compute: float = 1.0
     overhead: float = 1.0
+    memory: float = 1.0
     bandwidth: float = 1.0
     latency: float = 1.0
 
-    def vector(self) -> tuple[float, float, float, float]:
-        return (self.compute, self.overhead, self.bandwidth, self.latency)
+    def vector(self) -> tuple[float, float, float, float, float]:
+        return (self.compute, self.overhead, self.memory, self.bandwidth, self.latency)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -106,7 +114,7 @@ def scaled(base: Calibration, scales: Scales, *, source: str | None = None) -> C
         base, source=base.source if source is None else source,
         gemm_peak_fraction=base.gemm_peak_fraction / a,
         gemm_overhead_s=base.gemm_overhead_s * scales.overhead / a,
-        memory_bandwidth_fraction=base.memory_bandwidth_fraction / a,
+        memory_bandwidth_fraction=base.memory_bandwidth_fraction / scales.memory,
         collective_bandwidth_fraction=base.collective_bandwidth_fraction / scales.bandwidth,
         collective_latency_factor=base.collective_latency_factor * scales.latency)
 
@@ -138,34 +146,88 @@ def collective_parts(sample: CollectiveSample, *, hardware: Hardware, base: Cali
                  latency_s=passes * latency)
 
 
+def gemm_parts(flops: float, *, peak_flops: float, base: Calibration) -> Parts:
+    """The model's time of one matrix product of `flops` on a device of `peak_flops` (plan/steptime.py's GEMM:
+    (ideal + gemm_overhead_s) / gemm_peak_fraction), split into its size-proportional part and its fixed cost."""
+    return Parts(compute_s=flops / peak_flops / base.gemm_peak_fraction,
+                 overhead_s=base.gemm_overhead_s / base.gemm_peak_fraction)
+
+
 def fit_scales(observations: Sequence[Observation]) -> tuple[Scales, tuple[str, ...]]:
-    """The scales minimising the squared relative residuals, and the unknowns held at 1: those nothing constrains,
-    those the data cannot tell apart (dropped in the order overhead, latency, bandwidth), and those it puts at or
-    below zero (a part too small to see: of those, the one whose holding fits best, never both of compute and
-    overhead, nor of bandwidth and latency). PlanError when nothing was measured or no positive fit is left."""
+    """One fit of every scale, `memory` tied to `compute` (a request without GEMM samples: the module docstring):
+    the scales minimising the squared relative residuals, and the unknowns held at 1 (_solve). PlanError when nothing
+    was measured or no positive fit is left."""
+    rows = _rows(observations)
+    for r in rows:  # one column for GEMM throughput and memory-bound work together
+        r[0][_COMPUTE] += r[0][_MEMORY]
+        r[0][_MEMORY] = 0.0
+    values, free = _solve(rows, groups=((_COMPUTE, _OVERHEAD), (_BANDWIDTH, _LATENCY)))
+    values[_MEMORY] = values[_COMPUTE]
+    held = [k for k in range(len(UNKNOWNS)) if k not in free and (k != _MEMORY or _COMPUTE not in free)]
+    return _checked(values), tuple(UNKNOWNS[k] for k in held)
+
+
+def fit_two_stage(gemms: Sequence[Observation], others: Sequence[Observation]) -> tuple[Scales, tuple[str, ...]]:
+    """The GEMM micro-benchmark's samples alone give `compute` and `overhead`; the trials and collectives, with those
+    fixed, give `memory`, `bandwidth` and `latency` (the module docstring). The unknowns held at 1 are named."""
+    # Weighted by time, not relative: the step is a sum of products, mostly its largest (the output layer, the MLP).
+    # A CPU runs its small products nearer its peak than its large ones (caches), which the model's saturating
+    # curve cannot follow; weighing each product alike fitted the many small ones and missed tiny's steps by 2-5x.
+    rows = _rows(gemms, relative=False)
+    gemm_values, gemm_free = _solve(rows, groups=((_COMPUTE, _OVERHEAD),))
+    fixed = (_COMPUTE, _OVERHEAD)
+    rest = []
+    for o in others:
+        known = sum(o.parts.vector()[k] * gemm_values[k] for k in fixed)
+        rest.append(dataclasses.replace(o, parts=dataclasses.replace(o.parts, compute_s=0.0, overhead_s=0.0,
+                                                                     fixed_s=o.parts.fixed_s + known)))
+    # The GEMMs may explain the trials alone (memory held); the collectives need bandwidth or latency.
+    values, free = _solve(_rows(rest), groups=((_BANDWIDTH, _LATENCY),)) if rest else (gemm_values, [])
+    for k in fixed:
+        values[k] = gemm_values[k]
+    free = [*gemm_free, *(k for k in free if k not in fixed)]
+    return _checked(values), tuple(UNKNOWNS[k] for k in range(len(UNKNOWNS)) if k not in free)
+
+
+def _rows(observations: Sequence[Observation], *, relative: bool = True) -> list[tuple[list[float], float]]:
+    """Each observation as (its parts, its measurement less its fixed part), over its measurement (a relative
+    residual) or over the mean measurement (a residual in time, scaled for the solver)."""
     if not observations:
         raise PlanError("nothing was measured: tune needs at least one trial step time or collective time")
-    rows = [([p / o.measured_s for p in o.parts.vector()], 1.0 - o.parts.fixed_s / o.measured_s)
-            for o in observations]
+    mean = sum(o.measured_s for o in observations) / len(observations)
+    return [([p / d for p in o.parts.vector()], (o.measured_s - o.parts.fixed_s) / d)
+            for o in observations for d in [o.measured_s if relative else mean]]
+
+
+def _solve(rows: list[tuple[list[float], float]], *,
+           groups: tuple[tuple[int, ...], ...]) -> tuple[list[float], list[int]]:
+    """Least squares over the columns some row constrains, less those the data cannot tell apart (dropped in the
+    order overhead, latency, memory, bandwidth, compute) and those it puts at or below zero (a part too small to
+    see: of those, the one whose holding fits best, never every column of a group). Every value, and the free."""
     free = [k for k in range(len(UNKNOWNS)) if any(abs(r[0][k]) > 0 for r in rows)]
     values = _least_squares(rows, free)
     while values is None:
-        free.remove(next(k for k in (1, 3, 2, 0) if k in free))
+        free.remove(next(k for k in (_OVERHEAD, _LATENCY, _MEMORY, _BANDWIDTH, _COMPUTE) if k in free))
         values = _least_squares(rows, free)
-    # The trials' time must stay explained by compute or its fixed cost, the collectives' by bandwidth or latency.
-    needed = [pair for pair in ((0, 1), (2, 3)) if any(k in free for k in pair)]
+    # A group's measurements must stay explained by one of its columns (trials by compute or its fixed cost,
+    # collectives by bandwidth or latency).
+    needed = [g for g in groups if any(k in free for k in g)]
     while any(values[k] <= 0 for k in free):
         tries = [(f, v) for f in ([j for j in free if j != k] for k in free if values[k] <= 0)
-                 if all(any(k in f for k in pair) for pair in needed) and (v := _least_squares(rows, f)) is not None]
+                 if all(any(k in f for k in g) for g in needed) and (v := _least_squares(rows, f)) is not None]
         if not tries:
             break
         free, values = min(tries, key=lambda fv: _residual(rows, fv[1]))
+    return values, free
+
+
+def _checked(values: list[float]) -> Scales:
     scales = Scales(**dict(zip(UNKNOWNS, values)))
     if not all(v > 0 and math.isfinite(v) for v in values):
         raise PlanError(f"the measured times fit no positive speed ({_describe(scales)} of the prediction); the "
                         "trials were disturbed or too short: re-run tune with more steps (--set compile.num_steps=N) "
                         "on idle nodes")
-    return scales, tuple(UNKNOWNS[k] for k in range(len(UNKNOWNS)) if k not in free)
+    return scales
 
 
 def _residual(rows: list[tuple[list[float], float]], values: list[float]) -> float:
@@ -200,11 +262,13 @@ def _describe(scales: Scales) -> str:
     return ", ".join(f"{name} x{value:.3g}" for name, value in zip(UNKNOWNS, scales.vector()))
 
 
-def refit(base: Calibration, observations: Sequence[Observation], *, source: str) -> Fit:
-    """The Calibration that predicts the observations best (fit_scales), named `source` for `plan` to print."""
-    scales, held = fit_scales(observations)
-    return Fit(calibration=scaled(base, scales, source=source), scales=scales, observations=len(observations),
-               held=held)
+def refit(base: Calibration, observations: Sequence[Observation], *, source: str,
+          gemms: Sequence[Observation] = ()) -> Fit:
+    """The Calibration that predicts the observations best, named `source` for `plan` to print: in two stages when
+    the GEMM micro-benchmark's samples are given (fit_two_stage), else in one (fit_scales)."""
+    scales, held = fit_two_stage(gemms, observations) if gemms else fit_scales(observations)
+    return Fit(calibration=scaled(base, scales, source=source), scales=scales,
+               observations=len(observations) + len(gemms), held=held)
 
 
 def node_mismatch(*, hardware: str, workers_per_node: int, memory_gib: float, found_workers: int,

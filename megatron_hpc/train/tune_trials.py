@@ -1,16 +1,17 @@
-"""The trainer side of a `megatron-hpc tune` job (`train --phase tune`): short trials and a collective benchmark.
+"""The trainer side of a `megatron-hpc tune` job (`train --phase tune`): short trials and micro-benchmarks.
 
 Every rank of the job reads the run folder's tune-candidates.json (written by launch/tune_job.py), then, in one
 process group: trains each candidate layout for compile.num_steps steps with the trainer's own trial path
-(train(..., phase="compile"), no checkpoints) and a fresh ParallelContext for its mesh, and times all-reduce,
-all-gather and send/receive of a few sizes over the whole world. A candidate's timed steps are the time per step of
-its logged intervals after the warm-up (train/metrics.py WARMUP_STEPS), each the slowest rank's: each step on CPU,
-blocks of steps with one host sync at each end on CUDA and XLA (launch/tune_job.py trial_log_interval); the fit
-takes their median (plan/calibration_fit.py trial_time). Each trial also measures the share of its node's CPU that
-other processes took (a trial disturbed by other work is named, not trusted). A collective's time is the median of
-its repetitions, the slowest rank's. Rank 0 writes what was measured to tune-measured.json, and the node script's
-end-of-phase step fits it (launch/tune_job.py finish_tune_run: tune.json, the winner's --set overlay and the
-calibration kept in the shared cache).
+(train(..., phase="compile"), no checkpoints) and a fresh ParallelContext for its mesh, times all-reduce,
+all-gather and send/receive of a few sizes over the whole world, and times every candidate's matrix products
+(plan/gemm_shapes.py) on every device at once, as the trials run them. A candidate's timed steps are the time per
+step of its logged intervals after the warm-up (train/metrics.py WARMUP_STEPS), each the slowest rank's: each step
+on CPU, blocks of steps with one host sync at each end on CUDA and XLA (launch/tune_job.py trial_log_interval); the
+fit takes their median (plan/calibration_fit.py trial_time). Each trial also measures the share of its node's CPU
+that other processes took (a trial disturbed by other work is named, not trusted). A collective's or a product's
+time is the median of its repetitions, the slowest rank's. Rank 0 writes what was measured to tune-measured.json,
+and the node script's end-of-phase step fits it (launch/tune_job.py finish_tune_run: tune.json, the winner's --set
+overlay and the calibration kept in the shared cache).
 
 On Trainium the node script runs this job twice (docs/planning.md#tune): first under neuron_parallel_compile,
 which sets NEURON_EXTRACT_GRAPHS_ONLY and makes every execution a stub returning zeros (shared/reference/
@@ -46,6 +47,11 @@ from megatron_hpc.run_folder import TUNE_CANDIDATES_FILE, TUNE_MEASURED_FILE, re
 from megatron_hpc.train.entry import DistEnv, read_dist_env
 from megatron_hpc.train.loop import train
 
+GEMM_REPEATS = 5
+"""Timed repetitions of each matrix product, after one untimed: the products of a small model's candidates take about
+a second in all on a CPU core."""
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
 BENCH_REPEATS = 15
 """Timed repetitions of each collective, after one untimed: about a millisecond each on CPU. With 5, a tune on a
 loaded 2-core machine measured the 512 KiB all-reduce at 3.4 ms and the 2 MiB one at 1.4 ms."""
@@ -75,13 +81,15 @@ def run_tune(run_dir: Path) -> int:
             measured.append(_trial(spec, rank=env.rank, device=device, timeout=timeout))
             others.append(clock.other_work_share())
         samples = [_bench(op, nbytes, device=device) for op, nbytes in request["benchmark"]]
+        gemm = _gemm_bench(request.get("gemm_benchmark", []), dtype=_DTYPES[request.get("gemm_precision", "fp32")],
+                           device=device)
     finally:
         dist.destroy_process_group()
     if graphs_only_pass():
         return 0  # stub executions: these times are not the trials'; the timed pass follows
     if env.rank == 0:  # the launcher fits them once the job succeeded (launch/tune_job.py finish_tune_run)
-        write_json(run_dir / TUNE_MEASURED_FILE, {"steps_s": measured, "bench_s": samples, "other_cpu_share": others,
-                                                  "finished_at_s": time.time()})
+        write_json(run_dir / TUNE_MEASURED_FILE, {"steps_s": measured, "bench_s": samples, "gemm_s": gemm,
+                                                  "other_cpu_share": others, "finished_at_s": time.time()})
     return 0
 
 
@@ -195,3 +203,23 @@ def _bench(op: str, nbytes: int, *, device: DeviceInfo) -> float:
             times.append(time.perf_counter() - start)
     per_op = statistics.median(times) / (2 if op == "send_recv" else 1)
     return _slowest([per_op], device=device)[0]
+
+
+def _gemm_bench(shapes: list[list[int]], *, dtype: torch.dtype, device: DeviceInfo) -> list[float]:
+    """Median seconds of each (batch, m, k, n) product on this device, the slowest rank's. Every rank runs the same
+    product at the same time, as a trial's ranks do (on CPU they share the node's cores and memory bandwidth)."""
+    times = []
+    for batch, m, k, n in shapes:
+        a = torch.randn(batch, m, k, dtype=dtype, device=device.device)
+        b = torch.randn(batch, k, n, dtype=dtype, device=device.device)
+        dist.barrier()
+        runs = []
+        for i in range(GEMM_REPEATS + 1):
+            start = time.perf_counter()
+            out = torch.bmm(a, b)
+            step_barrier(device)  # XLA: cut and run the graph of this one product
+            out[0, 0, 0].item()  # host sync: on CUDA and XLA the product is queued, not done, when bmm returns
+            if i:
+                runs.append(time.perf_counter() - start)
+        times.append(statistics.median(runs))
+    return _slowest(times, device=device) if times else []

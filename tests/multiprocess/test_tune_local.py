@@ -1,5 +1,5 @@
 """`megatron-hpc tune --cluster local`: one job through the launcher (node.sh, torchrun, 2 gloo workers) runs the
-three layouts of a 2-layer model for a few steps and the collective micro-benchmark, keeps the refitted
+three layouts of a 2-layer model for a few steps and the collective and GEMM micro-benchmarks, keeps the refitted
 calibration, and a later `plan` predicts from it; then `submit --tune --dry-run` writes the tune job only."""
 
 from __future__ import annotations
@@ -35,6 +35,14 @@ def test_tune_measures_every_layout_keeps_the_calibration_and_plan_uses_it(cli_i
     overlay = (out / "tune-overlay.txt").read_text().strip()
     assert shlex.split(overlay)[1::2] == fastest["overlay"]
     assert len(result["benchmark"]) == 9 and all(b["measured_s"] > 0 for b in result["benchmark"])
+    # Every distinct product of the three layouts' ranks (TP 1 and TP 2 shapes), forward and backward, timed and
+    # fitted with the rest.
+    gemms = result["gemm_benchmark"]
+    assert len(gemms) >= 2 * 7 and all(g["measured_s"] > 0 and g["predicted_after_s"] > 0 for g in gemms)
+    fit = result["fit"]
+    assert set(fit["rms_error_left_out_by_method"]) == {"two stages", "one stage"}
+    assert fit["method"] in ("two stages", "one stage")
+    assert fit["observations"] == 3 + 9 + (len(gemms) if fit["method"] == "two stages" else 0)
     kept = own_compile_cache / "megatron-hpc" / "calibrations" / "cpu.json"
     assert result["calibration_path"] == str(kept) and kept.is_file()
 

@@ -5,14 +5,22 @@ warm-up untimed. The intervals are those the trainer's own MetricsLogger records
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import pytest
-from megatron_hpc.launch.tune_job import WARMUP_STEPS, plan_candidates, trial_log_interval
+from megatron_hpc.launch.tune_job import (
+    WARMUP_STEPS,
+    finish_tune,
+    plan_candidates,
+    trial_log_interval,
+    write_request,
+)
 
 from megatron_hpc.config.loader import load_recipe
 from megatron_hpc.config.platforms import get_platform
 from megatron_hpc.plan.calibration import DEFAULT_CALIBRATION
+from megatron_hpc.plan.calibration_fit import Parts, Scales
 from megatron_hpc.plan.jobs import make_tune_phase
 from megatron_hpc.plan.planner import make_plan
 from megatron_hpc.train.metrics import MetricsLogger
@@ -77,3 +85,31 @@ def test_the_tune_phase_carries_the_compile_wrapper_where_a_run_would_compile(re
     plan = make_plan(cfg, num_nodes=1, platform=get_platform(platform))
     spec = make_tune_phase(cfg, plan, get_platform(platform), extra_env={})
     assert spec.phase == "tune" and spec.torchrun_wrapper == wrapper and not spec.requeue
+
+
+def test_tune_fits_the_gemm_curve_from_the_products_and_says_which_fit_it_kept(tmp_path):
+    """Measurements made by hand from known scales (trials, collectives and the request's products): the fit in two
+    stages predicts every trial left out exactly, while the one-stage fit, given two trials for compute and the
+    fixed cost, cannot; tune keeps the two-stage fit and says so. Without the products' times it fits in one."""
+    platform = get_platform("cpu")
+    sets = ["launch.workers_per_node=2", "data.source=synthetic", "parallel.tensor=0", "parallel.pipeline=0",
+            "compile.num_steps=8"]
+    plan = make_plan(load_recipe("tiny", sets), num_nodes=1, platform=platform)
+    found = plan_candidates("tiny", sets, plan=plan, platform=platform, top=3, calibration=DEFAULT_CALIBRATION)
+    request = write_request(tmp_path, found, platform=platform, calibration=DEFAULT_CALIBRATION,
+                            cache_root=tmp_path / "cache", cluster="local")
+    assert len(request["gemm_benchmark"]) == len(request["gemm_parts"]) > 2 * 7
+    truth = Scales(compute=30.0, overhead=200.0, memory=5.0, bandwidth=2.0, latency=4.0)
+    at = [Parts(**p).at(truth) for p in request["benchmark_parts"]]
+    steps = [[Parts(**c["parts"]).at(truth)] * 3 for c in request["candidates"]]
+    gemm = [Parts(**p).at(truth) for p in request["gemm_parts"]]
+    result = finish_tune(tmp_path, request, steps_s=steps, bench_s=at, finished_at_s=0.0, gemm_s=gemm)
+    assert result["fit"]["method"] == "two stages"
+    assert result["fit"]["scales"] == pytest.approx(dataclasses.asdict(truth), rel=1e-6)
+    scores = result["fit"]["rms_error_left_out_by_method"]
+    assert scores["two stages"] == pytest.approx(0.0, abs=1e-9) and scores["one stage"] > 0.01
+    assert all(abs(r["error_left_out"]) < 1e-9 for r in result["candidates"])
+    assert [g["measured_s"] for g in result["gemm_benchmark"]] == gemm
+    old = finish_tune(tmp_path, request, steps_s=steps, bench_s=at, finished_at_s=0.0)
+    assert old["fit"]["method"] == "one stage" and old["gemm_benchmark"] == []
+

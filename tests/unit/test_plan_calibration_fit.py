@@ -18,6 +18,8 @@ from megatron_hpc.plan.calibration_fit import (
     collective_parts,
     disturbance_line,
     fit_scales,
+    fit_two_stage,
+    gemm_parts,
     node_mismatch,
     other_work_share,
     parts_of,
@@ -48,10 +50,10 @@ def _predictor(cfg, hw, ranked):
 def test_parts_are_the_model_at_any_scales(layouts):
     """The split read off the model predicts what the model itself says at a scaled calibration."""
     cfg, hw, ranked = layouts
-    scales = Scales(compute=3.0, overhead=40.0, bandwidth=2.5, latency=6.0)
+    scales = Scales(compute=3.0, overhead=40.0, memory=7.0, bandwidth=2.5, latency=6.0)
     for r in ranked:
         parts = parts_of(_predictor(cfg, hw, r), DEFAULT_CALIBRATION)
-        assert parts.compute_s > 0 and parts.overhead_s > 0
+        assert parts.compute_s > 0 and parts.overhead_s > 0 and parts.memory_s > 0
         direct = _predictor(cfg, hw, r)(scaled(DEFAULT_CALIBRATION, scales))
         assert parts.at(scales) == pytest.approx(direct, rel=1e-9)
     tp2 = next(r for r in ranked if r.sizes.mesh.tensor_parallel == 2)
@@ -62,7 +64,7 @@ def test_refit_recovers_known_scales_from_trials_and_collectives(layouts):
     """Times made by hand from known scales (the trials' from the model, the collectives' by the ring formula):
     the fit finds the scales and the refitted calibration predicts every trial exactly."""
     cfg, hw, ranked = layouts
-    truth = Scales(compute=4.0, overhead=120.0, bandwidth=2.0, latency=5.0)
+    truth = Scales(compute=4.0, overhead=120.0, memory=4.0, bandwidth=2.0, latency=5.0)  # one fit ties memory
     trials = [Observation(label=r.label, parts=(p := parts_of(_predictor(cfg, hw, r), DEFAULT_CALIBRATION)),
                           measured_s=p.at(truth)) for r in ranked]
     bench = []
@@ -85,12 +87,59 @@ def test_refit_recovers_known_scales_from_trials_and_collectives(layouts):
     assert fit.calibration.gemm_peak_fraction == pytest.approx(0.85 / 4.0)
 
 
+def test_a_products_parts_by_hand():
+    # 2 GFLOP at 1 TFLOP/s is 2 ms ideal; at 85% of peak 2.353 ms, plus the 10 us fixed cost over 0.85.
+    parts = gemm_parts(2e9, peak_flops=1e12, base=DEFAULT_CALIBRATION)
+    assert parts.compute_s == pytest.approx(2e-3 / 0.85) and parts.overhead_s == pytest.approx(10e-6 / 0.85)
+    assert parts.at(Scales()) == pytest.approx(2e9 / (1e12 * DEFAULT_CALIBRATION.gemm_fraction(2e9, 1e12)))
+
+
+def test_two_stages_recover_the_gemm_curve_from_products_and_the_rest_from_trials(layouts):
+    """Products timed from a known curve give compute and overhead, which the trials alone cannot tell apart; the
+    trials and collectives then give memory, bandwidth and latency; every trial is predicted exactly."""
+    cfg, hw, ranked = layouts
+    truth = Scales(compute=40.0, overhead=300.0, memory=9.0, bandwidth=2.0, latency=5.0)
+    gemms = []
+    for flops in (1e6, 1e8, 1e10):
+        parts = gemm_parts(flops, peak_flops=1e12, base=DEFAULT_CALIBRATION)
+        # By hand: (flops / 1e12 x 40 + 10 us x 300) / 0.85.
+        seconds = (flops / 1e12 * 40.0 + 10e-6 * 300.0) / 0.85
+        gemms.append(Observation(label=f"{flops:g}", parts=parts, measured_s=seconds))
+    trials = [Observation(label=r.label, parts=(p := parts_of(_predictor(cfg, hw, r), DEFAULT_CALIBRATION)),
+                          measured_s=p.at(truth)) for r in ranked]
+    sample = CollectiveSample(op="all_reduce", ranks=2, nbytes=1 << 20, seconds=0.0)
+    bench = [Observation(label="ar", parts=(p := collective_parts(sample, hardware=hw, base=DEFAULT_CALIBRATION,
+                                                                  workers_per_node=2)), measured_s=p.at(truth))]
+    scales, held = fit_two_stage(gemms, trials + bench)
+    assert held == ()
+    for got, want in zip(scales.vector(), truth.vector()):
+        assert got == pytest.approx(want, rel=1e-6)
+    fit = refit(DEFAULT_CALIBRATION, trials + bench, source="t", gemms=gemms)
+    assert fit.scales == scales and fit.observations == 7
+    assert fit.calibration.gemm_peak_fraction == pytest.approx(0.85 / 40.0)
+    assert fit.calibration.gemm_overhead_s == pytest.approx(10e-6 * 300.0 / 40.0)
+    assert fit.calibration.memory_bandwidth_fraction == pytest.approx(0.7 / 9.0)
+    for r, t in zip(ranked, trials):
+        assert _predictor(cfg, hw, r)(fit.calibration) == pytest.approx(t.measured_s, rel=1e-6)
+
+
+def test_the_gemm_curve_is_fitted_in_time_not_per_product():
+    """A step is mostly its largest products: two small ones 10x the prediction and a large one 40x give the large
+    one's scale nearly, by hand sum(p m) / sum(p^2), not the mean of the ratios (20x)."""
+    obs = [Observation(label="s1", parts=Parts(compute_s=1e-4), measured_s=1e-3),
+           Observation(label="s2", parts=Parts(compute_s=1e-4), measured_s=1e-3),
+           Observation(label="big", parts=Parts(compute_s=1e-2), measured_s=0.4)]
+    scales, held = fit_two_stage(obs, [])
+    assert scales.compute == pytest.approx((2 * 1e-4 * 1e-3 + 1e-2 * 0.4) / (2 * 1e-8 + 1e-4))
+    assert scales.compute > 39.9 and held == ("overhead", "memory", "bandwidth", "latency")
+
+
 def test_collectives_alone_fit_only_communication():
     """Without trials the compute-side scales are held at 1 and named."""
     obs = [Observation(label="a", parts=Parts(compute_s=0.0, bandwidth_s=1e-4, latency_s=1e-4), measured_s=6e-4),
            Observation(label="b", parts=Parts(compute_s=0.0, bandwidth_s=1e-3, latency_s=1e-4), measured_s=2.4e-3)]
     scales, held = fit_scales(obs)
-    assert held == ("compute", "overhead")
+    assert held == ("compute", "overhead", "memory")
     assert scales.bandwidth == pytest.approx(2.0) and scales.latency == pytest.approx(4.0)
 
 
@@ -141,7 +190,7 @@ def test_a_part_too_small_to_see_is_held_not_fitted_negative():
            Observation(label="b", parts=Parts(compute_s=0.04, overhead_s=0.003), measured_s=0.1)]
     # By hand, fitting both: 0.02 a + 0.002 u = 0.1 and 0.04 a + 0.003 u = 0.1 give u = 100 and a = -5.
     scales, held = fit_scales(obs)
-    assert held == ("compute", "bandwidth", "latency")
+    assert held == ("compute", "memory", "bandwidth", "latency")
     assert scales.compute == 1.0 and scales.overhead > 0
 
 
