@@ -22,6 +22,8 @@ times them):
     python benchmarks/convert_torch_dist_cpu.py --dir ./td-bench --dp-reshardable   # distributed optimizer buckets
     python benchmarks/convert_torch_dist_cpu.py --dir ./td-bench --optimizer --to hf --read-budget-gib 0.25 \
         --shard-size-gb 0.1
+    python benchmarks/convert_torch_dist_cpu.py --dir ./td-bench --optimizer --to torch --repeat 3 \
+        --baseline /path/to/main/tree --source ./td-src   # main's converts beside ours, on a kept source
 
 Goal: each convert within 2x of the copy's wall time. Peak RSS is reported: `--to torch|xser` reads the source a
 unit (one layer of every stacked key, or one key with its moments) at a time, holding at most `--read-budget-gib`
@@ -64,6 +66,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shard-size-gb", type=float, help="passed to --to hf (default: its own, 5)")
     p.add_argument("--repeat", type=int, default=1, help="runs of each, alternating; the table gives medians")
     p.add_argument("--keep", action="store_true", help="keep the work folder")
+    p.add_argument("--baseline", type=Path,
+                   help="a source tree (holding megatron_hpc/) whose converts run beside this tree's, alternating")
+    p.add_argument("--source", type=Path,
+                   help="the source checkpoint's root: written there when missing, kept after (default: in --dir)")
     p.add_argument("--write-source-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.optimizer = args.optimizer or args.dp_reshardable
@@ -260,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     shape = Shape(layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab, seq=args.seq)
     work = args.dir
-    src, copy = work / "src", work / "copy"
+    src, copy = args.source or work / "src", work / "copy"
     if args.write_source_only:
         write_source(src, shape, tp=args.from_tp, files=args.files, optimizer=args.optimizer,
                      dp_reshardable=args.dp_reshardable)
@@ -269,22 +275,27 @@ def main(argv: list[str] | None = None) -> None:
     work.mkdir(parents=True)
     t0 = time.perf_counter()
     # In a child: a child's peak RSS starts from its parent's at the fork, so this process stays small (no torch).
-    subprocess.run([sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--write-source-only"],
-                   check=True)
+    if not (src / "latest_checkpointed_iteration.txt").is_file():
+        subprocess.run([sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]),
+                        "--write-source-only"], check=True)
     params = convert_cpu.num_params(shape, padded=padded_vocab(shape.vocab, tp=args.from_tp))
     print(f"source: {params / 1e9:.3f} B parameters, torch_dist in {args.files} .distcp files, "
           f"{'with' if args.optimizer else 'without'} optimizer{' (dp_reshardable)' * args.dp_reshardable}, "
           f"{du(src) / GIB:.2f} GiB, written in "
           f"{time.perf_counter() - t0:.0f} s; load {os.getloadavg()[0]:.2f}", flush=True)
     commands = {"cp -r": (["cp", "-r", str(src), str(copy)], copy)}
+    # -P: megatron_hpc comes from PYTHONPATH's tree, not from the working folder or an installed copy.
+    trees = {"": Path(__file__).resolve().parents[1], **({" (baseline)": args.baseline.resolve()}
+                                                            if args.baseline else {})}
     for to in args.to:
-        out = work / f"ours-{to}"
-        sizes = ["--tp", str(args.to_tp)] if to != "hf" else (
-            ["--shard-size-gb", str(args.shard_size_gb)] if args.shard_size_gb else [])
-        commands[f"convert --to {to} {' '.join(sizes[:2])}".strip()] = (
-            [sys.executable, "-m", "megatron_hpc", "ckpt", "convert", str(src), "--to", to, *sizes,
-             "--out", str(out), *(["--read-budget-gib", str(args.read_budget_gib)] if args.read_budget_gib else [])],
-            out)
+        for tag, tree in trees.items():
+            out = work / f"ours-{to}{'-baseline' * bool(tag)}"
+            sizes = ["--tp", str(args.to_tp)] if to != "hf" else (
+                ["--shard-size-gb", str(args.shard_size_gb)] if args.shard_size_gb else [])
+            budget = ["--read-budget-gib", str(args.read_budget_gib)] if args.read_budget_gib else []
+            commands[f"convert --to {to} {' '.join(sizes[:2])}".strip() + tag] = (
+                ["env", f"PYTHONPATH={tree}", sys.executable, "-P", "-m", "megatron_hpc", "ckpt", "convert", str(src),
+                 "--to", to, *sizes, "--out", str(out), *budget], out)
     runs: dict[str, list[Row]] = {name: [] for name in commands}
     for i in range(args.repeat):  # alternating, so a change in the machine's load falls on all alike
         for name, (cmd, dst) in commands.items():
@@ -294,12 +305,12 @@ def main(argv: list[str] | None = None) -> None:
     rows = [median_row(done) for done in runs.values()]
     sizes = {"source": du(src), **{f"output {n}": du(dst) for n, (_, dst) in commands.items() if n != "cp -r"}}
     print(convert_cpu.table(rows, sizes))
-    worst = max(ratio(r.wall_s, rows[0].wall_s) for r in rows[1:])
+    worst = max(ratio(r.wall_s, rows[0].wall_s) for r in rows[1:] if not r.name.endswith("(baseline)"))
     print(f"time goal (each convert <= 2x copy): {'met' if worst <= 2.0 else 'NOT met'}; worst {worst:.2f}x; "
           f"convert peak RSS / source {max(r.peak_rss or 0 for r in rows[1:]) / du(src):.2f}x")
     print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if not args.keep:
-        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)  # a --source outside --dir stays
 
 
 if __name__ == "__main__":
