@@ -24,6 +24,8 @@ times them):
         --shard-size-gb 0.1
     python benchmarks/convert_torch_dist_cpu.py --dir ./td-bench --optimizer --ours xser --ours-pp 2 \
         --to torch hf torch_dist --baseline ../main     # a checkpoint of ours, against main's code side by side
+    python benchmarks/convert_torch_dist_cpu.py --dir ./td-bench --optimizer --to torch --repeat 3 \
+        --baseline /path/to/main/tree --source ./td-src   # main's converts beside ours, on a kept source
 
 Goal: each convert within 2x of the copy's wall time. Peak RSS is reported: `--to torch|xser` reads the source a
 unit (one layer of every stacked key, or one key with its moments) at a time, holding at most `--read-budget-gib`
@@ -69,9 +71,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="convert the source once (untimed) into a checkpoint of ours in this format at --from-tp x "
                         "--ours-pp, and time the converts of that instead (read a tensor at a time)")
     p.add_argument("--ours-pp", type=int, default=1, help="with --ours: its pipeline size")
-    p.add_argument("--baseline", type=Path, help="a checkout of another commit (say main's): each convert runs "
-                   "with that tree's megatron_hpc too, alternating with this one's")
     p.add_argument("--keep", action="store_true", help="keep the work folder")
+    p.add_argument("--baseline", type=Path,
+                   help="a source tree (holding megatron_hpc/) whose converts run beside this tree's, alternating")
+    p.add_argument("--source", type=Path,
+                   help="the source checkpoint's root: written there when missing, kept after (default: in --dir)")
     p.add_argument("--write-source-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.optimizer = args.optimizer or args.dp_reshardable
@@ -279,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     shape = Shape(layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab, seq=args.seq)
     work = args.dir
-    src, copy = work / "src", work / "copy"
+    src, copy = args.source or work / "src", work / "copy"
     if args.write_source_only:
         write_source(src, shape, tp=args.from_tp, files=args.files, optimizer=args.optimizer,
                      dp_reshardable=args.dp_reshardable)
@@ -288,8 +292,9 @@ def main(argv: list[str] | None = None) -> None:
     work.mkdir(parents=True)
     t0 = time.perf_counter()
     # In a child: a child's peak RSS starts from its parent's at the fork, so this process stays small (no torch).
-    subprocess.run([sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--write-source-only"],
-                   check=True)
+    if not (src / "latest_checkpointed_iteration.txt").is_file():
+        subprocess.run([sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]),
+                        "--write-source-only"], check=True)
     params = convert_cpu.num_params(shape, padded=padded_vocab(shape.vocab, tp=args.from_tp))
     print(f"source: {params / 1e9:.3f} B parameters, torch_dist in {args.files} .distcp files, "
           f"{'with' if args.optimizer else 'without'} optimizer{' (dp_reshardable)' * args.dp_reshardable}, "
@@ -298,19 +303,18 @@ def main(argv: list[str] | None = None) -> None:
     if args.ours:
         src = _ours(src, work / "ours-src", fmt=args.ours, tp=args.from_tp, pp=args.ours_pp)
     commands = {"cp -r": (["cp", "-r", str(src), str(copy)], copy)}
-    trees = {"": [sys.executable, "-m", "megatron_hpc"]}
-    if args.baseline:  # sys.path[0] first: `python -m` would import the working directory's tree
-        trees["baseline: "] = [sys.executable, "-c", "import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); "
-                               "runpy.run_module('megatron_hpc', run_name='__main__', alter_sys=True)",
-                               str(args.baseline.resolve())]
+    # -P: megatron_hpc comes from PYTHONPATH's tree, not from the working folder or an installed copy.
+    trees = {"": Path(__file__).resolve().parents[1], **({" (baseline)": args.baseline.resolve()}
+                                                            if args.baseline else {})}
     for to in args.to:
-        for tag, python in trees.items():
-            out = work / f"{tag[:4]}ours-{to}"
+        for tag, tree in trees.items():
+            out = work / f"ours-{to}{'-baseline' * bool(tag)}"
             sizes = ["--tp", str(args.to_tp)] if to != "hf" else (
                 ["--shard-size-gb", str(args.shard_size_gb)] if args.shard_size_gb else [])
-            commands[f"{tag}convert --to {to} {' '.join(sizes[:2])}".strip()] = (
-                [*python, "ckpt", "convert", str(src), "--to", to, *sizes, "--out", str(out),
-                 *(["--read-budget-gib", str(args.read_budget_gib)] if args.read_budget_gib else [])], out)
+            budget = ["--read-budget-gib", str(args.read_budget_gib)] if args.read_budget_gib else []
+            commands[f"convert --to {to} {' '.join(sizes[:2])}".strip() + tag] = (
+                ["env", f"PYTHONPATH={tree}", sys.executable, "-P", "-m", "megatron_hpc", "ckpt", "convert", str(src),
+                 "--to", to, *sizes, "--out", str(out), *budget], out)
     runs: dict[str, list[Row]] = {name: [] for name in commands}
     for i in range(args.repeat):  # alternating, so a change in the machine's load falls on all alike
         for name, (cmd, dst) in commands.items():
@@ -320,12 +324,12 @@ def main(argv: list[str] | None = None) -> None:
     rows = [median_row(done) for done in runs.values()]
     sizes = {"source": du(src), **{f"output {n}": du(dst) for n, (_, dst) in commands.items() if n != "cp -r"}}
     print(convert_cpu.table(rows, sizes))
-    worst = max(ratio(r.wall_s, rows[0].wall_s) for r in rows[1:])
+    worst = max(ratio(r.wall_s, rows[0].wall_s) for r in rows[1:] if not r.name.endswith("(baseline)"))
     print(f"time goal (each convert <= 2x copy): {'met' if worst <= 2.0 else 'NOT met'}; worst {worst:.2f}x; "
           f"convert peak RSS / source {max(r.peak_rss or 0 for r in rows[1:]) / du(src):.2f}x")
     print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if not args.keep:
-        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)  # a --source outside --dir stays
 
 
 if __name__ == "__main__":

@@ -130,10 +130,13 @@ def run(args: argparse.Namespace) -> int:
         # every copy and gain no bandwidth. One thread was faster in 3 of 3 alternating runs of
         # benchmarks/convert_torch_dist_cpu.py's source (14.3-31.4 s against 18.2-37.1 s, a loaded 2-core VM).
         # Restored after: `ckpt convert` also runs inside other processes (tests, notebooks).
+        from megatron_hpc.checkpoint.conversion import reused_memory
+
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            return _convert(args)
+            with reused_memory():  # freed blocks reused, not faulted in afresh (host_memory.py)
+                return _convert(args)
         finally:
             torch.set_num_threads(threads)
     if args.ckpt_command == "reshard":

@@ -138,3 +138,29 @@ def test_altered_byte_of_a_multi_chunk_tensor_fails_the_crc_and_names_the_file(t
     victim.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=r"tensor_0\.pt has crc32 .* but the manifest says"):
         load_checkpoint(tmp_path, ranks=ranks)
+
+
+def test_writeback_starts_step_by_step_and_the_file_is_unchanged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                                 ) -> None:
+    """Every WRITEBACK_STEP bytes the kernel is asked to start writing the next range (sync_file_range on Linux);
+    the ranges follow each other from 0, and the file is the same torch zip with the same checksum."""
+    from megatron_hpc.checkpoint.store import file_io, writeback
+
+    calls: list[tuple[int, int, bool]] = []
+
+    def spy(fd: int, offset: int, nbytes: int) -> bool:
+        done = writeback.start_writeback(fd, offset, nbytes)
+        calls.append((offset, nbytes, done))
+        return done
+
+    step = 1 << 20
+    monkeypatch.setattr(file_io, "WRITEBACK_STEP", step)
+    monkeypatch.setattr(file_io, "start_writeback", spy)
+    t = torch.randn(5 * step // 4 + 3)  # 5 MiB and a ragged end
+    path = tmp_path / "t.pt"
+    written = write_torch_file(path, t)
+    data = path.read_bytes()
+    assert written.crc32 == zlib.crc32(data) and torch.equal(torch.load(path, weights_only=True), t)
+    assert len(calls) >= 2 and all(done for _, _, done in calls)  # Linux: each request taken
+    assert [c[0] for c in calls] == [sum(c[1] for c in calls[:i]) for i in range(len(calls))]  # back to back
+    assert all(n >= step for _, n, _ in calls) and sum(n for _, n, _ in calls) > len(data) - step

@@ -8,7 +8,7 @@ stream.reshard). Everything outside the room imports from here, never from a mod
 """
 
 from megatron_hpc.checkpoint.conversion import optim_layout, pp_layout, stream, tp_layout
-from megatron_hpc.checkpoint.conversion.host_memory import give_back_freed
+from megatron_hpc.checkpoint.conversion.host_memory import give_back_freed, reused_memory
 from megatron_hpc.checkpoint.conversion.lazy import convert_lazy, read_lazy
 from megatron_hpc.checkpoint.conversion.optim_layout import for_model, with_masters
 from megatron_hpc.checkpoint.conversion.tokenizers import hf_tokenizer_files, resolved_tokenizer_files, tokenizer_files
@@ -32,6 +32,7 @@ __all__ = [
     "read_lazy",
     "read_whole",
     "resolved_tokenizer_files",
+    "reused_memory",
     "stream",
     "tokenizer_files",
     "tp_layout",

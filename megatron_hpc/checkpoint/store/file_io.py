@@ -20,6 +20,10 @@ costs two copies and a slow hash per byte (benchmarks/RESULTS.md, issue 5). Here
 
 The checksum is zlib's crc32, computed by ISA-L (checksum.py: 3x faster, the same values). It and the reads and writes
 release the GIL, so the saver's and loader's threads overlap checksums with I/O.
+
+Writeback starts while a file is still being written (writeback.py): every WRITEBACK_STEP bytes the kernel is asked to
+start putting them on the disk, so the disk works while torch.save and the caller go on, and the fsync at the end
+(kept: it is what makes the file durable) waits for the last step only, not the whole file.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import torch
 from megatron_hpc.checkpoint.store import safe_pickle
 from megatron_hpc.checkpoint.store.checksum import crc32
 from megatron_hpc.checkpoint.store.manifest import FileRecord
+from megatron_hpc.checkpoint.store.writeback import WRITEBACK_STEP, start_writeback
 from megatron_hpc.errors import CheckpointAccessError, CheckpointError
 
 CHUNK = 4 << 20
@@ -68,6 +73,9 @@ class _WriteSink:
     def __init__(self, fd: int):
         self._fd = fd
         self._pending = bytearray()
+        self._written = 0
+        self._kicked = 0
+        """Bytes handed to the kernel so far, and of those, bytes whose writeback was started."""
         self.size = 0
         self.crc = 0
         self.error: OSError | None = None
@@ -94,6 +102,10 @@ class _WriteSink:
         except OSError as exc:
             self.error = self.error or exc
             raise
+        self._written += view.nbytes
+        if self._written - self._kicked >= WRITEBACK_STEP:
+            start_writeback(self._fd, self._kicked, self._written - self._kicked)
+            self._kicked = self._written
 
     def drain(self) -> None:
         if self._pending:
