@@ -3,7 +3,8 @@ source at once stays within its budget plus one unit (a layer of every stacked k
 moments), well under the checkpoint, and what it writes equals the whole read's output tensor for tensor. The source
 is real megatron-core's (tests/fixtures/megatron_core_torch_dist): plain Adam with fp32 masters (gpt_tp2), the
 distributed optimizer saved fully reshardable with SwiGLU (llama_tp2_distopt), and in its default dp_reshardable
-flat buffers at DP 2 and at PP 2 with a tied embedding (gpt_dp2_distopt, gpt_pp2_distopt)."""
+flat buffers at DP 2, at PP 2 with a tied embedding, and a Llama at TP 2 x PP 2 x DP 2 (gpt_dp2_distopt,
+gpt_pp2_distopt, llama_tp2_pp2_dp2_distopt)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from megatron_hpc.checkpoint.foreign.torch_dist_files import open_folder, read
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "megatron_core_torch_dist"
 ITER = "iter_0000003"
+DP_RESHARDABLE = ("gpt_dp2_distopt", "gpt_pp2_distopt", "llama_tp2_pp2_dp2_distopt")
+"""The fixtures whose distributed optimizer saved megatron-core's default flat buffers."""
 
 
 def _bytes(record: object) -> int:
@@ -86,12 +89,12 @@ def test_a_budget_above_the_checkpoint_reads_each_unit_once(tmp_path: Path) -> N
     assert small.reader.peak_bytes < once.reader.peak_bytes <= total
 
 
-def _bucket_bound(folder: Path, *, tp: int, states: int = 3) -> int:
+def _bucket_bound(folder: Path, *, states: int = 3) -> int:
     """Bytes a dp_reshardable unit holds at most, from the index: the largest unit's fp32 states (param, exp_avg,
     exp_avg_sq; param alone weights only) assembled, the same again as the boxes of the flat buffers they come from,
     and the 64-element alignment gaps those boxes span (16 parameters a layer at most, a box per TP rank and state)."""
     src = open_folder(folder)
-    layers = src.common["args"].num_layers
+    layers, tp = src.common["args"].num_layers, src.common["args"].tensor_model_parallel_size
     model = {k: src.keys[k].size.numel() for k in src.tensor_keys() if not k.startswith("optimizer.")}
     per_layer = sum(n // layers for k, n in model.items() if "decoder.layers." in k)
     single = max(n for k, n in model.items() if "decoder.layers." not in k)
@@ -111,7 +114,7 @@ def _convert_both(folder: Path, tmp_path: Path) -> tuple[dict[str, torch.Tensor]
     return _tensors(tmp_path / "whole"), _tensors(tmp_path / "streamed"), reader
 
 
-@pytest.mark.parametrize("case", ["gpt_dp2_distopt", "gpt_pp2_distopt"])
+@pytest.mark.parametrize("case", DP_RESHARDABLE)
 def test_the_distributed_optimizers_bucket_space_streams_a_layer_at_a_time(case: str, tmp_path: Path) -> None:
     """dp_reshardable's flat buffers are read as one box per bucket and state a layer, each parameter put together
     from them: weights (the fp32 masters) and both moments equal the whole read's; gpt_pp2_distopt's tied embedding
@@ -119,7 +122,7 @@ def test_the_distributed_optimizers_bucket_space_streams_a_layer_at_a_time(case:
     folder = FIXTURES / case / ITER
     total, _ = _bounds(folder)
     expected, got, reader = _convert_both(folder, tmp_path)
-    assert 0 < reader.peak_bytes <= _bucket_bound(folder, tp=1) < total  # type: ignore[attr-defined]
+    assert 0 < reader.peak_bytes <= _bucket_bound(folder) < total  # type: ignore[attr-defined]
     assert reader.held_bytes == 0  # type: ignore[attr-defined]
     assert sorted(got) == sorted(expected) and any(k.endswith(".exp_avg_sq") for k in got)
     for key, value in expected.items():
@@ -172,7 +175,7 @@ def test_a_bad_budget_or_shard_size_is_refused_before_anything_is_written(
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("case", ["gpt_tp2", "llama_tp2_distopt", "gpt_pp2_distopt"])
+@pytest.mark.parametrize("case", ["gpt_tp2", "llama_tp2_distopt", "gpt_pp2_distopt", "llama_tp2_pp2_dp2_distopt"])
 def test_the_hf_export_streams_in_shards_equal_to_the_whole_reads(case: str, tmp_path: Path) -> None:
     """`--to hf` reads the source a unit at a time and writes save_pretrained's shards one at a time: the same
     files, index and tensors as the export of the whole read, holding at most one unit of the source (for
@@ -186,8 +189,8 @@ def test_the_hf_export_streams_in_shards_equal_to_the_whole_reads(case: str, tmp
 
     folder = FIXTURES / case / ITER
     total, unit = _bounds(folder)
-    if case.endswith("_distopt") and "llama" not in case:  # dp_reshardable: the flat buffers' spans
-        unit = _bucket_bound(folder, tp=1, states=1)
+    if case in DP_RESHARDABLE:  # the flat buffers' spans
+        unit = _bucket_bound(folder, states=1)
     whole = import_torch_dist(folder).imported.whole
     shard = sum(w.numel() * 4 for w in whole.first["model"].values()) // 3  # fp32 out: three shards or more
     export_hf(whole, tmp_path / "whole", max_shard_bytes=shard)
@@ -247,7 +250,8 @@ def _written(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, object], 
 
 
 @pytest.mark.parametrize(("case", "distributed"), [("gpt_tp2", False), ("llama_tp2_distopt", True),
-                                                   ("gpt_dp2_distopt", True), ("gpt_pp2_distopt", False)])
+                                                   ("gpt_dp2_distopt", True), ("gpt_pp2_distopt", False),
+                                                   ("llama_tp2_pp2_dp2_distopt", True)])
 def test_to_torch_dist_streams_and_writes_what_the_whole_read_writes(case: str, distributed: bool,
                                                                     tmp_path: Path) -> None:
     """`--to torch_dist` from a torch_dist source reads and writes a part at a time (one layer of every stacked key,
@@ -256,8 +260,8 @@ def test_to_torch_dist_streams_and_writes_what_the_whole_read_writes(case: str, 
     folder = FIXTURES / case / ITER
     total, unit = _bounds(folder)
     ceiling = total / 2
-    if case in ("gpt_dp2_distopt", "gpt_pp2_distopt"):  # dp_reshardable: a layer's spans of the flat buffers and
-        unit, ceiling = _bucket_bound(folder, tp=1), total  # what they make, over half of these 2 layers
+    if case in DP_RESHARDABLE:  # a layer's spans of the flat buffers and
+        unit, ceiling = _bucket_bound(folder), total  # what they make, over half of these 2 layers
     whole = import_torch_dist(folder)
     export_torch_dist(whole.imported.whole, tmp_path / "whole", tp=2, pp=1, distributed=distributed)
     streamed = import_torch_dist(folder, stream_budget=1)
