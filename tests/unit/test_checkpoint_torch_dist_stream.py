@@ -8,6 +8,11 @@ gpt_pp2_distopt, llama_tp2_pp2_dp2_distopt)."""
 
 from __future__ import annotations
 
+import json
+import math
+import shutil
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -180,8 +185,6 @@ def test_the_hf_export_streams_in_shards_equal_to_the_whole_reads(case: str, tmp
     """`--to hf` reads the source a unit at a time and writes save_pretrained's shards one at a time: the same
     files, index and tensors as the export of the whole read, holding at most one unit of the source (for
     dp_reshardable, gpt_pp2_distopt, the weights are the fp32 masters put together from the flat buffers)."""
-    import json
-
     import transformers
     from safetensors.torch import load_file
 
@@ -284,3 +287,91 @@ def test_to_torch_dist_streams_and_writes_what_the_whole_read_writes(case: str, 
     ours, theirs = (torch.load(tmp_path / d / ITER / "common.pt", weights_only=False) for d in ("streamed", "whole"))
     assert vars(ours.pop("args")) == vars(theirs.pop("args"))
     assert repr(ours) == repr(theirs)
+
+
+def _rewritten(case: str, dest: Path, change: Callable[[dict[str, torch.Tensor]], None]) -> Path:
+    """A copy of `case` whose iteration folder is written again by torch.distributed.checkpoint's own writer (one
+    process, one file, nested objects kept whole as megatron-core's planner keeps them) after `change` edits its
+    tensors in place; common.pt and metadata.json are copied as they are."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    shutil.copytree(FIXTURES / case, dest)
+    folder = dest / ITER
+    src = open_folder(folder)
+    tensors, objects = read(src, list(src.keys))
+    change(tensors)
+    for old in [*folder.glob("*.distcp"), folder / ".metadata"]:
+        old.unlink()
+    with warnings.catch_warnings():  # one process on purpose: no_dist says so, torch warns anyway
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({**tensors, **objects}, storage_writer=dcp.FileSystemWriter(folder),
+                 planner=DefaultSavePlanner(flatten_state_dict=False), no_dist=True)
+    return dest
+
+
+def test_a_tied_embeddings_state_is_the_last_stages_copy(tmp_path: Path) -> None:
+    """gpt_pp2_distopt holds a copy of the shared word embedding in each stage's buckets (megatron-core keeps them
+    equal); with the last stage's copy of both moments doubled, the whole and the streamed read both take it, the
+    rule torch_dist_buckets.py documents, and nothing else moves."""
+    folder = FIXTURES / "gpt_pp2_distopt" / ITER
+    embedding = open_folder(folder).keys["embedding.word_embeddings.weight"].size.numel()
+    last = "optimizer.distributed.dp_group_idx_1.gbuf_idx_0.dtype_(torch.float32, torch.float32).bucket_idx_0."
+
+    def double(tensors: dict[str, torch.Tensor]) -> None:
+        for what in ("exp_avg", "exp_avg_sq"):
+            assert tensors[last + what].numel() == embedding  # the last stage's copy, alone in its bucket
+            tensors[last + what].mul_(2)
+
+    changed = _rewritten("gpt_pp2_distopt", tmp_path / "changed", double) / ITER
+    pristine = import_torch_dist(folder)
+    stream.reshard(stream.in_memory(pristine.imported.whole), tp=2, out=tmp_path / "pristine", fmt="torch")
+    want = _tensors(tmp_path / "pristine")
+    doubled = [k for k in want if ".wte." in k and k.endswith((".exp_avg", ".exp_avg_sq"))]
+    assert len(doubled) == 4  # two TP ranks' vocabulary halves, two moments
+    whole, streamed, _ = _convert_both(changed, tmp_path)
+    for got in (whole, streamed):
+        assert sorted(got) == sorted(want)
+        for key, value in want.items():
+            assert torch.equal(got[key], value * 2 if key in doubled else value), key
+
+
+def test_a_damaged_master_in_a_stages_last_layer_is_seen_by_the_streamed_read(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The streamed read confirms the layout on each stage's first and last layers: a changed fp32 master in stage
+    0's last layer (layer 1 of llama_tp2_pp2_dp2_distopt, TP rank 1's linear_fc2) is named in one line, as the
+    whole read names it, and the damaged masters and moments are not written (the weights come from the saved
+    weights). With the first layer alone sampled, the damaged master became the written weight."""
+    from megatron_hpc.checkpoint.foreign.torch_dist_buckets import bucket_space
+    from megatron_hpc.cli.main import main
+
+    case = "llama_tp2_pp2_dp2_distopt"
+    src = open_folder(FIXTURES / case / ITER)
+    model = {k: torch.empty(tuple(src.keys[k].size), device="meta") for k in src.tensor_keys()
+             if not k.startswith("optimizer.")}
+    space = bucket_space(src, model, tp=2, pp=2, swiglu=True, num_layers=4)
+    piece = space.flats[("decoder.layers.mlp.linear_fc2.weight", 1, "param")].pieces[1]
+    assert "dp_group_idx_1." in piece.flat  # stage 0, TP rank 1
+
+    def damage(tensors: dict[str, torch.Tensor]) -> None:
+        tensors[piece.flat][piece.start:piece.start + math.prod(piece.shape)] += 1.0
+
+    damaged = _rewritten(case, tmp_path / "damaged", damage)
+    said = ("the dp_reshardable buffers of model-parallel rank 1 (buckets [10496]) do not lay out as megatron-core's "
+            "grad buffer over the model's parameters (the fp32 master of decoder.layers.mlp.linear_fc2.weight in "
+            "layer 1 is not its weight there); save with --dist-ckpt-optim-fully-reshardable")
+    assert any(said in note for note in import_torch_dist(damaged / ITER).imported.notes)  # the whole read
+    outs, noted = {}, {}
+    for name, folder in (("damaged", damaged), ("pristine", FIXTURES / case)):
+        outs[name] = tmp_path / f"{name}_out"
+        code = main(["ckpt", "convert", str(folder), "--to", "torch", "--tp", "1", "--pp", "1", "--json",
+                     "--out", str(outs[name])])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        noted[name] = (json.loads(out)["optimizer"], [line for line in err.splitlines() if "dp_reshardable" in line])
+    assert noted["pristine"] == ("resharded", [])
+    assert noted["damaged"][0] == "dropped" and len(noted["damaged"][1]) == 1 and said in noted["damaged"][1][0]
+    ours, theirs = read_whole(outs["damaged"]).first, read_whole(outs["pristine"]).first
+    assert "optimizer" not in ours or not ours["optimizer"].get("state")
+    for key, value in theirs["model"].items():
+        assert torch.equal(ours["model"][key], value), key
