@@ -3,7 +3,8 @@ run by hand; its expected.json holds what megatron-core computed): GPT at TP 2, 
 distributed optimizer at DP 2 (dp_reshardable buckets), GPT at PP 2 with tied embeddings and the distributed optimizer
 (dp_reshardable, each stage's copy of the shared embedding in a bucket of its own), GPT at PP 2 with 2 virtual chunks
 per stage (the interleaved schedule, 2 micro-batches a step), and a Llama-shaped model (RMSNorm, SwiGLU, 4 heads in 2
-query groups, no biases, untied output, RoPE) at TP 2 with the distributed optimizer saved fully reshardable.
+query groups, no biases, untied output, RoPE) at TP 2 with the distributed optimizer saved fully reshardable, and
+the same Llama shape (4 layers) at TP 2 x PP 2 x DP 2 in dp_reshardable buckets (each rank's TP pieces).
 `ckpt inspect` and `ckpt convert` read them through torch.distributed.checkpoint; our GPT from the converted
 checkpoint gives megatron-core's logits, Adam's state comes through, and our trainer resumed from it takes the step
 megatron-core took next (LR, gradient norm, loss)."""
@@ -37,7 +38,8 @@ from megatron_hpc.train.entry import plan_for_torchrun
 from megatron_hpc.train.loop import train
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "megatron_core_torch_dist"
-CASES = ("gpt_tp2", "gpt_pp2", "gpt_dp2_distopt", "llama_tp2_distopt", "gpt_pp2_distopt", "gpt_pp2_vp2")
+CASES = ("gpt_tp2", "gpt_pp2", "gpt_dp2_distopt", "llama_tp2_distopt", "gpt_pp2_distopt", "gpt_pp2_vp2",
+         "llama_tp2_pp2_dp2_distopt")
 ITER = "iter_0000003"
 
 

@@ -3,10 +3,16 @@ source at once stays within its budget plus one unit (a layer of every stacked k
 moments), well under the checkpoint, and what it writes equals the whole read's output tensor for tensor. The source
 is real megatron-core's (tests/fixtures/megatron_core_torch_dist): plain Adam with fp32 masters (gpt_tp2), the
 distributed optimizer saved fully reshardable with SwiGLU (llama_tp2_distopt), and in its default dp_reshardable
-flat buffers at DP 2 and at PP 2 with a tied embedding (gpt_dp2_distopt, gpt_pp2_distopt)."""
+flat buffers at DP 2, at PP 2 with a tied embedding, and a Llama at TP 2 x PP 2 x DP 2 (gpt_dp2_distopt,
+gpt_pp2_distopt, llama_tp2_pp2_dp2_distopt)."""
 
 from __future__ import annotations
 
+import json
+import math
+import shutil
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,6 +25,8 @@ from megatron_hpc.checkpoint.foreign.torch_dist_files import open_folder, read
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "megatron_core_torch_dist"
 ITER = "iter_0000003"
+DP_RESHARDABLE = ("gpt_dp2_distopt", "gpt_pp2_distopt", "llama_tp2_pp2_dp2_distopt")
+"""The fixtures whose distributed optimizer saved megatron-core's default flat buffers."""
 
 
 def _bytes(record: object) -> int:
@@ -86,12 +94,12 @@ def test_a_budget_above_the_checkpoint_reads_each_unit_once(tmp_path: Path) -> N
     assert small.reader.peak_bytes < once.reader.peak_bytes <= total
 
 
-def _bucket_bound(folder: Path, *, tp: int, states: int = 3) -> int:
+def _bucket_bound(folder: Path, *, states: int = 3) -> int:
     """Bytes a dp_reshardable unit holds at most, from the index: the largest unit's fp32 states (param, exp_avg,
     exp_avg_sq; param alone weights only) assembled, the same again as the boxes of the flat buffers they come from,
     and the 64-element alignment gaps those boxes span (16 parameters a layer at most, a box per TP rank and state)."""
     src = open_folder(folder)
-    layers = src.common["args"].num_layers
+    layers, tp = src.common["args"].num_layers, src.common["args"].tensor_model_parallel_size
     model = {k: src.keys[k].size.numel() for k in src.tensor_keys() if not k.startswith("optimizer.")}
     per_layer = sum(n // layers for k, n in model.items() if "decoder.layers." in k)
     single = max(n for k, n in model.items() if "decoder.layers." not in k)
@@ -111,7 +119,7 @@ def _convert_both(folder: Path, tmp_path: Path) -> tuple[dict[str, torch.Tensor]
     return _tensors(tmp_path / "whole"), _tensors(tmp_path / "streamed"), reader
 
 
-@pytest.mark.parametrize("case", ["gpt_dp2_distopt", "gpt_pp2_distopt"])
+@pytest.mark.parametrize("case", DP_RESHARDABLE)
 def test_the_distributed_optimizers_bucket_space_streams_a_layer_at_a_time(case: str, tmp_path: Path) -> None:
     """dp_reshardable's flat buffers are read as one box per bucket and state a layer, each parameter put together
     from them: weights (the fp32 masters) and both moments equal the whole read's; gpt_pp2_distopt's tied embedding
@@ -119,7 +127,7 @@ def test_the_distributed_optimizers_bucket_space_streams_a_layer_at_a_time(case:
     folder = FIXTURES / case / ITER
     total, _ = _bounds(folder)
     expected, got, reader = _convert_both(folder, tmp_path)
-    assert 0 < reader.peak_bytes <= _bucket_bound(folder, tp=1) < total  # type: ignore[attr-defined]
+    assert 0 < reader.peak_bytes <= _bucket_bound(folder) < total  # type: ignore[attr-defined]
     assert reader.held_bytes == 0  # type: ignore[attr-defined]
     assert sorted(got) == sorted(expected) and any(k.endswith(".exp_avg_sq") for k in got)
     for key, value in expected.items():
@@ -172,13 +180,11 @@ def test_a_bad_budget_or_shard_size_is_refused_before_anything_is_written(
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("case", ["gpt_tp2", "llama_tp2_distopt", "gpt_pp2_distopt"])
+@pytest.mark.parametrize("case", ["gpt_tp2", "llama_tp2_distopt", "gpt_pp2_distopt", "llama_tp2_pp2_dp2_distopt"])
 def test_the_hf_export_streams_in_shards_equal_to_the_whole_reads(case: str, tmp_path: Path) -> None:
     """`--to hf` reads the source a unit at a time and writes save_pretrained's shards one at a time: the same
     files, index and tensors as the export of the whole read, holding at most one unit of the source (for
     dp_reshardable, gpt_pp2_distopt, the weights are the fp32 masters put together from the flat buffers)."""
-    import json
-
     import transformers
     from safetensors.torch import load_file
 
@@ -186,8 +192,8 @@ def test_the_hf_export_streams_in_shards_equal_to_the_whole_reads(case: str, tmp
 
     folder = FIXTURES / case / ITER
     total, unit = _bounds(folder)
-    if case.endswith("_distopt") and "llama" not in case:  # dp_reshardable: the flat buffers' spans
-        unit = _bucket_bound(folder, tp=1, states=1)
+    if case in DP_RESHARDABLE:  # the flat buffers' spans
+        unit = _bucket_bound(folder, states=1)
     whole = import_torch_dist(folder).imported.whole
     shard = sum(w.numel() * 4 for w in whole.first["model"].values()) // 3  # fp32 out: three shards or more
     export_hf(whole, tmp_path / "whole", max_shard_bytes=shard)
@@ -247,7 +253,8 @@ def _written(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, object], 
 
 
 @pytest.mark.parametrize(("case", "distributed"), [("gpt_tp2", False), ("llama_tp2_distopt", True),
-                                                   ("gpt_dp2_distopt", True), ("gpt_pp2_distopt", False)])
+                                                   ("gpt_dp2_distopt", True), ("gpt_pp2_distopt", False),
+                                                   ("llama_tp2_pp2_dp2_distopt", True)])
 def test_to_torch_dist_streams_and_writes_what_the_whole_read_writes(case: str, distributed: bool,
                                                                     tmp_path: Path) -> None:
     """`--to torch_dist` from a torch_dist source reads and writes a part at a time (one layer of every stacked key,
@@ -256,8 +263,8 @@ def test_to_torch_dist_streams_and_writes_what_the_whole_read_writes(case: str, 
     folder = FIXTURES / case / ITER
     total, unit = _bounds(folder)
     ceiling = total / 2
-    if case in ("gpt_dp2_distopt", "gpt_pp2_distopt"):  # dp_reshardable: a layer's spans of the flat buffers and
-        unit, ceiling = _bucket_bound(folder, tp=1), total  # what they make, over half of these 2 layers
+    if case in DP_RESHARDABLE:  # a layer's spans of the flat buffers and
+        unit, ceiling = _bucket_bound(folder), total  # what they make, over half of these 2 layers
     whole = import_torch_dist(folder)
     export_torch_dist(whole.imported.whole, tmp_path / "whole", tp=2, pp=1, distributed=distributed)
     streamed = import_torch_dist(folder, stream_budget=1)
@@ -280,3 +287,91 @@ def test_to_torch_dist_streams_and_writes_what_the_whole_read_writes(case: str, 
     ours, theirs = (torch.load(tmp_path / d / ITER / "common.pt", weights_only=False) for d in ("streamed", "whole"))
     assert vars(ours.pop("args")) == vars(theirs.pop("args"))
     assert repr(ours) == repr(theirs)
+
+
+def _rewritten(case: str, dest: Path, change: Callable[[dict[str, torch.Tensor]], None]) -> Path:
+    """A copy of `case` whose iteration folder is written again by torch.distributed.checkpoint's own writer (one
+    process, one file, nested objects kept whole as megatron-core's planner keeps them) after `change` edits its
+    tensors in place; common.pt and metadata.json are copied as they are."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    shutil.copytree(FIXTURES / case, dest)
+    folder = dest / ITER
+    src = open_folder(folder)
+    tensors, objects = read(src, list(src.keys))
+    change(tensors)
+    for old in [*folder.glob("*.distcp"), folder / ".metadata"]:
+        old.unlink()
+    with warnings.catch_warnings():  # one process on purpose: no_dist says so, torch warns anyway
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({**tensors, **objects}, storage_writer=dcp.FileSystemWriter(folder),
+                 planner=DefaultSavePlanner(flatten_state_dict=False), no_dist=True)
+    return dest
+
+
+def test_a_tied_embeddings_state_is_the_last_stages_copy(tmp_path: Path) -> None:
+    """gpt_pp2_distopt holds a copy of the shared word embedding in each stage's buckets (megatron-core keeps them
+    equal); with the last stage's copy of both moments doubled, the whole and the streamed read both take it, the
+    rule torch_dist_buckets.py documents, and nothing else moves."""
+    folder = FIXTURES / "gpt_pp2_distopt" / ITER
+    embedding = open_folder(folder).keys["embedding.word_embeddings.weight"].size.numel()
+    last = "optimizer.distributed.dp_group_idx_1.gbuf_idx_0.dtype_(torch.float32, torch.float32).bucket_idx_0."
+
+    def double(tensors: dict[str, torch.Tensor]) -> None:
+        for what in ("exp_avg", "exp_avg_sq"):
+            assert tensors[last + what].numel() == embedding  # the last stage's copy, alone in its bucket
+            tensors[last + what].mul_(2)
+
+    changed = _rewritten("gpt_pp2_distopt", tmp_path / "changed", double) / ITER
+    pristine = import_torch_dist(folder)
+    stream.reshard(stream.in_memory(pristine.imported.whole), tp=2, out=tmp_path / "pristine", fmt="torch")
+    want = _tensors(tmp_path / "pristine")
+    doubled = [k for k in want if ".wte." in k and k.endswith((".exp_avg", ".exp_avg_sq"))]
+    assert len(doubled) == 4  # two TP ranks' vocabulary halves, two moments
+    whole, streamed, _ = _convert_both(changed, tmp_path)
+    for got in (whole, streamed):
+        assert sorted(got) == sorted(want)
+        for key, value in want.items():
+            assert torch.equal(got[key], value * 2 if key in doubled else value), key
+
+
+def test_a_damaged_master_in_a_stages_last_layer_is_seen_by_the_streamed_read(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The streamed read confirms the layout on each stage's first and last layers: a changed fp32 master in stage
+    0's last layer (layer 1 of llama_tp2_pp2_dp2_distopt, TP rank 1's linear_fc2) is named in one line, as the
+    whole read names it, and the damaged masters and moments are not written (the weights come from the saved
+    weights). With the first layer alone sampled, the damaged master became the written weight."""
+    from megatron_hpc.checkpoint.foreign.torch_dist_buckets import bucket_space
+    from megatron_hpc.cli.main import main
+
+    case = "llama_tp2_pp2_dp2_distopt"
+    src = open_folder(FIXTURES / case / ITER)
+    model = {k: torch.empty(tuple(src.keys[k].size), device="meta") for k in src.tensor_keys()
+             if not k.startswith("optimizer.")}
+    space = bucket_space(src, model, tp=2, pp=2, swiglu=True, num_layers=4)
+    piece = space.flats[("decoder.layers.mlp.linear_fc2.weight", 1, "param")].pieces[1]
+    assert "dp_group_idx_1." in piece.flat  # stage 0, TP rank 1
+
+    def damage(tensors: dict[str, torch.Tensor]) -> None:
+        tensors[piece.flat][piece.start:piece.start + math.prod(piece.shape)] += 1.0
+
+    damaged = _rewritten(case, tmp_path / "damaged", damage)
+    said = ("the dp_reshardable buffers of model-parallel rank 1 (buckets [10496]) do not lay out as megatron-core's "
+            "grad buffer over the model's parameters (the fp32 master of decoder.layers.mlp.linear_fc2.weight in "
+            "layer 1 is not its weight there); save with --dist-ckpt-optim-fully-reshardable")
+    assert any(said in note for note in import_torch_dist(damaged / ITER).imported.notes)  # the whole read
+    outs, noted = {}, {}
+    for name, folder in (("damaged", damaged), ("pristine", FIXTURES / case)):
+        outs[name] = tmp_path / f"{name}_out"
+        code = main(["ckpt", "convert", str(folder), "--to", "torch", "--tp", "1", "--pp", "1", "--json",
+                     "--out", str(outs[name])])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        noted[name] = (json.loads(out)["optimizer"], [line for line in err.splitlines() if "dp_reshardable" in line])
+    assert noted["pristine"] == ("resharded", [])
+    assert noted["damaged"][0] == "dropped" and len(noted["damaged"][1]) == 1 and said in noted["damaged"][1][0]
+    ours, theirs = read_whole(outs["damaged"]).first, read_whole(outs["pristine"]).first
+    assert "optimizer" not in ours or not ours["optimizer"].get("state")
+    for key, value in theirs["model"].items():
+        assert torch.equal(ours["model"][key], value), key

@@ -256,9 +256,21 @@ def bucket_groups(src: TorchDistFolder) -> tuple[dict[str, Any], float | None]:
     return _hyper(groups), _group_step(groups)
 
 
-def layout_error(m: int, lengths: list[int]) -> ValueError:
+Param = tuple[str, int | None]
+"""(model key, global layer or None)."""
+Placement = list[tuple[Param, tuple[int, int]]]
+"""Each parameter of a rank with its (bucket, start) in the flat buffers."""
+
+
+def layout_error(m: int, lengths: list[int], wrong: Param | None = None) -> ValueError:
+    """`wrong`: the first parameter whose fp32 master was not its weight under the first layout that fit the
+    lengths (None: no layout fit them), so a damaged buffer is told from a layout not known here."""
+    seen = ""
+    if wrong is not None:
+        where = "" if wrong[1] is None else f" in layer {wrong[1]}"
+        seen = f" (the fp32 master of {wrong[0]}{where} is not its weight there)"
     return ValueError(f"the dp_reshardable buffers of model-parallel rank {m} (buckets {lengths}) do not lay out as "
-                      "megatron-core's grad buffer over the model's parameters; save with "
+                      f"megatron-core's grad buffer over the model's parameters{seen}; save with "
                       "--dist-ckpt-optim-fully-reshardable to carry the moments")
 
 
@@ -273,10 +285,10 @@ def _bucket_space(src: TorchDistFolder, model: dict[str, torch.Tensor], *, tp: i
         p, t = divmod(m, tp)
         buckets = [flat[found[m][b]["param"]] for b in sorted(found[m])]
         lengths = [b.numel() for b in buckets]
-        chosen = _choose_layout(model, stages[p], buckets, lengths, tp=tp, rank=t, pp=pp, first=p == 0,
-                                last=p == pp - 1, swiglu=swiglu)
+        chosen, wrong = _choose_layout(model, stages[p], buckets, lengths, tp=tp, rank=t, pp=pp, first=p == 0,
+                                       last=p == pp - 1, swiglu=swiglu)
         if chosen is None:
-            raise layout_error(m, lengths)
+            raise layout_error(m, lengths, wrong)
         for (key, layer), (bucket, start) in chosen:
             _place(state, model, flat, found[m][sorted(found[m])[bucket]], key, layer, start, tp=tp, rank=t,
                    swiglu=swiglu)
@@ -285,8 +297,11 @@ def _bucket_space(src: TorchDistFolder, model: dict[str, torch.Tensor], *, tp: i
 
 def _choose_layout(model: dict[str, torch.Tensor], layers: range, buckets: list[torch.Tensor], lengths: list[int], *,
                    tp: int, rank: int, pp: int, first: bool, last: bool, swiglu: bool
-                   ) -> list[tuple[tuple[str, int | None], tuple[int, int]]] | None:
-    """The first module order and alignment whose layout puts each parameter's fp32 master on its weight."""
+                   ) -> tuple[Placement | None, Param | None]:
+    """(the first module order and alignment whose layout puts each parameter's fp32 master on its weight, None),
+    else (None, the first parameter that disagreed under the first layout that fit the lengths, as layout_error
+    names it)."""
+    wrong = None
     for order in LAYER_ORDERS:
         params = rank_params(model, order, layers, first=first, last=last, pp=pp)
         locals_ = []
@@ -297,10 +312,12 @@ def _choose_layout(model: dict[str, torch.Tensor], layers: range, buckets: list[
             placed = layout([w.numel() for w in locals_], lengths, align)
             if placed is None:
                 continue
-            if all(torch.equal(buckets[b][s:s + w.numel()].to(w.dtype).view(w.shape), w)
-                   for w, (b, s) in zip(locals_, placed)):
-                return list(zip(params, placed))
-    return None
+            bad = next((p for p, w, (b, s) in zip(params, locals_, placed)
+                        if not torch.equal(buckets[b][s:s + w.numel()].to(w.dtype).view(w.shape), w)), None)
+            if bad is None:
+                return list(zip(params, placed)), None
+            wrong = wrong or bad
+    return None, wrong
 
 
 def _place(state: dict[str, dict[str, torch.Tensor]], model: dict[str, torch.Tensor], flat: dict[str, torch.Tensor],
