@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import time
 from datetime import datetime
@@ -45,10 +46,14 @@ def test_two_node_job_sees_two_hostnames(slurm_cluster, sacct_job, tmp_path: Pat
         "--wait", "-N", "2", "--ntasks-per-node=1", "-p", slurm_cluster.partition,
         "-o", str(out), "--wrap", "srun -l hostname",
     )
-    lines = sorted(out.read_text().split("\n"))
-    assert [line for line in lines if line] == ["0: node1", "1: node2"]
+    # Which two nodes: the scheduler's choice (a node that an earlier test's requeue released can stay out of its
+    # reach for minutes on a loaded machine); two different ones, each task on its own.
+    lines = sorted(line for line in out.read_text().split("\n") if line)
+    assert [line.split(": ")[0] for line in lines] == ["0", "1"], lines
+    hosts = [line.split(": ")[1] for line in lines]
+    assert len(set(hosts)) == 2 and all(re.fullmatch(r"node[1-4]", h) for h in hosts), hosts
     # NodeList lags behind for ~2 s after a short job ends (shows only the batch node first)
-    record = sacct_job(job_id, final=True, until=lambda r: r["NodeList"] == "node[1-2]")
+    record = sacct_job(job_id, final=True, until=lambda r: "[" in r["NodeList"] or "," in r["NodeList"])
     assert (record["State"], record["ExitCode"]) == ("COMPLETED", "0:0")
 
 
