@@ -286,8 +286,10 @@ def test_a_stopped_rank_is_caught_as_a_hang_and_restarted_on_the_spare(reference
     wait_for_iteration(run_dir, 6)
     os.kill(worker_pids(run_dir)[1], signal.SIGSTOP)
     line = check_restarted_on_the_spare(run_dir, job_id, reference, reason="hang", lost=lost)
-    # every node's watchdog that fired names the stopped rank's node (the other may fire too, before srun ends it)
+    # The stopped rank's node names it; another node's watchdog may fire too before srun ends the step, and it
+    # blames no healthy node (its own ranks wait in a collective; it cannot see the stopped one's state: none named).
     reports = [json.loads(p.read_text()) for p in (run_dir / "hangs").glob("*.json")]
-    assert reports and all(r["suspect_nodes"] == [lost] for r in reports), reports
+    assert any(r["suspect_nodes"] == [lost] for r in reports), reports
+    assert all(set(r["suspect_nodes"]) <= {lost} for r in reports), reports
     assert line["failed_at"] == min(r["detected_at"] for r in reports)
     assert list((run_dir / "debug").glob("hang-*.txt"))  # the stacks, saved before the workers were killed
