@@ -16,6 +16,7 @@ from typing import Any, Literal
 import torch
 
 from megatron_hpc.errors import TrainingError
+from megatron_hpc.parallel.host_malloc import keep_freed_blocks
 
 DeviceKind = Literal["cpu", "cuda", "xla"]
 _BACKEND_TO_KIND: dict[str, DeviceKind] = {"gloo": "cpu", "nccl": "cuda", "xla": "xla"}
@@ -171,10 +172,6 @@ def set_cpu_threads(*, local_world_size: int) -> int:
     return threads
 
 
-
-_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # mallopt parameters, glibc's malloc.h
-
-
 def keep_freed_memory() -> bool:
     """Make glibc keep freed memory for reuse (CPU training); False where it cannot (not glibc).
 
@@ -187,16 +184,7 @@ def keep_freed_memory() -> bool:
     the end, also after a large transient such as a checkpoint load; tests/unit/test_parallel_device_memory.py
     checks both the reuse and that the heap stops growing.
     """
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL(None)
-        libc.gnu_get_libc_version  # noqa: B018  (AttributeError off glibc: musl, macOS)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+    return keep_freed_blocks()
 
 
 def seed_everything(info: DeviceInfo, seed: int) -> None:

@@ -12,42 +12,11 @@ so that the next block of the same size reuses their pages instead of faulting f
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
-import functools
 from collections.abc import Iterator
 
+from megatron_hpc.parallel.host_malloc import default_freed_blocks, give_back_freed, keep_freed_blocks
 
-@functools.cache
-def _trim():  # type: ignore[no-untyped-def]
-    name = ctypes.util.find_library("c")
-    try:
-        return getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
-    except OSError:
-        return None
-
-
-def give_back_freed() -> None:
-    """Return the heap's free pages to the OS (glibc's malloc_trim); a no-op where the C library has none."""
-    trim = _trim()
-    if trim is not None:
-        trim(0)
-
-
-_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # mallopt parameters, glibc's malloc.h
-_DEFAULT_TRIM_THRESHOLD, _DEFAULT_MMAP_MAX = 128 * 1024, 65536  # glibc's defaults (malloc.c)
-
-
-@functools.cache
-def _mallopt():  # type: ignore[no-untyped-def]
-    try:
-        libc = ctypes.CDLL(None)
-        libc.gnu_get_libc_version  # noqa: B018  (AttributeError off glibc: musl, macOS)
-        fn = libc.mallopt
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return fn
+__all__ = ["give_back_freed", "reused_memory"]
 
 
 @contextlib.contextmanager
@@ -63,13 +32,11 @@ def reused_memory() -> Iterator[bool]:
     stays what the convert holds at once (stream.reshard trims after each output rank). Setting them also stops
     glibc's dynamic mmap threshold for the rest of the process; the values restored are its starting ones.
     """
-    mallopt = _mallopt()
-    if mallopt is None or not (mallopt(_M_MMAP_MAX, 0) and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)):
+    if not keep_freed_blocks():
         yield False
         return
     try:
         yield True
     finally:
-        mallopt(_M_MMAP_MAX, _DEFAULT_MMAP_MAX)
-        mallopt(_M_TRIM_THRESHOLD, _DEFAULT_TRIM_THRESHOLD)
+        default_freed_blocks()
         give_back_freed()
