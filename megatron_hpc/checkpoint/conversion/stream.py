@@ -119,16 +119,22 @@ def _moments_by_name(whole: WholeCheckpoint) -> list[dict[str, optim_layout.Mome
     not the trainer's AdamW (the exports then write the weights only)."""
     if not all("optimizer" in s for row in whole.grid for s in row):
         return None
-    per_tp: list[dict[str, optim_layout.Moments]] = []
     try:
-        for t in range(whole.tensor_parallel):
-            named: dict[str, optim_layout.Moments] = {}
-            for row in whole.grid:
-                for name, m in optim_layout.by_name(row[t]["model"], row[t]["optimizer"]).items():
-                    named.setdefault(name, m)
-            per_tp.append(named)
+        return _per_tp_moments(whole)
     except (KeyError, ValueError, TypeError):
         return None
+
+
+def _per_tp_moments(whole: WholeCheckpoint) -> list[dict[str, optim_layout.Moments]]:
+    """Each TP rank's moments by name over its pipeline stages, in pipeline rank order (the first holder's, as for
+    the weights); KeyError, ValueError or TypeError when the state is not the trainer's AdamW of this model."""
+    per_tp: list[dict[str, optim_layout.Moments]] = []
+    for t in range(whole.tensor_parallel):
+        named: dict[str, optim_layout.Moments] = {}
+        for row in whole.grid:
+            for name, m in optim_layout.by_name(row[t]["model"], row[t]["optimizer"]).items():
+                named.setdefault(name, m)
+        per_tp.append(named)
     return per_tp
 
 
@@ -278,16 +284,10 @@ def _plan(whole: WholeCheckpoint, weight: Fetch, *, tp: int, layout: PipelineLay
 
 def _optimizer_plan(whole: WholeCheckpoint, plan: _Plan) -> tuple[list[dict[str, optim_layout.Moments]],
                                                                   list[dict[str, Any]]]:
-    """Each source TP rank's moments by name (pipeline rank order: the first holder's, as for the weights) and the
+    """Each source TP rank's moments by name (_per_tp_moments), checked against the plan's shards, and the
     param groups' settings; KeyError, ValueError or TypeError when the state is not the trainer's AdamW of this model
     (checked before anything is written)."""
-    per_tp: list[dict[str, optim_layout.Moments]] = []
-    for t in range(whole.tensor_parallel):
-        merged: dict[str, optim_layout.Moments] = {}
-        for row in whole.grid:
-            for name, moments in optim_layout.by_name(row[t]["model"], row[t]["optimizer"]).items():
-                merged.setdefault(name, moments)
-        per_tp.append(merged)
+    per_tp = _per_tp_moments(whole)
     for t, merged in enumerate(per_tp):
         for name, moments in merged.items():
             want = plan.shards[name][t]
