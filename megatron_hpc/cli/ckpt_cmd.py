@@ -59,10 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--distributed-optimizer", action="store_true",
                    help="with --to torch_dist: Adam's state for a run with --use-distributed-optimizer (its "
                         "fully_reshardable form) instead of plain Adam's")
-    c.add_argument("--read-budget-gib", type=float, metavar="GIB",
-                   help="a checkpoint of ours or a torch_dist one is read a part at a time, holding about this much "
-                        "of it (plus one layer or embedding) at once; parts past it are read again for each output "
-                        "rank or shard that needs them (default: 1)")
+    _add_read_budget(c, "a checkpoint of ours or a torch_dist one")
     c.add_argument("--shard-size-gb", type=float, metavar="GB",
                    help="with --to hf: the largest weights file, in GB of 10^9 bytes as transformers' max_shard_size; "
                         "a larger model is written in shards with model.safetensors.index.json, and about one shard "
@@ -82,7 +79,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    "parallel.pipeline_last_stage_layers (default: the checkpoint's without --pp, else 0: even)")
     r.add_argument("--out", type=Path, help="output checkpoint folder (default: <checkpoint folder>-tp<N>[-pp<M>])")
     r.add_argument("--iteration", type=int, help="reshard this iteration instead of the tracker's")
+    _add_read_budget(r, "the checkpoint")
     r.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _add_read_budget(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--read-budget-gib", type=float, metavar="GIB",
+                        help=f"{what} is read a part at a time, holding about this much of it (plus one layer or "
+                             "embedding) at once; parts past it are read again for each output rank or shard that "
+                             "needs them (default: 1)")
 
 
 def format_summary(s: dict[str, Any]) -> str:
@@ -421,14 +426,13 @@ def _generation_ids(files: list[Path]) -> dict[str, Any]:
 
 def _reshard(args: argparse.Namespace) -> int:
     from megatron_hpc.checkpoint.conversion import read_lazy, stream
-    from megatron_hpc.checkpoint.foreign import READ_BUDGET
     from megatron_hpc.checkpoint.store import PipelineLayout, reshard_out
     from megatron_hpc.errors import CheckpointError
 
     if args.tp is None and args.pp is None:
         raise CheckpointError("say what to reshard to: --tp N and/or --pp M (an omitted one keeps the checkpoint's)")
-    # Read a tensor at a time as the output ranks need it (conversion/lazy.py), the default budget held at most.
-    source, _ = read_lazy(args.path, iteration=args.iteration, budget=READ_BUDGET)
+    # Read a tensor at a time as the output ranks need it (conversion/lazy.py), --read-budget-gib held at most.
+    source, _ = read_lazy(args.path, iteration=args.iteration, budget=_budget(args))
     whole = source.whole
     # Without --pp the checkpoint's pipeline layout is kept; with it, the stages split evenly unless told otherwise.
     keep = whole.layout if args.pp is None else PipelineLayout(pipeline=args.pp)

@@ -146,3 +146,39 @@ def test_a_torch_file_is_read_not_mapped_into_what_is_fetched(ours: dict[str, Pa
     got = source.weight(0, 0, name)
     assert not any(lo <= got.data_ptr() < hi for lo, hi in mapped)
     assert torch.equal(got, read_whole(ours["llama-torch"]).grid[0][0]["model"][name])
+
+
+def test_reshard_reads_within_its_read_budget(ours: dict[str, Path], tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """`ckpt reshard --read-budget-gib` reaches the reader (its own count of the bytes held stays within the
+    largest tensor at 1e-9 GiB, far above it at the default), writes what the whole read does, and 0 is refused in
+    one line before anything is written."""
+    import megatron_hpc.checkpoint.conversion as conversion
+
+    readers = []
+
+    def counted(*args: object, **kwargs: object) -> object:
+        found = read_lazy(*args, **kwargs)
+        readers.append(found[1])
+        return found
+
+    monkeypatch.setattr(conversion, "read_lazy", counted)
+    src = ours["llama-xser"]
+    whole = read_whole(src)
+    largest = max(w.numel() * w.element_size() for row in whole.grid for s in row for w in s["model"].values())
+    stream.reshard(stream.in_memory(whole), tp=1, pp=1, out=tmp_path / "whole")
+    peaks = []
+    for name, budget in (("small", ["--read-budget-gib", "1e-9"]), ("default", [])):
+        out = tmp_path / name
+        assert main(["ckpt", "reshard", str(src), "--tp", "1", "--pp", "1", "--out", str(out), *budget]) == 0
+        peaks.append(readers[-1].peak_bytes)
+        assert_same_checkpoint(tmp_path / "whole", out)
+    assert 0 < peaks[0] <= largest < 3 * largest < peaks[1]
+    capsys.readouterr()
+    assert main(["ckpt", "reshard", str(src), "--tp", "1", "--out", str(tmp_path / "no"),
+                 "--read-budget-gib", "0"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["megatron-hpc: error: --read-budget-gib 0.0 must be above 0; drop it for the default 1, or give "
+                   "less on a machine short of memory (each part past it is read once per output rank)"]
+    assert not (tmp_path / "no").exists()
