@@ -192,14 +192,7 @@ def _place(tmp: Path, final: Path) -> bool:
     return True
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Leftover:
-    path: Path
-    age_s: float
-    owner_gone: bool
-
-
-def find_leftovers(root: Path, *, now: float | None = None) -> Iterator[Leftover]:
+def find_leftovers(root: Path, *, now: float | None = None) -> Iterator[store.Leftover]:
     """Temp files of publishers (killed ones leave them), with their age and whether the writer died."""
     now = time.time() if now is None else now
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
@@ -210,7 +203,7 @@ def find_leftovers(root: Path, *, now: float | None = None) -> Iterator[Leftover
                 with contextlib.suppress(FileNotFoundError):
                     st = os.lstat(path)
                     if stat.S_ISREG(st.st_mode):
-                        yield Leftover(path=path, age_s=now - st.st_mtime, owner_gone=store.writer_gone(name))
+                        yield store.Leftover(path=path, age_s=now - st.st_mtime, owner_gone=store.writer_gone(name))
 
 
 def clean_leftovers(root: Path, *, older_than: float = store.DEFAULT_LEFTOVER_AGE_S, now: float | None = None,
