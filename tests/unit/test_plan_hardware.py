@@ -120,6 +120,12 @@ def test_the_cluster_profiles_platforms_are_named_by_platform(tmp_path, capsys, 
     profile.write_text(yaml.safe_dump({"platforms": [bad]}))
     assert main(["plan", "--recipe", "tiny", "--platform", "dgx_a100_80gb"]) == 1
     assert "platforms[0]: missing inter_node" in capsys.readouterr().err
+    monkeypatch.delenv("MEGATRON_HPC_CLUSTER_CONFIG")  # and no default profile: the line once read "no cluster
+    monkeypatch.delenv("XDG_CONFIG_HOME", raising=False)  # profile describes none"
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert main(["plan", "--recipe", "tiny", "--platform", "dgx_a100_80gb"]) == 1
+    assert "use one of cpu, p5, trn1, trn2 (no cluster profile found), or describe the nodes with --platform-file" \
+        in capsys.readouterr().err
 
 
 def test_submit_keeps_the_platform_files_hardware_and_a_resume_asks_for_it(tmp_path, capsys):
