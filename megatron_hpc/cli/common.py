@@ -76,8 +76,10 @@ def _profile_platform(args: argparse.Namespace) -> Platform:
     found = {hw.name: hw for hw in loaded.profile.platforms}
     if args.platform in found:
         return with_hardware(found[args.platform])
-    where = f"the cluster profile {loaded.path}" if loaded.path else "no cluster profile"
-    own = f", or of {where}: {', '.join(found)}" if found else f" ({where} describes none)"
+    if found:
+        own = f", or of the cluster profile {loaded.path}: {', '.join(found)}"
+    else:
+        own = f" (the cluster profile {loaded.path} describes none)" if loaded.path else " (no cluster profile found)"
     raise ConfigError(f"unknown platform {args.platform!r}; use one of {', '.join(sorted(PLATFORMS))}{own}, or "
                       "describe the nodes with --platform-file FILE")
 

@@ -150,7 +150,13 @@ _LATENCY_MIN_US = 0.05
 _REQUIRED = ("name", "runtime", "workers_per_node", "memory_per_worker_gib", "memory_bandwidth_gbytes_per_s",
              "peak_tflops_16bit", "peak_tflops_fp32", "intra_node", "inter_node")
 _LINK_FIELDS = ("bandwidth_gbytes_per_s", "latency_us")
-_UNIT_TEXT = re.compile(r"^\s*([0-9.eE+-]+)\s*([A-Za-z/]+)\s*$")
+_UNIT_TEXT = re.compile(r"^\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*([A-Za-z/]+)\s*$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+"""A platform's name: it is also a file name (compile_cache/calibrations.py keeps `<name>.json`)."""
+_TEXT_FIELDS = ("name", "runtime", "sources")
+"""Fields that are text, not numbers: never read as a number written with its unit."""
+_UNIT_OF_NAME = (("_gib", "GiB"), ("_gbytes_per_s", "GB/s"), ("_us", "microseconds"), ("tflops", "TFLOP/s"),
+                 ("workers_per_node", "a count"))
 
 
 def hardware_from_dict(data: Any, *, where: str, runtimes: tuple[str, ...]) -> Hardware:
@@ -168,6 +174,9 @@ def hardware_from_dict(data: Any, *, where: str, runtimes: tuple[str, ...]) -> H
                           "docs/planning.md#platform-files, or recipes/platforms/dgx_a100_80gb.yaml)")
     _refuse_unit_text(data, where=where)
     hardware = from_dict(Hardware, data, where=where)
+    if not _NAME.fullmatch(hardware.name):
+        raise ConfigError(f"{where}: name {hardware.name!r} also names the file tune keeps its calibration in; use "
+                          "letters, digits, '.', '_' and '-', starting with a letter or digit (e.g. dgx_a100_80gb)")
     if hardware.runtime not in runtimes:
         raise ConfigError(f"{where}: runtime {hardware.runtime!r} is not a built-in platform; use one of "
                           f"{', '.join(runtimes)} (the one whose launcher and backend the nodes run with)")
@@ -177,7 +186,7 @@ def hardware_from_dict(data: Any, *, where: str, runtimes: tuple[str, ...]) -> H
 
 def _refuse_unit_text(data: dict[str, Any], *, where: str) -> None:
     """A number written with its unit ("400 Gbps") names the unit the field takes instead of a type error."""
-    items = [(k, v) for k, v in data.items() if k != "sources"]
+    items = [(k, v) for k, v in data.items() if k not in _TEXT_FIELDS]
     items += [(f"{link}.{k}", v) for link in ("intra_node", "inter_node") if isinstance(data.get(link), dict)
               for k, v in data[link].items()]
     for key, value in items:
@@ -188,8 +197,8 @@ def _refuse_unit_text(data: dict[str, Any], *, where: str) -> None:
         if "bandwidth" in key and unit.lower() in ("gbps", "gbit/s", "gb/s") and unit != "GB/s":
             raise ConfigError(f"{where}: {key} is {value!r}, bits per second; this field takes GB/s (bytes) as a "
                               f"number: write {number / 8:g}")
-        raise ConfigError(f"{where}: {key} is {value!r}; write a plain number in the unit the name gives "
-                          f"({key.rpartition('_')[2] if '_' in key else 'see docs/planning.md'})")
+        unit = next((u for part, u in _UNIT_OF_NAME if part in key), "see docs/planning.md")
+        raise ConfigError(f"{where}: {key} is {value!r}; write a plain number in the unit the name gives ({unit})")
 
 
 def _check_magnitudes(hw: Hardware, *, where: str) -> None:

@@ -71,12 +71,25 @@ def write(tmp_path, **changes):
     ({"runtime": "a100"}, "runtime 'a100' is not a built-in platform; use one of cpu, p5, trn1, trn2"),
     ({"workers_per_node": 0}, "workers_per_node is 0; it must be positive"),
     ({"peak_tflop_16bit": 1}, "peak_tflop_16bit"),  # an unknown key, named (with the closest)
+    # a word is a type error, not a number with a unit ("eight" once raised a ValueError from the unit check)
+    ({"workers_per_node": "eight"}, "workers_per_node: expected an integer, found 'eight'"),
+    ({"inter_node.bandwidth_gbytes_per_s": "200 GB/s"}, "write a plain number in the unit the name gives (GB/s)"),
+    ({"memory_per_worker_gib": "80GB"}, "write a plain number in the unit the name gives (GiB)"),
+    # the name is the calibration's file name: no path out of the cache
+    ({"name": "../../x"}, "name '../../x' also names the file tune keeps its calibration in"),
 ])
 def test_a_bad_platform_file_is_refused_in_one_line(tmp_path, capsys, changes, expected):
     path = write(tmp_path, **changes)
     assert main(["plan", "--recipe", "gpt3_175b", "--nodes", "128", "--platform-file", str(path)]) == 1
     err = capsys.readouterr().err.strip()
     assert expected in err and "\n" not in err, err
+
+
+@pytest.mark.parametrize("name", ["Edge", "8gpu", "e"])
+def test_a_platform_name_is_text_not_a_number_with_a_unit(tmp_path, capsys, name):
+    path = write(tmp_path, name=name)
+    assert main(["plan", "--recipe", "gpt3_175b", "--nodes", "128", "--platform-file", str(path), "--json"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["hardware"] == name
 
 
 def test_platform_and_platform_file_together_are_refused(capsys):
@@ -107,6 +120,12 @@ def test_the_cluster_profiles_platforms_are_named_by_platform(tmp_path, capsys, 
     profile.write_text(yaml.safe_dump({"platforms": [bad]}))
     assert main(["plan", "--recipe", "tiny", "--platform", "dgx_a100_80gb"]) == 1
     assert "platforms[0]: missing inter_node" in capsys.readouterr().err
+    monkeypatch.delenv("MEGATRON_HPC_CLUSTER_CONFIG")  # and no default profile: the line once read "no cluster
+    monkeypatch.delenv("XDG_CONFIG_HOME", raising=False)  # profile describes none"
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert main(["plan", "--recipe", "tiny", "--platform", "dgx_a100_80gb"]) == 1
+    assert "use one of cpu, p5, trn1, trn2 (no cluster profile found), or describe the nodes with --platform-file" \
+        in capsys.readouterr().err
 
 
 def test_submit_keeps_the_platform_files_hardware_and_a_resume_asks_for_it(tmp_path, capsys):
