@@ -24,7 +24,7 @@ import yaml
 from megatron_hpc.launch.requeue import MAX_REQUEUES_ENV
 from megatron_hpc.launch.scripts import SlurmOptions
 
-from megatron_hpc.config.hardware import Hardware, hardware_from_dict
+from megatron_hpc.config.hardware import Hardware, user_hardware
 from megatron_hpc.config.loader import from_dict
 from megatron_hpc.errors import ConfigError
 from megatron_hpc.plan.jobs import MASTER_PORT_BASE, MASTER_PORT_SPAN
@@ -163,8 +163,8 @@ def profile_from_dict(data: object, *, where: str = "cluster profile") -> Cluste
     platforms = data.get("platforms", ()) if isinstance(data, Mapping) else ()
     if not isinstance(platforms, (list, tuple)):
         raise ConfigError(f"{where}: platforms must be a list of platform descriptions (docs/planning.md)")
-    hardware = tuple(hardware_from_dict(dataclasses.asdict(p) if isinstance(p, Hardware) else p,
-                                        where=f"{where}: platforms[{i}]", runtimes=tuple(sorted(PLATFORMS)))
+    hardware = tuple(user_hardware(dataclasses.asdict(p) if isinstance(p, Hardware) else p,
+                                   where=f"{where}: platforms[{i}]", runtimes=tuple(sorted(PLATFORMS)))
                      for i, p in enumerate(platforms))
     try:
         profile = from_dict(ClusterProfile, {k: v for k, v in data.items() if k != "platforms"}

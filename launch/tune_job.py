@@ -72,6 +72,9 @@ WARMUP_STEPS = 2
 """The trainer's untimed first steps (train/metrics.py WARMUP_STEPS, which a test holds equal): a trial's times
 are those of its later steps."""
 
+TRIAL_STEPS = WARMUP_STEPS + 4
+"""A trial's steps where the recipe's compile.num_steps leaves fewer than two to time and --set does not say."""
+
 BENCH_OPS = ("all_reduce", "all_gather", "send_recv")
 BENCH_SIZES = (0.25, 1.0, 4.0)
 """Micro-benchmark sizes as multiples of one micro-batch's activations (b * s * h at the recipe's precision): the
@@ -99,8 +102,12 @@ def plan_candidates(recipe: str, overrides: list[str], *, plan: Plan, platform: 
                           "default), or --top 1 to calibrate on the chosen layout alone")
     cfg = load_recipe(recipe, overrides)
     if cfg.compile.num_steps <= WARMUP_STEPS + 1:
-        raise ConfigError(f"compile.num_steps={cfg.compile.num_steps} leaves fewer than 2 timed steps per trial after "
-                          f"the {WARMUP_STEPS} warm-up steps; use --set compile.num_steps={WARMUP_STEPS + 4}")
+        if any(o.partition("=")[0].strip() == "compile.num_steps" for o in overrides):
+            raise ConfigError(f"compile.num_steps={cfg.compile.num_steps} leaves fewer than 2 timed steps per trial "
+                              f"after the {WARMUP_STEPS} warm-up steps; use --set compile.num_steps={TRIAL_STEPS}")
+        # The recipe's own compile phase is too short to time (tiny's 3 steps): the trials run TRIAL_STEPS.
+        overrides = [*overrides, f"compile.num_steps={TRIAL_STEPS}"]
+        cfg = load_recipe(recipe, overrides)
     hardware = hardware_of(platform)
     ranked = rank_layouts(cfg, platform, num_nodes=plan.num_nodes, per_node=plan.workers_per_node,
                           hardware=hardware, calibration=calibration)[:top]

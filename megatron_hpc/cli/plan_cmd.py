@@ -77,7 +77,7 @@ def _seconds(value: float) -> str:
 
 
 def _step_line(plan: Plan) -> str:
-    on = plan.hardware if plan.hardware == plan.platform else f"{plan.hardware} (runs as {plan.platform})"
+    on = _hardware_name(plan)
     parts = ", ".join(f"{_TERM_NAMES.get(k, k)} {_seconds(v)}" for k, v in plan.step_time_breakdown_s.items() if v)
     return (f"predicted {_seconds(plan.predicted_step_time_s)}: {_count(plan.predicted_tokens_per_s)} tokens/s, MFU "
             f"{plan.predicted_mfu:.1%} on {on}; {parts}; calibration: {plan.calibration}")
@@ -137,6 +137,11 @@ def plan_warnings(resolved: Resolved) -> list[str]:
     return warnings
 
 
+def _hardware_name(plan: Plan) -> str:
+    """The platform, or a platform file's hardware with the built-in it runs as."""
+    return plan.platform if plan.hardware == plan.platform else f"{plan.hardware} (runs as {plan.platform})"
+
+
 def format_plan(resolved: Resolved, *, data: DataSummary | None = None) -> str:
     from megatron_hpc.plan.architecture import describe
 
@@ -147,8 +152,8 @@ def format_plan(resolved: Resolved, *, data: DataSummary | None = None) -> str:
     if plan.idle_workers_per_node:
         workers = f"of {plan.workers_per_node + plan.idle_workers_per_node} workers"
     rows = [
-        ("recipe", f"{plan.recipe} on {plan.num_nodes} x {plan.platform} "
-                   f"({plan.workers_per_node} {workers} per node, backend {plan.backend})"),
+        ("recipe", f"{plan.recipe} on {plan.num_nodes} x {plan.hardware} ({plan.workers_per_node} {workers} per node, "
+                   f"{'' if plan.hardware == plan.platform else f'runs as {plan.platform}, '}backend {plan.backend})"),
         ("mesh", f"world {plan.world_size} = TP {plan.tensor_parallel} x PP {plan.pipeline_parallel} x "
                  f"DP {plan.data_parallel}"),
         ("pipeline", _pipeline_line(plan)),

@@ -85,8 +85,15 @@ def run_tune_job(args: argparse.Namespace, resolved: Resolved, *, echo: Any) -> 
     write_request(run_dir, candidates, platform=resolved.platform, calibration=base, cache_root=req.cache_root,
                   cluster=args.cluster)
     if echo:
+        n, steps = len(candidates), first.config.compile.num_steps
         echo(f"tune {resolved.cfg.name} on {resolved.plan.num_nodes} x {resolved.plan.hardware}: "
-             f"{len(candidates)} layouts x {first.config.compile.num_steps} steps; calibration before: {base.source}")
+             f"{n} layout{'s' if n != 1 else ''} x {steps} steps; calibration before: {base.source}")
+        if n < args.top:
+            echo(f"  only {n} valid layout{'s' if n != 1 else ''} at this size (--top {args.top} asked): more nodes "
+                 "or workers per node give more to compare")
+        if steps != resolved.cfg.compile.num_steps:
+            echo(f"  trials run {steps} steps: the recipe's compile.num_steps={resolved.cfg.compile.num_steps} leaves "
+                 "too few to time after the warm-up (--set compile.num_steps=N to choose)")
         for c in candidates:
             echo(f"  {c.label}: predicted {c.predicted_s:.4g} s")
         echo(f"run folder: {run_dir}")

@@ -171,7 +171,7 @@ def hardware_from_dict(data: Any, *, where: str, runtimes: tuple[str, ...]) -> H
                 for k in _LINK_FIELDS if k not in data[link]]
     if missing:
         raise ConfigError(f"{where}: missing {', '.join(missing)}; a platform file states every field (see "
-                          "docs/planning.md#platform-files, or recipes/platforms/dgx_a100_80gb.yaml)")
+                          "docs/planning.md#platform-files, or the shipped one: --platform-file dgx_a100_80gb)")
     _refuse_unit_text(data, where=where)
     hardware = from_dict(Hardware, data, where=where)
     if not _NAME.fullmatch(hardware.name):
@@ -181,6 +181,16 @@ def hardware_from_dict(data: Any, *, where: str, runtimes: tuple[str, ...]) -> H
         raise ConfigError(f"{where}: runtime {hardware.runtime!r} is not a built-in platform; use one of "
                           f"{', '.join(runtimes)} (the one whose launcher and backend the nodes run with)")
     _check_magnitudes(hardware, where=where)
+    return hardware
+
+
+def user_hardware(data: Any, *, where: str, runtimes: tuple[str, ...]) -> Hardware:
+    """Hardware a user describes (a platform file, a cluster profile's `platforms:`): hardware_from_dict, with a
+    name of its own. tune keeps a calibration per hardware name, so nodes named like a built-in would share its."""
+    hardware = hardware_from_dict(data, where=where, runtimes=runtimes)
+    if hardware.name in runtimes:
+        raise ConfigError(f"{where}: name {hardware.name!r} is a built-in platform's, whose calibration tune would "
+                          f"then share; give these nodes their own name (e.g. {hardware.name}-site)")
     return hardware
 
 
@@ -237,17 +247,35 @@ def _unit_slip(key: str, value: float) -> str | None:
     return None
 
 
+def shipped_platform_files() -> dict[str, Path]:
+    """The platform files shipped with the package (recipes/platforms/NAME.yaml), by name."""
+    from megatron_hpc.config.loader import recipe_dir
+
+    return {p.stem: p for p in sorted((recipe_dir() / "platforms").glob("*.yaml"))}
+
+
+def resolve_platform_file(path: Path) -> Path:
+    """`path`, or where it names a shipped platform file (`dgx_a100_80gb`, with or without .yaml) and is no file
+    here, the shipped one: an install from a wheel has no recipes/ folder to point a path at."""
+    if path.is_file() or len(path.parts) > 1:
+        return path
+    return shipped_platform_files().get(path.name.removesuffix(".yaml"), path)
+
+
 def load_platform_file(path: Path, *, runtimes: tuple[str, ...]) -> Hardware:
-    """Read and check a platform file (YAML)."""
+    """Read and check a platform file (YAML), by path or a shipped one's name (resolve_platform_file)."""
     import yaml
 
+    path = resolve_platform_file(path)
     if not path.is_file():
-        raise ConfigError(f"platform file {path} does not exist; pass an existing YAML file to --platform-file")
+        shipped = ", ".join(shipped_platform_files())
+        raise ConfigError(f"platform file {path} does not exist; pass an existing YAML file to --platform-file, or a "
+                          f"shipped one by name ({shipped})")
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         raise ConfigError(f"platform file {path}: not valid YAML: {exc}") from None
-    return hardware_from_dict(data, where=f"platform file {path}", runtimes=runtimes)
+    return user_hardware(data, where=f"platform file {path}", runtimes=runtimes)
 
 
 def as_dict(hw: Hardware) -> dict[str, Any]:

@@ -77,13 +77,29 @@ def test_plan_warns_about_a_stale_calibration_and_uses_the_defaults(cli_in_proce
     assert len(warning) == 1 and "re-run `megatron-hpc tune`" in warning[0]
 
 
-def test_tune_refuses_top_0_and_too_few_trial_steps(cli_in_process, tmp_path: Path):
+def test_tune_refuses_top_0_and_too_few_trial_steps_set_by_hand(cli_in_process, tmp_path: Path):
     result = cli_in_process("tune", "--recipe", "tiny", *TINY, "--top", "0", "--cluster", "local", "--dry-run",
                             "--out", str(tmp_path / "a"))
     assert result.returncode == 1 and "--top 0" in result.stderr and "use --top 3" in result.stderr
-    result = cli_in_process("tune", "--recipe", "tiny", *TINY, "--cluster", "local", "--dry-run",
-                            "--out", str(tmp_path / "b"))
+    result = cli_in_process("tune", "--recipe", "tiny", *TINY, "--set", "compile.num_steps=3", "--cluster", "local",
+                            "--dry-run", "--out", str(tmp_path / "b"))
     assert result.returncode == 1 and "--set compile.num_steps=6" in result.stderr
+    assert not (tmp_path / "b").exists()
+
+
+def test_tune_of_a_recipe_with_too_few_compile_steps_runs_its_own_trial_steps(cli_in_process, tmp_path: Path):
+    """tiny's compile phase is 3 steps, too few to time after 2 warm-up ones: the issue's plain `tune --recipe tiny`
+    runs 6-step trials and says so, and says when fewer layouts exist than --top asked for."""
+    out = tmp_path / "tune"
+    result = cli_in_process("tune", "--recipe", "tiny", "--nodes", "1", "--top", "5", "--set",
+                            "launch.workers_per_node=2", "--set", "parallel.tensor=0", "--set", "parallel.pipeline=0",
+                            "--cluster", "local", "--dry-run", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "3 layouts x 6 steps" in result.stdout
+    assert "trials run 6 steps: the recipe's compile.num_steps=3" in result.stdout
+    assert "only 3 valid layouts at this size (--top 5 asked)" in result.stdout
+    request = json.loads((out / "tune-candidates.json").read_text())
+    assert request["trial_steps"] == 6
 
 
 def test_tune_dry_run_writes_one_tune_job_of_the_best_layouts(cli_in_process, tmp_path: Path):

@@ -39,7 +39,36 @@ def test_a_platform_file_plans_like_a_builtin(capsys):
     assert main([*args, "--set", "train.precision=fp32"]) == 0
     assert yaml.safe_load(capsys.readouterr().out)["peak_tflops_per_worker"] == 19.5
     assert main(args[:-1]) == 0
-    assert "on dgx_a100_80gb (runs as p5)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "on dgx_a100_80gb (runs as p5)" in out
+    assert out.startswith("recipe      gpt3_175b on 128 x dgx_a100_80gb (8 workers per node, runs as p5, backend nccl)")
+
+
+@pytest.mark.parametrize("given", ["dgx_a100_80gb", "dgx_a100_80gb.yaml"])
+def test_a_shipped_platform_file_is_found_by_name_outside_the_checkout(tmp_path, capsys, monkeypatch, given):
+    """An install from a wheel has no recipes/ folder to give a path to: the shipped file is found by its name,
+    from any folder; a name that is neither a file nor a shipped one lists the shipped ones."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "--recipe", "gpt3_175b", "--nodes", "128", "--platform-file", given, "--json"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["hardware"] == "dgx_a100_80gb"
+    assert main(["plan", "--recipe", "gpt3_175b", "--nodes", "128", "--platform-file", "dgx_a100"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == ("megatron-hpc: error: platform file dgx_a100 does not exist; pass an existing YAML file to "
+                   "--platform-file, or a shipped one by name (dgx_a100_80gb)")
+
+
+def test_a_platform_named_like_a_builtin_is_refused(tmp_path, capsys):
+    """tune keeps one calibration per hardware name: a platform file or profile platform named p5 would share
+    p5's (and a profile's could never be chosen: --platform p5 is the built-in)."""
+    path = write(tmp_path, name="p5")
+    assert main(["plan", "--recipe", "gpt3_175b", "--nodes", "128", "--platform-file", str(path)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "name 'p5' is a built-in platform's" in err and "(e.g. p5-site)" in err and "\n" not in err
+    from megatron_hpc.errors import ConfigError
+    from megatron_hpc.launch.cluster_profile import profile_from_dict
+
+    with pytest.raises(ConfigError, match="platforms\\[0\\]: name 'trn1' is a built-in platform's"):
+        profile_from_dict({"platforms": [{**yaml.safe_load(Path(A100).read_text()), "name": "trn1"}]})
 
 
 def write(tmp_path, **changes):
