@@ -26,6 +26,9 @@ from megatron_hpc.plan.calibration import Calibration
 CALIBRATION_DIR = "megatron-hpc/calibrations"
 MAX_AGE_DAYS = 30
 """Older calibrations are refused: drivers, compilers and the cluster's load move on."""
+FUTURE_SLACK_S = 600.0
+"""How far ahead of this machine's clock a calibration's date may be (the login node's and a compute node's clocks
+differ a little); further ahead, its age is unknown and it is not used."""
 _FIT_FIELDS = ("gemm_peak_fraction", "gemm_overhead_s", "collective_bandwidth_fraction", "collective_latency_factor",
                "memory_bandwidth_fraction", "elementwise_bytes_per_saved_byte", "optimizer_bytes_per_parameter",
                "tp_comm_overlap", "pp_comm_overlap", "attention_scores_in_memory")
@@ -110,11 +113,19 @@ def find(cache_root: Path, hardware: str) -> StoredCalibration | None:
     return StoredCalibration.from_json(data, path=path)
 
 
-def usable(stored: StoredCalibration, *, now_s: float, runtime: str, workers_per_node: int,
+def usable(stored: StoredCalibration, *, hardware: str, now_s: float, runtime: str, workers_per_node: int,
            versions: dict[str, str]) -> str | None:
-    """Why `stored` must not be used for a plan on `runtime` with `workers_per_node`, with the fix; None when it
-    may. Stale (older than MAX_AGE_DAYS) or foreign (another runtime, node shape or software version)."""
+    """Why `stored` must not be used for a plan of `hardware` on `runtime` with `workers_per_node`, with the fix;
+    None when it may. Stale (older than MAX_AGE_DAYS, or dated ahead of this clock: its age cannot be known) or
+    foreign (another hardware's file copied under this name, another runtime, node shape or software version)."""
     fix = f"re-run `megatron-hpc tune` on this cluster (or delete {stored.path})"
+    if stored.hardware != hardware:
+        return (f"{stored.path} holds the calibration of {stored.hardware}, not {hardware}; planning on the built-in "
+                f"defaults: {fix}")
+    ahead = stored.measured_at_s - now_s
+    if ahead > FUTURE_SLACK_S:
+        return (f"the calibration of {stored.hardware} is dated {ahead / 3600:.1f} h after this machine's clock, so "
+                f"its age is unknown; planning on the built-in defaults: check the clocks, then {fix}")
     age = stored.age_days(now_s)
     if age > MAX_AGE_DAYS:
         return (f"the calibration of {stored.hardware} is {age:.0f} days old (over {MAX_AGE_DAYS}); planning on the "

@@ -112,7 +112,7 @@ def measured_calibration(plan: Plan) -> tuple[Calibration | None, str | None]:
     if stored is None:
         return None, None
     now = time.time()
-    problem = calibrations.usable(stored, now_s=now, runtime=plan.platform,
+    problem = calibrations.usable(stored, hardware=plan.hardware, now_s=now, runtime=plan.platform,
                                   workers_per_node=plan.workers_per_node + plan.idle_workers_per_node,
                                   versions=calibrations.software_versions())
     if problem is not None:

@@ -17,10 +17,10 @@ TINY = ["--set", "launch.workers_per_node=2", "--set", "data.source=synthetic", 
         "--set", "parallel.pipeline=0"]
 
 
-def _stored(*, age_days: float = 1.0, runtime: str = "cpu", workers: int = 2, versions=None):
+def _stored(*, age_days: float = 1.0, runtime: str = "cpu", workers: int = 2, versions=None, hardware="cpu"):
     cal = dataclasses.replace(DEFAULT_CALIBRATION, source="t", gemm_peak_fraction=0.1, collective_latency_factor=8.0)
     return calibrations.StoredCalibration(
-        calibration=cal, hardware="cpu", runtime=runtime, workers_per_node=workers,
+        calibration=cal, hardware=hardware, runtime=runtime, workers_per_node=workers,
         measured_at_s=time.time() - age_days * 86400, versions=versions or calibrations.software_versions(),
         run_dir="/runs/tiny-tune/1")
 
@@ -32,7 +32,7 @@ def test_kept_and_found(tmp_path: Path):
     found = calibrations.find(tmp_path, "cpu")
     assert found is not None and found.path == path
     assert found.calibration.gemm_peak_fraction == 0.1 and found.calibration.collective_latency_factor == 8.0
-    assert calibrations.usable(found, now_s=time.time(), runtime="cpu", workers_per_node=2,
+    assert calibrations.usable(found, hardware="cpu", now_s=time.time(), runtime="cpu", workers_per_node=2,
                                versions=calibrations.software_versions()) is None
 
 
@@ -41,10 +41,12 @@ def test_kept_and_found(tmp_path: Path):
     (dict(runtime="trn1"), "measured on trn1 with 2 workers per node, this plan runs cpu with 2"),
     (dict(workers=8), "with 8 workers per node, this plan runs cpu with 2"),
     (dict(versions={"torch": "2.0.0", "megatron_hpc": "0.0.1"}), "torch 2.0.0 -> "),
+    (dict(age_days=-3), "is dated 72.0 h after this machine's clock, so its age is unknown"),
+    (dict(hardware="p5"), "holds the calibration of p5, not cpu"),  # another hardware's file copied here
 ])
 def test_stale_or_foreign_is_one_line_with_the_fix(stored, expected):
-    problem = calibrations.usable(_stored(**stored), now_s=time.time(), runtime="cpu", workers_per_node=2,
-                                  versions=calibrations.software_versions())
+    problem = calibrations.usable(_stored(**stored), hardware="cpu", now_s=time.time(), runtime="cpu",
+                                  workers_per_node=2, versions=calibrations.software_versions())
     assert problem is not None and expected in problem
     assert "re-run `megatron-hpc tune`" in problem and "\n" not in problem
 
