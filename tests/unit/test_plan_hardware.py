@@ -27,6 +27,17 @@ def test_every_builtin_platform_has_hardware_with_sources():
         assert hw.sources
 
 
+def test_the_docs_table_states_each_builtins_figures():
+    """docs/planning.md's table of the built-ins' figures is the data's (a changed figure fails here)."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "planning.md").read_text()
+    for name, hw in BUILTIN_HARDWARE.items():
+        row = (f"| `{name}` | {hw.peak_tflops_16bit:g} / {hw.peak_tflops_fp32:g} | {hw.memory_per_worker_gib:g} GiB | "
+               f"{hw.memory_bandwidth_gbytes_per_s:g} GB/s | {hw.intra_node.bandwidth_gbytes_per_s:g} GB/s, "
+               f"{hw.intra_node.latency_us:g} us | {hw.inter_node.bandwidth_gbytes_per_s:g} GB/s, "
+               f"{hw.inter_node.latency_us:g} us |")
+        assert row in text, row
+
+
 def test_a_platform_file_plans_like_a_builtin(capsys):
     args = ["plan", "--recipe", "gpt3_175b", "--nodes", "128", "--platform-file", A100, "--set",
             "data.source=synthetic", "--json"]
