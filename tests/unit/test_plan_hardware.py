@@ -64,8 +64,9 @@ def test_a_platform_named_like_a_builtin_is_refused(tmp_path, capsys):
     assert main(["plan", "--recipe", "gpt3_175b", "--nodes", "128", "--platform-file", str(path)]) == 1
     err = capsys.readouterr().err.strip()
     assert "name 'p5' is a built-in platform's" in err and "(e.g. p5-site)" in err and "\n" not in err
-    from megatron_hpc.errors import ConfigError
     from megatron_hpc.launch.cluster_profile import profile_from_dict
+
+    from megatron_hpc.errors import ConfigError
 
     with pytest.raises(ConfigError, match="platforms\\[0\\]: name 'trn1' is a built-in platform's"):
         profile_from_dict({"platforms": [{**yaml.safe_load(Path(A100).read_text()), "name": "trn1"}]})
