@@ -6,8 +6,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -175,17 +173,16 @@ def test_dp_1_works_and_says_it_is_pointless():
     assert two.data_parallel == 2 and distributed_optimizer_warning(two) is None
 
 
-def test_plan_json_carries_the_flag_and_the_warning():
-    out = subprocess.run([sys.executable, "-m", "megatron_hpc", "plan", "--recipe", "tiny", "--json", "--set",
-                          "parallel.distributed_optimizer=true"], capture_output=True, text=True, check=True)
+def test_plan_json_carries_the_flag_and_the_warning(cli_in_process):
+    out = cli_in_process("plan", "--recipe", "tiny", "--json", "--set", "parallel.distributed_optimizer=true")
+    assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     assert data["distributed_optimizer"] is True
     assert any("shards nothing" in w for w in data["warnings"])
 
 
-def test_misspelt_key_suggests_the_right_one():
-    out = subprocess.run([sys.executable, "-m", "megatron_hpc", "plan", "--recipe", "tiny", "--set",
-                          "parallel.use_distributed_optimizer=true"], capture_output=True, text=True)
+def test_misspelt_key_suggests_the_right_one(cli_in_process):
+    out = cli_in_process("plan", "--recipe", "tiny", "--set", "parallel.use_distributed_optimizer=true")
     assert out.returncode != 0 and "parallel.distributed_optimizer" in out.stderr
     assert dataclasses.is_dataclass(load_recipe("tiny").parallel)
 

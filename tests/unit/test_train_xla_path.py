@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from megatron_hpc.checkpoint.store import iter_tensors, paths, read_xser
@@ -22,8 +23,9 @@ from megatron_hpc.checkpoint.store import iter_tensors, paths, read_xser
 STANDIN = Path(__file__).resolve().parents[1] / "fixtures" / "xla_standin"
 
 # One process trains the runs of argv[1] (a JSON list) one after the other, each with its own settings, and prints a
-# line for each (RESULT and JSON): a test's XLA run and its CPU reference share the process's start-up (torch, the
-# trainer), and every run starts from the same state (its seed, a fresh EVENTS list, the patches' counters at zero).
+# line for each (RESULT and JSON): the XLA runs and their CPU references share the process's start-up (torch, the
+# trainer), and every run starts from the same state (its seed, a fresh EVENTS list, the patches' counters at zero;
+# only a run with poison_after_step gets NaN losses).
 SCRIPT = r"""
 import json, sys
 from pathlib import Path
@@ -60,7 +62,8 @@ if any(opts.get("poison_after_step") for opts in runs):
     def poisoned(*args, **kwargs):
         ce_calls.append(1)
         loss = real_ce(*args, **kwargs)
-        return loss * float("nan") if len(ce_calls) > 2 * poison_after_step else loss  # 2 micro-batches
+        poisoned_now = poison_after_step and len(ce_calls) > 2 * poison_after_step  # 2 micro-batches a step
+        return loss * float("nan") if poisoned_now else loss
 
     step_module.vocab_parallel_cross_entropy = poisoned
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
@@ -119,13 +122,31 @@ def _train(*runs: dict) -> list[dict]:
     return [json.loads(line) for line in results]
 
 
+NON_FINITE = {"poison_after_step": 2, "max_skipped_steps": 3, "save_interval": 2, "num_steps": 8}
+RNG = {"num_steps": 4, "save_interval": 4, "dropout": 0.1}
+
+
+@pytest.fixture(scope="module")
+def shared_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, dict], Path]:
+    """The runs of three tests below, trained in one process (one start-up of torch and the trainer instead of
+    three), each test's pair in its own order: ({name: summary}, the folder of their run folders). The poisoned XLA
+    run goes last: it stops with a step closure still pending, which the next run's first cut would run."""
+    root = tmp_path_factory.mktemp("xla-path")
+    runs = {"xla": {"kind": "xla"}, "cpu": {"kind": "cpu"},
+            "rng_xla": {"kind": "xla", "run_dir": str(root / "rng"), **RNG},
+            "rng_cpu": {"kind": "cpu", "run_dir": str(root / "rng" / "cpu"), "num_steps": 2, "save_interval": 2},
+            "nan_cpu": {"kind": "cpu", "run_dir": str(root / "nan" / "cpu"), **NON_FINITE},
+            "nan_xla": {"kind": "xla", "run_dir": str(root / "nan" / "xla"), **NON_FINITE}}
+    return dict(zip(runs, _train(*runs.values()))), root
+
+
 def _checkpoint(run_dir: Path, iteration: int) -> dict:
     main = paths.main_file(paths.iteration_dir(run_dir / "checkpoints", iteration), 0)
     return read_xser(main)
 
 
-def test_xla_branches_follow_the_reference_and_train_the_same_model() -> None:
-    xla, cpu = _train({"kind": "xla"}, {"kind": "cpu"})
+def test_xla_branches_follow_the_reference_and_train_the_same_model(shared_runs: tuple[dict[str, dict], Path]) -> None:
+    xla, cpu = shared_runs[0]["xla"], shared_runs[0]["cpu"]
     assert xla["iterations"] == cpu["iterations"] == [2, 4, 6]
     assert xla["losses"] == cpu["losses"] and xla["norms"] == cpu["norms"]
     # Only torch-xla 2.9's current API: torch_xla.sync, not the deprecated xm.mark_step (the stand-in has none).
@@ -148,12 +169,10 @@ def test_a_data_error_in_the_loader_thread_fails_the_run() -> None:
     assert not proc.stdout.strip()  # train() never returned a summary
 
 
-def test_non_finite_steps_change_nothing_and_stop_the_run_as_on_cpu(tmp_path: Path) -> None:
+def test_non_finite_steps_change_nothing_and_stop_the_run_as_on_cpu(shared_runs: tuple[dict[str, dict], Path]) -> None:
     """Every loss from step 3 on is NaN. On XLA the update runs in the graph and a select keeps the old values,
     and the host counts the skip one step late: same checkpoints, same count of applied steps, same error."""
-    opts = {"poison_after_step": 2, "max_skipped_steps": 3, "save_interval": 2, "num_steps": 8}
-    cpu, xla = _train({"kind": "cpu", "run_dir": str(tmp_path / "cpu"), **opts},
-                      {"kind": "xla", "run_dir": str(tmp_path / "xla"), **opts})
+    (cpu, xla), tmp_path = (shared_runs[0][name] for name in ("nan_cpu", "nan_xla")), shared_runs[1] / "nan"
     assert cpu["error"] is not None and "not finite for 3 steps in a row (iterations 3-5," in cpu["error"]
     assert xla["error"] == cpu["error"]
     # Stopped when step 5's flag was read: in the closure after step 6's last cut, before step 6's log closure.
@@ -169,17 +188,16 @@ def test_non_finite_steps_change_nothing_and_stop_the_run_as_on_cpu(tmp_path: Pa
         assert [k for k in old if not torch.equal(old[k], tensors[k])] == [], run
 
 
-def test_the_xla_rng_state_is_saved_and_restored(tmp_path: Path) -> None:
+def test_the_xla_rng_state_is_saved_and_restored(shared_runs: tuple[dict[str, dict], Path]) -> None:
     """torch_xla's generator draws the dropout masks on XLA: its state goes into the checkpoint
     (xla_rng_state, beside Megatron's cuda_rng_state) and comes back on resume."""
-    first, _cpu = _train({"kind": "xla", "run_dir": str(tmp_path), "num_steps": 4, "save_interval": 4, "dropout": 0.1},
-                         {"kind": "cpu", "run_dir": str(tmp_path / "cpu"), "num_steps": 2, "save_interval": 2})
+    first, tmp_path = shared_runs[0]["rng_xla"], shared_runs[1] / "rng"
     saved = _checkpoint(tmp_path, 4)
     seed = saved["xla_rng_state"]
     assert first["events"].count("get_rng_state") == 1  # read once, for the one save
     assert isinstance(seed, list) and len(seed) == 1 and seed[0] != 1234  # the running seed at iteration 4
     assert saved["rng_state"][0]["xla_rng_state"] == seed
     # A fresh process: restored from the checkpoint, not carried over from the run that saved it.
-    (resumed,) = _train({"kind": "xla", "run_dir": str(tmp_path), "num_steps": 6, "save_interval": 4, "dropout": 0.1})
+    (resumed,) = _train({"kind": "xla", "run_dir": str(tmp_path), **RNG, "num_steps": 6})
     assert resumed["events"][:2] == ["set_rng_state 1234", f"set_rng_state {seed[0]}"]  # seeded, then restored
     assert _checkpoint(tmp_path / "cpu", 2)["xla_rng_state"] is None

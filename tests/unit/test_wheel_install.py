@@ -53,7 +53,10 @@ class Installed:
     """The working directory of every command: not the checkout, so nothing imports from it."""
 
     def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+        # Bytecode is written (PYTHONDONTWRITEBYTECODE dropped): torch went in uncompiled (`installed`), so the
+        # first command to import a module compiles it once for the later ones, in the temporary venv only.
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONDONTWRITEBYTECODE")}
         env["PATH"] = f"{self.venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
         return subprocess.run([str(self.venv / "bin" / args[0]), *args[1:]], cwd=self.outside, env=env,
                               capture_output=True, text=True, timeout=timeout)
@@ -81,7 +84,10 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
             subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
             # The same torch build as this environment's (e.g. 2.13.0+cpu): a bare pin could fetch a CUDA build.
             torch = f"torch=={importlib.metadata.version('torch')}"
-            _pip(venv, torch, hint=f"; put the {torch} wheel where pip finds it (its find-links, README)")
+            # --no-compile: compiling all of torch's ~5000 modules took 19 of the install's 28 CPU seconds; the
+            # commands below import a few hundred of them and compile those once as they go (Installed.run).
+            _pip(venv, "--no-compile", torch,
+                 hint=f"; put the {torch} wheel where pip finds it (its find-links, README)")
             assert build.wait(timeout=900) == 0, f"python -m build failed:\n{log.read_text()[-3000:]}"
         finally:
             if build.poll() is None:
