@@ -29,7 +29,8 @@ OP_OVERHEAD_S = {"gloo": 15e-6, "nccl": 1e-6, "xla": 0.0}
 plan/steptime.py), before op_overhead_factor:
 - CPU (gloo): eager dispatch, autograd bookkeeping and an allocation per operator, with no device to overlap them:
   on this project's 2-core CI machine one of our layers at tiny's shape, forward and backward at micro-batch 4 and
-  2, took 54.9 and 28.2 ms (single thread), 1.5 ms over proportional for its ~105 operators: ~14 us each; rounded up.
+  2, took 54.9 and 28.2 ms (single thread), 1.5 ms over proportional for its 105 operators: ~14 us each; rounded up.
+  tune's operator chain (train/tune_trials.py) measures 6-15 us per operator there, by load.
 - CUDA (nccl): the host enqueues ahead of the device, so what a step sees is the device's gap between two dependent
   kernels (launch latency, ramp-up and tail), a few microseconds per kernel; but about two in three of the operators
   counted are views, transposes and detaches that launch no kernel, so 1 us per operator counted (3 us per kernel).
