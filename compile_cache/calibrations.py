@@ -31,7 +31,9 @@ FUTURE_SLACK_S = 600.0
 differ a little); further ahead, its age is unknown and it is not used."""
 _FIT_FIELDS = ("gemm_peak_fraction", "gemm_overhead_s", "collective_bandwidth_fraction", "collective_latency_factor",
                "memory_bandwidth_fraction", "elementwise_bytes_per_saved_byte", "optimizer_bytes_per_parameter",
-               "tp_comm_overlap", "pp_comm_overlap", "attention_scores_in_memory")
+               "tp_comm_overlap", "pp_comm_overlap", "attention_scores_in_memory", "op_overhead_factor")
+_ADDED_FIELDS = ("op_overhead_factor",)
+"""Fields added after calibrations were first kept: a record without one takes the default (1.0: the built-in)."""
 
 
 def calibration_to_json(cal: Calibration) -> dict[str, Any]:
@@ -40,7 +42,8 @@ def calibration_to_json(cal: Calibration) -> dict[str, Any]:
 
 def calibration_from_json(data: dict[str, Any]) -> Calibration:
     """KeyError or TypeError on a record that lacks a field (the caller says which file)."""
-    return Calibration(source=str(data["source"]), **{k: data[k] for k in _FIT_FIELDS})
+    return Calibration(source=str(data["source"]),
+                       **{k: data[k] for k in _FIT_FIELDS if k in data or k not in _ADDED_FIELDS})
 
 
 def software_versions() -> dict[str, str]:

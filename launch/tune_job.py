@@ -47,6 +47,7 @@ from megatron_hpc.plan.calibration_fit import (
     disturbance_line,
     gemm_parts,
     median,
+    op_parts,
     parts_of,
     refit,
     relative_error,
@@ -205,6 +206,10 @@ def write_request(run_dir: Path, candidates: list[Candidate], *, platform: Platf
         "gemm_precision": candidates[0].spec.config.train.precision,
         "gemm_benchmark": [[g.batch, g.m, g.k, g.n] for g in shapes],
         "gemm_parts": [dataclasses.asdict(gemm_parts(g.flops, peak_flops=peak, base=calibration)) for g in shapes],
+        # A chain of small operators with autograd on each device (train/tune_trials.py _op_bench): the fixed cost
+        # of one operator outside the GEMMs, the fit's `dispatch` scale (plan/calibration_fit.py fit_dispatch).
+        "op_benchmark": True,
+        "op_parts": dataclasses.asdict(op_parts(1, op_overhead_s=calibration.op_overhead_s(platform.backend))),
     }
     write_json(run_dir / TUNE_CANDIDATES_FILE, request)
     return request
@@ -218,7 +223,7 @@ def _bench_parts(op: str, nbytes: int, *, ranks: int, hardware: Hardware, base: 
 
 def finish_tune(run_dir: Path, request: dict[str, Any], *, steps_s: list[list[float]], bench_s: list[float],
                 finished_at_s: float, other_cpu_share: list[float | None] | None = None,
-                gemm_s: list[float] | None = None) -> dict[str, Any]:
+                gemm_s: list[float] | None = None, op_s: list[float] | None = None) -> dict[str, Any]:
     """Fit the calibration to what the job measured (each candidate's timed steps, plan/calibration_fit.py
     trial_time; the GEMM micro-benchmark's times, where the request asked for them); write tune.json and the
     overlay, keep the calibration."""
@@ -231,9 +236,12 @@ def finish_tune(run_dir: Path, request: dict[str, Any], *, steps_s: list[list[fl
              for (op, n), p, m in zip(request["benchmark"], request["benchmark_parts"], bench_s)]
     gemms = [Observation(label="x".join(map(str, shape)), parts=Parts(**p), measured_s=m)
              for shape, p, m in zip(request.get("gemm_benchmark", []), request.get("gemm_parts", []), gemm_s or [])]
+    # op_s: [seconds per operator, operators per chain] (train/tune_trials.py _op_bench); the parts are one operator's.
+    ops = [Observation(label="operator", parts=Parts(**request["op_parts"]), measured_s=op_s[0])] \
+        if op_s and request.get("op_parts") else []
     hw = request["hardware"]
     source = f"measured by tune on {hw['name']} ({request['cluster']}), run {run_dir}"
-    fit, held_out, method, scores = _chosen_fit(base, trials, bench, gemms, source=source)
+    fit, held_out, method, scores = _chosen_fit(base, trials, bench, gemms, ops, source=source)
     after = [o.parts.at(fit.scales) for o in trials]
     winner = min(range(len(trials)), key=lambda i: measured_s[i])
     rows = [{"label": c["label"], "overlay": c["overlay"], "predicted_before_s": c["predicted_s"],
@@ -256,6 +264,9 @@ def finish_tune(run_dir: Path, request: dict[str, Any], *, steps_s: list[list[fl
                       for o in bench],
         "gemm_benchmark": [{"shape": o.label, "measured_s": o.measured_s, "predicted_before_s": o.parts.at(Scales()),
                             "predicted_after_s": o.parts.at(fit.scales)} for o in gemms],
+        "op_benchmark": [{"label": o.label, "measured_per_op_s": o.measured_s, "ops_per_chain": op_s[1],
+                          "predicted_before_s": o.parts.at(Scales()), "predicted_after_s": o.parts.at(fit.scales)}
+                         for o in ops],
         "median_abs_error_after": median([abs(r["error_after"]) for r in rows]),
         "median_abs_error_left_out": median([abs(e) for e in held_out if e is not None] or [math.nan]),
         "winner": {"label": rows[winner]["label"], "overlay": rows[winner]["overlay"]},
@@ -298,7 +309,8 @@ def finish_tune_run(run_dir: Path) -> str:
     measured = read_json(run_dir / TUNE_MEASURED_FILE)
     result = finish_tune(run_dir, read_json(run_dir / TUNE_CANDIDATES_FILE), steps_s=measured["steps_s"],
                          bench_s=measured["bench_s"], finished_at_s=measured["finished_at_s"],
-                         other_cpu_share=measured.get("other_cpu_share"), gemm_s=measured.get("gemm_s"))
+                         other_cpu_share=measured.get("other_cpu_share"), gemm_s=measured.get("gemm_s"),
+                         op_s=measured.get("op_s"))
     return "\n".join(line for line in (result["disturbed"], winner_line(result)) if line)
 
 
@@ -309,8 +321,8 @@ def winner_line(result: dict[str, Any]) -> str:
             f"{result['median_abs_error_left_out']:.1%}); run it with {overlay_line(win['overlay'])}")
 
 
-def _chosen_fit(base: Calibration, trials: list[Observation], bench: list[Observation], gemms: list[Observation], *,
-                source: str) -> tuple[Fit, list[float | None], str, dict[str, float | None]]:
+def _chosen_fit(base: Calibration, trials: list[Observation], bench: list[Observation], gemms: list[Observation],
+                ops: list[Observation], *, source: str) -> tuple[Fit, list[float | None], str, dict[str, float | None]]:
     """The fit in two stages (the GEMM curve from the timed products) or in one (the trials' own scales), whichever
     predicts the trials better when each is left out (root mean square of the relative errors, the measure the fit
     itself minimises: one layout mispredicted by half weighs more than in a median of three; a fit that fails, or
@@ -325,8 +337,8 @@ def _chosen_fit(base: Calibration, trials: list[Observation], bench: list[Observ
         if name == "two stages" and not gemms:
             continue
         try:
-            tried[name] = (refit(base, trials + bench, source=source, gemms=products),
-                           _left_out_errors(base, trials, bench, products))
+            tried[name] = (refit(base, trials + bench, source=source, gemms=products, ops=ops),
+                           _left_out_errors(base, trials, bench, products, ops))
         except PlanError:
             if name == "one stage" and not tried:
                 raise
@@ -337,14 +349,15 @@ def _chosen_fit(base: Calibration, trials: list[Observation], bench: list[Observ
 
 
 def _left_out_errors(base: Calibration, trials: list[Observation], bench: list[Observation],
-                     gemms: list[Observation]) -> list[float | None]:
+                     gemms: list[Observation], ops: list[Observation]) -> list[float | None]:
     """Each trial predicted by a calibration fitted without it: how well the fit predicts a layout it did not see
     (the in-sample error says little when the trials are as few as the unknowns). The GEMM samples stay in: they
-    are the micro-benchmark's, a second of matrix products, not the trial. None where the rest fit nothing."""
+    are the micro-benchmark's, a second of matrix products, not the trial (the operator chain's likewise). None
+    where the rest fit nothing."""
     errors: list[float | None] = []
     for i, trial in enumerate(trials):
         try:
-            fit = refit(base, trials[:i] + trials[i + 1:] + bench, source="left out", gemms=gemms)
+            fit = refit(base, trials[:i] + trials[i + 1:] + bench, source="left out", gemms=gemms, ops=ops)
         except PlanError:
             errors.append(None)
             continue

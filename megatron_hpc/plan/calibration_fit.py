@@ -12,9 +12,15 @@ The model's time of anything it predicts is linear in five scales of the calibra
   (TP splits each GEMM and runs more micro-batches per rank);
 - `memory`: the memory-bound kernels and the optimizer step (divides memory_bandwidth_fraction);
 - `bandwidth`: the bytes part of collectives and send/receive (divides collective_bandwidth_fraction);
-- `latency`: their per-message startup cost (multiplies collective_latency_factor).
+- `latency`: their per-message startup cost (multiplies collective_latency_factor);
+- `dispatch`: the fixed cost of each operator outside the GEMMs (multiplies op_overhead_factor), which grows with
+  the number of micro-batches a rank runs (plan/op_counts.py).
 The parts are read off the model itself (`parts_of`: six evaluations), never re-derived here. Each residual is
 relative to its measurement, so a 100 us all-reduce weighs as much as a 1 s step.
+
+The operator micro-benchmark's samples (a chain of small operators with autograd, timed on every device at once:
+all fixed cost) give `dispatch` alone, first, whichever fit follows; without them it is free in the fit of the
+trials (held at 1 when they cannot tell it from the rest).
 
 With GEMM samples the fit has two stages: the GEMMs alone give `compute` and `overhead` (their sizes tell the two
 apart, which a few trials cannot: the trials of a small model that differ only in how they split the same work are
@@ -41,9 +47,9 @@ _RING_STEPS = {"all_reduce": 2, "all_gather": 1}
 """Ring passes of each collective (plan/steptime.py ring_time's steps_per_rank)."""
 
 
-UNKNOWNS = ("compute", "overhead", "memory", "bandwidth", "latency")
+UNKNOWNS = ("compute", "overhead", "memory", "bandwidth", "latency", "dispatch")
 """The scales the fit solves for, in the order of Parts' fields."""
-_COMPUTE, _OVERHEAD, _MEMORY, _BANDWIDTH, _LATENCY = range(len(UNKNOWNS))
+_COMPUTE, _OVERHEAD, _MEMORY, _BANDWIDTH, _LATENCY, _DISPATCH = range(len(UNKNOWNS))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -55,10 +61,11 @@ class Parts:
     memory_s: float = 0.0
     bandwidth_s: float = 0.0
     latency_s: float = 0.0
+    dispatch_s: float = 0.0
     fixed_s: float = 0.0
 
-    def vector(self) -> tuple[float, float, float, float, float]:
-        return (self.compute_s, self.overhead_s, self.memory_s, self.bandwidth_s, self.latency_s)
+    def vector(self) -> tuple[float, ...]:
+        return (self.compute_s, self.overhead_s, self.memory_s, self.bandwidth_s, self.latency_s, self.dispatch_s)
 
     def at(self, scales: Scales) -> float:
         return sum(p * k for p, k in zip(self.vector(), scales.vector())) + self.fixed_s
@@ -73,9 +80,10 @@ class Scales:
     memory: float = 1.0
     bandwidth: float = 1.0
     latency: float = 1.0
+    dispatch: float = 1.0
 
-    def vector(self) -> tuple[float, float, float, float, float]:
-        return (self.compute, self.overhead, self.memory, self.bandwidth, self.latency)
+    def vector(self) -> tuple[float, ...]:
+        return (self.compute, self.overhead, self.memory, self.bandwidth, self.latency, self.dispatch)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -116,7 +124,8 @@ def scaled(base: Calibration, scales: Scales, *, source: str | None = None) -> C
         gemm_overhead_s=base.gemm_overhead_s * scales.overhead / a,
         memory_bandwidth_fraction=base.memory_bandwidth_fraction / scales.memory,
         collective_bandwidth_fraction=base.collective_bandwidth_fraction / scales.bandwidth,
-        collective_latency_factor=base.collective_latency_factor * scales.latency)
+        collective_latency_factor=base.collective_latency_factor * scales.latency,
+        op_overhead_factor=base.op_overhead_factor * scales.dispatch)
 
 
 def parts_of(predict: Callable[[Calibration], float], base: Calibration) -> Parts:
@@ -153,23 +162,60 @@ def gemm_parts(flops: float, *, peak_flops: float, base: Calibration) -> Parts:
                  overhead_s=base.gemm_overhead_s / base.gemm_peak_fraction)
 
 
-def fit_scales(observations: Sequence[Observation]) -> tuple[Scales, tuple[str, ...]]:
+def op_parts(ops: int, *, op_overhead_s: float) -> Parts:
+    """The model's time of `ops` operators outside the GEMMs (the operator micro-benchmark's chain): all fixed cost."""
+    return Parts(compute_s=0.0, dispatch_s=ops * op_overhead_s)
+
+
+def fit_dispatch(ops: Sequence[Observation]) -> float | None:
+    """The `dispatch` scale from the operator micro-benchmark's samples alone (relative residuals); None without."""
+    rows = [r for r in _rows(ops) if r[0][_DISPATCH] > 0] if ops else []
+    if not rows:
+        return None
+    return sum(r[0][_DISPATCH] * r[1] for r in rows) / sum(r[0][_DISPATCH] ** 2 for r in rows)
+
+
+def _with_known(observations: Sequence[Observation], known: dict[int, float]) -> list[Observation]:
+    """The observations with the parts of `known` scales moved into their fixed part (at those scales)."""
+    out = []
+    for o in observations:
+        vec = o.parts.vector()
+        extra = sum(vec[k] * v for k, v in known.items())
+        zero = {f"{UNKNOWNS[k]}_s": 0.0 for k in known}
+        out.append(dataclasses.replace(o, parts=dataclasses.replace(o.parts, fixed_s=o.parts.fixed_s + extra,
+                                                                    **zero)))
+    return out
+
+
+def fit_scales(observations: Sequence[Observation],
+               ops: Sequence[Observation] = ()) -> tuple[Scales, tuple[str, ...]]:
     """One fit of every scale, `memory` tied to `compute` (a request without GEMM samples: the module docstring):
-    the scales minimising the squared relative residuals, and the unknowns held at 1 (_solve). PlanError when nothing
-    was measured or no positive fit is left."""
+    the scales minimising the squared relative residuals, and the unknowns held at 1 (_solve). `dispatch` comes
+    from the operator samples when given (fit_dispatch). PlanError when nothing was measured or no positive fit is
+    left."""
+    dispatch = fit_dispatch(ops)
+    if dispatch is not None:
+        observations = _with_known(observations, {_DISPATCH: dispatch})
     rows = _rows(observations)
     for r in rows:  # one column for GEMM throughput and memory-bound work together
         r[0][_COMPUTE] += r[0][_MEMORY]
         r[0][_MEMORY] = 0.0
     values, free = _solve(rows, groups=((_COMPUTE, _OVERHEAD), (_BANDWIDTH, _LATENCY)))
     values[_MEMORY] = values[_COMPUTE]
+    if dispatch is not None:
+        values[_DISPATCH], free = dispatch, [*free, _DISPATCH]
     held = [k for k in range(len(UNKNOWNS)) if k not in free and (k != _MEMORY or _COMPUTE not in free)]
     return _checked(values), tuple(UNKNOWNS[k] for k in held)
 
 
-def fit_two_stage(gemms: Sequence[Observation], others: Sequence[Observation]) -> tuple[Scales, tuple[str, ...]]:
-    """The GEMM micro-benchmark's samples alone give `compute` and `overhead`; the trials and collectives, with those
-    fixed, give `memory`, `bandwidth` and `latency` (the module docstring). The unknowns held at 1 are named."""
+def fit_two_stage(gemms: Sequence[Observation], others: Sequence[Observation],
+                  ops: Sequence[Observation] = ()) -> tuple[Scales, tuple[str, ...]]:
+    """The GEMM micro-benchmark's samples alone give `compute` and `overhead` (and the operator samples `dispatch`);
+    the trials and collectives, with those fixed, give `memory`, `bandwidth` and `latency` (and `dispatch` without
+    operator samples: the module docstring). The unknowns held at 1 are named."""
+    dispatch = fit_dispatch(ops)
+    if dispatch is not None:
+        others = _with_known(others, {_DISPATCH: dispatch})
     # Weighted by time, not relative: the step is a sum of products, mostly its largest (the output layer, the MLP).
     # A CPU runs its small products nearer its peak than its large ones (caches), which the model's saturating
     # curve cannot follow; weighing each product alike fitted the many small ones and missed tiny's steps by 2-5x.
@@ -186,6 +232,8 @@ def fit_two_stage(gemms: Sequence[Observation], others: Sequence[Observation]) -
     for k in fixed:
         values[k] = gemm_values[k]
     free = [*gemm_free, *(k for k in free if k not in fixed)]
+    if dispatch is not None:
+        values[_DISPATCH], free = dispatch, [*free, _DISPATCH]
     return _checked(values), tuple(UNKNOWNS[k] for k in range(len(UNKNOWNS)) if k not in free)
 
 
@@ -207,7 +255,7 @@ def _solve(rows: list[tuple[list[float], float]], *,
     free = [k for k in range(len(UNKNOWNS)) if any(abs(r[0][k]) > 0 for r in rows)]
     values = _least_squares(rows, free)
     while values is None:
-        free.remove(next(k for k in (_OVERHEAD, _LATENCY, _MEMORY, _BANDWIDTH, _COMPUTE) if k in free))
+        free.remove(next(k for k in (_DISPATCH, _OVERHEAD, _LATENCY, _MEMORY, _BANDWIDTH, _COMPUTE) if k in free))
         values = _least_squares(rows, free)
     # A group's measurements must stay explained by one of its columns (trials by compute or its fixed cost,
     # collectives by bandwidth or latency).
@@ -263,12 +311,13 @@ def _describe(scales: Scales) -> str:
 
 
 def refit(base: Calibration, observations: Sequence[Observation], *, source: str,
-          gemms: Sequence[Observation] = ()) -> Fit:
+          gemms: Sequence[Observation] = (), ops: Sequence[Observation] = ()) -> Fit:
     """The Calibration that predicts the observations best, named `source` for `plan` to print: in two stages when
-    the GEMM micro-benchmark's samples are given (fit_two_stage), else in one (fit_scales)."""
-    scales, held = fit_two_stage(gemms, observations) if gemms else fit_scales(observations)
+    the GEMM micro-benchmark's samples are given (fit_two_stage), else in one (fit_scales); `dispatch` from the
+    operator micro-benchmark's samples when given."""
+    scales, held = fit_two_stage(gemms, observations, ops) if gemms else fit_scales(observations, ops)
     return Fit(calibration=scaled(base, scales, source=source), scales=scales,
-               observations=len(observations) + len(gemms), held=held)
+               observations=len(observations) + len(gemms) + len(ops), held=held)
 
 
 def node_mismatch(*, hardware: str, workers_per_node: int, memory_gib: float, found_workers: int,

@@ -10,6 +10,12 @@ Terms (each in step_time_breakdown_s, seconds on the slowest pipeline rank):
   peak for each GEMM's size, backward twice that; plus the memory-bound kernels (norms, activation, dropout,
   softmax), taken as the layer's saved activation bytes (plan/memory.py) streamed at the calibrated share of the
   memory bandwidth; the last stage adds the output layer (2*T*h*V/t forward) and its loss.
+- dispatch: per micro-batch and layer, the operators the rank dispatches (plan/op_counts.py: kernels outside and
+  around the GEMMs, views, autograd's bookkeeping; forward and backward) times the backend's fixed cost of one
+  (Calibration.op_overhead_s: eager CPU dispatch, a CUDA kernel's gap, 0 on XLA's one graph); a recomputed layer
+  runs its forward's again. It grows with the number of micro-batches a rank runs, not their size: what TP pays
+  on a small model where the global batch is fixed (more micro-batches per rank). A term of its own, not inside
+  compute, so that `plan` shows it and tune fits its scale apart from the GEMMs'.
 - recompute: full recomputation runs each layer's forward again in backward; selective the attention core's.
 - tp_comm: per layer and micro-batch two all-reduces of T*h activations forward and two backward (two more under
   full recomputation), ring cost 2(t-1)/t * bytes / bandwidth + 2(t-1) latencies; sequence parallelism replaces
@@ -42,9 +48,10 @@ from megatron_hpc.config.schema import RunConfig
 from megatron_hpc.plan.calibration import Calibration
 from megatron_hpc.plan.memory import activation_bytes, layer_activations, parameter_bytes, rank_parameters
 from megatron_hpc.plan.model_math import mlp_matrices, qkv_rows
+from megatron_hpc.plan.op_counts import layer_ops
 from megatron_hpc.plan.recompute import resolve_recompute
 
-TERMS = ("compute", "recompute", "tp_comm", "pp_comm", "pipeline_bubble", "dp_comm", "optimizer")
+TERMS = ("compute", "dispatch", "recompute", "tp_comm", "pp_comm", "pipeline_bubble", "dp_comm", "optimizer")
 """The keys of step_time_breakdown_s, in the order `plan` prints them."""
 
 
@@ -141,8 +148,10 @@ def _layer_times(cfg: RunConfig, layout: Layout, hw: Hardware, cal: Calibration)
     link, bandwidth = _links(hw, layout, cal).tp
     activation = tokens * h * act.value
     all_reduce = ring_time(link, bandwidth=bandwidth, ranks=t, nbytes=activation, steps_per_rank=2)
+    ops, op_s = layer_ops(model), cal.op_overhead_s(_backend(hw))
     return {"forward": sum(gemm(f) for f in linears) + core + elementwise, "core": core,
-            "elementwise": elementwise, "all_reduce": all_reduce * (1.0 - cal.tp_comm_overlap)}
+            "elementwise": elementwise, "all_reduce": all_reduce * (1.0 - cal.tp_comm_overlap),
+            "dispatch": ops.total * op_s, "dispatch_forward": ops.forward * op_s}
 
 
 def _backend(hw: Hardware) -> str:
@@ -172,6 +181,7 @@ def _rank_micro_batch(cfg: RunConfig, layout: Layout, hw: Hardware, cal: Calibra
     compute = layers * 3 * layer["forward"] + (output if last else 0.0)
     recomputed = layers if not rc.full or rc.method == "uniform" else min(rc.num_layers, layers)
     recompute = recomputed * layer["forward"] if rc.full else layers * layer["core"] if rc.selective else 0.0
+    dispatch = layers * layer["dispatch"] + (recomputed * layer["dispatch_forward"] if rc.full else 0.0)
     reduces = 4 + (2 if rc.full else 0)
     tp = layers * reduces * layer["all_reduce"] + (layer["all_reduce"] if last else 0.0)
     pp = 0.0
@@ -182,7 +192,7 @@ def _rank_micro_batch(cfg: RunConfig, layout: Layout, hw: Hardware, cal: Calibra
         if cfg.parallel.sequence_parallel:  # a stage's output is its (B, S/tp, H) shard (model/gpt.py)
             nbytes /= layout.tensor_parallel
         pp = 2 * len(chunks) * (link.latency_s + nbytes / bandwidth) * (1.0 - cal.pp_comm_overlap)
-    return {"compute": compute, "recompute": recompute, "tp_comm": tp, "pp_comm": pp}
+    return {"compute": compute, "dispatch": dispatch, "recompute": recompute, "tp_comm": tp, "pp_comm": pp}
 
 
 def _dp_and_optimizer(cfg: RunConfig, layout: Layout, hw: Hardware, cal: Calibration,
@@ -226,9 +236,9 @@ def predict_step_time(cfg: RunConfig, layout: Layout, *, hardware: Hardware, cal
     ranks = [_rank_micro_batch(cfg, layout, hardware, calibration, layer, output, r) for r in range(p)]
     totals = [sum(r.values()) for r in ranks]
     slowest = ranks[max(range(p), key=totals.__getitem__)]
-    terms = {k: m * slowest[k] for k in ("compute", "recompute", "tp_comm", "pp_comm")}
+    terms = {k: m * slowest[k] for k in ("compute", "dispatch", "recompute", "tp_comm", "pp_comm")}
     terms["pipeline_bubble"] = (p - 1) / v * sum(totals) / p if p > 1 else 0.0
-    backward = (slowest["compute"] * 2 / 3 + slowest["recompute"])
+    backward = (slowest["compute"] * 2 / 3 + slowest["dispatch"] * 2 / 3 + slowest["recompute"])
     terms["dp_comm"], terms["optimizer"] = _dp_and_optimizer(cfg, layout, hardware, calibration, backward)
     step = sum(terms.values())
     tokens = cfg.train.global_batch_size * cfg.model.seq_length

@@ -1,17 +1,18 @@
 """The trainer side of a `megatron-hpc tune` job (`train --phase tune`): short trials and micro-benchmarks.
 
-Every rank of the job reads the run folder's tune-candidates.json (written by launch/tune_job.py), then, in one
-process group: trains each candidate layout for compile.num_steps steps with the trainer's own trial path
-(train(..., phase="compile"), no checkpoints) and a fresh ParallelContext for its mesh, times all-reduce,
-all-gather and send/receive of a few sizes over the whole world, and times every candidate's matrix products
-(plan/gemm_shapes.py) on every device at once, as the trials run them. A candidate's timed steps are the time per
-step of its logged intervals after the warm-up (train/metrics.py WARMUP_STEPS), each the slowest rank's: each step
-on CPU, blocks of steps with one host sync at each end on CUDA and XLA (launch/tune_job.py trial_log_interval); the
-fit takes their median (plan/calibration_fit.py trial_time). Each trial also measures the share of its node's CPU
-that other processes took (a trial disturbed by other work is named, not trusted). A collective's or a product's
-time is the median of its repetitions, the slowest rank's. Rank 0 writes what was measured to tune-measured.json,
-and the node script's end-of-phase step fits it (launch/tune_job.py finish_tune_run: tune.json, the winner's --set
-overlay and the calibration kept in the shared cache).
+Every rank of the job reads the run folder's tune-candidates.json (written by launch/tune_job.py), then, in one process
+group: trains each candidate layout for compile.num_steps steps with the trainer's own trial path (train(...,
+phase="compile"), no checkpoints) and a fresh ParallelContext for its mesh, times all-reduce, all-gather and
+send/receive of a few sizes over the whole world, and times every candidate's matrix products (plan/gemm_shapes.py) on
+every device at once, as the trials run them, and a chain of small operators with autograd, forward and backward, for
+the fixed cost of one operator outside the GEMMs (plan/op_counts.py). A candidate's timed steps are the time per step of
+its logged intervals after the warm-up (train/metrics.py WARMUP_STEPS), each the slowest rank's: each step on CPU,
+blocks of steps with one host sync at each end on CUDA and XLA (launch/tune_job.py trial_log_interval); the fit takes
+their median (plan/calibration_fit.py trial_time). Each trial also measures the share of its node's CPU that other
+processes took (a trial disturbed by other work is named, not trusted). A collective's or a product's time is the median
+of its repetitions, the slowest rank's. Rank 0 writes what was measured to tune-measured.json, and the node script's
+end-of-phase step fits it (launch/tune_job.py finish_tune_run: tune.json, the winner's --set overlay and the calibration
+kept in the shared cache).
 
 On Trainium the node script runs this job twice (docs/planning.md#tune): first under neuron_parallel_compile,
 which sets NEURON_EXTRACT_GRAPHS_ONLY and makes every execution a stub returning zeros (shared/reference/
@@ -29,6 +30,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_hpc.errors import PlanError
 from megatron_hpc.parallel.context import ParallelContext
@@ -51,6 +54,12 @@ GEMM_REPEATS = 5
 """Timed repetitions of each matrix product, after one untimed: the products of a small model's candidates take about
 a second in all on a CPU core."""
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+OP_CHAIN_REPEATS = 15
+"""Timed repetitions of the operator chain, after one untimed (counted): a few milliseconds each on CPU."""
+OP_CHAIN_LINKS = 8
+OP_CHAIN_SHAPE = (8, 64)
+"""Small enough that each operator's work is negligible beside its fixed cost, as the benchmark means to time."""
 
 BENCH_REPEATS = 15
 """Timed repetitions of each collective, after one untimed: about a millisecond each on CPU. With 5, a tune on a
@@ -83,12 +92,14 @@ def run_tune(run_dir: Path) -> int:
         samples = [_bench(op, nbytes, device=device) for op, nbytes in request["benchmark"]]
         gemm = _gemm_bench(request.get("gemm_benchmark", []), dtype=_DTYPES[request.get("gemm_precision", "fp32")],
                            device=device)
+        op_s = _op_bench(device) if request.get("op_benchmark") else None
     finally:
         dist.destroy_process_group()
     if graphs_only_pass():
         return 0  # stub executions: these times are not the trials'; the timed pass follows
     if env.rank == 0:  # the launcher fits them once the job succeeded (launch/tune_job.py finish_tune_run)
         write_json(run_dir / TUNE_MEASURED_FILE, {"steps_s": measured, "bench_s": samples, "gemm_s": gemm,
+                                                  "op_s": op_s,
                                                   "other_cpu_share": others, "finished_at_s": time.time()})
     return 0
 
@@ -223,3 +234,44 @@ def _gemm_bench(shapes: list[list[int]], *, dtype: torch.dtype, device: DeviceIn
                 runs.append(time.perf_counter() - start)
         times.append(statistics.median(runs))
     return _slowest(times, device=device) if times else []
+
+
+class _OpCount(TorchDispatchMode):
+    """Counts the aten operators dispatched inside it, as plan/op_counts.py counts a layer's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _op_bench(device: DeviceInfo) -> list[float]:
+    """[seconds per operator, operators per chain] of a chain of small operators with autograd (norm, activation,
+    residual add, views; forward and backward, as a layer's non-GEMM work runs), every rank at once, the median of
+    its repetitions, the slowest rank's. The chain's operators are counted on its untimed first run."""
+    x = torch.randn(*OP_CHAIN_SHAPE, device=device.device, requires_grad=True)
+    w = torch.ones(OP_CHAIN_SHAPE[-1], device=device.device, requires_grad=True)
+
+    def chain() -> None:
+        y = x
+        for _ in range(OP_CHAIN_LINKS):
+            y = F.gelu(F.layer_norm(y, (y.shape[-1],), w)) + y
+            y = y.view(-1, y.shape[-1]).t().t()
+        y.sum().backward()
+        step_barrier(device)  # XLA: cut and run the chain's graph
+        x.grad[0, 0].item()  # host sync: the backward is queued, not done, on CUDA and XLA
+        x.grad = w.grad = None
+
+    counter = _OpCount()
+    with counter:
+        chain()
+    dist.barrier()
+    runs = []
+    for _ in range(OP_CHAIN_REPEATS):
+        start = time.perf_counter()
+        chain()
+        runs.append(time.perf_counter() - start)
+    return [_slowest([statistics.median(runs) / counter.count], device=device)[0], float(counter.count)]

@@ -42,7 +42,11 @@ def test_tune_measures_every_layout_keeps_the_calibration_and_plan_uses_it(cli_i
     fit = result["fit"]
     assert set(fit["rms_error_left_out_by_method"]) == {"two stages", "one stage"}
     assert fit["method"] in ("two stages", "one stage")
-    assert fit["observations"] == 3 + 9 + (len(gemms) if fit["method"] == "two stages" else 0)
+    assert fit["observations"] == 3 + 9 + 1 + (len(gemms) if fit["method"] == "two stages" else 0)
+    # The operator chain: its count (a TorchDispatchMode's) and the time of one operator, which gives dispatch.
+    (chain,) = result["op_benchmark"]
+    assert chain["ops_per_chain"] > 50 and 0 < chain["measured_per_op_s"] < 0.01
+    assert fit["calibration"]["op_overhead_factor"] == pytest.approx(chain["measured_per_op_s"] / 15e-6)
     kept = own_compile_cache / "megatron-hpc" / "calibrations" / "cpu.json"
     assert result["calibration_path"] == str(kept) and kept.is_file()
 

@@ -99,11 +99,15 @@ def test_tune_fits_the_gemm_curve_from_the_products_and_says_which_fit_it_kept(t
     request = write_request(tmp_path, found, platform=platform, calibration=DEFAULT_CALIBRATION,
                             cache_root=tmp_path / "cache", cluster="local")
     assert len(request["gemm_benchmark"]) == len(request["gemm_parts"]) > 2 * 7
-    truth = Scales(compute=30.0, overhead=200.0, memory=5.0, bandwidth=2.0, latency=4.0)
+    truth = Scales(compute=30.0, overhead=200.0, memory=5.0, bandwidth=2.0, latency=4.0, dispatch=3.0)
     at = [Parts(**p).at(truth) for p in request["benchmark_parts"]]
     steps = [[Parts(**c["parts"]).at(truth)] * 3 for c in request["candidates"]]
     gemm = [Parts(**p).at(truth) for p in request["gemm_parts"]]
-    result = finish_tune(tmp_path, request, steps_s=steps, bench_s=at, finished_at_s=0.0, gemm_s=gemm)
+    op_s = [Parts(**request["op_parts"]).at(truth), 90.0]  # 45 us per operator, 3x CPU's built-in 15 us
+    assert op_s[0] == pytest.approx(45e-6)
+    result = finish_tune(tmp_path, request, steps_s=steps, bench_s=at, finished_at_s=0.0, gemm_s=gemm, op_s=op_s)
+    assert result["op_benchmark"][0]["predicted_after_s"] == pytest.approx(45e-6)
+    assert result["fit"]["calibration"]["op_overhead_factor"] == pytest.approx(3.0)
     assert result["fit"]["method"] == "two stages"
     assert result["fit"]["scales"] == pytest.approx(dataclasses.asdict(truth), rel=1e-6)
     scores = result["fit"]["rms_error_left_out_by_method"]

@@ -17,10 +17,12 @@ from megatron_hpc.plan.calibration_fit import (
     Scales,
     collective_parts,
     disturbance_line,
+    fit_dispatch,
     fit_scales,
     fit_two_stage,
     gemm_parts,
     node_mismatch,
+    op_parts,
     other_work_share,
     parts_of,
     refit,
@@ -50,10 +52,10 @@ def _predictor(cfg, hw, ranked):
 def test_parts_are_the_model_at_any_scales(layouts):
     """The split read off the model predicts what the model itself says at a scaled calibration."""
     cfg, hw, ranked = layouts
-    scales = Scales(compute=3.0, overhead=40.0, memory=7.0, bandwidth=2.5, latency=6.0)
+    scales = Scales(compute=3.0, overhead=40.0, memory=7.0, bandwidth=2.5, latency=6.0, dispatch=9.0)
     for r in ranked:
         parts = parts_of(_predictor(cfg, hw, r), DEFAULT_CALIBRATION)
-        assert parts.compute_s > 0 and parts.overhead_s > 0 and parts.memory_s > 0
+        assert parts.compute_s > 0 and parts.overhead_s > 0 and parts.memory_s > 0 and parts.dispatch_s > 0
         direct = _predictor(cfg, hw, r)(scaled(DEFAULT_CALIBRATION, scales))
         assert parts.at(scales) == pytest.approx(direct, rel=1e-9)
     tp2 = next(r for r in ranked if r.sizes.mesh.tensor_parallel == 2)
@@ -131,7 +133,7 @@ def test_the_gemm_curve_is_fitted_in_time_not_per_product():
            Observation(label="big", parts=Parts(compute_s=1e-2), measured_s=0.4)]
     scales, held = fit_two_stage(obs, [])
     assert scales.compute == pytest.approx((2 * 1e-4 * 1e-3 + 1e-2 * 0.4) / (2 * 1e-8 + 1e-4))
-    assert scales.compute > 39.9 and held == ("overhead", "memory", "bandwidth", "latency")
+    assert scales.compute > 39.9 and held == ("overhead", "memory", "bandwidth", "latency", "dispatch")
 
 
 def test_collectives_alone_fit_only_communication():
@@ -139,7 +141,7 @@ def test_collectives_alone_fit_only_communication():
     obs = [Observation(label="a", parts=Parts(compute_s=0.0, bandwidth_s=1e-4, latency_s=1e-4), measured_s=6e-4),
            Observation(label="b", parts=Parts(compute_s=0.0, bandwidth_s=1e-3, latency_s=1e-4), measured_s=2.4e-3)]
     scales, held = fit_scales(obs)
-    assert held == ("compute", "overhead", "memory")
+    assert held == ("compute", "overhead", "memory", "dispatch")
     assert scales.bandwidth == pytest.approx(2.0) and scales.latency == pytest.approx(4.0)
 
 
@@ -190,7 +192,7 @@ def test_a_part_too_small_to_see_is_held_not_fitted_negative():
            Observation(label="b", parts=Parts(compute_s=0.04, overhead_s=0.003), measured_s=0.1)]
     # By hand, fitting both: 0.02 a + 0.002 u = 0.1 and 0.04 a + 0.003 u = 0.1 give u = 100 and a = -5.
     scales, held = fit_scales(obs)
-    assert held == ("compute", "memory", "bandwidth", "latency")
+    assert held == ("compute", "memory", "bandwidth", "latency", "dispatch")
     assert scales.compute == 1.0 and scales.overhead > 0
 
 
@@ -212,3 +214,30 @@ def test_other_work_on_the_node_is_measured_and_warned_about():
     line = disturbance_line(["TP 1 x PP 1 x DP 2", "TP 1 x PP 2 x DP 1"], [0.62, None])
     assert line is not None and "up to 62% of a node's CPU" in line and "TP 1 x PP 1 x DP 2 62%" in line
     assert "re-run tune on idle nodes" in line and "\n" not in line
+
+
+def test_the_operator_chain_gives_dispatch_and_without_it_the_trials_do(layouts):
+    """Operators timed 6x the built-in 15 us give dispatch 6 by themselves; the products and trials give the rest.
+    Without the chain, the trials (with the products' curve fixed) recover the same six scales."""
+    cfg, hw, ranked = layouts
+    truth = Scales(compute=40.0, overhead=300.0, memory=9.0, bandwidth=2.0, latency=5.0, dispatch=6.0)
+    gemms = [Observation(label=f"{f:g}", parts=(p := gemm_parts(f, peak_flops=1e12, base=DEFAULT_CALIBRATION)),
+                         measured_s=p.at(truth)) for f in (1e6, 1e8, 1e10)]
+    trials = [Observation(label=r.label, parts=(p := parts_of(_predictor(cfg, hw, r), DEFAULT_CALIBRATION)),
+                          measured_s=p.at(truth)) for r in ranked]
+    sample = CollectiveSample(op="all_reduce", ranks=2, nbytes=1 << 20, seconds=0.0)
+    bench = [Observation(label="ar", parts=(p := collective_parts(sample, hardware=hw, base=DEFAULT_CALIBRATION,
+                                                                  workers_per_node=2)), measured_s=p.at(truth))]
+    ops = [Observation(label="operator", parts=op_parts(1, op_overhead_s=15e-6), measured_s=90e-6)]  # by hand 6x
+    assert fit_dispatch(ops) == pytest.approx(6.0)
+    for chain in (ops, []):
+        scales, held = fit_two_stage(gemms, trials + bench, chain)
+        assert held == ()
+        for got, want in zip(scales.vector(), truth.vector()):
+            assert got == pytest.approx(want, rel=1e-6)
+    fit = refit(DEFAULT_CALIBRATION, trials + bench, source="t", gemms=gemms, ops=ops)
+    assert fit.calibration.op_overhead_factor == pytest.approx(6.0) and fit.observations == 8
+    assert fit.calibration.op_overhead_s("gloo") == pytest.approx(90e-6) and fit.calibration.op_overhead_s("xla") == 0
+    # One stage: the chain's dispatch is kept, the trials fit the rest around it.
+    one, _ = fit_scales(trials + bench, ops)
+    assert one.dispatch == pytest.approx(6.0)

@@ -19,6 +19,7 @@ from megatron_hpc.plan import layout_choice
 from megatron_hpc.plan.calibration import Calibration
 from megatron_hpc.plan.memory import rank_parameters
 from megatron_hpc.plan.model_math import flops_per_token
+from megatron_hpc.plan.op_counts import layer_ops
 from megatron_hpc.plan.planner import make_plan
 from megatron_hpc.plan.steptime import TERMS, Layout, predict_step_time
 
@@ -29,9 +30,10 @@ HW = Hardware(name="round", runtime="p5", workers_per_node=8, memory_per_worker_
               memory_bandwidth_gbytes_per_s=HBM / 1e9, peak_tflops_16bit=PEAK / 1e12, peak_tflops_fp32=PEAK / 1e12,
               intra_node=Link(bandwidth_gbytes_per_s=INTRA / 1e9, latency_us=1.0),
               inter_node=Link(bandwidth_gbytes_per_s=INTER / 1e9, latency_us=1.0))
-# Every share 1, no fixed GEMM cost and no element-wise traffic: each term is its bytes or FLOPs over the figure.
+# Every share 1, no fixed GEMM or operator cost and no element-wise traffic: each term is its bytes or FLOPs over the
+# figure.
 EXACT = Calibration(gemm_peak_fraction=1.0, gemm_overhead_s=0.0, collective_bandwidth_fraction=1.0,
-                    memory_bandwidth_fraction=1.0, elementwise_bytes_per_saved_byte=0.0)
+                    memory_bandwidth_fraction=1.0, elementwise_bytes_per_saved_byte=0.0, op_overhead_factor=0.0)
 
 
 def cfg(*sets: str):
@@ -128,6 +130,37 @@ def test_gemm_fraction_saturates_and_halves_at_the_fixed_cost():
 
 def slow_tp(hw: Hardware) -> Hardware:
     return dataclasses.replace(hw, intra_node=dataclasses.replace(hw.intra_node, bandwidth_gbytes_per_s=5.0))
+
+
+def test_dispatch_is_each_micro_batchs_operators_at_their_fixed_cost():
+    """By hand: 8 micro-batches x 4 layers x the layer's operators (plan/op_counts.py: 34 forward + 71 backward for
+    this GPT) x 1 us (CUDA's built-in, op_overhead_factor 1); full recomputation runs each forward's again; the
+    pipeline bubble carries the dispatch of the micro-batches it waits for."""
+    cal = dataclasses.replace(EXACT, op_overhead_factor=1.0)
+    ops = layer_ops(cfg().model)
+    assert (ops.forward, ops.backward) == (34, 71)
+    assert predict(cfg(), layout(), cal).breakdown_s["dispatch"] == pytest.approx(8 * LAYERS * 105 * 1e-6)
+    full = predict(cfg("model.recompute=true"), layout(), cal).breakdown_s["dispatch"]
+    assert full == pytest.approx(8 * LAYERS * (105 + 34) * 1e-6)
+    tp2 = predict(cfg(), layout(t=2), cal)
+    assert tp2.breakdown_s["dispatch"] == pytest.approx(8 * LAYERS * 105 * 1e-6)  # TP: as many operators, smaller
+    bubble = predict(cfg(), layout(p=2), cal).breakdown_s["pipeline_bubble"] - predict(
+        cfg(), layout(p=2)).breakdown_s["pipeline_bubble"]
+    assert bubble == pytest.approx(LAYERS / 2 * 105 * 1e-6)  # (p - 1) micro-batches through half the layers
+    assert predict(cfg(), layout(), EXACT).breakdown_s["dispatch"] == 0.0
+
+
+def test_costlier_operators_move_the_choice_to_fewer_micro_batches_per_rank():
+    """gpt3_39.1b on 64 p5 nodes: TP 2 by default; with each operator 1000x dearer, TP 1 (TP halves DP, which
+    doubles the micro-batches each rank runs through the same layers: twice the operators)."""
+    c = load_recipe("gpt3_39.1b", ["data.source=synthetic"])
+    p5 = get_platform("p5")
+    default = make_plan(c, num_nodes=64, platform=p5)
+    costly = make_plan(c, num_nodes=64, platform=p5, calibration=Calibration(op_overhead_factor=1000.0))
+    assert (default.tensor_parallel, costly.tensor_parallel) == (2, 1)
+    # TP 1 at 1000x runs half the operators a rank of TP 2 runs
+    assert costly.step_time_breakdown_s["dispatch"] == pytest.approx(
+        1000 * default.step_time_breakdown_s["dispatch"] / 2, rel=1e-3)
 
 
 def test_the_choice_follows_the_prediction_and_changes_when_a_term_gets_costlier():
