@@ -126,16 +126,19 @@ def remove_registry(folder: Path, pid: int) -> None:
 
 
 def _parent_pid(pid: int, proc_root: Path) -> int | None:
+    """The parent of a live process; None when it is gone or a zombie (dead, its exit status not yet read by the
+    warm process, which a loaded machine can leave for a while: nothing there to dump or wait for)."""
     try:
         # The command name (field 2) may hold spaces and parentheses: fields after the last ")".
-        return int((proc_root / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        state, parent = (proc_root / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+        return None if state == "Z" else int(parent)
     except (OSError, IndexError, ValueError):
         return None
 
 
 def registered_workers(folder: Path | None, *, run_dir: Path, proc_root: Path = Path("/proc")) -> list[WarmWorker]:
-    """The warm workers of `run_dir` alive in `folder`: a record whose pid is gone, or now another process's
-    (not the warm process's child), is left out."""
+    """The warm workers of `run_dir` alive in `folder`: a record whose pid is gone (or a zombie), or now another
+    process's (not the warm process's child), is left out."""
     if folder is None or not folder.is_dir():
         return []
     want = os.path.realpath(run_dir)

@@ -4,6 +4,7 @@ py-spy's documented format; ranks grouped by it, the odd one out listed apart.""
 from __future__ import annotations
 
 import faulthandler
+import os
 import sys
 import threading
 from pathlib import Path
@@ -107,3 +108,22 @@ def test_debug_dumps_the_current_worker_step_not_the_allocation() -> None:
     assert worker_step("42.0 bash node[1-2]\n") == ("42.0", "node[1-2]")
     assert worker_step("42.batch batch node1\n42.extern extern node[1-3]\n") is None  # between two steps
     assert worker_step("") is None
+
+
+def test_a_warm_worker_is_found_while_alive_and_not_once_a_zombie(tmp_path: Path) -> None:
+    """A warm process's forked worker (its registry record, its /proc stat naming the warm process as parent) is
+    found while it runs; once dead but not yet reaped by the warm process (state Z, which a loaded machine leaves for
+    a while) it is not: CI once saw a killed step's rank 0 still 'found' that way."""
+    import json
+
+    from megatron_hpc.warm_protocol import registered_workers
+
+    run_dir, proc, warm = tmp_path / "run", tmp_path / "proc", tmp_path / "warm"
+    run_dir.mkdir()
+    warm.mkdir()
+    (warm / "worker-0.json").write_text(json.dumps({"rank": 0, "pid": 200, "server_pid": 42,
+                                                    "run_dir": os.path.realpath(run_dir)}))
+    (proc / "200").mkdir(parents=True)
+    for state, found in (("S", [(0, 200)]), ("Z", [])):
+        (proc / "200" / "stat").write_text(f"200 (python3 (x)) {state} 42 200 200 0 -1\n")
+        assert [(w.rank, w.pid) for w in registered_workers(warm, run_dir=run_dir, proc_root=proc)] == found
