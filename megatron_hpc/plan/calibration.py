@@ -79,7 +79,6 @@ class Calibration:
         ideal = flops / peak_flops
         return self.gemm_peak_fraction * ideal / (ideal + self.gemm_overhead_s)
 
-
     def op_overhead_s(self, backend: str) -> float:
         """Fixed cost of one operator outside the GEMMs on `backend` (OP_OVERHEAD_S times op_overhead_factor)."""
         return OP_OVERHEAD_S.get(backend, 0.0) * self.op_overhead_factor

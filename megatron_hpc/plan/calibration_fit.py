@@ -222,11 +222,7 @@ def fit_two_stage(gemms: Sequence[Observation], others: Sequence[Observation],
     rows = _rows(gemms, relative=False)
     gemm_values, gemm_free = _solve(rows, groups=((_COMPUTE, _OVERHEAD),))
     fixed = (_COMPUTE, _OVERHEAD)
-    rest = []
-    for o in others:
-        known = sum(o.parts.vector()[k] * gemm_values[k] for k in fixed)
-        rest.append(dataclasses.replace(o, parts=dataclasses.replace(o.parts, compute_s=0.0, overhead_s=0.0,
-                                                                     fixed_s=o.parts.fixed_s + known)))
+    rest = _with_known(others, {k: gemm_values[k] for k in fixed})
     # The GEMMs may explain the trials alone (memory held); the collectives need bandwidth or latency.
     values, free = _solve(_rows(rest), groups=((_BANDWIDTH, _LATENCY),)) if rest else (gemm_values, [])
     for k in fixed:
