@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--merge-file", type=Path, help="GPT-2 merges.txt, with --vocab-file")
     parser.add_argument("--iteration", type=int, help="use this iteration instead of the tracker's")
     parser.add_argument("--platform", choices=sorted(PLATFORMS),
-                        help="evaluate on this platform's device (default: the run's launch.platform)")
+                        help="evaluate on this platform's device (default: the platform the run was planned on)")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
 
 
@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     resolved = loaded.resolved_config
     kind = "cpu"
     if world == 1:
-        chosen = asked or choose_device(None, resolved)
+        chosen = asked or choose_device(None, resolved, loaded.resolved_plan)
         if chosen.note:
             print(f"megatron-hpc: note: {chosen.note}", file=sys.stderr)
         loaded.model.to(chosen.info.device)

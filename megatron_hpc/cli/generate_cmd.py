@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--merge-file", type=Path, help="GPT-2 merges.txt, with --vocab-file")
     parser.add_argument("--iteration", type=int, help="use this iteration instead of the tracker's")
     parser.add_argument("--platform", choices=sorted(PLATFORMS),
-                        help="generate on this platform's device (default: the run's launch.platform)")
+                        help="generate on this platform's device (default: the platform the run was planned on)")
     parser.add_argument("--json", action="store_true", help="print JSON: tokens, log-probs and text per prompt")
 
 
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
                                  merge_file=args.merge_file, ctx=ctx)
     kind = "cpu"
     if ctx is None:
-        chosen = asked or choose_device(None, loaded.resolved_config)
+        chosen = asked or choose_device(None, loaded.resolved_config, loaded.resolved_plan)
         if chosen.note:
             print(f"megatron-hpc: note: {chosen.note}", file=sys.stderr)
         loaded.model.to(chosen.info.device)

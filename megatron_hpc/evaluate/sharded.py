@@ -17,7 +17,7 @@ from megatron_hpc.checkpoint.store import PipelineLayout, read_shard
 from megatron_hpc.config.loader import from_dict
 from megatron_hpc.config.schema import ModelConfig
 from megatron_hpc.errors import CheckpointError
-from megatron_hpc.generate.loading import LoadedModel, load_tokenizer
+from megatron_hpc.generate.loading import LoadedModel, load_tokenizer, resolved_plan_of
 from megatron_hpc.model.gpt import GPT
 from megatron_hpc.model.init_skip import skip_random_init
 from megatron_hpc.parallel.context import ParallelContext
@@ -74,5 +74,6 @@ def load_shard(path: Path, ranks: ShardRank, *, iteration: int | None = None, vo
     tokenizer, why = load_tokenizer(resolved_tokenizer_files(resolved), vocab_file=vocab_file,
                                     merge_file=merge_file)
     loaded = LoadedModel(model=model.eval(), iteration=found.manifest.iteration, source_tp=tp, source_pp=pp,
-                         tokenizer=tokenizer, no_tokenizer=why, resolved_config=resolved)
+                         tokenizer=tokenizer, no_tokenizer=why, resolved_config=resolved,
+                         resolved_plan=resolved_plan_of(state))
     return LoadedShard(loaded=loaded, ctx=ctx)

@@ -41,6 +41,8 @@ class LoadedModel:
     """Why there is no tokenizer (empty when there is one)."""
     resolved_config: dict[str, Any] = field(default_factory=dict)
     """The run's resolved config as the checkpoint stores it (JSON sections: model, train, data, ...)."""
+    resolved_plan: dict[str, Any] = field(default_factory=dict)
+    """The run's plan as the checkpoint stores it (empty for a checkpoint without one, e.g. an import)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -51,13 +53,18 @@ class ChosenDevice:
     """Why the checkpoint's own platform was not used (empty when it was, or when --platform chose)."""
 
 
-def choose_device(requested: str | None, resolved_config: dict[str, Any]) -> ChosenDevice:
+def choose_device(requested: str | None, resolved_config: dict[str, Any],
+                  resolved_plan: dict[str, Any] | None = None) -> ChosenDevice:
     """The device a single-process evaluate or generate runs on: the platform asked for (--platform), else the
-    run's launch.platform, as the trainer chooses (resolve_platform); its backend picks CPU, CUDA or XLA. A platform
-    asked for must be usable here. The run's own platform falls back to the CPU when this machine lacks its device
-    (a Trainium run evaluated on a laptop), with a note, as these commands always worked on the CPU."""
+    run's own, as the trainer chooses (resolve_platform); its backend picks CPU, CUDA or XLA. The run's own is the
+    platform its plan ran on (`submit --platform p5` of a recipe whose launch.platform is trn1 ran on p5, and the
+    resolved config keeps the recipe's trn1), else launch.platform. A platform asked for must be usable here. The
+    run's own platform falls back to the CPU when this machine lacks its device (a Trainium run evaluated on a
+    laptop), with a note, as these commands always worked on the CPU."""
     launch = resolved_config.get("launch") if isinstance(resolved_config.get("launch"), dict) else {}
-    default = launch.get("platform") if launch.get("platform") in PLATFORMS else "cpu"
+    planned = (resolved_plan or {}).get("platform")
+    # A --platform-file run's plan names its own hardware, not a built-in: launch.platform then decides.
+    default = next((p for p in (planned, launch.get("platform")) if p in PLATFORMS), "cpu")
     platform = resolve_platform(requested, default=default)
     try:
         info = resolve_device(platform.backend, local_rank=0)
@@ -68,6 +75,12 @@ def choose_device(requested: str | None, resolved_config: dict[str, Any]) -> Cho
         return ChosenDevice(info=info, platform="cpu", note=f"the run's platform {platform.name} cannot run here "
                                                             f"({exc}); using the cpu (pass --platform to choose)")
     return ChosenDevice(info=info, platform=platform.name, note="")
+
+
+def resolved_plan_of(state: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint shard's resolved_plan, or {} where it has none (imports, older checkpoints)."""
+    plan = state.get("resolved_plan")
+    return plan if isinstance(plan, dict) else {}
 
 
 def _single_process_context() -> ParallelContext:
@@ -171,4 +184,5 @@ def load_for_generation(path: Path, *, iteration: int | None = None, vocab_file:
                               f"{cfg.vocab_size}; pass the run's {TOKENIZER_FLAGS}")
     return LoadedModel(model=model.eval(), iteration=whole.iteration, source_tp=whole.tensor_parallel,
                        source_pp=whole.pipeline_parallel, tokenizer=tokenizer, no_tokenizer=why,
-                       resolved_config=whole.first["resolved_config"])
+                       resolved_config=whole.first["resolved_config"],
+                       resolved_plan=resolved_plan_of(whole.first))

@@ -5,6 +5,7 @@ line."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -22,6 +23,7 @@ from megatron_hpc.cli.main import main
 from megatron_hpc.config.schema import (
     CheckpointConfig,
     DataConfig,
+    LaunchConfig,
     ModelConfig,
     OptimConfig,
     RunConfig,
@@ -312,3 +314,28 @@ def test_platform_is_the_runs_or_the_asked_one(run: Path, capsys: pytest.Capture
             code = main([extra[0], str(run / "ckpt"), *extra[1:], "--platform", platform])
             err = capsys.readouterr().err
             assert code == 1 and words in err and len(err.strip().splitlines()) == 1, (extra, err)
+
+
+def test_the_runs_platform_is_the_one_it_was_planned_on(run: Path, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """`submit --platform cpu` of a recipe whose launch.platform is trn1 (llama3_8b's) ran on the CPU: evaluate and
+    generate take that platform from the checkpoint's plan, with no note that trn1 cannot run here (the resolved
+    config keeps the recipe's trn1; read alone, it sent a p5 run of such a recipe to the CPU on a GPU node)."""
+    from megatron_hpc.parallel.device import xla_available
+
+    if xla_available():
+        pytest.skip("checks a trn1 config on a machine without torch_xla")
+    data = DataConfig(source="indexed", path=str(run / "corpus"), split=SPLIT, cache_path=str(tmp_path / "cache"),
+                      vocab_file=str(FIXTURE / "vocab.json"), merge_file=str(FIXTURE / "merges.txt"))
+    cfg = dataclasses.replace(_cfg(tmp_path, data, num_steps=1, eval_interval=1, eval_iters=1),
+                              launch=LaunchConfig(platform="trn1"))
+    spec = plan_for_torchrun(cfg, platform="cpu")
+    assert (spec.config.launch.platform, spec.plan.platform) == ("trn1", "cpu")
+    assert run_training(spec, run_dir=tmp_path / "run") == 0
+    capsys.readouterr()
+    code, out, err = _evaluate(capsys, str(tmp_path / "ckpt"), "--split", "test", "--eval-iters", "1", "--json")
+    assert code == 0 and json.loads(out)["device"] == "cpu", err
+    assert "cannot run here" not in err, err
+    assert main(["generate", str(tmp_path / "ckpt"), "--prompt-ids", "1,2", "--max-new-tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "cannot run here" not in err, err
