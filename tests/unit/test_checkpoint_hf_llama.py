@@ -7,6 +7,7 @@ in transformers with the same tensors."""
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -251,3 +252,20 @@ def test_a_qwen2_folder_tokenizes_with_its_tokenizer_json(tmp_path: Path, tokeni
     data = read_whole(tmp_path / "ours").first["resolved_config"]["data"]
     assert data == {"tokenizer_type": "HuggingFaceTokenizer",
                     "tokenizer_model": str((tmp_path / "ours" / "tokenizer").absolute())}
+
+
+@pytest.mark.parametrize("recipe", ["llama3_8b", "qwen2.5_7b"])
+def test_the_printed_line_of_a_tp1_import_plans_after_a_llama_recipe(
+        recipe: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/checkpoints.md: paste the printed --set line after `submit --recipe llama3_8b` or any recipe. An MQA
+    model imports at TP 1 only, and those recipes set parallel.sequence_parallel, which needs TP above 1."""
+    folder = save(hf_llama("llama", 1, None), tmp_path / "hf", "shards")
+    assert convert(str(folder), "--to", "xser", "--out", str(tmp_path / "ours")) == 0
+    printed = shlex.split(capsys.readouterr().out.strip().split("fine-tune from it with ", 1)[1])
+    assert "parallel.tensor=1" in printed[1::2]
+    code = main(["plan", "--recipe", recipe, "--platform", "cpu", *printed, "--set", "data.source=synthetic",
+                 "--set", "train.global_batch_size=8", "--json"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    plan = json.loads(out.out)
+    assert (plan["tensor_parallel"], plan["model"]["num_query_groups"]) == (1, 1)
