@@ -152,6 +152,9 @@ def check_model_shape(model: ModelConfig, *, tensor_parallel: int) -> None:
         raise FixablePlanError(wording, [set_fix("parallel.tensor", d) for d in choices])
 
 
+SP_OFF = "--set parallel.sequence_parallel=false"
+"""The way out of sequence parallelism, which the Llama and Qwen recipes turn on."""
+
 
 def check_sequence_parallel(cfg: RunConfig, *, tensor_parallel: int) -> None:
     """PlanError when parallel.sequence_parallel is set without TP above 1, or the sequence does not split
@@ -163,13 +166,17 @@ def check_sequence_parallel(cfg: RunConfig, *, tensor_parallel: int) -> None:
         sizes = [t for t in range(2, model.num_attention_heads + 1) if model.num_attention_heads % t == 0
                  and model.query_groups % t == 0 and model.ffn_size % t == 0 and model.seq_length % t == 0]
 
-        def wording(kept: list[Fix]) -> str:
-            # dropping sequence parallelism is the other way out whatever it then needs (advice, not a --set)
-            options = [f"--set parallel.tensor={t}" for t in values_of(kept, "parallel.tensor")[:1]]
-            return (f"parallel.sequence_parallel needs tensor parallelism above 1 (parallel.tensor is "
-                    f"{tensor_parallel}); {' or '.join([*options, 'drop parallel.sequence_parallel'])}")
+        off = set_fix("parallel.sequence_parallel", False)
 
-        raise FixablePlanError(wording, [set_fix("parallel.tensor", t) for t in sizes], toward=None)
+        def wording(kept: list[Fix]) -> str:
+            # Turning sequence parallelism off is a --set like the others (a recipe may set the key), printed
+            # only where it plans.
+            options = [f"--set parallel.tensor={t}" for t in values_of(kept, "parallel.tensor")[:1]]
+            options += [SP_OFF] if off in kept else []
+            return (f"parallel.sequence_parallel needs tensor parallelism above 1 (parallel.tensor is "
+                    f"{tensor_parallel})" + (f"; use {' or '.join(options)}" if options else ""))
+
+        raise FixablePlanError(wording, [*(set_fix("parallel.tensor", t) for t in sizes), off], toward=None)
     if cfg.model.seq_length % tensor_parallel:
         raise PlanError(f"parallel.sequence_parallel splits model.seq_length={cfg.model.seq_length} over "
                         f"parallel.tensor={tensor_parallel}, which does not divide it; pick a seq_length divisible "

@@ -266,6 +266,8 @@ def choose_sizes(cfg: RunConfig, platform: Platform, *, num_nodes: int, per_node
         return check_mesh(cfg, platform, num_nodes=num_nodes, per_node=per_node, tp=tp_fixed, pp=pp_fixed)
     world = num_nodes * per_node
     tps = [tp_fixed] if tp_fixed else auto_tensor_candidates(cfg, platform, per_node=per_node)
+    if not tps and cfg.parallel.sequence_parallel:
+        raise _no_tensor_size_for_sequence_parallel(cfg, platform, per_node=per_node)
     if pp_fixed:  # the recipe's PP must split the layers and the world before TP is searched
         stage_ranges(cfg, pp=pp_fixed)
         if all(world % (t * pp_fixed) for t in tps):
@@ -328,6 +330,20 @@ def batch_too_small(cfg: RunConfig, platform: Platform, *, num_nodes: int, per_n
     if any(micro * world <= cfg.train.global_batch_size * tp for tp in tps):
         return None
     return smallest_global_batch(cfg, platform, num_nodes=num_nodes, per_node=per_node)
+
+
+def _no_tensor_size_for_sequence_parallel(cfg: RunConfig, platform: Platform, *, per_node: int) -> FixablePlanError:
+    # Without this the search finds no mesh and blames the global batch (an MQA model, whose one key/value group
+    # TP cannot split, after a Llama recipe that turns sequence parallelism on).
+    m = cfg.model
+    allowed = ", ".join(map(str, tensor_candidates(cfg, platform, per_node=per_node)))
+    what = (f"no TP size works for {cfg.name} on {platform.name}: parallel.sequence_parallel needs TP above 1 that "
+            f"divides model.seq_length={m.seq_length}, but TP must divide the {per_node} workers per node, the "
+            f"{m.num_attention_heads} attention heads, the {m.query_groups} key/value groups "
+            f"(model.num_query_groups) and model.ffn_hidden_size={m.ffn_size}, which allow TP in {{{allowed}}}")
+    off = set_fix("parallel.sequence_parallel", False)
+    return FixablePlanError(lambda kept: what + ("; use --set parallel.sequence_parallel=false" if off in kept else ""),
+                            [off], toward=None)
 
 
 def _nothing_fits(cfg: RunConfig, platform: Platform, *, num_nodes: int, per_node: int,

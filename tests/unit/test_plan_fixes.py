@@ -94,6 +94,10 @@ REFUSALS = {
                     "must divide the 4 attention heads"),
     "sequence parallel without TP": ("gpt3_6.7b", 1, "trn1", ["parallel.sequence_parallel=true",
                                                               "parallel.tensor=1"], "needs tensor parallelism"),
+    "sequence parallel with one key/value group": ("llama3_8b", 16, "p5", ["model.num_query_groups=1"],
+                                                    "sequence_parallel needs TP above 1"),
+    "sequence parallel at TP 1 with one key/value group": (
+        "llama3_8b", 16, "p5", ["model.num_query_groups=1", "parallel.tensor=1"], "needs tensor parallelism"),
     "overlap_param_gather without the distributed optimizer": (
         "tiny", 1, "cpu", ["parallel.overlap_param_gather=true", "launch.workers_per_node=2"], "is false"),
     "overlap_param_gather under pipelining": (

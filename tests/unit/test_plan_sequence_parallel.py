@@ -28,7 +28,7 @@ def _plan(overrides: list[str], nodes: int = 1, platform: str = "trn1"):
 
 
 def test_sequence_parallel_without_tensor_parallel_is_refused_with_the_fix():
-    with pytest.raises(PlanError, match=r"--set parallel.tensor=2 or drop parallel.sequence_parallel"):
+    with pytest.raises(PlanError, match=r"above 1 \(parallel.tensor is 1\); use --set parallel.tensor=2$"):
         _plan(["parallel.sequence_parallel=true", "parallel.tensor=1"])
 
 
@@ -99,3 +99,17 @@ def test_a_planner_chosen_tp_starts_at_2_with_sequence_parallelism():
     plain = plan(["parallel.tensor=0"])
     sp = plan(["parallel.tensor=0", "parallel.sequence_parallel=true"])
     assert plain.tensor_parallel == 1 and sp.tensor_parallel == 2
+
+
+def test_an_mqa_model_after_a_recipe_with_sequence_parallelism_is_refused_for_that_reason():
+    """One key/value group allows only TP 1, which sequence parallelism cannot use: the refusal says so and offers
+    turning it off (the search alone found no mesh and blamed the global batch, with the wrong fix)."""
+    cfg = load_recipe("llama3_8b", ["model.num_query_groups=1"])
+    with pytest.raises(PlanError) as refused:
+        make_plan(cfg, num_nodes=16, platform=get_platform("p5"))
+    message = str(refused.value)
+    assert "sequence_parallel needs TP above 1" in message and "1 key/value groups" in message, message
+    assert message.endswith("use --set parallel.sequence_parallel=false") and "global batch" not in message
+    fixed = make_plan(load_recipe("llama3_8b", ["model.num_query_groups=1", "parallel.sequence_parallel=false"]),
+                      num_nodes=16, platform=get_platform("p5"))
+    assert fixed.tensor_parallel == 1
