@@ -68,7 +68,10 @@ class TokenizerSpec:
     """HuggingFaceTokenizer: keep the special tokens its post-processor adds (a Llama BOS)."""
 
     def describe(self) -> str:
-        files = [f for f in (self.vocab_file, self.merge_file, self.model) if f]
+        # Only the files this type reads: a recipe's GPT-2 vocab.json and merges.txt stay set under a
+        # HuggingFaceTokenizer pasted over it, and naming them would point at the wrong tokenizer.
+        read = (self.vocab_file, self.merge_file) if self.type == GPT2 else (self.model,)
+        files = [f for f in read if f]
         return f"{self.type} ({', '.join(files)})" if files else self.type
 
 

@@ -108,3 +108,21 @@ def test_a_vocabulary_smaller_than_the_tokenizer_is_refused_before_anything_is_w
     assert main(["submit", "--recipe", "tiny", "--dry-run", "--out", str(out), *sets,
                  "--set", "model.vocab_size=50000", "--set", "data.merge_file=/nowhere/merges.txt"]) == 0
     assert "the tokenizer of data.* was not checked against model.vocab_size" in capsys.readouterr().err
+
+
+def test_the_refusal_names_the_tokenizer_the_run_reads_not_the_recipes_gpt2_files(tmp_path, capsys):
+    """tiny sets GPT-2 vocab.json and merges.txt; a HuggingFaceTokenizer set over it (the line `ckpt convert` of an
+    HF folder prints) reads only its tokenizer.json, and the refusal names that."""
+    import tokenizers
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    bpe = tokenizers.ByteLevelBPETokenizer()
+    bpe.train_from_iterator([f"word{i} and more{i}" for i in range(400)], vocab_size=300, min_frequency=1)
+    bpe.save(str(folder / "tokenizer.json"))
+    sets = ["--set", f"data.path={_corpus(tmp_path, length=100)}", "--set", "data.tokenizer_type=HuggingFaceTokenizer",
+            "--set", f"data.tokenizer_model={folder}", "--set", "model.vocab_size=256"]
+    assert main(["submit", "--recipe", "tiny", "--dry-run", "--out", str(tmp_path / "d"), *sets]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"ids of the tokenizer HuggingFaceTokenizer ({folder}):" in err[0], err
+    assert "merges.txt" not in err[0] and not (tmp_path / "d").exists()
