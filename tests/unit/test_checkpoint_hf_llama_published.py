@@ -51,6 +51,10 @@ PUBLISHED = {
                "rms_norm_eps": 1e-05, "rope_scaling": None, "tie_word_embeddings": False, "bos_token_id": 1,
                "eos_token_id": 2, "transformers_version": "4.31.0.dev0"},
 }
+PUBLISHED["llama2+settings"] = PUBLISHED["llama2"]  # tokenizer.model with the settings Llama 2 7B publishes beside it
+LLAMA2_TOKENIZER_CONFIG = {"add_bos_token": True, "add_eos_token": False, "bos_token": "<s>", "eos_token": "</s>",
+                           "unk_token": "<unk>", "pad_token": None, "clean_up_tokenization_spaces": False,
+                           "legacy": False, "tokenizer_class": "LlamaTokenizer"}
 
 
 def _published(name: str, folder: Path) -> Path:
@@ -73,8 +77,12 @@ def _published(name: str, folder: Path) -> Path:
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     else:
         save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    if name == "llama2":
+    if name.startswith("llama2"):
         shutil.copy(SP_MODEL, folder / "tokenizer.model")
+        if name == "llama2+settings":
+            (folder / "tokenizer_config.json").write_text(json.dumps(LLAMA2_TOKENIZER_CONFIG, indent=2))
+            (folder / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                                        "unk_token": "<unk>"}))
     else:
         for f in LLAMA_TOKENIZER.iterdir():
             shutil.copy(f, folder / f.name)
@@ -118,7 +126,10 @@ def test_a_published_folder_imports_with_transformers_logits_and_exports_back(na
     text = "the quick brown fox"
     assert (transformers.AutoTokenizer.from_pretrained(tmp_path / "back")(text).input_ids
             == transformers.AutoTokenizer.from_pretrained(folder)(text).input_ids)
-    if name != "llama2":  # the ids generation starts and stops at (Llama 3.1 Instruct's list of stops) are kept
+    if name == "llama2+settings":  # AutoTokenizer builds the class tokenizer_config.json names, which adds BOS
+        assert transformers.AutoTokenizer.from_pretrained(tmp_path / "back")(text).input_ids[0] == 1
+    if not name.startswith("llama2"):
+        # the ids generation starts and stops at (Llama 3.1 Instruct's list of stops) are kept
         config = json.loads((tmp_path / "back" / "config.json").read_text())
         published = PUBLISHED[name]
         assert (config["bos_token_id"], config["eos_token_id"]) == (published["bos_token_id"],

@@ -50,8 +50,10 @@ def hf_tokenizer_files(whole: WholeCheckpoint) -> list[Path]:
         model = Path(data["tokenizer_model"]).expanduser()  # Llama 2's SentencePiece tokenizer.model
         if not model.is_file() or not os.access(model, os.R_OK):
             return []
-        generation = model.parent / HF_TOKENIZER_FILES[-1]
-        return [model, *([generation] if generation.is_file() else [])]
+        # Its settings go too: tokenizer_config.json names the class (LlamaTokenizer, which adds BOS) that
+        # AutoTokenizer builds; without it the export loads as another tokenizer, giving other ids.
+        beside = [model.parent / n for n in HF_TOKENIZER_FILES[1:]]
+        return [model, *(f for f in beside if f.is_file())]
     if data.get("tokenizer_type") != "HuggingFaceTokenizer" or not data.get("tokenizer_model"):
         return []
     given = Path(data["tokenizer_model"]).expanduser()
