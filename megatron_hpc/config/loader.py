@@ -192,7 +192,9 @@ def _coerce(hint: Any, value: Any, *, where: str, root: type | None = None) -> A
     if origin is Literal:
         choices = typing.get_args(hint)
         if value not in choices:
-            close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            # Megatron's own spelling (--normalization RMSNorm) differs only in case: name the key's.
+            close = ([str(c) for c in choices if str(c).lower() == str(value).lower()]
+                     or difflib.get_close_matches(str(value), [str(c) for c in choices], n=1))
             hint_text = f"did you mean {close[0]!r}? " if close else ""
             raise ConfigError(f"{where}: {value!r} is not allowed; {hint_text}use one of {list(choices)}")
         return value

@@ -138,3 +138,11 @@ def test_missing_required_key(tmp_path: Path):
     path.write_text("model:\n  num_layers: 2\n")
     with pytest.raises(ConfigError, match=r"model\.hidden_size: required key is missing"):
         load_recipe(str(path))
+
+
+@pytest.mark.parametrize(("override", "hint"), [("model.normalization=RMSNorm", "did you mean 'rmsnorm'?"),
+                                                ("model.normalization=LayerNorm", "did you mean 'layernorm'?")])
+def test_megatrons_spelling_of_a_choice_is_answered_with_ours(override, hint):
+    # Megatron spells --normalization RMSNorm; the key takes rmsnorm, and the refusal says so.
+    with pytest.raises(ConfigError, match=re.escape(f"'{override.split('=')[1]}' is not allowed; {hint}")):
+        load_recipe("llama3_8b", [override])
