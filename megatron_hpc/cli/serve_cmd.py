@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     if args.client:
         return _client(args)
     from megatron_hpc.errors import GenerationError
-    from megatron_hpc.generate.loading import TOKENIZER_FLAGS, load_for_generation, torchrun_context
+    from megatron_hpc.generate.loading import TOKENIZER_FLAGS, end_of_text, load_for_generation, torchrun_context
     from megatron_hpc.generate.serving import Service, follow, start
 
     if args.path is None:
@@ -82,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
         follow(loaded.model)
         return 0
     tok = loaded.tokenizer
-    service = Service(model=loaded.model, tokenizer=tok, eod=tok.vocab.get("<|endoftext|>"), log=not args.quiet)
+    # A run's GPT-2 BPE has a vocab; an imported Llama's or Qwen's tokenizer.json or tokenizer.model has an eod.
+    service = Service(model=loaded.model, tokenizer=tok, eod=end_of_text(tok), log=not args.quiet)
     if args.quiet:
         import logging
 

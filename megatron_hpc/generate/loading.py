@@ -18,8 +18,8 @@ from megatron_hpc.config.loader import from_dict
 from megatron_hpc.config.platforms import PLATFORMS, resolve_platform
 from megatron_hpc.config.schema import ModelConfig
 from megatron_hpc.data.text_tokenizers import TextTokenizer, build_tokenizer, tokenizer_spec
-from megatron_hpc.data.tokenizer import GPT2BPETokenizer
-from megatron_hpc.errors import CheckpointError, GenerationError, MegatronHpcError, TrainingError
+from megatron_hpc.data.tokenizer import EOD_TOKEN, GPT2BPETokenizer
+from megatron_hpc.errors import CheckpointError, DataError, GenerationError, MegatronHpcError, TrainingError
 from megatron_hpc.model.gpt import GPT
 from megatron_hpc.model.init_skip import skip_random_init
 from megatron_hpc.parallel.context import ParallelContext
@@ -123,6 +123,17 @@ def check_tp_size(cfg: ModelConfig, *, tp: int, source_tp: int) -> None:
                               f"{cfg.num_attention_heads} attention heads{groups} and MLP size {cfg.ffn_size}; run "
                               f"torchrun --nproc_per_node={source_tp} (the checkpoint's tp) or another of "
                               f"{valid}, or no torchrun for tp 1")
+
+
+def end_of_text(tok: GPT2BPETokenizer | TextTokenizer) -> int | None:
+    """The id generation stops at by default: GPT-2's <|endoftext|> where its vocabulary has one, else the
+    tokenizer.json's or SentencePiece model's end-of-sequence id; None where it has none."""
+    if isinstance(tok, GPT2BPETokenizer):
+        return tok.vocab.get(EOD_TOKEN)
+    try:
+        return tok.eod
+    except DataError:  # a tokenizer.json that names no eos_token: nothing to stop at by default
+        return None
 
 
 def load_tokenizer(whole_reason: tuple[Path, Path] | str, *, vocab_file: Path | None,

@@ -273,3 +273,44 @@ def test_torchrun_tp2_cli_serves_what_tp1_serves(server, tp2_checkpoint):
     # torchrun itself reports the signal with a traceback; the ranks (whose lines it prefixes) print none
     assert "at TP 2" in err and "megatron-hpc serve: stopping" in err, err[-3000:]
     assert "[rank0]: Traceback" not in err and "[rank1]: Traceback" not in err, err[-3000:]
+
+
+def test_an_imported_hf_llama_is_served_with_its_own_tokenizer(tmp_path: Path, cli_in_process) -> None:
+    """A Llama imported from a Hugging Face folder carries its tokenizer.json (a HuggingFaceTokenizer, which has an
+    eod and no GPT-2 vocab): `serve` starts on it, and a greedy answer is transformers' `generate`, token for token
+    (serve looked up GPT-2's <|endoftext|> in tok.vocab and died with an AttributeError before listening)."""
+    import transformers
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
+    from hf_models import hf_llama_model, save_llama
+
+    theirs = hf_llama_model(kv_heads=1, seed=4).eval()
+    folder = save_llama(theirs, tmp_path / "hf", shards=True)
+    converted = cli_in_process("ckpt", "convert", str(folder), "--to", "xser", "--out", str(tmp_path / "ours"))
+    assert converted.returncode == 0, converted.stderr
+    port = mp_workers.free_ports(1)[0]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_hpc", "serve", str(tmp_path / "ours"), "--host",
+                             "127.0.0.1", "--port", str(port), "--quiet"], env=env, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}/api"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                status, reply = put(url, {"prompts": ["the quick brown fox"], "tokens_to_generate": 12, "top_k": 1})
+                break
+            except URLError:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
+                time.sleep(0.2)
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+    assert status == 200 and proc.returncode == 0, (reply, err)
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    prompt = tok("the quick brown fox", return_tensors="pt").input_ids
+    want = theirs.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=tok.eos_token_id,
+                           eos_token_id=None)[0].tolist()
+    got = reply["tokens"][0]
+    assert got[:prompt.shape[1]] == prompt[0].tolist()
+    # It stops at the tokenizer's end-of-sequence id, as the HF default does; up to there the tokens are equal.
+    assert got == want[:len(got)] and (len(got) == len(want) or got[-1] == tok.eos_token_id), (got, want)
