@@ -27,8 +27,10 @@ def family(model: ModelConfig) -> str:
 
 
 def features(model: ModelConfig) -> dict[str, object]:
-    """The architecture keys the plan's parameter, FLOP and memory figures use, resolved: `plan --json`'s "model"."""
+    """The architecture keys the plan's parameter, FLOP and memory figures use, resolved, with the norm's epsilon and
+    the rotary settings (what a --set of them changed shows): `plan --json`'s "model"."""
     rope = model.position_embedding == "rope"
+    llama3 = rope and model.rope_scaling == "llama3"
     return {
         "family": family(model),
         "num_layers": model.num_layers,
@@ -46,6 +48,11 @@ def features(model: ModelConfig) -> dict[str, object]:
         "position_embedding": model.position_embedding,
         "rotary_base": model.rotary_base if rope else None,
         "rope_scaling": model.rope_scaling if rope else "none",
+        **({"rope_scaling_factor": model.rope_scaling_factor, "rope_low_freq_factor": model.rope_low_freq_factor,
+            "rope_high_freq_factor": model.rope_high_freq_factor,
+            "rope_original_max_position": model.rope_original_max_position} if llama3 else {}),
+        "rotary_percent": model.rotary_percent if rope else None,
+        "layernorm_epsilon": model.layernorm_epsilon,
         "qkv_rows": qkv_rows(model),
         "mlp_matrices": mlp_matrices(model),
         "layer_parameters": layer_parameters(model),

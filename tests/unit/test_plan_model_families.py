@@ -287,3 +287,19 @@ def _check_plan(plan: Plan, vocab: int, cell: str) -> None:
     assert len(plan.stage_layers) == plan.pipeline_parallel * plan.virtual_pipeline
     assert ("PP does not run on XLA" in cell) == (pipeline_runtime_warning(plan) is not None), cell
     assert ("workers idle" in cell) == (idle_workers_warning(plan) is not None), cell
+
+
+def test_plan_json_shows_the_rope_scaling_and_norm_values_a_set_changed(capsys):
+    # docs/models.md: `plan --json` gives the keys of the table under "model"; a script checks its --set took.
+    sets = ["model.rope_scaling_factor=16", "model.rope_low_freq_factor=2", "model.rope_high_freq_factor=8",
+            "model.rope_original_max_position=4096", "model.layernorm_epsilon=1e-6"]
+    assert cli_main.main(["plan", "--recipe", "llama3.1_405b", "--nodes", "16", "--platform", "p5", "--json",
+                          "--set", "data.source=synthetic", *(a for s in sets for a in ("--set", s))]) == 0
+    model = json.loads(capsys.readouterr().out)["model"]
+    assert {k: model[k] for k in ("rope_scaling", "rope_scaling_factor", "rope_low_freq_factor",
+                                  "rope_high_freq_factor", "rope_original_max_position", "layernorm_epsilon",
+                                  "rotary_percent")} == {
+        "rope_scaling": "llama3", "rope_scaling_factor": 16.0, "rope_low_freq_factor": 2.0,
+        "rope_high_freq_factor": 8.0, "rope_original_max_position": 4096, "layernorm_epsilon": 1e-6,
+        "rotary_percent": 1.0}
+    assert "rope_scaling_factor" not in features(load_recipe("llama3_8b").model)  # no scaling, no factors
