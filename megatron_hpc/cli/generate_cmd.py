@@ -57,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
     from megatron_hpc.generate.loading import (
         TOKENIZER_FLAGS,
         choose_device,
+        generation_stops,
         leave_group,
         load_for_generation,
         torchrun_context,
@@ -93,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
             stops += [tok.vocab[EOD_TOKEN]] if EOD_TOKEN in tok.vocab else []
         else:  # the run's tokenizer.json or SentencePiece model: its end-of-sequence id
             stops.append(tok.eod)
+        # and every id an imported model's generation_config.json stops at, as transformers' generate does
+        stops += [i for i in generation_stops(loaded.resolved_config) if i not in stops]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop_tokens=tuple(stops))
     results = generate(loaded.model, prompts, params)  # under torchrun: every rank, the same call

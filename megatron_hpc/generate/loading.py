@@ -4,6 +4,7 @@ the device of the platform chosen as the trainer chooses it (choose_device)."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -134,6 +135,23 @@ def end_of_text(tok: GPT2BPETokenizer | TextTokenizer) -> int | None:
         return tok.eod
     except DataError:  # a tokenizer.json that names no eos_token: nothing to stop at by default
         return None
+
+
+def generation_stops(resolved: dict[str, Any]) -> list[int]:
+    """The eos_token_id of the generation_config.json an import copied beside the run's tokenizer (Llama 3.1
+    Instruct stops at three ids, its tokenizer's eos_token is one of them), as transformers' generate stops;
+    empty without one or when it cannot be read."""
+    model = ((resolved.get("data") or {}).get("tokenizer_model")) if isinstance(resolved, dict) else None
+    if not model:
+        return []
+    given = Path(model).expanduser()
+    path = (given if given.is_dir() else given.parent) / "generation_config.json"
+    try:
+        eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return []
+    ids = eos if isinstance(eos, list) else [eos]
+    return [i for i in ids if isinstance(i, int) and not isinstance(i, bool)]
 
 
 def load_tokenizer(whole_reason: tuple[Path, Path] | str, *, vocab_file: Path | None,

@@ -269,3 +269,30 @@ def test_the_printed_line_of_a_tp1_import_plans_after_a_llama_recipe(
     assert code == 0, out.err
     plan = json.loads(out.out)
     assert (plan["tensor_parallel"], plan["model"]["num_query_groups"]) == (1, 1)
+
+
+def test_generate_stops_where_the_imported_generation_config_stops(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Llama 3.1 Instruct's generation_config.json stops at three ids, its tokenizer's eos_token is one: greedy
+    `generate` of the import stops where transformers' generate of the folder does, not only at the eos_token."""
+    from megatron_hpc.generate.loading import generation_stops
+
+    theirs = hf_llama_model(seed=11)
+    folder = save_llama(theirs, tmp_path / "hf")
+    prompt = torch.tensor([[5, 17, 33, 9]])
+    free = theirs.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)[0, 4:]
+    free = free.tolist()
+    # A generated token that is neither the tokenizer's eos (2) nor seen before it: the model stops there.
+    at = next(k for k in range(2, len(free)) if free[k] not in free[:k] and free[k] != 2)
+    (folder / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": [2, free[at]]}))
+    want = transformers.AutoModelForCausalLM.from_pretrained(folder).generate(prompt, max_new_tokens=12,
+                                                                             do_sample=False, pad_token_id=0)
+    want = want[0, 4:].tolist()
+    assert want == free[:at + 1]
+    assert convert(str(folder), "--to", "xser", "--out", str(tmp_path / "ours")) == 0
+    resolved = read_whole(tmp_path / "ours").first["resolved_config"]
+    assert generation_stops(resolved) == [2, free[at]]
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path / "ours"), "--prompt-ids", "5,17,33,9", "--max-new-tokens", "12",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["results"][0]["tokens"] == want
