@@ -296,3 +296,13 @@ def test_generate_stops_where_the_imported_generation_config_stops(tmp_path: Pat
     assert main(["generate", str(tmp_path / "ours"), "--prompt-ids", "5,17,33,9", "--max-new-tokens", "12",
                  "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["results"][0]["tokens"] == want
+
+
+def test_a_folder_of_hf_weights_without_config_json_is_named_as_such(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    folder = save(hf_llama("llama", 2, None), tmp_path / "hf", "shards")
+    (folder / "config.json").unlink()
+    assert convert(str(folder), "--to", "xser", "--out", str(tmp_path / "ours")) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds Hugging Face weights (model-00001-of-" in err[0], err
+    assert "copy the model's config.json beside them" in err[0] and not (tmp_path / "ours").exists()

@@ -85,10 +85,27 @@ def _locate(path: Path, *, iteration: int | None) -> FoundCheckpoint:
     found = find_checkpoint(path) if path.is_dir() else None
     if found is None and is_foreign(path):
         raise CheckpointError(foreign_message(path))
+    weights = _hf_weights_without_config(path) if found is None else None
+    if weights is not None:
+        raise CheckpointError(f"{path} holds Hugging Face weights ({weights}) but no config.json, which names the "
+                              "architecture and its shape; copy the model's config.json beside them")
     if found is None:
         raise CheckpointError(f"{path} holds no complete checkpoint (no {paths.TRACKER} naming a folder with a "
                               f"{paths.MANIFEST}); pass the folder a run saved into")
     return found
+
+
+def _hf_weights_without_config(path: Path) -> str | None:
+    """The first Hugging Face weight file in a folder that lacks config.json (a copy that left it behind), or None:
+    otherwise the folder would be refused as a checkpoint of ours without its tracker."""
+    try:
+        if not path.is_dir() or (path / "config.json").exists():
+            return None
+        names = sorted(p.name for p in path.iterdir())
+    except OSError:
+        return None
+    return next((n for n in names if n.endswith(".safetensors") or (n.startswith("pytorch_model") and
+                                                                    n.endswith(".bin"))), None)
 
 
 def read_whole(path: Path, *, iteration: int | None = None) -> WholeCheckpoint:
