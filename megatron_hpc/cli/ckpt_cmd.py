@@ -331,7 +331,9 @@ def _import_hf(args: argparse.Namespace, out: Path) -> int:
     model = resolved["model"]
     # Every key a run needs to take it as it is, pasted after `submit --recipe R`: the model, the mesh and the
     # tokenizer files copied beside it.
-    sets = [f"checkpoint.load={out}", "checkpoint.finetune=true", f"parallel.tensor={tp}", f"parallel.pipeline={pp}",
+    # Absolute, as the tokenizer's path is: the line is pasted where the user is then, not necessarily here.
+    sets = [f"checkpoint.load={Path(out).absolute()}", "checkpoint.finetune=true", f"parallel.tensor={tp}",
+            f"parallel.pipeline={pp}",
             # The Llama and Qwen recipes turn sequence parallelism on, which needs TP above 1: at TP 1 (and any MQA
             # model, whose one group TP cannot split) the line would not plan after them.
             *(["parallel.sequence_parallel=false"] if tp == 1 else []),

@@ -303,7 +303,9 @@ def check_checkpoint_to_load(resolved: Resolved, *, resumed_dir: Path | None) ->
     root = ckpt.load or ckpt.save or (str(resumed_dir / CHECKPOINT_DIR) if resumed_dir is not None else None)
     if root is None:  # a new run folder: nothing to load yet
         return
-    from megatron_hpc.checkpoint.store import PipelineLayout, check_before_queue
+    from megatron_hpc.checkpoint.store import PipelineLayout, check_before_queue, check_finetune_source
+    if ckpt.finetune and ckpt.load and resumed_dir is None:  # a resumed run may load its own checkpoints instead
+        check_finetune_source(Path(ckpt.load).expanduser())
     plan = resolved.plan.to_json()
     layout = PipelineLayout.of_run(plan=plan, config=dataclasses.asdict(resolved.cfg))
     check_before_queue(Path(root).expanduser(), tensor_parallel=resolved.plan.tensor_parallel, layout=layout)

@@ -129,6 +129,10 @@ class Checkpointer:
             if self.promised:  # the weights were never initialised: training on them would be garbage
                 raise CheckpointError(f"the checkpoint found in {source} at start-up disappeared before it "
                                       "was loaded; check that nothing else writes there, and resubmit")
+            if self.ckpt.finetune and not self.own:  # a fine-tune of random weights is never what was meant
+                raise CheckpointError(f"checkpoint.load={source} holds no complete checkpoint to fine-tune from "
+                                      f"({Path(source).absolute()}), so the run would train from random weights; "
+                                      "pass the folder `ckpt convert` or a run wrote, as an absolute path")
             return state
         found, saved = loaded
         finetune = self.ckpt.finetune and not self.own

@@ -26,6 +26,7 @@ from megatron_hpc.config.schema import (
     ModelConfig,
 )
 from megatron_hpc.data.synthetic import SyntheticTokens
+from megatron_hpc.errors import CheckpointError
 from megatron_hpc.model.gpt import GPT
 from megatron_hpc.parallel.context import ParallelContext
 from megatron_hpc.train.entry import plan_for_torchrun, run_training
@@ -256,5 +257,9 @@ def test_a_run_fine_tunes_from_imported_gpt2_weights_with_the_printed_settings(
     tuned = _run(tmp_path / "tuned", sets)
     assert "weights only, starting at iteration 0: checkpoint.finetune" in capsys.readouterr().out
     assert [r["iteration"] for r in tuned] == [1, 2]
+    # A checkpoint.load that holds nothing (a relative path pasted elsewhere) is an error, not a random-weight run.
+    with pytest.raises(CheckpointError, match="holds no complete checkpoint to fine-tune from"):
+        _run(tmp_path / "lost", [s if not s.startswith("checkpoint.load=") else f"checkpoint.load={tmp_path / 'gone'}"
+                                 for s in sets])
     # The same first batch: a random init is near log(320) = 5.8, the imported model knows the progressions.
     assert tuned[0]["lm_loss"] < fresh[0]["lm_loss"] - 3.0, (tuned[0], fresh[0])

@@ -306,3 +306,13 @@ def test_a_folder_of_hf_weights_without_config_json_is_named_as_such(tmp_path: P
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "holds Hugging Face weights (model-00001-of-" in err[0], err
     assert "copy the model's config.json beside them" in err[0] and not (tmp_path / "ours").exists()
+
+
+def test_the_printed_checkpoint_load_is_absolute_for_a_relative_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """The line is pasted wherever the user submits from; its tokenizer path was absolute, its checkpoint.load not."""
+    folder = save(hf_llama("llama", 2, None), tmp_path / "hf", "shards")
+    monkeypatch.chdir(tmp_path)
+    assert convert("hf", "--to", "xser", "--out", "ours") == 0
+    printed = shlex.split(capsys.readouterr().out.strip().split("fine-tune from it with ", 1)[1])[1::2]
+    assert f"checkpoint.load={tmp_path / 'ours'}" in printed and folder.exists()

@@ -126,3 +126,17 @@ def test_the_refusal_names_the_tokenizer_the_run_reads_not_the_recipes_gpt2_file
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"ids of the tokenizer HuggingFaceTokenizer ({folder}):" in err[0], err
     assert "merges.txt" not in err[0] and not (tmp_path / "d").exists()
+
+
+def test_a_fine_tune_whose_checkpoint_load_holds_nothing_is_refused_before_queueing(tmp_path, monkeypatch, capsys):
+    """The line `ckpt convert` printed, pasted in another directory with a relative checkpoint.load: the trainer found
+    no checkpoint there and fine-tuned random weights without a word. Refused here, nothing written."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty").mkdir()
+    for load, why in (("imported", "it does not exist"), ("empty", "no checkpoint in it")):
+        out = tmp_path / f"run-{load}"
+        assert main(["submit", "--recipe", "tiny", "--dry-run", "--out", str(out), "--set", "data.source=synthetic",
+                     "--set", f"checkpoint.load={load}", "--set", "checkpoint.finetune=true"]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"checkpoint.load={load} holds no checkpoint to fine-tune from ({why}; " in err[0]
+        assert str(tmp_path / load) in err[0] and not out.exists()

@@ -20,7 +20,8 @@ _MODULES = ("paths",)
 
 _EXPORTS = {
     "async_save": ("AsyncSave",),
-    "compat": ("PipelineLayout", "check_before_queue", "foreign_message", "is_foreign", "reshard_out"),
+    "compat": ("PipelineLayout", "check_before_queue", "check_finetune_source", "foreign_message", "is_foreign",
+               "reshard_out"),
     "contents": ("Progress", "build_state_dict", "read_progress", "read_rng", "saved_global_batch"),
     "file_io": ("data_records", "read_torch_file", "safe_load", "tensor_layout", "verify_file"),
     "loader": ("FoundCheckpoint", "find_checkpoint", "load_checkpoint", "read_shard"),

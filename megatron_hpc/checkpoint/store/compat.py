@@ -111,6 +111,23 @@ def is_foreign(folder: Path) -> bool:
         return False
 
 
+def check_finetune_source(root: Path) -> None:
+    """CheckpointError when checkpoint.finetune=true names a checkpoint.load that holds no checkpoint: the run would
+    train from its random initialisation (the trainer starts fresh without one), which a fine-tune never means."""
+    try:
+        if (paths.tracker_file(root).is_file() or (root / paths.MANIFEST).is_file()
+                or any(paths.parse_iteration_dirname(p.name) is not None for p in root.iterdir())):
+            return
+        why = "no checkpoint in it"
+    except FileNotFoundError:
+        why = "it does not exist"
+    except OSError as exc:
+        why = f"it cannot be read: {exc.strerror or exc}"
+    raise CheckpointError(f"checkpoint.load={root} holds no checkpoint to fine-tune from ({why}; "
+                          f"{root.absolute()} from here), so the run would train from random weights; pass the "
+                          "folder `ckpt convert` or a run wrote, as an absolute path")
+
+
 def check_before_queue(root: Path, *, tensor_parallel: int, layout: PipelineLayout) -> None:
     """The pre-queue form of the loader's check: the checkpoint the tracker under `root` names, when there is one
     with a readable manifest (anything less is left to the trainer, which falls back or starts fresh)."""
