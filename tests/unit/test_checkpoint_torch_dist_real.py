@@ -230,3 +230,36 @@ def test_a_folder_without_common_pt_is_refused(tmp_path: Path, capsys: pytest.Ca
     (src / ITER / "common.pt").unlink()
     line = _one_line_error(capsys, src, tmp_path / "out")
     assert "has no common.pt" in line and "copy common.pt" in line
+
+
+def _damage(case: str, tmp_path: Path, how: str) -> Path:
+    """A copy of `case` with one .distcp file cut to `how` ('empty', 'half') or, for 'zeroed', the bytes of one
+    tensor chunk overwritten with zeros (the file keeps its size: only reading that chunk finds it)."""
+    src = _copy(case, tmp_path)
+    folder = src / ITER
+    if how == "zeroed":
+        from torch.distributed.checkpoint import FileSystemReader  # torch's own index reader, trusted fixture
+
+        index = FileSystemReader(str(folder)).read_metadata().storage_data
+        info = next(i for k, i in index.items() if k.fqn == "decoder.layers.mlp.linear_fc1.weight")
+        with (folder / info.relative_path).open("r+b") as fh:
+            fh.seek(info.offset)
+            fh.write(b"\0" * info.length)
+    else:
+        data = folder / "__1_0.distcp"
+        with data.open("r+b") as fh:
+            fh.truncate(0 if how == "empty" else data.stat().st_size // 2)
+    return src
+
+
+@pytest.mark.parametrize("how", ["empty", "half"])
+def test_a_truncated_distcp_file_is_refused_before_anything_is_read(how: str, tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """The index's byte ranges tell a file cut short: inspect refuses it too, and convert before writing (torch's
+    reader raised CheckpointException, a BaseException, which escaped as a traceback and left the --out folder)."""
+    src = _damage("gpt_tp2", tmp_path, how)
+    line = _one_line_error(capsys, src, tmp_path / "out")
+    assert "__1_0.distcp has" in line and "the file is truncated" in line and "copy the checkpoint again" in line
+    code, out, err = _cli(capsys, "ckpt", "inspect", src)
+    assert code == 1 and err.strip().splitlines() == [line] and not out
+
