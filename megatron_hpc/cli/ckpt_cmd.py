@@ -372,9 +372,10 @@ def _export_hf(whole: Any, out: Path, **weights: Any) -> tuple[Path, list[str] |
     if isinstance(files, str) and hf_tokenizer_files(whole):
         return _export_hf_with_tokenizer_json(whole, out, **weights)
     if isinstance(files, str) or tok is None:
+        written = export_hf(whole, out, **weights)  # first: a failed export is one error line, without the note
         print(f"megatron-hpc: note: no tokenizer files written: {files}; {out} holds the model only (add GPT-2 "
               "vocab.json and merges.txt to it for transformers.AutoTokenizer)", file=sys.stderr)
-        return export_hf(whole, out, **weights), None
+        return written, None
     written = export_hf(whole, out, eos_token_id=tok.vocab.get(EOD_TOKEN), **weights)
     return written, [str(p) for p in tok.save_hf(out, model_max_length=model["max_position_embeddings"])]
 

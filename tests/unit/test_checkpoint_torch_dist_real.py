@@ -263,3 +263,17 @@ def test_a_truncated_distcp_file_is_refused_before_anything_is_read(how: str, tm
     code, out, err = _cli(capsys, "ckpt", "inspect", src)
     assert code == 1 and err.strip().splitlines() == [line] and not out
 
+
+@pytest.mark.parametrize("to", ["torch", "xser", "hf", "torch_dist"])
+def test_damaged_distcp_data_is_one_line_and_leaves_nothing(to: str, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """Found only when the chunk is read, mid-convert: one line (no tokenizer note before it with --to hf), and
+    neither the --out folder nor any file in it is left behind."""
+    src = _damage("gpt_tp2", tmp_path, "zeroed")
+    out = tmp_path / "out"
+    code, _, err = _cli(capsys, "ckpt", "convert", src, "--to", to, "--out", out)
+    assert code == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "could not read" in lines[0] and "a .distcp file is damaged" in lines[0]
+    assert not out.exists()
