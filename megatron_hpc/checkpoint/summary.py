@@ -122,6 +122,9 @@ def summarize(path: Path, *, verify: bool = False) -> dict[str, Any]:
 
 
 def _summarize(path: Path, *, verify: bool) -> dict[str, Any]:
+    if not path.exists():  # a typo, not a folder without checkpoint files: say so, as `ckpt convert` does
+        raise CheckpointError(f"{path} does not exist; pass a checkpoint folder (with {paths.TRACKER}), one of its "
+                              "iter_XXXXXXX folders or a model_optim_rng.pt file")
     if path.is_file():
         return _single_file(path)
     folder = foreign_folder(path)
