@@ -129,7 +129,7 @@ def _summarize(path: Path, *, verify: bool) -> dict[str, Any]:
         return _single_file(path)
     folder = foreign_folder(path)
     if folder is not None:
-        return torch_dist_summary(folder) if is_torch_dist(folder) else _foreign(folder)
+        return torch_dist_summary(folder, verify=verify) if is_torch_dist(folder) else _foreign(folder)
     if (path / paths.MAIN_FILE).is_file():
         return _single_file(path / paths.MAIN_FILE)
     if (path / paths.MANIFEST).is_file():

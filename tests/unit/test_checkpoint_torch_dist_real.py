@@ -277,3 +277,21 @@ def test_damaged_distcp_data_is_one_line_and_leaves_nothing(to: str, tmp_path: P
     assert len(lines) == 1, err
     assert "could not read" in lines[0] and "a .distcp file is damaged" in lines[0]
     assert not out.exists()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_inspect_verify_reads_every_chunk_megatron_core_saved(case: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _cli(capsys, "ckpt", "inspect", FIXTURES / case, "--verify", "--json")
+    assert code == 0, err
+    assert json.loads(out)["verified"] is True
+
+
+def test_inspect_verify_finds_a_damaged_chunk(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--verify ("reads all data") was silently ignored for torch_dist: rc 0 on a zeroed tensor chunk."""
+    src = _damage("gpt_tp2", tmp_path, "zeroed")
+    code, out, err = _cli(capsys, "ckpt", "inspect", src)
+    assert code == 0 and "verified" not in out  # the index alone is whole
+    code, out, err = _cli(capsys, "ckpt", "inspect", src, "--verify")
+    assert code == 1 and not out
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "a .distcp file is damaged" in lines[0], err
