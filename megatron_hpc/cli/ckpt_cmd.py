@@ -373,8 +373,12 @@ def _export_hf(whole: Any, out: Path, **weights: Any) -> tuple[Path, list[str] |
         return _export_hf_with_tokenizer_json(whole, out, **weights)
     if isinstance(files, str) or tok is None:
         written = export_hf(whole, out, **weights)  # first: a failed export is one error line, without the note
-        print(f"megatron-hpc: note: no tokenizer files written: {files}; {out} holds the model only (add GPT-2 "
-              "vocab.json and merges.txt to it for transformers.AutoTokenizer)", file=sys.stderr)
+        # GPT-2's files fit a GPT2LMHeadModel only; a Llama or Qwen2 export wants its own tokenizer's files
+        gpt2 = json.loads((out / "config.json").read_text()).get("model_type") == "gpt2"
+        add = ("GPT-2 vocab.json and merges.txt" if gpt2 else
+               "the model's tokenizer files (tokenizer.json and tokenizer_config.json, or tokenizer.model)")
+        print(f"megatron-hpc: note: no tokenizer files written: {files}; {out} holds the model only (add {add} to "
+              "it for transformers.AutoTokenizer)", file=sys.stderr)
         return written, None
     written = export_hf(whole, out, eos_token_id=tok.vocab.get(EOD_TOKEN), **weights)
     return written, [str(p) for p in tok.save_hf(out, model_max_length=model["max_position_embeddings"])]

@@ -313,3 +313,14 @@ def test_inspect_verify_finds_a_damaged_chunk(tmp_path: Path, capsys: pytest.Cap
     assert code == 1 and not out
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "a .distcp file is damaged" in lines[0], err
+
+
+@pytest.mark.parametrize(("case", "advice"), [("gpt_tp2", "add GPT-2 vocab.json and merges.txt"),
+                                              ("llama_tp2_distopt", "add the model's tokenizer files")])
+def test_the_missing_tokenizer_note_fits_the_exported_architecture(case: str, advice: str, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """The fixtures' runs had no tokenizer (NullTokenizer): GPT-2's vocab files were advised for a Llama export too."""
+    code, _, err = _cli(capsys, "ckpt", "convert", FIXTURES / case, "--to", "hf", "--out", tmp_path / "hf")
+    assert code == 0, err
+    notes = [line for line in err.splitlines() if "no tokenizer files written" in line]
+    assert len(notes) == 1 and advice in notes[0], err
