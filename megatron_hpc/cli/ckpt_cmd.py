@@ -246,6 +246,8 @@ def _convert(args: argparse.Namespace) -> int:
         return _import_hf(args, out)
     src = _read_source(args)
     whole, notes = src.whole, src.notes
+    if args.to == "hf":  # a Hugging Face folder never holds Adam or RNG state: what a resumed run lacks is moot
+        notes = [n for n in notes if "a resumed run" not in n]
     # A torch_dist source is read whole at TP 1 x PP 1 and written at the sizes it was saved at unless told.
     from_tp, from_pp = src.saved or (whole.tensor_parallel, whole.pipeline_parallel)
     tp, pp = from_tp if args.tp is None else args.tp, from_pp if args.pp is None else args.pp

@@ -324,3 +324,19 @@ def test_the_missing_tokenizer_note_fits_the_exported_architecture(case: str, ad
     assert code == 0, err
     notes = [line for line in err.splitlines() if "no tokenizer files written" in line]
     assert len(notes) == 1 and advice in notes[0], err
+
+
+def test_an_hf_export_does_not_warn_about_what_a_resumed_run_lacks(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A model-only save (--no-save-optim --no-save-rng, here common.pt without its optimizer): `--to torch` warns
+    that a resumed run starts Adam afresh; `--to hf` never carries Adam or RNG state, and warned about it anyway."""
+    src = _copy("gpt_tp2", tmp_path)
+    common = src / ITER / "common.pt"
+    state = torch.load(common, weights_only=False)
+    state.pop("optimizer")
+    torch.save(state, common)
+    code, _, err = _cli(capsys, "ckpt", "convert", src, "--to", "torch", "--out", tmp_path / "ours")
+    assert code == 0 and "a resumed run starts Adam's moments at zero" in err, err
+    code, _, err = _cli(capsys, "ckpt", "convert", src, "--to", "hf", "--out", tmp_path / "hf")
+    assert code == 0, err
+    assert "resumed run" not in err and "warning" not in err, err
