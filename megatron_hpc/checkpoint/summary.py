@@ -122,11 +122,14 @@ def summarize(path: Path, *, verify: bool = False) -> dict[str, Any]:
 
 
 def _summarize(path: Path, *, verify: bool) -> dict[str, Any]:
+    if not path.exists():  # a typo, not a folder without checkpoint files: say so, as `ckpt convert` does
+        raise CheckpointError(f"{path} does not exist; pass a checkpoint folder (with {paths.TRACKER}), one of its "
+                              "iter_XXXXXXX folders or a model_optim_rng.pt file")
     if path.is_file():
         return _single_file(path)
     folder = foreign_folder(path)
     if folder is not None:
-        return torch_dist_summary(folder) if is_torch_dist(folder) else _foreign(folder)
+        return torch_dist_summary(folder, verify=verify) if is_torch_dist(folder) else _foreign(folder)
     if (path / paths.MAIN_FILE).is_file():
         return _single_file(path / paths.MAIN_FILE)
     if (path / paths.MANIFEST).is_file():

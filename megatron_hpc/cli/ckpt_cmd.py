@@ -246,6 +246,8 @@ def _convert(args: argparse.Namespace) -> int:
         return _import_hf(args, out)
     src = _read_source(args)
     whole, notes = src.whole, src.notes
+    if args.to == "hf":  # a Hugging Face folder never holds Adam or RNG state: what a resumed run lacks is moot
+        notes = [n for n in notes if "a resumed run" not in n]
     # A torch_dist source is read whole at TP 1 x PP 1 and written at the sizes it was saved at unless told.
     from_tp, from_pp = src.saved or (whole.tensor_parallel, whole.pipeline_parallel)
     tp, pp = from_tp if args.tp is None else args.tp, from_pp if args.pp is None else args.pp
@@ -377,9 +379,14 @@ def _export_hf(whole: Any, out: Path, **weights: Any) -> tuple[Path, list[str] |
     if isinstance(files, str) and hf_tokenizer_files(whole):
         return _export_hf_with_tokenizer_json(whole, out, **weights)
     if isinstance(files, str) or tok is None:
-        print(f"megatron-hpc: note: no tokenizer files written: {files}; {out} holds the model only (add GPT-2 "
-              "vocab.json and merges.txt to it for transformers.AutoTokenizer)", file=sys.stderr)
-        return export_hf(whole, out, **weights), None
+        written = export_hf(whole, out, **weights)  # first: a failed export is one error line, without the note
+        # GPT-2's files fit a GPT2LMHeadModel only; a Llama or Qwen2 export wants its own tokenizer's files
+        gpt2 = json.loads((out / "config.json").read_text()).get("model_type") == "gpt2"
+        add = ("GPT-2 vocab.json and merges.txt" if gpt2 else
+               "the model's tokenizer files (tokenizer.json and tokenizer_config.json, or tokenizer.model)")
+        print(f"megatron-hpc: note: no tokenizer files written: {files}; {out} holds the model only (add {add} to "
+              "it for transformers.AutoTokenizer)", file=sys.stderr)
+        return written, None
     written = export_hf(whole, out, eos_token_id=tok.vocab.get(EOD_TOKEN), **weights)
     return written, [str(p) for p in tok.save_hf(out, model_max_length=model["max_position_embeddings"])]
 

@@ -36,6 +36,13 @@ def test_inspect_not_a_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert "is not a checkpoint" in capsys.readouterr().err
 
 
+def test_inspect_a_path_that_does_not_exist(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["ckpt", "inspect", str(tmp_path / "iter_0000007")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"megatron-hpc: error: {tmp_path / 'iter_0000007'} does not exist; pass a checkpoint folder (with "
+                   "latest_checkpointed_iteration.txt), one of its iter_XXXXXXX folders or a model_optim_rng.pt file"]
+
+
 def test_inspect_shows_what_the_weights_hold(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Under XLA_USE_BF16 the files say float32 but the values are bf16: the trainer's record says so."""
     write_xser({"iteration": 3, "model": {"w": torch.ones(2, 3)},

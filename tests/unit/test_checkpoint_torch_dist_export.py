@@ -88,6 +88,28 @@ def test_plain_adams_form_and_its_step(tmp_path: Path) -> None:
     assert "param_state_sharding_type" not in common["optimizer"]
 
 
+def test_plain_adam_also_in_the_bf16_runs_form(tmp_path: Path) -> None:
+    """A --bf16 run without the distributed optimizer (Float16OptimizerWithFloat16Params) reads torch's state dict
+    nested under 'optimizer' and refused the top-level form alone (KeyError 'pre_wd_mult' in megatron-core 0.16.1's
+    load_state_dict); the export holds both, the nested one as megatron-core saved it in the real llama_bf16_tp2
+    fixture, with the same optimizer tensors (fp32 masters and moments) by key and value. load_back.json records
+    megatron-core --bf16 continuing from it."""
+    _convert(FIXTURES / "llama_bf16_tp2", tmp_path / "back", "--to", "torch_dist")
+    written = tmp_path / "back" / ITER
+    theirs = torch.load(FIXTURES / "llama_bf16_tp2" / ITER / "common.pt", weights_only=False)["optimizer"]
+    ours = torch.load(written / "common.pt", weights_only=False)["optimizer"]
+    identity = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")  # optimizer.py's group identifiers
+    for form in (ours, ours["optimizer"]):  # FP32Optimizer's, then Float16OptimizerWithFloat16Params'
+        assert float(form["state"]["common_step"]) == float(theirs["optimizer"]["state"]["common_step"]) == 3.0
+        assert ([tuple(g[k] for k in identity) for g in form["param_groups"]]
+                == [tuple(g[k] for k in identity) for g in theirs["optimizer"]["param_groups"]])
+    want = {k: v for k, v in dcp_tensors(FIXTURES / "llama_bf16_tp2" / ITER).items() if k.startswith("optimizer.")}
+    got = dcp_tensors(written)
+    assert want and set(want) <= set(got)
+    for key, tensor in want.items():
+        assert torch.equal(got[key], tensor), key
+
+
 @pytest.mark.parametrize("sizes", [("--tp", "2", "--pp", "1"), ("--tp", "1", "--pp", "2")])
 def test_our_reader_takes_the_written_folder_back(llama_ours: Path, tmp_path: Path, sizes: tuple[str, ...]) -> None:
     """ours -> torch_dist (at TP 2 or PP 2) -> ours again: the same weights, Adam moments and step, progress and

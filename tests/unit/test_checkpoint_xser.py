@@ -162,3 +162,13 @@ def test_bad_tid_is_an_error(tmp_path: Path) -> None:
     torch.save({"w": ref}, tmp_path / "m.pt", pickle_module=PICKLE_MODULE, pickle_protocol=2)
     with pytest.raises(CheckpointError, match="tid"):
         read_xser(tmp_path / "m.pt")
+
+
+def test_bytes_that_are_no_pickle_are_called_damaged_not_a_refused_object(tmp_path: Path) -> None:
+    """A zeroed stretch of a file (a copy gone wrong) is told apart from a pickle asking for a global we refuse."""
+    main = tmp_path / "main.pt"
+    torch.save({"x": torch.ones(2)}, main, _use_new_zipfile_serialization=False)  # a plain pickle stream
+    main.write_bytes(b"\0" * main.stat().st_size)
+    with pytest.raises(CheckpointError, match=r"main\.pt is not a readable pickle \(Unsupported operand 0; nothing in "
+                       r"it ran\); it is damaged or truncated, copy it again"):
+        read_xser(main)

@@ -12,6 +12,7 @@ unit's Hugging Face tensors while they are made.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +36,24 @@ def export_hf(whole: WholeCheckpoint, out: Path, *, eos_token_id: int | None = N
     fmt, hf_config = hf_formats.for_model(model, eos_token_id=eos_token_id, where=whole.found.folder, prefer=prefer)
     hf_config.update(token_ids or {})
     weights = _weights(whole, source, num_layers=model["num_layers"])
+    made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    config = out / "config.json"
-    config.write_text(json.dumps(hf_config, indent=2) + "\n")
-    # safetensors creates its files with mode 0600 whatever the umask, so a folder meant for others to load was
-    # unreadable to them; they get the mode of the config.json beside them (0666 less the umask).
-    return write_shards(weights, lambda sd: fmt.state_to_hf(sd, model), out, max_bytes=max_shard_bytes,
-                        mode_of=config)
+    before = set(out.iterdir())
+    try:
+        config = out / "config.json"
+        config.write_text(json.dumps(hf_config, indent=2) + "\n")
+        # safetensors creates its files with mode 0600 whatever the umask, so a folder meant for others to load was
+        # unreadable to them; they get the mode of the config.json beside them (0666 less the umask).
+        return write_shards(weights, lambda sd: fmt.state_to_hf(sd, model), out, max_bytes=max_shard_bytes,
+                            mode_of=config)
+    except BaseException:
+        # The weights are read as they are written: a damaged source found mid-way leaves no half folder behind
+        # (what was in `out` before stays).
+        for path in set(out.iterdir()) - before:
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        if made:
+            out.rmdir()
+        raise
 
 
 def _weights(whole: WholeCheckpoint, source: stream.Source | None, *, num_layers: int) -> Weights:

@@ -274,10 +274,13 @@ def _state(src: TorchDistFolder, args: Any, cfg: dict[str, Any], model: dict[str
     return out
 
 
-def torch_dist_summary(folder: Path) -> dict[str, Any]:
+def torch_dist_summary(folder: Path, *, verify: bool = False) -> dict[str, Any]:
     """What `ckpt inspect` prints of a torch_dist folder: the args' sizes and every stored key (from the index: no
-    tensor data is read)."""
+    tensor data is read). With `verify` every saved chunk and object is read through torch's reader first (the
+    format keeps no checksums; a chunk that does not load is the damage found)."""
     src = open_folder(folder)
+    if verify:
+        _read_every_chunk(src)
     args = src.common.get("args")
     top = {"args": args} if args is not None else {}
     rows = [{"name": k, "shape": list(v.size), "dtype": str(v.properties.dtype).removeprefix("torch.")}
@@ -296,4 +299,13 @@ def torch_dist_summary(folder: Path) -> dict[str, Any]:
             "model": {k: arg(top, k) for k in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                                                 "padded_vocab_size", "max_position_embeddings", "normalization",
                                                 "swiglu", "tokenizer_type")},
-            "consumed_train_samples": arg(top, "consumed_train_samples"), "precision": None, "tensors": rows}
+            "consumed_train_samples": arg(top, "consumed_train_samples"), "precision": None, "tensors": rows,
+            "verified": verify}
+
+
+def _read_every_chunk(src: TorchDistFolder) -> None:
+    """Each saved chunk of each key read on its own (one rank's shard at most in memory), then the objects."""
+    for key in src.tensor_keys():
+        for chunk in src.keys[key].chunks:
+            read(src, [key], boxes={key: (tuple(chunk.offsets), tuple(chunk.sizes))})
+    read(src, src.object_keys())

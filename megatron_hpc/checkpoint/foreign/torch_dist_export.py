@@ -216,7 +216,13 @@ def export_torch_dist(whole: WholeCheckpoint, out: Path, *, tp: int, pp: int, di
             common["optimizer"] = {"optimizer": {"param_groups": groups_},
                                    "param_state_sharding_type": "fully_reshardable"}
         else:
-            common["optimizer"] = {"state": {"common_step": torch.tensor(step)}, "param_groups": groups_}
+            # Both of megatron-core's plain layouts (optimizer.py state_dict, 0.16.1): FP32Optimizer's (torch's state
+            # dict at the top) for an fp32 run, and Float16OptimizerWithFloat16Params' (nested under 'optimizer',
+            # the masters from optimizer.state.fp32_param) for --bf16 / --fp16, which refused the top-level one
+            # (KeyError 'pre_wd_mult'). Each reads its own and ignores the other.
+            plain = {"state": {"common_step": torch.tensor(step)}, "param_groups": groups_}
+            common["optimizer"] = {**plain, "optimizer": {"state": {"common_step": torch.tensor(step)},
+                                                          "param_groups": [dict(g) for g in groups_]}}
         common["opt_param_scheduler"] = sched
     common["args"] = _args(cfg, tp=tp, pp=pp, padded=padded, state=state, train=train_args, optimizer=kind)
     content = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}

@@ -194,6 +194,18 @@ def _check_files(folder: Path, metadata: Metadata) -> None:
         raise CheckpointError(f"{folder} has no {missing[0]} ({len(missing)} of its {len(names)} .distcp data files "
                               "missing); the checkpoint is incomplete, copy the missing files or pass another "
                               "iteration")
+    # A file cut short (a copy or a save interrupted) is found here from the index's byte ranges, one stat a file,
+    # before anything is read or written: torch's reader would fail only at the item past the end, mid-convert.
+    ends: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    sizes = {n: (folder / n).stat().st_size for n in names}
+    short = [(n, sizes[n], ends[n]) for n in names if sizes[n] < ends[n]]
+    if short:
+        name, size, end = short[0]
+        raise CheckpointError(f"{folder / name} has {size:,} bytes but {METADATA} places data up to byte {end:,} "
+                              f"({len(short)} of its {len(names)} .distcp data files short); the file is truncated, "
+                              "copy the checkpoint again or pass another iteration")
 
 
 def open_folder(folder: Path) -> TorchDistFolder:
@@ -240,6 +252,7 @@ def _batches(src: TorchDistFolder, request: dict[str, Any], count: int) -> list[
 def _load(src: TorchDistFolder, request: dict[str, Any], raw: dict[str, bytes],
           offsets: dict[str, tuple[int, ...]]) -> None:
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     reader, planner = _classes()
     try:
@@ -248,10 +261,18 @@ def _load(src: TorchDistFolder, request: dict[str, Any], raw: dict[str, bytes],
         raise
     except PermissionError as exc:
         raise CheckpointAccessError(exc.filename or src.folder, exc) from None
-    except Exception as exc:  # torch wraps a reader's failure in CheckpointException (one per rank)
+    # torch wraps a reader's failure in CheckpointException, which derives from BaseException, not Exception
+    # (torch/distributed/checkpoint/api.py): without naming it, a damaged .distcp escaped as a traceback.
+    except (Exception, CheckpointException) as exc:
+        failures = getattr(exc, "failures", None) or {}
+        cause = next(iter(failures.values()), (exc, None))[0]  # {rank: (exception, trace)}
+        if isinstance(cause, PermissionError):
+            raise CheckpointAccessError(cause.filename or src.folder, cause) from None
+        # the first sentence: torch's weights-only refusal goes on for lines about torch.load's arguments
+        text = str(cause).strip().splitlines()[0].split(". ")[0][:300] if str(cause).strip() else ""
         raise CheckpointError(f"torch.distributed.checkpoint could not read {src.folder} "
-                              f"({type(exc).__name__}: {str(exc).strip()[:300]}); a .distcp file is truncated "
-                              "or damaged, copy the checkpoint again") from None
+                              f"({type(cause).__name__}{': ' + text if text else ''}); a .distcp file is damaged, "
+                              "copy the checkpoint again") from None
 
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]

@@ -88,6 +88,11 @@ def model_space(src: TorchDistFolder) -> ModelSpace | None:
     if not isinstance(optimizer, dict):
         raise ValueError("the checkpoint holds no optimizer state (saved with --no-save-optim)")
     kind = optimizer.get("param_state_sharding_type")
+    if kind is None and "param_groups" not in optimizer and isinstance(optimizer.get("optimizer"), dict):
+        # Float16OptimizerWithFloat16Params (Megatron-LM's --bf16 / --fp16 without the distributed optimizer) nests
+        # torch's state dict one level down beside its fp32_from_fp16_params (megatron-core 0.16.1 optimizer.py
+        # state_dict); FP32Optimizer saves it at the top. The fp32 masters are optimizer.state.fp32_param.* alike.
+        optimizer = optimizer["optimizer"]
     if kind is None:
         groups, step, fp32 = optimizer.get("param_groups"), _common_step(optimizer), "fp32_param"
     elif kind == "fully_reshardable":

@@ -32,6 +32,9 @@ FOREIGN_MODULES = ("megatron.",)
 _GLOBAL_RE = re.compile(r"GLOBAL ([A-Za-z_][\w.]*)")
 _CLASS_RE = re.compile(r"<class '([\w.]+)'>")
 _FUNCTION_RE = re.compile(r"unrecognized function (<[^>]*>|[\w.]+)")
+# torch's weights-only unpickler (torch/_weights_only_unpickler.py) on bytes that are not a pickle: a zeroed or
+# overwritten region gives "Unsupported operand 0". Damage, not an object refused: "holds an object" misled.
+_BROKEN_RE = re.compile(r"Unsupported operand \d+|String is too long|unsupported persistent id encountered")
 
 
 class ForeignObject:
@@ -94,7 +97,11 @@ def is_foreign(name: str) -> bool:
 
 
 def refusal(what: object, message: str) -> str:
-    """The one-line error for a pickle that asked for something we do not load."""
+    """The one-line error for a pickle that asked for something we do not load, or that is no pickle at all."""
+    broken = _BROKEN_RE.search(message)
+    if broken:
+        return (f"{what} is not a readable pickle ({broken.group(0)}; nothing in it ran); it is damaged or truncated, "
+                "copy it again")
     name = refused_global(message)
     asks = f"asks for {name}" if name else "holds an object"
     return (f"{what} {asks}, which a checkpoint may not contain, so it was not loaded (nothing in it ran); "

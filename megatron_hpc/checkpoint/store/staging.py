@@ -4,6 +4,7 @@ never meets half a checkpoint and an interrupted conversion leaves nothing behin
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import shutil
 from collections.abc import Iterator
@@ -17,15 +18,25 @@ from megatron_hpc.errors import CheckpointError
 @contextmanager
 def staged_iteration(root: Path, iteration: int) -> Iterator[Path]:
     """The empty temporary folder of `iteration` under `root` (made, with `root`), for the body to fill and move into
-    place. On any exception the folder is removed; an OSError becomes one CheckpointError line."""
+    place. On any exception the folder is removed, and `root` too when this call made it and it is empty again (a
+    convert that fails on a damaged source mid-way leaves no empty --out folder); an OSError becomes one
+    CheckpointError line."""
+    made = not root.exists()
     root.mkdir(parents=True, exist_ok=True)
     tmp = paths.temp_dir(root, iteration, secrets.token_hex(4))
     tmp.mkdir()
     try:
         yield tmp
     except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove(tmp, root if made else None)
         raise CheckpointError(f"writing {root} failed ({exc}); nothing was left behind") from None
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove(tmp, root if made else None)
         raise
+
+
+def _remove(tmp: Path, root: Path | None) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
+    if root is not None:
+        with contextlib.suppress(OSError):  # only when empty: another writer may have put something there meanwhile
+            root.rmdir()
