@@ -95,3 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         # the reader (`| head`) went away; say nothing more and do not flush into the closed pipe
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+
+
+if __name__ == "__main__":
+    # `python -m megatron_hpc.cli.main ...` (the entry point's module, as some launch wrappers name it) runs the CLI
+    # too, instead of importing it and exiting 0 having done nothing.
+    sys.exit(main())

@@ -64,3 +64,15 @@ def test_the_check_sees_numpy_where_a_dry_run_reads_data_files(tmp_path):
             f"main(['submit', '--recipe', 'tiny', '--set', 'data.path={prefix}', '--dry-run', '--out', "
             f"{str(tmp_path / 'run')!r}])")
     assert _imported_after(code) == ["numpy"]
+
+
+@pytest.mark.parametrize("module", ["megatron_hpc", "megatron_hpc.cli.main"])
+def test_both_module_forms_run_the_cli(module: str) -> None:
+    # `python -m megatron_hpc.cli.main` imported the CLI and exited 0 having done nothing; a bad --nodes must be
+    # answered in one line with exit 1 by either form.
+    proc = subprocess.run([sys.executable, "-m", module, "plan", "--recipe", "tiny", "--nodes", "0"],
+                          capture_output=True, text=True, check=False,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines() == ["megatron-hpc: error: --nodes 0: a run needs at least 1 node; "
+                                                "use --nodes 1 or more"]
