@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     import ast
 
     import torch.multiprocessing as mp
-    from _rendezvous import file_rendezvous
+    from rendezvous import file_rendezvous
 
     rows = []
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -355,7 +355,7 @@ def _time_parts(models: dict, optimizers: dict, ctx: Any, *, reps: int) -> dict[
 def measure(dp: int, shape: ModelShape, args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
     """Every rank's JSON record of one DP world."""
     import torch.multiprocessing as mp
-    from _rendezvous import file_rendezvous
+    from rendezvous import file_rendezvous
 
     out = tmp / f"dp{dp}"
     out.mkdir()

@@ -181,7 +181,7 @@ def summary(records: list[dict[str, Any]], *, log_interval: int) -> tuple[str, f
 
 def main(argv: list[str] | None = None) -> int:
     import torch.multiprocessing as mp
-    from _rendezvous import file_rendezvous
+    from rendezvous import file_rendezvous
 
     args = parse_args(argv)
     print(f"model: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, seq {args.seq}, vocab {args.vocab}, "

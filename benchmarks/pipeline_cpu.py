@@ -154,7 +154,7 @@ def measure(case: Case, shape: ModelShape, *, steps: tuple[int, int], tmp: Path)
 
     out = tmp / f"{case.name}-{case.micro_batches}.json"
     out.unlink(missing_ok=True)
-    from _rendezvous import file_rendezvous
+    from rendezvous import file_rendezvous
 
     rendezvous = file_rendezvous(tmp, f"{case.name}-{case.micro_batches}")
     os.environ["OMP_NUM_THREADS"] = str(case.threads)  # read by the children's OpenMP at start

@@ -87,7 +87,7 @@ def _tiny_checkpoint(folder: Path) -> Path:
     ckpt = folder / "ckpt"
     # --standalone: torchrun's rendezvous store binds a port of the kernel's choosing at once and the workers join
     # it. A fixed port collides with any other torchrun on the machine (the test suite's, beside it), and a port
-    # found free and passed as --master_port stays unbound until the store binds it (benchmarks/_rendezvous.py).
+    # found free and passed as --master_port stays unbound until the store binds it (benchmarks/rendezvous.py).
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "-m", "megatron_hpc", "train", "--recipe", "tiny"]
     for item in [*TINY, f"checkpoint.save={ckpt}"]:

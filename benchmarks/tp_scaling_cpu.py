@@ -59,7 +59,7 @@ def _worker(rank: int, world: int, rendezvous: str, args: argparse.Namespace, ou
 
 def step_time(world: int, args: argparse.Namespace, tmp: Path) -> float:
     import torch.multiprocessing as mp
-    from _rendezvous import file_rendezvous
+    from rendezvous import file_rendezvous
 
     out = tmp / f"tp{world}.txt"
     os.environ["OMP_NUM_THREADS"] = str(max(1, args.threads // world))

@@ -126,6 +126,9 @@ IN_PROCESS = {
     "tp_scaling_cpu.py",
 }
 
+HELPERS = {"rendezvous.py"}
+"""Modules the scripts import, not scripts: each script that uses one runs it in its smoke run."""
+
 SMOKED_ELSEWHERE = {
     # script: the test module that runs it at its smoke size
     "launcher_latency.py": "test_benchmark_launcher.py",
@@ -189,8 +192,9 @@ def _script(case: str) -> str:
 
 
 def test_every_benchmark_has_a_smoke_run() -> None:
-    scripts = {p.name for p in BENCHMARKS.glob("*.py") if not p.name.startswith("_")}  # _name.py: the scripts' helpers
+    scripts = {p.name for p in BENCHMARKS.glob("*.py")} - HELPERS
     assert scripts == {_script(case) for case in CASES} | SMOKED_ELSEWHERE.keys()
+    assert all((BENCHMARKS / name).is_file() for name in HELPERS), HELPERS
     assert scripts >= IN_PROCESS, IN_PROCESS - scripts
     for script, module in SMOKED_ELSEWHERE.items():
         assert script in (Path(__file__).parent / module).read_text(), (script, module)
