@@ -18,7 +18,6 @@ leaves out. Rank 0's figures are printed (TP ranks hold the same).
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
 from pathlib import Path
 
@@ -56,13 +55,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, mode: str, args: argparse.Namespace, out: str) -> None:
+def _worker(rank: int, world: int, rendezvous: str, mode: str, args: argparse.Namespace, out: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -76,7 +69,7 @@ def _worker(rank: int, world: int, port: int, mode: str, args: argparse.Namespac
 
     torch.set_num_threads(1)
     _, sp, recompute = MODES[mode]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
     try:
         ctx = ParallelContext.build(Mesh(num_nodes=1, workers_per_node=world, tensor_parallel=world), rank=rank)
         cfg = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
@@ -114,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     import ast
 
     import torch.multiprocessing as mp
+    from rendezvous import file_rendezvous
 
     rows = []
     Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -121,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         if mode != "plain" and mode not in args.modes:
             continue
         out = str(Path(args.out) / f"{mode}.txt")
-        mp.start_processes(_worker, args=(tp, _free_port(), mode, args, out), nprocs=tp, join=True,
-                           start_method="spawn")
+        mp.start_processes(_worker, args=(tp, file_rendezvous(args.out, mode), mode, args, out), nprocs=tp,
+                           join=True, start_method="spawn")
         rows.append(ast.literal_eval(Path(out).read_text()))
     print(f"layers {args.layers}, h {args.hidden}, heads {args.heads}, s {args.seq}, b {args.batch}, fp32, "
           "dropout 0.1 (CPU: fp32 masks, math attention)")

@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -212,13 +211,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # -- the worlds ---------------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, shape: ModelShape, args: argparse.Namespace, out: str) -> None:
+def _worker(rank: int, world: int, rendezvous: str, shape: ModelShape, args: argparse.Namespace, out: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -234,7 +227,7 @@ def _worker(rank: int, world: int, port: int, shape: ModelShape, args: argparse.
 
     keep_freed_memory()  # the trainer's CPU setup (train/entry.py)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
     try:
         ctx = ParallelContext.build(Mesh(num_nodes=1, workers_per_node=world), rank=rank)
         cfg = ModelConfig(num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
@@ -362,11 +355,12 @@ def _time_parts(models: dict, optimizers: dict, ctx: Any, *, reps: int) -> dict[
 def measure(dp: int, shape: ModelShape, args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
     """Every rank's JSON record of one DP world."""
     import torch.multiprocessing as mp
+    from rendezvous import file_rendezvous
 
     out = tmp / f"dp{dp}"
     out.mkdir()
     os.environ["OMP_NUM_THREADS"] = "1"  # read by the children's OpenMP at start
-    mp.start_processes(_worker, args=(dp, _free_port(), shape, args, str(out)), nprocs=dp, join=True,
+    mp.start_processes(_worker, args=(dp, file_rendezvous(out, "world"), shape, args, str(out)), nprocs=dp, join=True,
                        start_method="spawn")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(dp)]
 

@@ -58,13 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+def _worker(rank: int, world: int, rendezvous: str, args: argparse.Namespace, out: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -82,7 +76,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
 
     keep_freed_memory()  # the trainer's CPU setup (train/entry.py)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
     try:
         ctx = ParallelContext.build(Mesh(num_nodes=1, workers_per_node=world), rank=rank)
         device: DeviceInfo = resolve_device("gloo", local_rank=rank)
@@ -187,6 +181,7 @@ def summary(records: list[dict[str, Any]], *, log_interval: int) -> tuple[str, f
 
 def main(argv: list[str] | None = None) -> int:
     import torch.multiprocessing as mp
+    from rendezvous import file_rendezvous
 
     args = parse_args(argv)
     print(f"model: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, seq {args.seq}, vocab {args.vocab}, "
@@ -196,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["OMP_NUM_THREADS"] = "1"  # read by the children's OpenMP at start
     started = time.time()
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(2, _free_port(), args, tmp), nprocs=2, join=True, start_method="spawn")
+        mp.start_processes(_worker, args=(2, file_rendezvous(tmp, "world"), args, tmp), nprocs=2, join=True,
+                           start_method="spawn")
         records = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(2)]
     assert records[1]["stragglers_json"], "the last rank wrote no stragglers.json"
     text, _ = summary(records, log_interval=args.log_interval)

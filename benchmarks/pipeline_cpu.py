@@ -94,7 +94,7 @@ def verdict(ratios: list[float]) -> str:
     return "faster in every round" if max(ratios) < 1.0 else "slower in every round"
 
 
-def _worker(rank: int, world: int, store: str, case: Case, shape: ModelShape, steps: tuple[int, int],
+def _worker(rank: int, world: int, rendezvous: str, case: Case, shape: ModelShape, steps: tuple[int, int],
             out: str) -> None:
     import torch
     import torch.distributed as dist
@@ -112,7 +112,7 @@ def _worker(rank: int, world: int, store: str, case: Case, shape: ModelShape, st
 
     keep_freed_memory()  # the trainer's CPU setup (train/entry.py)
     torch.set_num_threads(case.threads)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
     try:
         ctx = ParallelContext.build(Mesh(num_nodes=1, workers_per_node=world, pipeline_parallel=case.pipeline),
                                     rank=rank)
@@ -154,12 +154,11 @@ def measure(case: Case, shape: ModelShape, *, steps: tuple[int, int], tmp: Path)
 
     out = tmp / f"{case.name}-{case.micro_batches}.json"
     out.unlink(missing_ok=True)
-    # A file rendezvous, not a port picked free and bound later: beside the test suite's other process groups a
-    # free port was taken in between once (EADDRINUSE in CI). A new file each world (a FileStore file is one use).
-    store = tmp / f"{case.name}-{case.micro_batches}.store"
-    store.unlink(missing_ok=True)
+    from rendezvous import file_rendezvous
+
+    rendezvous = file_rendezvous(tmp, f"{case.name}-{case.micro_batches}")
     os.environ["OMP_NUM_THREADS"] = str(case.threads)  # read by the children's OpenMP at start
-    mp.start_processes(_worker, args=(case.pipeline, str(store), case, shape, steps, str(out)),
+    mp.start_processes(_worker, args=(case.pipeline, rendezvous, case, shape, steps, str(out)),
                        nprocs=case.pipeline, join=True, start_method="spawn")
     return json.loads(out.read_text())
 

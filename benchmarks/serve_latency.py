@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.error import URLError
 
 from megatron_hpc.generate.client import put_api
 
@@ -57,7 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=8, help="tokens_to_generate of the request")
     p.add_argument("--rounds", type=int, default=50)
     p.add_argument("--threads", type=int, default=1, help="torch threads of the server and of this process")
-    p.add_argument("--port", type=int, default=0, help="server port (default: a free one)")
+    p.add_argument("--port", type=int, default=0, help="server port (default 0: the server binds a free one and "
+                   "names it)")
     args = p.parse_args(argv)
     if args.rounds < 1 or args.tokens < 1:
         p.error(f"--rounds ({args.rounds}) and --tokens ({args.tokens}) must be at least 1")
@@ -83,8 +85,10 @@ def _env(threads: int) -> dict[str, str]:
 
 def _tiny_checkpoint(folder: Path) -> Path:
     ckpt = folder / "ckpt"
-    # a free port: a fixed one collides with any other torchrun on the machine (the test suite's, beside it)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port", str(_free_port()),
+    # --standalone: torchrun's rendezvous store binds a port of the kernel's choosing at once and the workers join
+    # it. A fixed port collides with any other torchrun on the machine (the test suite's, beside it), and a port
+    # found free and passed as --master_port stays unbound until the store binds it (benchmarks/rendezvous.py).
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "-m", "megatron_hpc", "train", "--recipe", "tiny"]
     for item in [*TINY, f"checkpoint.save={ckpt}"]:
         cmd += ["--set", item]
@@ -92,12 +96,18 @@ def _tiny_checkpoint(folder: Path) -> Path:
     return ckpt
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _listening_port(server: subprocess.Popen[str]) -> int:
+    """The port `megatron-hpc serve` names once its socket listens (`PUT http://HOST:PORT/api` on stderr): with
+    --port 0 the kernel chose it at bind time, so no other process can hold it. Its stderr is drained from then on, so
+    that the pipe never fills."""
+    seen = []
+    for line in server.stderr:
+        seen.append(line)
+        found = re.search(r"PUT http://[^ ]+:(\d+)/api$", line.rstrip())
+        if found:
+            threading.Thread(target=server.stderr.read, daemon=True).start()
+            return int(found.group(1))
+    raise RuntimeError(f"megatron-hpc serve exited with {server.wait()} before it listened:\n{''.join(seen)[-3000:]}")
 
 
 def _put(url: str, body: dict) -> dict:
@@ -115,25 +125,20 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = args.ckpt or _tiny_checkpoint(Path(tmp))
-        port = args.port or _free_port()
         tok_flags = ["--vocab-file", str(args.vocab_file), "--merge-file", str(args.merge_file)]
         server = subprocess.Popen([sys.executable, "-m", "megatron_hpc", "serve", str(ckpt), "--host", "127.0.0.1",
-                                   "--port", str(port), "--quiet", *tok_flags], env=_env(args.threads),
-                                  stderr=subprocess.DEVNULL)
+                                   "--port", str(args.port), "--quiet", *tok_flags], env=_env(args.threads),
+                                  stderr=subprocess.PIPE, text=True)
         try:
             loaded = load_for_generation(ckpt, vocab_file=args.vocab_file, merge_file=args.merge_file)
+            port = _listening_port(server)
             tok = loaded.tokenizer
             ids = tok.encode(args.prompt)
             # what the server makes of the request below: top_k 1 is greedy, the EOD token stops a row
             params = SamplingParams(max_new_tokens=args.tokens, top_k=1, stop_tokens=(tok.vocab["<|endoftext|>"],))
             url = f"http://127.0.0.1:{port}/api"
             body = {"prompts": [args.prompt], "tokens_to_generate": args.tokens, "top_k": 1, "no_log": True}
-            for _ in range(600):
-                try:
-                    served = _put(url, body)
-                    break
-                except URLError:
-                    time.sleep(0.1)
+            served = _put(url, body)
             mine = generate(loaded.model, [ids], params)[0]
             assert served["tokens"][0] == ids + mine.tokens, (served["tokens"], ids + mine.tokens)
             print(f"same tokens from both paths: {len(mine.tokens)} new of {args.tokens} asked", flush=True)

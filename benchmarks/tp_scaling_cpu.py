@@ -12,20 +12,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
 from pathlib import Path
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+def _worker(rank: int, world: int, rendezvous: str, args: argparse.Namespace, out: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -38,7 +31,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     from megatron_hpc.train.step import MicroBatches, train_step
 
     torch.set_num_threads(max(1, args.threads // world))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
     try:
         ctx = ParallelContext.build(Mesh(num_nodes=1, workers_per_node=world, tensor_parallel=world), rank=rank)
         cfg = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
@@ -66,11 +59,12 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
 
 def step_time(world: int, args: argparse.Namespace, tmp: Path) -> float:
     import torch.multiprocessing as mp
+    from rendezvous import file_rendezvous
 
     out = tmp / f"tp{world}.txt"
     os.environ["OMP_NUM_THREADS"] = str(max(1, args.threads // world))
-    mp.start_processes(_worker, args=(world, _free_port(), args, str(out)), nprocs=world, join=True,
-                       start_method="spawn")
+    mp.start_processes(_worker, args=(world, file_rendezvous(tmp, f"tp{world}"), args, str(out)), nprocs=world,
+                       join=True, start_method="spawn")
     return float(out.read_text())
 
 

@@ -1,7 +1,7 @@
 """run_training: the entry point torchrun workers (and the CLI) call, given the run spec (config + plan).
 
 Reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT); without it, runs as a world of one on a free local port. Checks the plan's mesh against that
+MASTER_PORT); without it, runs as a world of one on a local port the kernel picks. Checks the plan's mesh against that
 world before any process group exists, so a mismatch fails fast and identically on every rank. This is the
 edge of the trainer: environment reads happen here and are passed down as values.
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
@@ -42,21 +41,18 @@ class DistEnv:
 
 
 def read_dist_env(environ: dict[str, str] | None = None) -> DistEnv:
-    """torchrun's variables, or a single-process world on a free port when RANK is unset."""
+    """torchrun's variables, or a single-process world on port 0 when RANK is unset."""
     env = os.environ if environ is None else environ
     if "RANK" not in env:
+        # Port 0: the world's only rank binds its store at once on a port the kernel picks. A port found free
+        # here and bound later by init_process_group was taken in between by another process group beside it
+        # (the test suite's), as in benchmarks/pipeline_cpu.py's EADDRINUSE.
         return DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="127.0.0.1",
-                       master_port=_free_port())
+                       master_port=0)
     world = int(env["WORLD_SIZE"])
     return DistEnv(rank=int(env["RANK"]), world_size=world, local_rank=int(env.get("LOCAL_RANK", "0")),
                    local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world))),
                    master_addr=env.get("MASTER_ADDR", "127.0.0.1"), master_port=int(env.get("MASTER_PORT", "29500")))
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def plan_for_torchrun(cfg: RunConfig, *, platform: str | None = None,

@@ -27,8 +27,10 @@ def _env() -> dict[str, str]:
 
 
 def _torchrun(nproc: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_port",
-            str(mp_workers.free_ports(1)[0]), "-m", "megatron_hpc"]
+    # --standalone: torchrun's rendezvous store binds a port of the kernel's choosing at once (a port found free and
+    # passed as --master_port stays unbound until the store binds it: another process group could take it)
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", "megatron_hpc"]
 
 
 def test_pp2_evaluation_equals_the_merged_one(tmp_path: Path, cli_in_process) -> None:

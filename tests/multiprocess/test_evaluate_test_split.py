@@ -49,8 +49,10 @@ def test_end_of_training_test_loss_equals_evaluate(tmp_path: Path, cli_in_proces
             "train.micro_batch_size=2", "train.global_batch_size=4", "train.eval_iters=2",
             "train.tensorboard=false", f"checkpoint.save={tmp_path / 'ckpt'}",
             f"data.vocab_file={FIXTURE / 'vocab.json'}", f"data.merge_file={FIXTURE / 'merges.txt'}"]
-    args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
-            str(mp_workers.free_ports(1)[0]), "-m", "megatron_hpc", "train", "--recipe", "tiny"]
+    # --standalone: torchrun's rendezvous store binds a port of the kernel's choosing at once (a port found free and
+    # passed as --master_port stays unbound until the store binds it: another process group could take it)
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            "-m", "megatron_hpc", "train", "--recipe", "tiny"]
     for item in sets:
         args += ["--set", item]
     proc = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -64,13 +66,13 @@ def test_end_of_training_test_loss_equals_evaluate(tmp_path: Path, cli_in_proces
     split = ["--split", "test"]
     lambada = ["--task", "lambada", "--file", str(tmp_path / "lambada.jsonl")]
     wikitext = ["--task", "wikitext", "--file", str(tmp_path / "wiki.txt"), "--overlapping-eval", "8"]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     reports = {}
     for name, extra in (("test", split), ("lambada", lambada), ("wikitext", wikitext)):
         reports[1, name] = cli_in_process("evaluate", str(tmp_path / "ckpt"), "--json", *extra)
     # at TP 2 the split and a task in one command (each torchrun starts three interpreters)
     for names, extra in ((("test", "lambada"), split + lambada), (("wikitext",), wikitext)):
-        ev = subprocess.run([*torchrun, str(mp_workers.free_ports(1)[0]), "-m", "megatron_hpc", "evaluate",
+        ev = subprocess.run([*torchrun, "-m", "megatron_hpc", "evaluate",
                              str(tmp_path / "ckpt"), "--json", *extra], capture_output=True, text=True,
                             env={**env, "OMP_NUM_THREADS": "1"})
         reports.update({(2, name): ev for name in names})

@@ -94,8 +94,10 @@ def test_text_prompts_and_bad_input(tp2_checkpoint, cli_in_process):
 
 def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-                           "--master_port", str(mp_workers.free_ports(1)[0]), "-m", "megatron_hpc", *args],
+    # --standalone: torchrun's rendezvous store binds a port of the kernel's choosing at once (a port found free and
+    # passed as --master_port stays unbound until the store binds it: another process group could take it)
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                           "-m", "megatron_hpc", *args],
                           capture_output=True, text=True, env={**env, "OMP_NUM_THREADS": "1"})
 
 

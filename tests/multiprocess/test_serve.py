@@ -243,10 +243,12 @@ def test_tp2_serving_equals_tp1(served: dict[str, Any], checkpoint: str) -> None
 
 def test_torchrun_tp2_cli_serves_what_tp1_serves(server, tp2_checkpoint):
     """The real `torchrun -m megatron_hpc serve` at TP 2; SIGTERM (what scancel and torchrun send) stops every rank."""
-    port, master = mp_workers.free_ports(2)
+    (port,) = mp_workers.free_ports(1)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
-                             str(master), "-m", "megatron_hpc", "serve", str(tp2_checkpoint), "--host", "127.0.0.1",
+    # --standalone: torchrun's rendezvous store binds a port of the kernel's choosing at once (no --master_port found
+    # free beforehand, which another process group could take before the store binds it)
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             "-m", "megatron_hpc", "serve", str(tp2_checkpoint), "--host", "127.0.0.1",
                              "--port", str(port), *TOKENIZER], env={**env, "OMP_NUM_THREADS": "1"},
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     url = f"http://127.0.0.1:{port}/api"

@@ -1,6 +1,7 @@
 """Every script under benchmarks/ runs end to end at a smoke size and prints its ratios line, so none rots.
 
-Each runs as its users run it (`python benchmarks/NAME.py ...`, a fresh process from the repository root) on the
+Each runs as its users run it (`python benchmarks/NAME.py ...` from the repository root; for the scripts in
+IN_PROCESS the same main() with the same sys.argv, working directory and sys.path, in the test's process) on the
 smallest model and the fewest rounds that still take every path of the script to its summary; the figures mean
 nothing at that size (benchmarks/RESULTS.md has the real ones), so only the shape of the summary is checked. Two
 scripts time us against another project's tool that the suite does not install (megatron-core, Megatron-LM): their
@@ -11,6 +12,7 @@ family (--family llama) runs once per family: a case named "script.py[family]".
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -111,6 +113,22 @@ CASES: dict[str, tuple[list[str], str]] = {
                                  r"peak memory [\d.]+x$"),
 }
 
+IN_PROCESS = {
+    # Scripts whose main() runs in the test's process (_run_in_process), as their command would run it: each parent
+    # process is one more interpreter importing torch, and these need none of their own. They start their ranks,
+    # servers and torchrun as they always do. The others keep theirs: convert_*, data_index_build and train_step_cpu
+    # read their children's peak RSS from wait4, which starts at the parent's own high-water mark (the test
+    # process's, here); generate_cpu and generate_floor load transformers, whose logger keeps the sys.stderr (and its
+    # flush) of its first use for good, a test's capture that is closed by the next run's warning; the rest start
+    # little but other processes.
+    "activation_bytes.py", "cache_stats.py", "ckpt_io.py", "dist_optim_cpu.py", "heartbeat_overhead.py", "mfu_gpu.py",
+    "pipeline_cpu.py", "plan_fits.py", "plan_speed.py", "serve_latency.py", "steptime_published.py",
+    "tp_scaling_cpu.py",
+}
+
+HELPERS = {"rendezvous.py"}
+"""Modules the scripts import, not scripts: each script that uses one runs it in its smoke run."""
+
 SMOKED_ELSEWHERE = {
     # script: the test module that runs it at its smoke size
     "launcher_latency.py": "test_benchmark_launcher.py",
@@ -118,13 +136,55 @@ SMOKED_ELSEWHERE = {
 }
 
 
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def _run(script: str, args: list[str], tmp: Path, **env_vars: str) -> subprocess.CompletedProcess[str]:
     # One thread each, as the suite's other processes: the sizes are too small for more to help.
     env = {**os.environ, "OMP_NUM_THREADS": "1", **env_vars}
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    for var in TORCHRUN_VARS:
         env.pop(var, None)
     return subprocess.run([sys.executable, str(BENCHMARKS / script), *(a.format(tmp=tmp) for a in args)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _run_in_process(script: str, args: list[str], monkeypatch: pytest.MonkeyPatch,
+                    capfd: pytest.CaptureFixture[str]) -> subprocess.CompletedProcess[str]:
+    """`python benchmarks/SCRIPT ARGS` without the interpreter: the script's main() in this process, with what
+    that command sets up (the repository root as working directory, benchmarks/ first on sys.path, sys.argv, the
+    environment of _run), and its exit status from main's return or SystemExit. The output is captured at the file
+    descriptors, so the lines of the processes it starts count too. What a script changes in the process (torch's
+    threads, grad mode and RNG, a process group it leaves) is put back for the tests after it."""
+    import torch
+    import torch.distributed as dist
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # its ranks (spawned) import the script by name from there
+    monkeypatch.setattr(sys, "argv", [str(BENCHMARKS / script), *args])
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    for var in TORCHRUN_VARS:
+        monkeypatch.delenv(var, raising=False)
+    spec = importlib.util.spec_from_file_location(Path(script).stem, BENCHMARKS / script)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses and pickled functions name it
+    threads, grad, rng = torch.get_num_threads(), torch.is_grad_enabled(), torch.get_rng_state()
+    capfd.readouterr()
+    try:
+        spec.loader.exec_module(module)
+        returned = module.main()
+        code = returned if isinstance(returned, int) else 0  # sys.exit(main()) or a bare main()
+    except SystemExit as exc:  # argparse's refusals, sys.exit(message)
+        code = exc.code if isinstance(exc.code, int) else 1
+        if not isinstance(exc.code, int | None):
+            print(exc.code, file=sys.stderr)
+    finally:
+        if dist.is_initialized():  # a script's world ends with its process
+            dist.destroy_process_group()
+        torch.set_num_threads(threads)
+        torch.set_grad_enabled(grad)
+        torch.set_rng_state(rng)
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(sys.argv, code or 0, out, err)
 
 
 def _script(case: str) -> str:
@@ -132,14 +192,17 @@ def _script(case: str) -> str:
 
 
 def test_every_benchmark_has_a_smoke_run() -> None:
-    scripts = {p.name for p in BENCHMARKS.glob("*.py")}
+    scripts = {p.name for p in BENCHMARKS.glob("*.py")} - HELPERS
     assert scripts == {_script(case) for case in CASES} | SMOKED_ELSEWHERE.keys()
+    assert all((BENCHMARKS / name).is_file() for name in HELPERS), HELPERS
+    assert scripts >= IN_PROCESS, IN_PROCESS - scripts
     for script, module in SMOKED_ELSEWHERE.items():
         assert script in (Path(__file__).parent / module).read_text(), (script, module)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_the_script_runs_end_to_end_and_prints_its_ratios(case: str, tmp_path: Path) -> None:
+def test_the_script_runs_end_to_end_and_prints_its_ratios(case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          capfd: pytest.CaptureFixture[str]) -> None:
     script = _script(case)
     if script == "preprocess_throughput.py":  # its --demo folder: a corpus and the tokenizer that encodes it
         (tmp_path / "demo").mkdir()
@@ -147,7 +210,10 @@ def test_the_script_runs_end_to_end_and_prints_its_ratios(case: str, tmp_path: P
         for name in ("vocab.json", "merges.txt"):
             shutil.copy(PREPROCESS / name, tmp_path / "demo" / name)
     args, ratios = CASES[case]
-    proc = _run(script, args, tmp_path)
+    if script in IN_PROCESS:
+        proc = _run_in_process(script, [a.format(tmp=tmp_path) for a in args], monkeypatch, capfd)
+    else:
+        proc = _run(script, args, tmp_path)
     assert proc.returncode == 0, f"{case} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert [line for line in proc.stdout.splitlines() if re.search(ratios, line)], proc.stdout[-3000:]
@@ -160,3 +226,15 @@ def test_the_gpu_benchmark_refuses_a_machine_without_one_and_names_the_fix(tmp_p
     assert proc.returncode == 2 and not proc.stdout
     assert re.fullmatch(r"mfu_gpu: no CUDA GPU here \(.+\); run it on a GPU machine \(or pass --allow-cpu with a "
                         r"small model to smoke-test the script\)\n", proc.stderr), proc.stderr
+
+
+def test_in_process_a_refusal_exits_as_the_command_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capfd: pytest.CaptureFixture[str]) -> None:
+    # What the in-process runs above pass on must be what the command's exit status and output would be.
+    args = ["--platforms", "no_such", "--recipes", "neox_20b"]
+    own = _run("plan_fits.py", args, tmp_path)
+    here = _run_in_process("plan_fits.py", args, monkeypatch, capfd)
+    assert own.returncode == here.returncode == 2
+    assert own.stdout == here.stdout == ""
+    assert "plan_fits.py: error: argument --platforms: invalid choice: 'no_such'" in here.stderr
+    assert own.stderr == here.stderr

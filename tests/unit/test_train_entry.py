@@ -23,7 +23,7 @@ from megatron_hpc.config.schema import (
 from megatron_hpc.errors import DataError, PlanError, TrainingError
 from megatron_hpc.plan.planner import check_torchrun_world
 from megatron_hpc.run_folder import read_spec, write_spec
-from megatron_hpc.train.entry import plan_for_torchrun, run_training
+from megatron_hpc.train.entry import plan_for_torchrun, read_dist_env, run_training
 from megatron_hpc.train.metrics import parse_iteration_line
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -85,6 +85,13 @@ def test_plan_for_torchrun_takes_the_world_and_checks_it_once() -> None:
     with pytest.raises(PlanError, match=r"parallel.tensor=3 is invalid .*N in \{1, 2, 4\}"):
         plan_for_torchrun(RunConfig(name="x", model=_tiny().model, train=_tiny().train, optim=_tiny().optim,
                                     parallel=ParallelConfig(tensor=3)), environ=env)
+
+
+def test_a_world_of_one_leaves_the_port_to_its_store() -> None:
+    # Port 0: the only rank's store binds when the world forms. A port found free beforehand was unbound until then,
+    # and another process group beside it (the suite's) could take it (EADDRINUSE). The tests above train on it.
+    env = read_dist_env({})
+    assert (env.rank, env.world_size, env.master_addr, env.master_port) == (0, 1, "127.0.0.1", 0)
 
 
 def test_trainer_follows_a_changed_plan_field(tmp_path: Path, capsys: pytest.CaptureFixture[str],
