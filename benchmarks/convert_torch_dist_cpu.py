@@ -66,6 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    default=["torch", "xser", "torch_dist"])
     p.add_argument("--read-budget-gib", type=float, help="passed to each convert (default: its own, 1)")
     p.add_argument("--shard-size-gb", type=float, help="passed to --to hf (default: its own, 5)")
+    p.add_argument("--workers", type=int, nargs="+", default=[1],
+                   help="each --to torch|xser convert once per value, with --workers N (default: 1 only); the peak "
+                        "RSS of a run with workers is its largest process's, not their sum")
     p.add_argument("--repeat", type=int, default=1, help="runs of each, alternating; the table gives medians")
     p.add_argument("--ours", choices=("xser", "torch"),
                    help="convert the source once (untimed) into a checkpoint of ours in this format at --from-tp x "
@@ -308,13 +311,15 @@ def main(argv: list[str] | None = None) -> None:
                                                             if args.baseline else {})}
     for to in args.to:
         for tag, tree in trees.items():
-            out = work / f"ours-{to}{'-baseline' * bool(tag)}"
-            sizes = ["--tp", str(args.to_tp)] if to != "hf" else (
-                ["--shard-size-gb", str(args.shard_size_gb)] if args.shard_size_gb else [])
-            budget = ["--read-budget-gib", str(args.read_budget_gib)] if args.read_budget_gib else []
-            commands[f"convert --to {to} {' '.join(sizes[:2])}".strip() + tag] = (
-                ["env", f"PYTHONPATH={tree}", sys.executable, "-P", "-m", "megatron_hpc", "ckpt", "convert", str(src),
-                 "--to", to, *sizes, "--out", str(out), *budget], out)
+            for workers in args.workers if to in ("torch", "xser") else [1]:
+                more = ["--workers", str(workers)] if workers > 1 else []
+                out = work / f"ours-{to}{'-baseline' * bool(tag)}{f'-w{workers}' * bool(more)}"
+                sizes = ["--tp", str(args.to_tp)] if to != "hf" else (
+                    ["--shard-size-gb", str(args.shard_size_gb)] if args.shard_size_gb else [])
+                budget = ["--read-budget-gib", str(args.read_budget_gib)] if args.read_budget_gib else []
+                commands[f"convert --to {to} {' '.join(sizes[:2] + more)}".strip() + tag] = (
+                    ["env", f"PYTHONPATH={tree}", sys.executable, "-P", "-m", "megatron_hpc", "ckpt", "convert",
+                     str(src), "--to", to, *sizes, "--out", str(out), *budget, *more], out)
     runs: dict[str, list[Row]] = {name: [] for name in commands}
     for i in range(args.repeat):  # alternating, so a change in the machine's load falls on all alike
         for name, (cmd, dst) in commands.items():

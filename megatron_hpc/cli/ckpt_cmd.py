@@ -60,6 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="with --to torch_dist: Adam's state for a run with --use-distributed-optimizer (its "
                         "fully_reshardable form) instead of plain Adam's")
     _add_read_budget(c, "a checkpoint of ours or a torch_dist one")
+    _add_workers(c)
     c.add_argument("--shard-size-gb", type=float, metavar="GB",
                    help="with --to hf: the largest weights file, in GB of 10^9 bytes as transformers' max_shard_size; "
                         "a larger model is written in shards with model.safetensors.index.json, and about one shard "
@@ -80,7 +81,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--out", type=Path, help="output checkpoint folder (default: <checkpoint folder>-tp<N>[-pp<M>])")
     r.add_argument("--iteration", type=int, help="reshard this iteration instead of the tracker's")
     _add_read_budget(r, "the checkpoint")
+    _add_workers(r)
     r.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _add_workers(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workers", type=int, default=1, metavar="N",
+                        help="write the output ranks (--to torch|xser) with N processes side by side, each a run of "
+                             "consecutive ranks; each holds its own output rank and read budget, so memory grows "
+                             "about N times (default: 1)")
+
+
+def _workers(args: argparse.Namespace) -> int:
+    """--workers, checked before anything is read or written."""
+    from megatron_hpc.errors import CheckpointError
+
+    if args.workers < 1:
+        raise CheckpointError(f"--workers {args.workers} must be 1 or more; drop it to write one output rank at a "
+                              "time, or give up to the number of idle cores")
+    return args.workers
 
 
 def _add_read_budget(parser: argparse.ArgumentParser, what: str) -> None:
@@ -240,12 +259,16 @@ def _convert(args: argparse.Namespace) -> int:
     if args.shard_size_gb is not None and (args.to != "hf" or not args.shard_size_gb > 0):
         raise CheckpointError(f"--shard-size-gb {args.shard_size_gb} sets the file size of --to hf and must be above "
                               "0; drop it for the default 5, or give it with --to hf")
+    _workers(args)
     from megatron_hpc.checkpoint.foreign import is_hf_folder
 
     if is_hf_folder(source):
         return _import_hf(args, out)
     src = _read_source(args)
     whole, notes = src.whole, src.notes
+    if args.workers > 1 and args.to in ("hf", "torch_dist"):
+        notes.append(f"--workers applies to --to torch and xser (output ranks side by side); --to {args.to} is "
+                     "written by one process")
     if args.to == "hf":  # a Hugging Face folder never holds Adam or RNG state: what a resumed run lacks is moot
         notes = [n for n in notes if "a resumed run" not in n]
     # A torch_dist source is read whole at TP 1 x PP 1 and written at the sizes it was saved at unless told.
@@ -276,9 +299,12 @@ def _convert(args: argparse.Namespace) -> int:
         from megatron_hpc.checkpoint.conversion import convert_lazy
 
         written = convert_lazy(src.streamed, to=args.to, out=out)
+        if args.workers > 1:
+            notes.append("--workers applies where the sizes change (--tp or --pp); a change of format alone is "
+                         "written by one process")
     else:
         # One output rank at a time; the source's weights are fetched as they are needed and released after.
-        result = stream.reshard(src.streamed, tp=tp, pp=pp, out=out, fmt=args.to)
+        result = stream.reshard(src.streamed, tp=tp, pp=pp, out=out, fmt=args.to, workers=args.workers)
         written, report["optimizer"] = result.folder, result.optimizer
         if result.note and not any("Adam" in n for n in notes):
             notes.append(result.note)
@@ -327,7 +353,8 @@ def _import_hf(args: argparse.Namespace, out: Path) -> int:
     imported = import_hf(source, out=out, fmt=args.to)
     tp, pp = (1 if v is None else v for v in (args.tp, args.pp))
     # One output rank at a time; the weights are released as they are used (not read again).
-    result = stream.reshard(stream.in_memory(imported.whole), tp=tp, pp=pp, out=out, fmt=args.to)
+    result = stream.reshard(stream.in_memory(imported.whole), tp=tp, pp=pp, out=out, fmt=args.to,
+                            workers=args.workers)
     tokenizer = copy_tokenizer(imported.tokenizer, out)
     resolved = imported.whole.first["resolved_config"]
     model = resolved["model"]
@@ -443,6 +470,7 @@ def _reshard(args: argparse.Namespace) -> int:
 
     if args.tp is None and args.pp is None:
         raise CheckpointError("say what to reshard to: --tp N and/or --pp M (an omitted one keeps the checkpoint's)")
+    workers = _workers(args)
     # Read a tensor at a time as the output ranks need it (conversion/lazy.py), --read-budget-gib held at most.
     source, _ = read_lazy(args.path, iteration=args.iteration, budget=_budget(args))
     whole = source.whole
@@ -457,7 +485,7 @@ def _reshard(args: argparse.Namespace) -> int:
     # One output rank at a time; the source's weights are released after their last use.
     result = stream.reshard(source, tp=tp, pp=layout.pipeline, virtual=layout.virtual,
                             first_stage_layers=layout.first_stage_layers, last_stage_layers=layout.last_stage_layers,
-                            out=out)
+                            out=out, workers=workers)
     report = {"source": str(whole.found.folder), "iteration": whole.iteration, "from_tp": result.from_tp,
               "to_tp": result.to_tp, "from_pp": result.from_pp, "to_pp": result.to_pp,
               "virtual_pipeline": layout.virtual, "out": str(out), "optimizer": result.optimizer}

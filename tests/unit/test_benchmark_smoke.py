@@ -56,7 +56,7 @@ CASES: dict[str, tuple[list[str], str]] = {
                                   r"peak RSS / source [\d.]+x$"),
     "convert_torch_dist_cpu.py[dp_reshardable]": (
         ["--dir", "{tmp}/td", "--layers", "2", "--hidden", "64", "--heads", "8", "--vocab", "300", "--seq", "32",
-         "--files", "2", "--dp-reshardable", "--to", "torch", "torch_dist"],
+         "--files", "2", "--dp-reshardable", "--to", "torch", "torch_dist", "--workers", "1", "2"],
         r"^time goal \(each convert <= 2x copy\): (met|NOT met); worst [\d.]+x; convert peak RSS / source [\d.]+x$"),
     "convert_torch_dist_cpu.py[ours]": (
         ["--dir", "{tmp}/td", "--layers", "2", "--hidden", "64", "--heads", "8", "--vocab", "300", "--seq", "32",

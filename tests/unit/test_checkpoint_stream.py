@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_checkpoint_import import reference_checkpoint
 from whole_model_reshard import reshard
 
-from megatron_hpc.checkpoint.conversion import read_whole, stream
+from megatron_hpc.checkpoint.conversion import read_lazy, read_whole, stream
 from megatron_hpc.checkpoint.conversion import whole as whole_module
 from megatron_hpc.checkpoint.foreign import import_foreign, read_foreign
 
@@ -83,6 +83,11 @@ def test_streamed_convert_equals_the_whole_model_path(tmp_path: Path) -> None:
     reshard(read_whole(ours), tp=4, pp=2, virtual=2, out=tmp_path / "old-ours", fmt="torch", release=True)
     stream.reshard(stream.in_memory(read_whole(ours)), tp=4, pp=2, virtual=2, out=tmp_path / "new-ours", fmt="torch")
     assert_same_checkpoint(tmp_path / "old-ours", tmp_path / "new-ours")
+    # ckpt reshard's source (read a tensor at a time), its 8 output ranks written by 3 forked workers in runs of
+    # 2, 3 and 3: the same checkpoint, each worker releasing only its own copy of what it read
+    lazy, _ = read_lazy(ours, budget=1)
+    stream.reshard(lazy, tp=4, pp=2, virtual=2, out=tmp_path / "forked-ours", fmt="torch", workers=3)
+    assert_same_checkpoint(tmp_path / "old-ours", tmp_path / "forked-ours")
     grown = torch.cat([s["model"]["wte.weight"] for s in read_whole(tmp_path / "new-ours").grid[0]])
     assert grown.shape[0] == 64 and torch.equal(grown[56:], grown[49:50].expand(8, -1))
 

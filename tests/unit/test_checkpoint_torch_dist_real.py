@@ -340,3 +340,65 @@ def test_an_hf_export_does_not_warn_about_what_a_resumed_run_lacks(tmp_path: Pat
     code, _, err = _cli(capsys, "ckpt", "convert", src, "--to", "hf", "--out", tmp_path / "hf")
     assert code == 0, err
     assert "resumed run" not in err and "warning" not in err, err
+
+
+def _tensors(value: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor under `value` (nested dicts and lists) by its path."""
+    if torch.is_tensor(value):
+        return {prefix: value}
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list | tuple) else ()
+    out: dict[str, torch.Tensor] = {}
+    for key, item in items:
+        out.update(_tensors(item, f"{prefix}/{key}"))
+    return out
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_workers_write_what_one_process_writes(workers: int, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """--workers N forks N processes that each write a run of the output ranks (3 over 4 ranks: uneven runs). Every
+    rank's weights and Adam state equal the one-process convert's, tensor for tensor, and the manifest names them."""
+    from megatron_hpc.checkpoint.conversion import locate
+    from megatron_hpc.checkpoint.store import read_shard
+
+    src = FIXTURES / "llama_tp2_pp2_dp2_distopt"
+    outs = {n: tmp_path / f"w{n}" for n in (1, workers)}
+    for n, out in outs.items():
+        code, _, err = _cli(capsys, "ckpt", "convert", src, "--to", "torch", "--tp", 2, "--pp", 2, "--out", out,
+                            "--workers", n)
+        assert code == 0, err
+    one, many = (locate(outs[n]) for n in (1, workers))
+    for pp_rank in range(2):
+        for tp_rank in range(2):
+            want = read_shard(one, tp_rank=tp_rank, pp_rank=pp_rank)
+            got = read_shard(many, tp_rank=tp_rank, pp_rank=pp_rank)
+            for part in ("model", "optimizer"):
+                want_t, got_t = _tensors(want[part]), _tensors(got[part])
+                assert want_t.keys() == got_t.keys() and want_t
+                for key, tensor in want_t.items():
+                    assert torch.equal(got_t[key], tensor), (pp_rank, tp_rank, key)
+
+
+def test_a_failing_worker_is_one_line_and_leaves_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A chunk found damaged inside a forked worker: its message comes back as the command's one line, the other
+    worker's ranks and the --out folder are removed, as without workers."""
+    src = _damage("gpt_tp2", tmp_path, "zeroed")
+    out = tmp_path / "out"
+    code, _, err = _cli(capsys, "ckpt", "convert", src, "--to", "torch", "--tp", 2, "--out", out, "--workers", 2)
+    assert code == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "could not read" in lines[0] and "a .distcp file is damaged" in lines[0]
+    assert not out.exists()
+
+
+def test_workers_below_one_are_refused_before_anything_is_read(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    for command in (["convert", FIXTURES / "gpt_tp2", "--to", "torch", "--out", out],
+                    ["reshard", FIXTURES / "gpt_tp2", "--tp", 1, "--out", out]):
+        code, _, err = _cli(capsys, "ckpt", *command, "--workers", 0)
+        assert code == 1
+        assert err.strip().splitlines() == ["megatron-hpc: error: --workers 0 must be 1 or more; drop it to write "
+                                            "one output rank at a time, or give up to the number of idle cores"]
+        assert not out.exists()

@@ -24,6 +24,7 @@ import torch
 
 from megatron_hpc.checkpoint.conversion import optim_layout, pp_layout, tp_layout
 from megatron_hpc.checkpoint.conversion.host_memory import give_back_freed
+from megatron_hpc.checkpoint.conversion.parallel import in_workers, split_runs
 from megatron_hpc.checkpoint.conversion.reshard_sizes import ReshardResult, check_pp, check_tp, resized_state
 from megatron_hpc.checkpoint.conversion.whole import WholeCheckpoint, model_config
 from megatron_hpc.checkpoint.store import (
@@ -381,13 +382,65 @@ def _release_moments(moments: optim_layout.Moments) -> None:
             moments[key] = value.to("meta")
 
 
+@dataclass(kw_only=True)
+class _RankJob:
+    """What writing a run of output ranks needs (planned once, before any worker forks)."""
+
+    source: Source
+    plan: _Plan
+    per_tp: list[dict[str, optim_layout.Moments]] | None
+    groups: Any
+    whole: WholeCheckpoint
+    tp: int
+    pp: int
+    layout: PipelineLayout
+    padded: int
+    fmt: str
+
+    def write(self, ranks: list[tuple[int, int]], tmp: Path) -> None:
+        """Write output ranks `ranks` (pp_rank, tp_rank) into `tmp`, releasing each source tensor after the last of
+        them that reads it. In a forked worker what it releases is its own copy: the others still hold theirs."""
+        source, plan, per_tp, whole = self.source, self.plan, self.per_tp, self.whole
+        last = _last_uses(plan, ranks)
+        for row_p, row in enumerate(whole.grid):  # what none of these reads (other TP ranks' replicated copies, ...)
+            for t, state in enumerate(row):
+                for name in list(state["model"]):
+                    if (row_p, t, name) not in last:
+                        source.release(row_p, t, name)
+        buffers = _Buffers()
+        for i, (p, t) in enumerate(ranks):
+            state = resized_state(whole.first, tp=self.tp, layout=self.layout, padded=self.padded)
+            weights: dict[str, torch.Tensor] = {}
+            moments: dict[str, optim_layout.Moments] = {}
+            for name, meta in plan.stages[p].items():
+                h = plan.holder[name]
+                weights[name] = _piece(plan, name, t, meta, lambda k, n=name, h=h: source.weight(h, k, n),
+                                       buffers)
+                if per_tp is not None and all(name in m for m in per_tp):
+                    moments[name] = _moments_piece(plan, name, t, per_tp, buffers, source)
+                for k in _sources(plan, name, t):
+                    if last[(h, k, name)] == i:
+                        source.release(h, k, name)
+                        if per_tp is not None and name in per_tp[k]:
+                            _release_moments(per_tp[k][name])
+            state["model"] = weights
+            if per_tp is not None:
+                state["optimizer"] = optim_layout.indexed(moments, model=weights, groups=self.groups)
+            buffers.keep_only(_pieces_of(ranks[i + 1], plan, per_tp) if i + 1 < len(ranks) else [])
+            write_rank_folder(state, tmp, tp_rank=t, pp_rank=p, pp_size=self.pp, fmt=self.fmt)
+            del state, weights, moments
+            buffers.recycle()
+            give_back_freed()
+
+
 def reshard(source: Source, *, tp: int, pp: int = 1, virtual: int = 1, first_stage_layers: int = 0,
-            last_stage_layers: int = 0, out: Path, fmt: str | None = None) -> ReshardResult:
+            last_stage_layers: int = 0, out: Path, fmt: str | None = None, workers: int = 1) -> ReshardResult:
     """Write `source` at TP size `tp` and pipeline size `pp` (with `virtual` chunks per pipeline rank and optional
     uneven first/last stages, as parallel.* names them) into `out`: same iteration, the vocabulary re-padded for
     `tp`, Adam's moments moved by name (dropped, with the reason in the result's note, when they cannot be). Every
     check and refusal comes before anything is written. `source`'s weights and moments are released as they are
-    used (the checkpoint is unusable afterwards)."""
+    used (the checkpoint is unusable afterwards). With `workers` above 1 the output ranks are split into that many
+    runs of consecutive ranks, each written by its own forked process (parallel.py)."""
     whole = source.whole
     model = model_config(whole)
     layout = PipelineLayout(pipeline=pp, virtual=virtual, first_stage_layers=first_stage_layers,
@@ -409,37 +462,11 @@ def reshard(source: Source, *, tp: int, pp: int = 1, virtual: int = 1, first_sta
         except (KeyError, ValueError, TypeError, IndexError, CheckpointError) as exc:
             note = f"the optimizer state could not be resharded ({exc}); a resumed run starts Adam's moments at zero"
     ranks = [(p, t) for p in range(pp) for t in range(tp)]
-    last = _last_uses(plan, ranks)
-    for row_p, row in enumerate(whole.grid):  # what no output rank reads (other TP ranks' replicated copies, ...)
-        for t, state in enumerate(row):
-            for name in list(state["model"]):
-                if (row_p, t, name) not in last:
-                    source.release(row_p, t, name)
-    buffers = _Buffers()
+    job = _RankJob(source=source, plan=plan, per_tp=per_tp, groups=groups, whole=whole, tp=tp, pp=pp, layout=layout,
+                   padded=padded, fmt=fmt)
+    runs = split_runs(ranks, workers)
     with staged_iteration(out, whole.iteration) as tmp:
-        for i, (p, t) in enumerate(ranks):
-            state = resized_state(whole.first, tp=tp, layout=layout, padded=padded)
-            weights: dict[str, torch.Tensor] = {}
-            moments: dict[str, optim_layout.Moments] = {}
-            for name, meta in plan.stages[p].items():
-                h = plan.holder[name]
-                weights[name] = _piece(plan, name, t, meta, lambda k, n=name, h=h: source.weight(h, k, n),
-                                       buffers)
-                if per_tp is not None and all(name in m for m in per_tp):
-                    moments[name] = _moments_piece(plan, name, t, per_tp, buffers, source)
-                for k in _sources(plan, name, t):
-                    if last[(h, k, name)] == i:
-                        source.release(h, k, name)
-                        if per_tp is not None and name in per_tp[k]:
-                            _release_moments(per_tp[k][name])
-            state["model"] = weights
-            if per_tp is not None:
-                state["optimizer"] = optim_layout.indexed(moments, model=weights, groups=groups)
-            buffers.keep_only(_pieces_of(ranks[i + 1], plan, per_tp) if i + 1 < len(ranks) else [])
-            write_rank_folder(state, tmp, tp_rank=t, pp_rank=p, pp_size=pp, fmt=fmt)
-            del state, weights, moments
-            buffers.recycle()
-            give_back_freed()
+        in_workers(runs, lambda mine: job.write(mine, tmp))
         folder = commit_save(tmp, out, whole.iteration, ranks=RankInfo(world_size=tp * pp, tp_size=tp, pp_size=pp),
                          fmt=fmt, layout=layout)
     return ReshardResult(folder=folder, from_tp=whole.tensor_parallel, to_tp=tp, from_pp=whole.pipeline_parallel,
