@@ -2,8 +2,9 @@
 
 One tiny run of each family is trained on the CPU and saved -- GPT-NeoX-style (rotary on half of each head, parallel
 residual, untied output) and Llama-style (RMSNorm, SwiGLU, grouped-query attention 4:2, no biases, untied output);
-its recipe names trn1, so evaluate and generate pick XLA by default (the platform chosen as the trainer
-chooses it) and the CPU with --platform cpu. Run with bash tests/xla/run.sh (see test_real_torch_xla.py).
+its recipe names trn1 but the run was planned on the CPU, so evaluate and generate pick the CPU by default (the
+platform the run's plan ran on, as a `submit --platform cpu` of such a recipe) and XLA with --platform trn1. Run
+with bash tests/xla/run.sh (see test_real_torch_xla.py).
 """
 
 from __future__ import annotations
@@ -42,13 +43,14 @@ cfg = RunConfig(
     optim=OptimConfig(lr=3e-3, lr_warmup_iters=0, lr_decay_style="constant"),
     data=DataConfig(source="indexed", path=str(tmp / "corpus"), split="80,10,10", cache_path=str(tmp / "cache")),
     checkpoint=CheckpointConfig(save=str(tmp / "ckpt")),
-    launch=LaunchConfig(platform="trn1"),  # the run's platform: what evaluate and generate default to
+    launch=LaunchConfig(platform="trn1"),  # the recipe's; the plan below is the CPU's (what evaluate defaults to)
 )
 assert run_training(plan_for_torchrun(cfg, platform="cpu"), run_dir=tmp / "run") == 0
 """
 
 # One process for every check (each start imports torch and torch_xla): the compile counts first, while no graph
-# of this model exists yet, then the commands in-process, on XLA (the run's platform) and with --platform cpu.
+# of this model exists yet, then the commands in-process, on XLA (--platform trn1) and on the run's own platform (the
+# CPU).
 INFER = r"""
 import contextlib, io, json, sys
 from pathlib import Path
@@ -85,7 +87,7 @@ def cli(*args):
 prompts = ["--prompt-ids", "3,4,5", "--prompt-ids", "7,8,9,10,11,12,13,14,15"]  # a left-padded batch
 sampled = ["--temperature", "0.8", "--top-k", "40", "--seed", "7"]
 report = {"compiles": counts, "outputs": outputs}
-for name, platform in (("xla", []), ("cpu", ["--platform", "cpu"])):
+for name, platform in (("xla", ["--platform", "trn1"]), ("cpu", [])):
     report[name] = {
         "evaluate": cli("evaluate", ckpt, "--split", "test", *platform),
         "greedy": cli("generate", ckpt, *prompts, "--max-new-tokens", "12", *platform),
@@ -121,7 +123,7 @@ def runs(env: dict[str, str], ckpt: Path) -> dict[str, Any]:
 
 
 def test_evaluate_on_xla_equals_the_cpu(runs: dict[str, Any]) -> None:
-    xla, cpu = runs["xla"]["evaluate"], runs["cpu"]["evaluate"]  # xla: the run's platform, trn1
+    xla, cpu = runs["xla"]["evaluate"], runs["cpu"]["evaluate"]  # cpu: the platform the run's plan ran on
     assert (xla["device"], cpu["device"]) == ("xla", "cpu")
     assert xla["splits"]["test"]["samples"] == cpu["splits"]["test"]["samples"] == 8
     assert xla["splits"]["test"]["loss"] == pytest.approx(cpu["splits"]["test"]["loss"], rel=1e-5)
