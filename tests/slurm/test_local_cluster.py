@@ -77,7 +77,9 @@ def test_afterok_on_failed_parent_is_cancelled(slurm_cluster, sacct_job, tmp_pat
     out = tmp_path / "child.out"
     parent = sbatch("-o", "/dev/null", "--wrap", "exit 3")
     child = sbatch(f"--dependency=afterok:{parent}", "-o", str(out), "--wrap", "echo child ran")
-    parent_rec = sacct_job(parent, timeout=30, final=True)
+    # slurmdbd can show FAILED a moment before the exit code it records with it (CI read 'FAILED', '0:0' once): wait
+    # for the code too; a job that really ended 0:0 times out here with its record shown
+    parent_rec = sacct_job(parent, timeout=30, final=True, until=lambda r: r["ExitCode"] != "0:0")
     assert (parent_rec["State"], parent_rec["ExitCode"]) == ("FAILED", "3:0")
     # DependencyParameters=kill_invalid_depend: cancelled instead of pending forever
     child_rec = sacct_job(child, timeout=30, final=True)
