@@ -84,9 +84,8 @@ def test_inspect_reads_what_megatron_core_wrote(case: str, capsys: pytest.Captur
     assert "decoder.layers.self_attention.linear_qkv.weight" in names
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_converted_model_gives_megatron_cores_logits(case: str, converted: dict[str, Path],
-                                                     ctx: ParallelContext) -> None:
+def _logits(case: str, converted: dict[str, Path], ctx: ParallelContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our GPT's logits from `case` converted (its resolved model config), and megatron-core's on the same tokens."""
     state = read_whole(converted[case]).first
     cfg = from_dict(ModelConfig, state["resolved_config"]["model"], where="model")
     model = GPT(cfg, ctx=ctx, padded_vocab=state["model"]["wte.weight"].shape[0], seed=1)
@@ -94,20 +93,21 @@ def test_converted_model_gives_megatron_cores_logits(case: str, converted: dict[
     want = _expected(case)
     with torch.no_grad():
         logits = model.eval()(torch.tensor(want["tokens"]))[0]
-    torch.testing.assert_close(logits, torch.tensor(want["logits"]), rtol=0, atol=1e-4)
+    return logits, torch.tensor(want["logits"])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_converted_model_gives_megatron_cores_logits(case: str, converted: dict[str, Path],
+                                                     ctx: ParallelContext) -> None:
+    logits, want = _logits(case, converted, ctx)
+    torch.testing.assert_close(logits, want, rtol=0, atol=1e-4)
 
 
 def test_bf16_masters_give_megatron_cores_bf16_logits(converted: dict[str, Path], ctx: ParallelContext) -> None:
     """The converted weights are the fp32 masters; megatron-core's forward ran in bf16 (about 3 significant digits:
     2.5e-3 apart at most here, where bf16 weights read instead of the masters, or a dropped RoPE base, are further)."""
-    state = read_whole(converted[BF16]).first
-    cfg = from_dict(ModelConfig, state["resolved_config"]["model"], where="model")
-    model = GPT(cfg, ctx=ctx, padded_vocab=state["model"]["wte.weight"].shape[0], seed=1)
-    model.load_state_dict(state["model"])
-    want = _expected(BF16)
-    with torch.no_grad():
-        logits = model.eval()(torch.tensor(want["tokens"]))[0]
-    torch.testing.assert_close(logits, torch.tensor(want["logits"]), rtol=0, atol=1e-2)
+    logits, want = _logits(BF16, converted, ctx)
+    torch.testing.assert_close(logits, want, rtol=0, atol=1e-2)
 
 
 def _summary(tensors: list[torch.Tensor]) -> dict[str, float]:
