@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -40,25 +41,66 @@ def put(url: str, body: Any, *, raw: bytes | None = None) -> tuple[int, Any]:
         return exc.code, json.loads(exc.read())
 
 
+class Served:
+    """`serve ... --port 0` started as a subprocess: the kernel picks a free port when the server binds, and the
+    port is read back from the line serve prints (a port found free beforehand could be taken before the bind).
+    A thread drains stderr as it comes, so request logs never fill the pipe, and keeps it for the assertions."""
+
+    _LINE = re.compile(r"PUT (http://[^\s]+/api)")
+
+    def __init__(self, argv: list[str], *, env: dict[str, str], timeout: float = 180, **popen: Any) -> None:
+        self.proc = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True, **popen)
+        self._lines: list[str] = []
+        self._found = threading.Event()
+        self.url = ""
+        self._drainer = threading.Thread(target=self._drain, daemon=True)
+        self._drainer.start()
+        deadline = time.monotonic() + timeout
+        while not self._found.wait(0.2):
+            assert self.proc.poll() is None and time.monotonic() < deadline, self.stderr()
+        assert self.url, self.stderr()  # stderr ended without the line: the server did not start
+        self._ready(deadline)
+
+    def _drain(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self._lines.append(line)
+            match = self._LINE.search(line)
+            if match and not self.url:
+                self.url = match.group(1)
+                self._found.set()
+        self._found.set()  # the process ended (poll says so) or closed stderr
+
+    def _ready(self, deadline: float) -> None:
+        # The line is printed once the socket is bound and listening, just before serve_forever: a request sent now
+        # waits in the backlog; a refused one (not yet seen) is retried until the deadline.
+        while True:
+            try:
+                put(self.url, {"prompts": ["x"], "tokens_to_generate": 1})
+                return
+            except URLError:
+                assert self.proc.poll() is None and time.monotonic() < deadline, self.stderr()
+                time.sleep(0.2)
+
+    def stderr(self) -> str:
+        return "".join(self._lines)
+
+    def stop(self) -> str:
+        """SIGTERM (what scancel and torchrun send); the server's whole stderr once it has exited."""
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+        self._drainer.join(timeout=30)  # ends at the end of stderr: when the server and any ranks under it are gone
+        return self.stderr()
+
+
 @pytest.fixture(scope="module")
 def server(tp2_checkpoint: Path) -> Any:
-    port = mp_workers.free_ports(1)[0]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    proc = subprocess.Popen([sys.executable, "-m", "megatron_hpc", "serve", str(tp2_checkpoint), "--host",
-                             "127.0.0.1", "--port", str(port), *TOKENIZER], env=env, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}/api"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            put(url, {"prompts": ["x"], "tokens_to_generate": 1})
-            break
-        except URLError:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
-            time.sleep(0.2)
-    yield url
-    proc.terminate()
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err  # SIGTERM stops it cleanly
+    served = Served([sys.executable, "-m", "megatron_hpc", "serve", str(tp2_checkpoint), "--host", "127.0.0.1",
+                     "--port", "0", *TOKENIZER], env=env, timeout=120)
+    yield served.url
+    err = served.stop()
+    assert served.proc.returncode == 0, err  # SIGTERM stops it cleanly
 
 
 def _generate_cli(cli: Any, ckpt: Path, prompt: str, n: int) -> dict[str, Any]:
@@ -243,25 +285,16 @@ def test_tp2_serving_equals_tp1(served: dict[str, Any], checkpoint: str) -> None
 
 def test_torchrun_tp2_cli_serves_what_tp1_serves(server, tp2_checkpoint):
     """The real `torchrun -m megatron_hpc serve` at TP 2; SIGTERM (what scancel and torchrun send) stops every rank."""
-    (port,) = mp_workers.free_ports(1)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     # --standalone: torchrun's rendezvous store binds a port of the kernel's choosing at once (no --master_port found
-    # free beforehand, which another process group could take before the store binds it)
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             "-m", "megatron_hpc", "serve", str(tp2_checkpoint), "--host", "127.0.0.1",
-                             "--port", str(port), *TOKENIZER], env={**env, "OMP_NUM_THREADS": "1"},
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    url = f"http://127.0.0.1:{port}/api"
+    # free beforehand, which another process group could take before the store binds it); --port 0 the same for HTTP
+    served = Served([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+                     "megatron_hpc", "serve", str(tp2_checkpoint), "--host", "127.0.0.1", "--port", "0",
+                     *TOKENIZER], env={**env, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    url = served.url
     body = {"prompts": PROMPTS, "tokens_to_generate": 6, "top_k": 1, "logprobs": True}
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            status, out = put(url, body)
-            break
-        except URLError:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
-            time.sleep(0.5)
     try:
+        status, out = put(url, body)
         assert status == 200, out
         ref = put(server, body)[1]
         assert (out["tokens"], out["text"]) == (ref["tokens"], ref["text"])
@@ -270,8 +303,7 @@ def test_torchrun_tp2_cli_serves_what_tp1_serves(server, tp2_checkpoint):
         assert put(url, {"prompts": ["fox"], "top_p": 2.0})[0] == 400
         assert put(url, body)[1]["tokens"] == out["tokens"]
     finally:
-        proc.terminate()
-        _, err = proc.communicate(timeout=60)
+        err = served.stop()
     # torchrun itself reports the signal with a traceback; the ranks (whose lines it prefixes) print none
     assert "at TP 2" in err and "megatron-hpc serve: stopping" in err, err[-3000:]
     assert "[rank0]: Traceback" not in err and "[rank1]: Traceback" not in err, err[-3000:]
@@ -290,24 +322,14 @@ def test_an_imported_hf_llama_is_served_with_its_own_tokenizer(tmp_path: Path, c
     folder = save_llama(theirs, tmp_path / "hf", shards=True)
     converted = cli_in_process("ckpt", "convert", str(folder), "--to", "xser", "--out", str(tmp_path / "ours"))
     assert converted.returncode == 0, converted.stderr
-    port = mp_workers.free_ports(1)[0]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    proc = subprocess.Popen([sys.executable, "-m", "megatron_hpc", "serve", str(tmp_path / "ours"), "--host",
-                             "127.0.0.1", "--port", str(port), "--quiet"], env=env, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}/api"
+    served = Served([sys.executable, "-m", "megatron_hpc", "serve", str(tmp_path / "ours"), "--host", "127.0.0.1",
+                     "--port", "0", "--quiet"], env=env, timeout=120)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                status, reply = put(url, {"prompts": ["the quick brown fox"], "tokens_to_generate": 12, "top_k": 1})
-                break
-            except URLError:
-                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
-                time.sleep(0.2)
+        status, reply = put(served.url, {"prompts": ["the quick brown fox"], "tokens_to_generate": 12, "top_k": 1})
     finally:
-        proc.terminate()
-        _, err = proc.communicate(timeout=60)
-    assert status == 200 and proc.returncode == 0, (reply, err)
+        err = served.stop()
+    assert status == 200 and served.proc.returncode == 0, (reply, err)
     tok = transformers.AutoTokenizer.from_pretrained(folder)
     prompt = tok("the quick brown fox", return_tensors="pt").input_ids
     want = theirs.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=tok.eos_token_id,
