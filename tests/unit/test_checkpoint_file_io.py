@@ -30,6 +30,96 @@ def test_written_files_are_ordinary_torch_zips(tmp_path: Path) -> None:
         assert zf.testzip() is None  # every record's CRC is right: unzip tools accept the file
 
 
+def _records(path: Path) -> list[tuple[str, int, int, int, bytes]]:
+    with zipfile.ZipFile(path) as zf:
+        return [(i.filename, i.header_offset, i.file_size, i.CRC, zf.read(i)) for i in zf.infolist()]
+
+
+def test_record_crcs_are_ours_and_the_zip_is_torchs_own(tmp_path: Path) -> None:
+    """torch.save inside write_torch_file computes no record crc32 (its code is 3-4x slower than the write); the
+    sink puts ours where torch's go. The file is torch's own save of the object, record for record: the same names,
+    offsets, sizes, bytes and crc32s, with every crc32 right (unzip -t and zipfile check them). Among the records:
+    an empty one (torch writes it without a data descriptor), one whose 16 bytes look like a data descriptor with
+    the sizes counted so far, one that looks like a local header, one over CHUNK and a pickle over 64 KiB."""
+    import subprocess
+    from io import BytesIO
+
+    obj = {"empty": torch.empty(0), "ones": torch.ones(3),
+           "looks_like_descriptor": torch.tensor([0x08074B50, 7, 0, 0], dtype=torch.int32),
+           "looks_like_header": torch.tensor([0x04034B50, 1, 2, 3], dtype=torch.int32),
+           "big": torch.randn(CHUNK // 4 + 3), "names": [f"n{i}" for i in range(20000)]}
+    path = tmp_path / "t.pt"
+    written = write_torch_file(path, obj)
+    data = path.read_bytes()
+    assert written.size == len(data) and written.crc32 == zlib.crc32(data)
+    assert torch.serialization.get_crc32_options()  # the process-wide option is back as it was
+
+    seen = []
+
+    class Probe:  # pickled inside the save: what torch's crc32 option is while torch.save runs
+        def __reduce__(self) -> tuple:
+            seen.append(torch.serialization.get_crc32_options())
+            return (int, (0,))
+
+    write_torch_file(tmp_path / "probe.pt", {"probe": Probe()})
+    assert seen == [False]
+    theirs = tmp_path / "theirs.pt"
+    buffer = BytesIO()
+    torch.save(obj, buffer, pickle_protocol=2)  # torch computing its own crc32s
+    theirs.write_bytes(buffer.getvalue())
+    ours_records, their_records = _records(path), _records(theirs)
+    assert len(ours_records) == len(their_records) == 11
+    for ours, their in zip(ours_records, their_records):
+        assert ours[3] == zlib.crc32(ours[4])
+        if not ours[0].endswith("serialization_id"):  # a random id per save
+            assert ours == their
+    assert subprocess.run(["unzip", "-tq", str(path)], capture_output=True).returncode == 0
+    loaded = torch.load(path, weights_only=True)
+    assert all(torch.equal(loaded[k], obj[k]) for k in obj if k != "names") and loaded["names"] == obj["names"]
+
+
+def test_saves_on_several_threads_write_the_same_bytes(tmp_path: Path) -> None:
+    """The saver writes files on a thread pool. torch keeps its crc32 option per thread (2.13) or one for the process
+    (2.9, the XLA tier's); either way every save runs with torch's crc32 off, so the same object gives the same
+    bytes whatever the timing (torch derives its serialization_id record from the crc32s it computed), and the
+    option is as it was once the saves are done."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    obj = {"x": torch.arange(300000.0)}
+    with ThreadPoolExecutor(4) as pool:
+        crcs = set(pool.map(lambda i: write_torch_file(tmp_path / f"{i}.pt", obj).crc32, range(32)))
+    assert len(crcs) == 1 and torch.serialization.get_crc32_options()
+    with zipfile.ZipFile(tmp_path / "7.pt") as zf:
+        assert zf.testzip() is None
+
+
+def test_a_record_torch_did_not_write_as_known_is_refused_not_written_wrong() -> None:
+    """The filler counts each record from torch's writes; a central directory that disagrees with what it counted
+    (a torch that writes its zips another way) is refused rather than given crc32s of the wrong bytes."""
+    from megatron_hpc.checkpoint.store.zip_crc import Filler
+
+    class Recorder:  # torch.save's writes, one by one, as the sink receives them
+        def __init__(self) -> None:
+            self.writes: list[bytearray] = []
+
+        def write(self, data: bytes) -> int:
+            self.writes.append(bytearray(memoryview(data).cast("B")))
+            return len(self.writes[-1])
+
+        def flush(self) -> None:
+            pass
+
+    recorder = Recorder()
+    torch.save({"x": torch.ones(4)}, recorder, pickle_protocol=2)
+    filler = Filler()
+    for write in recorder.writes:
+        if write[:4] == b"PK\x01\x02":
+            struct.pack_into("<I", write, 20, 999)  # the first entry's compressed size: not the size counted
+        filler.feed(memoryview(write))
+    with pytest.raises(CheckpointError, match=r"entry 0 \(record at byte 0, 999 bytes\) is not the record counted"):
+        filler.finish()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool])
 def test_tensor_read_into_fresh_memory(tmp_path: Path, dtype: torch.dtype) -> None:
     t = (torch.randn(37, 11) * 10).to(dtype)

@@ -7,7 +7,7 @@ costs two copies and a slow hash per byte (benchmarks/RESULTS.md, issue 5). Here
   memoryview, the tensor's own memory for the data record, so the bytes go from the tensor to the page cache in one
   copy, checksummed piece by piece just before each piece is written (still in the CPU's cache). The files are the
   ordinary torch.save zip format, record CRCs included, so torch.load, torch_xla's xser loader and `unzip -t` read
-  them.
+  them; the record CRCs are computed here on the way (zip_crc.py), not by torch's much slower code.
 - Reading a tensor file (one tensor in one storage: what xser writes per tensor): the zip directory says where the
   data record lies; the file is read in order into a small head, the memory of a fresh tensor, and a small tail,
   each piece checksummed right after it arrived. torch.load with mmap=True (weights only) gives the dtype, shape and
@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from megatron_hpc.checkpoint.store import safe_pickle
+from megatron_hpc.checkpoint.store import safe_pickle, zip_crc
 from megatron_hpc.checkpoint.store.checksum import crc32
 from megatron_hpc.checkpoint.store.manifest import FileRecord
 from megatron_hpc.checkpoint.store.writeback import WRITEBACK_STEP, start_writeback
@@ -72,6 +72,7 @@ class _WriteSink:
 
     def __init__(self, fd: int):
         self._fd = fd
+        self._zip = zip_crc.Filler()
         self._pending = bytearray()
         self._written = 0
         self._kicked = 0
@@ -83,6 +84,17 @@ class _WriteSink:
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
+        for piece in self._zip.feed(view):
+            self._put(memoryview(piece))
+        self.size += view.nbytes
+        return view.nbytes
+
+    def end_zip(self) -> None:
+        """torch.save has returned: its central directory goes out, with the records' crc32 (zip_crc.py)."""
+        self._put(memoryview(self._zip.finish()))
+        self.drain()
+
+    def _put(self, view: memoryview) -> None:
         n = view.nbytes
         if n < _SMALL:
             self._pending += view
@@ -92,8 +104,6 @@ class _WriteSink:
             self.drain()
             for start in range(0, n, CHUNK):
                 self._out(view[start:start + CHUNK])
-        self.size += n
-        return n
 
     def _out(self, view: memoryview) -> None:
         self.crc = crc32(view, self.crc)
@@ -125,8 +135,9 @@ def write_torch_file(path: Path, obj: Any, *, pickle_module: Any = pickle) -> Wr
     try:
         sink = _WriteSink(fd)
         try:
-            torch.save(obj, sink, pickle_module=pickle_module, pickle_protocol=2)
-            sink.drain()
+            with zip_crc.torch_crc_off():
+                torch.save(obj, sink, pickle_module=pickle_module, pickle_protocol=2)
+            sink.end_zip()
             os.fsync(fd)
         except (RuntimeError, OSError) as exc:
             error = sink.error or exc
