@@ -40,14 +40,18 @@ def test_record_crcs_are_ours_and_the_zip_is_torchs_own(tmp_path: Path) -> None:
     sink puts ours where torch's go. The file is torch's own save of the object, record for record: the same names,
     offsets, sizes, bytes and crc32s, with every crc32 right (unzip -t and zipfile check them). Among the records:
     an empty one (torch writes it without a data descriptor), one whose 16 bytes look like a data descriptor with
-    the sizes counted so far, one that looks like a local header, one over CHUNK and a pickle over 64 KiB."""
+    the sizes counted so far, one that looks like a local header, one over CHUNK, one whose last 16 bytes look like a
+    descriptor after its first CHUNK, and a pickle over 64 KiB."""
     import subprocess
     from io import BytesIO
 
     obj = {"empty": torch.empty(0), "ones": torch.ones(3),
            "looks_like_descriptor": torch.tensor([0x08074B50, 7, 0, 0], dtype=torch.int32),
            "looks_like_header": torch.tensor([0x04034B50, 1, 2, 3], dtype=torch.int32),
-           "big": torch.randn(CHUNK // 4 + 3), "names": [f"n{i}" for i in range(20000)]}
+           "big": torch.randn(CHUNK // 4 + 3), "names": [f"n{i}" for i in range(20000)],
+           # over CHUNK, so the sink feeds it a CHUNK at a time: its last 16 bytes, fed alone, look like a descriptor
+           "tail_looks_like_descriptor": torch.cat([torch.zeros(CHUNK // 4, dtype=torch.int32),
+                                                    torch.tensor([0x08074B50, 9, CHUNK, CHUNK], dtype=torch.int32)])}
     path = tmp_path / "t.pt"
     written = write_torch_file(path, obj)
     data = path.read_bytes()
@@ -68,7 +72,7 @@ def test_record_crcs_are_ours_and_the_zip_is_torchs_own(tmp_path: Path) -> None:
     torch.save(obj, buffer, pickle_protocol=2)  # torch computing its own crc32s
     theirs.write_bytes(buffer.getvalue())
     ours_records, their_records = _records(path), _records(theirs)
-    assert len(ours_records) == len(their_records) == 11
+    assert len(ours_records) == len(their_records) == 12
     for ours, their in zip(ours_records, their_records):
         assert ours[3] == zlib.crc32(ours[4])
         if not ours[0].endswith("serialization_id"):  # a random id per save
