@@ -59,6 +59,8 @@ class Filler:
 
     def feed(self, view: memoryview) -> list[memoryview | bytes]:
         out: list[memoryview | bytes] = []
+        if not view.nbytes:  # nothing to count (and no sign of what comes next for a held descriptor)
+            return out
         if self._tail is not None:
             self._tail += view
             return out
