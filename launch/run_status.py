@@ -199,8 +199,9 @@ def find_run_dir(spec: str | None, *, runs_root: Path = Path("runs")) -> Path:
         if any(j.job_id == spec for j in jobs):
             return run.path.resolve()
     skipped = f"; {len(unreadable)} could not be read ({unreadable[0]}, ...)" if unreadable else ""
+    # A run submitted with --out (or from another folder) is not under runs/: only its folder finds it.
     raise LaunchError(f"{spec!r} is neither a run folder nor a job id of a run under {runs_root.resolve()}"
-                      f"{skipped}")
+                      f"{skipped}; pass the run folder submit printed, or run this where submit ran")
 
 
 def read_status(run_dir: Path) -> RunStatus:

@@ -55,7 +55,7 @@ def test_status_by_folder_job_id_and_latest(tmp_path, monkeypatch, capsys):
     assert find_run_dir(str(newer)) == newer.resolve()
     os.utime(older / "submission.json", (1, 1))
     assert find_run_dir(None) == newer.resolve()
-    with pytest.raises(LaunchError, match="neither a run folder nor a job id"):
+    with pytest.raises(LaunchError, match=r"neither a run folder nor a job id.*; pass the run folder submit printed"):
         find_run_dir("999")
     capsys.readouterr()
     assert main(["status", "--json", "7"]) == 0
