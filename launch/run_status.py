@@ -223,6 +223,8 @@ def read_status(run_dir: Path) -> RunStatus:
     # A k8s run's folder is on the claim; readable here where the claim is mounted at the pods' path.
     trained_in = _k8s_run_folder(run_dir, config) if status.cluster == "k8s" else run_dir
     status.progress = read_progress(trained_in, train_iters=config.get("train", {}).get("num_steps"))
+    if status.progress is not None and status.jobs and all(j.state in ENDED_STATES for j in status.jobs):
+        status.progress.eta_s = None  # a cancelled or failed run has no time left to estimate, only a resume would
     save = (config.get("checkpoint") or {}).get("save")
     status.last_checkpoint = last_checkpoint(Path(save).expanduser() if save else trained_in / CHECKPOINT_DIR)
     status.spare_nodes = int((config.get("launch") or {}).get("spare_nodes") or 0)
