@@ -199,8 +199,9 @@ def find_run_dir(spec: str | None, *, runs_root: Path = Path("runs")) -> Path:
         if any(j.job_id == spec for j in jobs):
             return run.path.resolve()
     skipped = f"; {len(unreadable)} could not be read ({unreadable[0]}, ...)" if unreadable else ""
+    # A run submitted with --out (or from another folder) is not under runs/: only its folder finds it.
     raise LaunchError(f"{spec!r} is neither a run folder nor a job id of a run under {runs_root.resolve()}"
-                      f"{skipped}")
+                      f"{skipped}; pass the run folder submit printed, or run this where submit ran")
 
 
 def read_status(run_dir: Path) -> RunStatus:
@@ -222,6 +223,8 @@ def read_status(run_dir: Path) -> RunStatus:
     # A k8s run's folder is on the claim; readable here where the claim is mounted at the pods' path.
     trained_in = _k8s_run_folder(run_dir, config) if status.cluster == "k8s" else run_dir
     status.progress = read_progress(trained_in, train_iters=config.get("train", {}).get("num_steps"))
+    if status.progress is not None and status.jobs and all(j.state in ENDED_STATES for j in status.jobs):
+        status.progress.eta_s = None  # a cancelled or failed run has no time left to estimate, only a resume would
     save = (config.get("checkpoint") or {}).get("save")
     status.last_checkpoint = last_checkpoint(Path(save).expanduser() if save else trained_in / CHECKPOINT_DIR)
     status.spare_nodes = int((config.get("launch") or {}).get("spare_nodes") or 0)

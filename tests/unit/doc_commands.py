@@ -29,8 +29,10 @@ from pathlib import Path
 
 from megatron_hpc.cli import main as cli_main
 from megatron_hpc.config.loader import config_to_dict, known_recipes, load_recipe
+from megatron_hpc.config.platforms import get_platform
 from megatron_hpc.config.schema import RunConfig
 from megatron_hpc.errors import ConfigError
+from megatron_hpc.plan.planner import resolve_data_source
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -255,8 +257,16 @@ def settings_problem(argv: tuple[str, ...]) -> str | None:
     overrides = _option_values(argv, "--set")
     if not overrides:
         return None
-    recipe = recipes[0] if recipes else "tiny"
-    resolved = config_to_dict(load_recipe(recipe))
+    try:
+        load_recipe(recipes[0] if recipes else "tiny", _checked_overrides(recipes, overrides))
+    except ConfigError as exc:
+        return f"--set: {exc}"
+    return None
+
+
+def _checked_overrides(recipes: list[str], overrides: list[str]) -> list[str]:
+    """The --set items with a placeholder value replaced by the recipe's own value (only the key is checked)."""
+    resolved = config_to_dict(load_recipe(recipes[0] if recipes else "tiny"))
     checked = []
     for item in overrides:
         key, _, value = item.partition("=")
@@ -264,10 +274,20 @@ def settings_problem(argv: tuple[str, ...]) -> str | None:
         if PLACEHOLDER.fullmatch(value) and current is not _MISSING and not isinstance(current, dict):
             item = f"{key}={json.dumps(current)}"  # a placeholder value: check the key with a value of the right type
         checked.append(item)
-    try:
-        load_recipe(recipe, checked)
-    except ConfigError as exc:
-        return f"--set: {exc}"
+    return checked
+
+
+def data_problem(argv: tuple[str, ...]) -> str | None:
+    """A new-run `submit` whose recipe has no data off the cpu platform: submit (even --dry-run) refuses it with
+    check_data_source, so a page showing it shows a command that fails as written."""
+    recipes = _option_values(argv, "--recipe")
+    if argv[:1] != ("submit",) or not recipes or "--resume" in argv:
+        return None
+    cfg = load_recipe(recipes[0], _checked_overrides(recipes, _option_values(argv, "--set")))
+    platform = get_platform((_option_values(argv, "--platform") or [cfg.launch.platform])[-1])
+    if resolve_data_source(cfg.data, platform) == "missing":
+        return (f"submit refuses {recipes[0]} on {platform.name} without data; show it with --set data.path=PREFIX "
+                "(or --set data.source=synthetic)")
     return None
 
 
@@ -275,6 +295,8 @@ def command_problem(command: DocCommand) -> str | None:
     problem = parse_problem(list(command.argv), fragment=command.fragment)
     if problem is None and not command.shows_refusal:
         problem = settings_problem(command.argv)  # a refusal the doc shows is checked by running it
+    if problem is None and not command.shows_refusal and not command.fragment:
+        problem = data_problem(command.argv)
     return problem
 
 

@@ -113,6 +113,7 @@ def test_the_extractor_finds_blocks_chains_continuations_prompts_and_usage_lines
     ("megatron-hpc plan --recipe tiny --set train.lr=0.1", "unknown key 'train.lr'"),
     ("megatron-hpc plan --recipe tiny --set train.num_steps=lots", "expected an integer"),
     ("megatron-hpc plan --recipe tinny", "not a shipped recipe"),
+    ("megatron-hpc submit --recipe gpt3_6.7b --nodes 16 --dry-run --out d", "submit refuses gpt3_6.7b on trn1"),
     ("megatron-hpc frobnicate --now", "invalid choice: 'frobnicate'"),
 ])
 def test_a_wrong_command_in_a_doc_fails_the_check(line: str, why: str):

@@ -4,7 +4,7 @@ import json
 import os
 
 import pytest
-from megatron_hpc.launch.run_status import find_run_dir, read_progress, read_status
+from megatron_hpc.launch.run_status import find_run_dir, format_status, read_progress, read_status
 
 from megatron_hpc.cli.main import main
 from megatron_hpc.errors import LaunchError
@@ -32,6 +32,16 @@ def test_progress_and_eta_from_the_last_logged_step(tmp_path):
     assert progress.eta_s == pytest.approx(70 * 0.5)
 
 
+def test_an_ended_run_shows_no_eta(tmp_path):
+    """A run cancelled at iteration 20 of 100 is not 40 s from its end (status printed an ETA after cancel)."""
+    cancelled = make_run(tmp_path, name="tiny/c", jobs=(("run", "12", "CANCELLED"),))
+    status = read_status(cancelled)
+    assert status.progress.iteration == 20 and status.progress.eta_s is None
+    assert "ETA" not in format_status(status)
+    running = make_run(tmp_path, name="tiny/r", jobs=(("run", "13", "RUNNING"),))
+    assert read_status(running).progress.eta_s == pytest.approx(80 * 0.5)
+
+
 def test_validation_rows_do_not_hide_training_progress(tmp_path):
     run_dir = make_run(tmp_path, steps=(10, 20))
     with (run_dir / "metrics.jsonl").open("a") as fh:
@@ -55,7 +65,7 @@ def test_status_by_folder_job_id_and_latest(tmp_path, monkeypatch, capsys):
     assert find_run_dir(str(newer)) == newer.resolve()
     os.utime(older / "submission.json", (1, 1))
     assert find_run_dir(None) == newer.resolve()
-    with pytest.raises(LaunchError, match="neither a run folder nor a job id"):
+    with pytest.raises(LaunchError, match=r"neither a run folder nor a job id.*; pass the run folder submit printed"):
         find_run_dir("999")
     capsys.readouterr()
     assert main(["status", "--json", "7"]) == 0
