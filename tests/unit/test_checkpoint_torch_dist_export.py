@@ -53,6 +53,9 @@ def test_the_written_folder_holds_megatron_cores_own_tensors(llama_ours: Path, t
     TP 2: every model and Adam tensor megatron-core saved, at its key, equal to the last bit (the grouped QKV, the
     [gate; up] linear_fc1 and the layer stacking undone and redone), the same layout markers, and the scheduler."""
     _convert(llama_ours, tmp_path / "back", "--to", "torch_dist", "--tp", "2", "--distributed-optimizer")
+    # torch.save wrote the .distcp records without its slow crc32 (torch.load never checks it), and the process-wide
+    # or per-thread option is back as it was for whatever this process saves next
+    assert torch.serialization.get_crc32_options()
     written = tmp_path / "back" / ITER
     assert (tmp_path / "back" / "latest_checkpointed_iteration.txt").read_text() == "3"
     assert json.loads((written / "metadata.json").read_text()) == json.loads(

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from megatron_hpc.checkpoint.store import zip_crc
+
 Box = tuple[tuple[int, ...], torch.Size]
 """(offsets of the part in its key's global tensor, the global tensor's size)."""
 
@@ -69,7 +71,11 @@ class PartWriter:
         # The file name prefix the writer's global planning gives rank i's plan: each part is a rank here.
         plan = SavePlan(items, storage_data=_StoragePrefix(f"__{len(self._plans)}_"))
         self._planner.part = data
-        with warnings.catch_warnings():  # one process on purpose; torch warns anyway
+        # torch.save's own zip crc32 (miniz's code) is most of the write's CPU time; the records inside a .distcp are
+        # read by torch.load alone, which never checks it (torch.serialization.set_crc32_options says so), so the
+        # writer (one thread: it writes in this one) runs without it. Our own files get theirs filled in instead
+        # (store/zip_crc.py); a .distcp is not a zip any tool opens.
+        with warnings.catch_warnings(), zip_crc.torch_crc_off():  # one process on purpose; torch warns anyway
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             self._results.append(self._writer.write_data(plan, self._planner).value())
         self._planner.part = {}
