@@ -101,6 +101,13 @@ def pod_site(cfg: RunConfig, plan: Plan, *, run_id: str) -> ko.PodSite:
     if k8s.preprocess_input and not cfg.data.path:
         raise ConfigError("k8s.preprocess_input is set but data.path is not: the preprocessing Job writes data.path; "
                           "add --set data.path=PREFIX (on the claim)")
+    path = str(cfg.data.path or "")
+    if k8s.preprocess_input and (len(path.split()) != 1 or not path.endswith(ko.PREPROCESS_SUFFIX)):
+        # `data preprocess` writes PREFIX_text_document.bin/.idx: another data.path (or a blend) is never written.
+        fix = (f"--set data.path={path}{ko.PREPROCESS_SUFFIX}" if len(path.split()) == 1
+               else f"--set data.path=PREFIX{ko.PREPROCESS_SUFFIX} (one prefix, not a blend)")
+        raise ConfigError(f"k8s.preprocess_input writes <prefix>{ko.PREPROCESS_SUFFIX}.bin/.idx, which "
+                          f"data.path={path!r} does not name, so the run would not find what the Job wrote; use {fix}")
     instance = resolve_instance(cfg, plan)
     return ko.PodSite(k8s=k8s, image=k8s.image, volume_claim=k8s.volume_claim, instance=instance,
                       run_name=ko.dns_name(f"{cfg.name}-{run_id}"),

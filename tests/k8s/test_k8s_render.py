@@ -212,11 +212,39 @@ def test_preprocess_job_runs_the_data_preprocess_command(tmp_path):
     (only,) = job["spec"]["template"]["spec"]["containers"]
     assert only["command"][:3] == ["megatron-hpc", "data", "preprocess"]
     args = build_parser(only["command"][1:]).parse_args(only["command"][1:])  # the CLI's own parser accepts the command
-    assert (args.input, args.output_prefix) == ("raw/corpus.jsonl", "data/corpus_text_document")
+    # data preprocess appends _text_document to its prefix (Megatron's naming), so the prefix is data.path less it
+    assert (args.input, args.output_prefix) == ("raw/corpus.jsonl", "data/corpus")
     assert only["workingDir"] == "/fsx"
     apply = (tmp_path / "k" / "apply.sh").read_text()
     assert apply.index("preprocess-job.yaml") < apply.index("wait_for job/") < apply.index(
         "compile-pytorchjob.yaml")
+
+
+def test_the_preprocess_jobs_command_writes_the_files_the_run_reads(tmp_path, monkeypatch):
+    """The Job's command, run here as the pod runs it (in the claim's mount): the .bin/.idx land at data.path."""
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "preprocess"
+    claim = tmp_path / "fsx"
+    (claim / "raw").mkdir(parents=True)
+    (claim / "raw" / "corpus.jsonl").write_bytes((fixture / "corpus.jsonl").read_bytes())
+    assert render(tmp_path / "k", "--recipe", "gpt3_6.7b", "--nodes", "1", *K8S,
+                  "--set", "data.path=data/corpus_text_document", "--set", "k8s.preprocess_input=raw/corpus.jsonl",
+                  "--set", f"data.vocab_file={fixture / 'vocab.json'}",
+                  "--set", f"data.merge_file={fixture / 'merges.txt'}") == 0
+    (only,) = objects(tmp_path / "k")["preprocess-job.yaml"]["spec"]["template"]["spec"]["containers"]
+    monkeypatch.chdir(claim)  # the container's workingDir, the claim's mount_path
+    assert main([*only["command"][1:], "--workers", "1"]) == 0
+    assert (claim / "data" / "corpus_text_document.idx").is_file()
+    assert (claim / "data" / "corpus_text_document.bin").is_file()
+
+
+@pytest.mark.parametrize("path, fix", [("data/corpus", "--set data.path=data/corpus_text_document"),
+                                       ("0.5 data/a_text_document 0.5 data/b_text_document", "not a blend")])
+def test_refuses_a_data_path_the_preprocess_job_cannot_write(tmp_path, capsys, path, fix):
+    err = _one_line_error(capsys, "--recipe", "gpt3_6.7b", "--nodes", "1", "--cluster", "k8s", "--dry-run",
+                          "--out", str(tmp_path / "k"), *K8S, "--set", f"data.path={path}",
+                          "--set", "k8s.preprocess_input=raw/corpus.jsonl")
+    assert "k8s.preprocess_input writes <prefix>_text_document.bin/.idx" in err and fix in err, err
+    assert not (tmp_path / "k").exists()
 
 
 def _one_line_error(capsys, *args: str) -> str:
@@ -287,7 +315,7 @@ def _apply_with_stub(tmp_path: Path, out: Path, conditions: str) -> tuple[int, l
 
 def test_apply_script_applies_in_order_and_stops_at_a_failed_job(tmp_path, kubectl):
     out = tmp_path / "k"
-    assert render(out, "--recipe", "gpt3_6.7b", "--nodes", "2", *K8S, "--set", "data.path=d/x",
+    assert render(out, "--recipe", "gpt3_6.7b", "--nodes", "2", *K8S, "--set", "data.path=d/x_text_document",
                   "--set", "k8s.preprocess_input=raw.jsonl", "--set", "k8s.namespace=team-a") == 0
     code, calls = _apply_with_stub(tmp_path, out, "Created\\nRunning\\nSucceeded\\n")
     assert code == 0
