@@ -26,6 +26,7 @@ from megatron_hpc.plan.planner import check_pipeline_runtime, make_plan
 
 NODES = (1, 16, 64)
 SYNTHETIC = ["--set", "data.source=synthetic"]
+GPT2_FILES = ["--set", "data.vocab_file=tok/vocab.json", "--set", "data.merge_file=tok/merges.txt"]  # on the claim
 K8S = ["--set", "k8s.volume_claim=fsx-claim", "--set", "k8s.image=example.org/megatron-hpc:1"]
 # Written by hand from the AWS documentation (cited in megatron_hpc/config/instance_types.py), not from the code:
 # instance type -> (device resource, devices per node, EFA interfaces, EC2 name).
@@ -206,7 +207,7 @@ def test_preprocess_job_runs_the_data_preprocess_command(tmp_path):
 
     assert render(tmp_path / "k", "--recipe", "gpt3_6.7b", "--nodes", "1", *K8S,
                   "--set", "data.path=data/corpus_text_document",
-                  "--set", "k8s.preprocess_input=raw/corpus.jsonl") == 0
+                  "--set", "k8s.preprocess_input=raw/corpus.jsonl", *GPT2_FILES) == 0
     found = objects(tmp_path / "k")
     job = found["preprocess-job.yaml"]
     (only,) = job["spec"]["template"]["spec"]["containers"]
@@ -235,6 +236,19 @@ def test_the_preprocess_jobs_command_writes_the_files_the_run_reads(tmp_path, mo
     assert main([*only["command"][1:], "--workers", "1"]) == 0
     assert (claim / "data" / "corpus_text_document.idx").is_file()
     assert (claim / "data" / "corpus_text_document.bin").is_file()
+
+
+@pytest.mark.parametrize("recipe, sets, fix", [
+    ("gpt3_6.7b", [], "--set data.vocab_file=PATH/vocab.json --set data.merge_file=PATH/merges.txt"),
+    ("llama3_8b", [], "--set data.tokenizer_model=PATH"),
+    ("llama2_7b", ["--set", "data.vocab_file=v.json"], "--set data.tokenizer_model=PATH")])
+def test_refuses_a_preprocess_job_whose_tokenizer_has_no_files(tmp_path, capsys, recipe, sets, fix):
+    # `data preprocess` would refuse the same in the pod, after the apply: the Job could never succeed.
+    err = _one_line_error(capsys, "--recipe", recipe, "--nodes", "1", "--platform", "p5", "--cluster", "k8s",
+                          "--dry-run", "--out", str(tmp_path / "k"), *K8S, "--set", "data.path=data/c_text_document",
+                          "--set", "k8s.preprocess_input=raw/corpus.jsonl", *sets)
+    assert "the preprocessing Job's" in err and "needs its files" in err and fix in err, err
+    assert not (tmp_path / "k").exists()
 
 
 @pytest.mark.parametrize("path, fix", [("data/corpus", "--set data.path=data/corpus_text_document"),
@@ -316,7 +330,7 @@ def _apply_with_stub(tmp_path: Path, out: Path, conditions: str) -> tuple[int, l
 def test_apply_script_applies_in_order_and_stops_at_a_failed_job(tmp_path, kubectl):
     out = tmp_path / "k"
     assert render(out, "--recipe", "gpt3_6.7b", "--nodes", "2", *K8S, "--set", "data.path=d/x_text_document",
-                  "--set", "k8s.preprocess_input=raw.jsonl", "--set", "k8s.namespace=team-a") == 0
+                  "--set", "k8s.preprocess_input=raw.jsonl", "--set", "k8s.namespace=team-a", *GPT2_FILES) == 0
     code, calls = _apply_with_stub(tmp_path, out, "Created\\nRunning\\nSucceeded\\n")
     assert code == 0
     applied = [c.split()[-1].rsplit("/", 1)[-1] for c in calls if c.startswith("apply")]
