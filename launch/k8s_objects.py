@@ -187,10 +187,17 @@ def phase_job_name(run_name: str, phase: str) -> str:
     return f"{run_name}-{phase}"
 
 
+PREPROCESS_SUFFIX = "_text_document"
+"""What `data preprocess` appends to --output-prefix (Megatron's `{prefix}_{json key}_{level}`, key text)."""
+
+
 def preprocess_command(k8s: K8sConfig, data: DataConfig) -> list[str]:
-    """`megatron-hpc data preprocess` of k8s.preprocess_input into data.path, with the recipe's tokenizer."""
+    """`megatron-hpc data preprocess` of k8s.preprocess_input into data.path, with the recipe's tokenizer. The
+    prefix is data.path less the suffix the tool adds, so the files land where the run reads them (pod_site
+    refuses a data.path without it)."""
+    prefix = str(data.path).removesuffix(PREPROCESS_SUFFIX)
     argv = ["megatron-hpc", "data", "preprocess", "--input", str(k8s.preprocess_input),
-            "--output-prefix", str(data.path), "--tokenizer-type", data.tokenizer_type]
+            "--output-prefix", prefix, "--tokenizer-type", data.tokenizer_type]
     for flag, value in (("--vocab-file", data.vocab_file), ("--merge-file", data.merge_file),
                         ("--tokenizer-model", data.tokenizer_model)):
         if value:

@@ -26,7 +26,7 @@ from megatron_hpc.launch.scripts import render_node_script
 from megatron_hpc.launch.submit import RunFiles, SubmitRequest, decide_phases
 
 from megatron_hpc.config.instance_types import INSTANCE_TYPES, InstanceType, default_instance_type, get_instance_type
-from megatron_hpc.config.schema import RunConfig
+from megatron_hpc.config.schema import DataConfig, RunConfig
 from megatron_hpc.errors import ConfigError, LaunchError
 from megatron_hpc.plan.planner import Plan
 from megatron_hpc.plan.spec import RunSpec
@@ -101,10 +101,33 @@ def pod_site(cfg: RunConfig, plan: Plan, *, run_id: str) -> ko.PodSite:
     if k8s.preprocess_input and not cfg.data.path:
         raise ConfigError("k8s.preprocess_input is set but data.path is not: the preprocessing Job writes data.path; "
                           "add --set data.path=PREFIX (on the claim)")
+    path = str(cfg.data.path or "")
+    if k8s.preprocess_input and (len(path.split()) != 1 or not path.endswith(ko.PREPROCESS_SUFFIX)):
+        # `data preprocess` writes PREFIX_text_document.bin/.idx: another data.path (or a blend) is never written.
+        fix = (f"--set data.path={path}{ko.PREPROCESS_SUFFIX}" if len(path.split()) == 1
+               else f"--set data.path=PREFIX{ko.PREPROCESS_SUFFIX} (one prefix, not a blend)")
+        raise ConfigError(f"k8s.preprocess_input writes <prefix>{ko.PREPROCESS_SUFFIX}.bin/.idx, which "
+                          f"data.path={path!r} does not name, so the run would not find what the Job wrote; use {fix}")
+    if k8s.preprocess_input and (fix := _missing_tokenizer_files(cfg.data)):
+        raise ConfigError(f"k8s.preprocess_input: the preprocessing Job's {cfg.data.tokenizer_type} needs its files, "
+                          f"which the recipe does not name (the Job would fail in its pod); add {fix}")
     instance = resolve_instance(cfg, plan)
     return ko.PodSite(k8s=k8s, image=k8s.image, volume_claim=k8s.volume_claim, instance=instance,
                       run_name=ko.dns_name(f"{cfg.name}-{run_id}"),
                       run_dir=ko.pod_run_dir(k8s, recipe=cfg.name, run_id=run_id))
+
+
+def _missing_tokenizer_files(data: DataConfig) -> str | None:
+    """The --set that names the files `data preprocess` needs for data.tokenizer_type, or None when they are named.
+    The tool refuses the same (data/text_tokenizers.py::tokenizer_spec), but only in the pod, after the apply."""
+    if data.tokenizer_type == "GPT2BPETokenizer":
+        if data.vocab_file and data.merge_file:
+            return None
+        return "--set data.vocab_file=PATH/vocab.json --set data.merge_file=PATH/merges.txt (on the claim)"
+    if data.tokenizer_model or (data.tokenizer_type in ("HuggingFaceTokenizer", "HFTokenizer") and data.vocab_file):
+        return None  # GPT-NeoX spells a tokenizer.json --vocab-file
+    return "--set data.tokenizer_model=PATH (on the claim: a tokenizer folder or tokenizer.json, or a SentencePiece " \
+        ".model)"
 
 
 def build_stages(req: SubmitRequest, site: ko.PodSite, files: RunFiles) -> list[Stage]:

@@ -397,6 +397,10 @@ def _duration(seconds: float) -> str:
 
 def cancel_run(status: RunStatus) -> list[str]:
     """scancel every job of the run that has not ended; returns the ids cancelled."""
+    if status.cluster == "unknown" and not status.jobs:
+        # No submission.json: `submit --dry-run` (SLURM or k8s) wrote the folder and queued or applied nothing.
+        raise LaunchError(f"{status.run_dir} was never submitted (no submission.json: a --dry-run folder, or a "
+                          "submit that stopped before queueing); there is nothing to cancel")
     if status.cluster not in ("slurm", "k8s"):
         raise LaunchError(f"{status.run_dir} ran with --cluster {status.cluster}; stop a local run with Ctrl-C")
     ids = [j.job_id for j in status.jobs if j.state not in ENDED_STATES]

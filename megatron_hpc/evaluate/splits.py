@@ -68,8 +68,11 @@ def split_requests(train: TrainConfig, data: DataConfig, *, splits: tuple[EvalSp
 def split_samples(request: SplitRequest, data: DataConfig, *, seed: int, seq_length: int) -> torch.Tensor:
     """The (num_samples, seq_length + 1) token ids the request reads, in Megatron's order."""
     if not data.path:
-        raise DataError("the run has no data.path (it trained on synthetic tokens); pass --data-path PREFIX "
-                        "to evaluate on a Megatron .bin/.idx dataset, or use --task")
+        # A torch_dist conversion carries Megatron's training arguments but no data path of ours.
+        why = "it trained on synthetic tokens" if data.source == "synthetic" else "a checkpoint converted from " \
+            "another trainer records none"
+        raise DataError(f"the run has no data.path ({why}); pass --data-path PREFIX to evaluate on a Megatron "
+                        ".bin/.idx dataset, or use --task")
     config = GPTIndexConfig(seed=seed, seq_length=seq_length, split=data.split, cache_path=data.cache_path)
     dataset = build_split_dataset(data.path, split_name=request.split, num_samples=request.build_count,
                                   config=config)

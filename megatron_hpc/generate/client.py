@@ -23,6 +23,9 @@ def put_api(url: str, body: dict[str, Any], *, timeout: float = 60.0) -> tuple[i
         raw = exc.read()
         try:
             reply = json.loads(raw)
-        except json.JSONDecodeError:
-            reply = {"message": raw.decode(errors="replace") or str(exc.reason)}
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            # Not the API's JSON: most often the 404 page of a URL without /api (Megatron's own client takes
+            # HOST:PORT and adds it). The page itself is many lines of HTML; its reason and the fix are one.
+            hint = "; is the URL http://HOST:PORT/api?" if exc.code in (404, 405) else ""
+            reply = {"message": f"{exc.reason}, not an answer of Megatron's API{hint}"}
         return exc.code, reply if isinstance(reply, dict) else {"message": str(reply)}

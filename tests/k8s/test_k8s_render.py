@@ -26,6 +26,7 @@ from megatron_hpc.plan.planner import check_pipeline_runtime, make_plan
 
 NODES = (1, 16, 64)
 SYNTHETIC = ["--set", "data.source=synthetic"]
+GPT2_FILES = ["--set", "data.vocab_file=tok/vocab.json", "--set", "data.merge_file=tok/merges.txt"]  # on the claim
 K8S = ["--set", "k8s.volume_claim=fsx-claim", "--set", "k8s.image=example.org/megatron-hpc:1"]
 # Written by hand from the AWS documentation (cited in megatron_hpc/config/instance_types.py), not from the code:
 # instance type -> (device resource, devices per node, EFA interfaces, EC2 name).
@@ -206,17 +207,58 @@ def test_preprocess_job_runs_the_data_preprocess_command(tmp_path):
 
     assert render(tmp_path / "k", "--recipe", "gpt3_6.7b", "--nodes", "1", *K8S,
                   "--set", "data.path=data/corpus_text_document",
-                  "--set", "k8s.preprocess_input=raw/corpus.jsonl") == 0
+                  "--set", "k8s.preprocess_input=raw/corpus.jsonl", *GPT2_FILES) == 0
     found = objects(tmp_path / "k")
     job = found["preprocess-job.yaml"]
     (only,) = job["spec"]["template"]["spec"]["containers"]
     assert only["command"][:3] == ["megatron-hpc", "data", "preprocess"]
     args = build_parser(only["command"][1:]).parse_args(only["command"][1:])  # the CLI's own parser accepts the command
-    assert (args.input, args.output_prefix) == ("raw/corpus.jsonl", "data/corpus_text_document")
+    # data preprocess appends _text_document to its prefix (Megatron's naming), so the prefix is data.path less it
+    assert (args.input, args.output_prefix) == ("raw/corpus.jsonl", "data/corpus")
     assert only["workingDir"] == "/fsx"
     apply = (tmp_path / "k" / "apply.sh").read_text()
     assert apply.index("preprocess-job.yaml") < apply.index("wait_for job/") < apply.index(
         "compile-pytorchjob.yaml")
+
+
+def test_the_preprocess_jobs_command_writes_the_files_the_run_reads(tmp_path, monkeypatch):
+    """The Job's command, run here as the pod runs it (in the claim's mount): the .bin/.idx land at data.path."""
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "preprocess"
+    claim = tmp_path / "fsx"
+    (claim / "raw").mkdir(parents=True)
+    (claim / "raw" / "corpus.jsonl").write_bytes((fixture / "corpus.jsonl").read_bytes())
+    assert render(tmp_path / "k", "--recipe", "gpt3_6.7b", "--nodes", "1", *K8S,
+                  "--set", "data.path=data/corpus_text_document", "--set", "k8s.preprocess_input=raw/corpus.jsonl",
+                  "--set", f"data.vocab_file={fixture / 'vocab.json'}",
+                  "--set", f"data.merge_file={fixture / 'merges.txt'}") == 0
+    (only,) = objects(tmp_path / "k")["preprocess-job.yaml"]["spec"]["template"]["spec"]["containers"]
+    monkeypatch.chdir(claim)  # the container's workingDir, the claim's mount_path
+    assert main([*only["command"][1:], "--workers", "1"]) == 0
+    assert (claim / "data" / "corpus_text_document.idx").is_file()
+    assert (claim / "data" / "corpus_text_document.bin").is_file()
+
+
+@pytest.mark.parametrize("recipe, sets, fix", [
+    ("gpt3_6.7b", [], "--set data.vocab_file=PATH/vocab.json --set data.merge_file=PATH/merges.txt"),
+    ("llama3_8b", [], "--set data.tokenizer_model=PATH"),
+    ("llama2_7b", ["--set", "data.vocab_file=v.json"], "--set data.tokenizer_model=PATH")])
+def test_refuses_a_preprocess_job_whose_tokenizer_has_no_files(tmp_path, capsys, recipe, sets, fix):
+    # `data preprocess` would refuse the same in the pod, after the apply: the Job could never succeed.
+    err = _one_line_error(capsys, "--recipe", recipe, "--nodes", "1", "--platform", "p5", "--cluster", "k8s",
+                          "--dry-run", "--out", str(tmp_path / "k"), *K8S, "--set", "data.path=data/c_text_document",
+                          "--set", "k8s.preprocess_input=raw/corpus.jsonl", *sets)
+    assert "the preprocessing Job's" in err and "needs its files" in err and fix in err, err
+    assert not (tmp_path / "k").exists()
+
+
+@pytest.mark.parametrize("path, fix", [("data/corpus", "--set data.path=data/corpus_text_document"),
+                                       ("0.5 data/a_text_document 0.5 data/b_text_document", "not a blend")])
+def test_refuses_a_data_path_the_preprocess_job_cannot_write(tmp_path, capsys, path, fix):
+    err = _one_line_error(capsys, "--recipe", "gpt3_6.7b", "--nodes", "1", "--cluster", "k8s", "--dry-run",
+                          "--out", str(tmp_path / "k"), *K8S, "--set", f"data.path={path}",
+                          "--set", "k8s.preprocess_input=raw/corpus.jsonl")
+    assert "k8s.preprocess_input writes <prefix>_text_document.bin/.idx" in err and fix in err, err
+    assert not (tmp_path / "k").exists()
 
 
 def _one_line_error(capsys, *args: str) -> str:
@@ -287,8 +329,8 @@ def _apply_with_stub(tmp_path: Path, out: Path, conditions: str) -> tuple[int, l
 
 def test_apply_script_applies_in_order_and_stops_at_a_failed_job(tmp_path, kubectl):
     out = tmp_path / "k"
-    assert render(out, "--recipe", "gpt3_6.7b", "--nodes", "2", *K8S, "--set", "data.path=d/x",
-                  "--set", "k8s.preprocess_input=raw.jsonl", "--set", "k8s.namespace=team-a") == 0
+    assert render(out, "--recipe", "gpt3_6.7b", "--nodes", "2", *K8S, "--set", "data.path=d/x_text_document",
+                  "--set", "k8s.preprocess_input=raw.jsonl", "--set", "k8s.namespace=team-a", *GPT2_FILES) == 0
     code, calls = _apply_with_stub(tmp_path, out, "Created\\nRunning\\nSucceeded\\n")
     assert code == 0
     applied = [c.split()[-1].rsplit("/", 1)[-1] for c in calls if c.startswith("apply")]

@@ -209,6 +209,11 @@ def test_cli_client(server):
     proc = _cli("serve", "--client", server, "--prompt", "fox", "--request", '{"top_p": 2.0}')
     assert proc.returncode == 1 and "refused the request (400): top_p must be in (0, 1]" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+    # The server's root, as a user of Megatron's client (which takes HOST:PORT and adds /api) would type it: Flask's
+    # 404 page is HTML; the error stays one line and names the URL that works.
+    proc = _cli("serve", "--client", server.removesuffix("/api"), "--prompt", "fox")
+    assert proc.returncode == 1 and "(404): NOT FOUND" in proc.stderr and "http://HOST:PORT/api?" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
 REQUESTS = [{"prompts": PROMPTS, "tokens_to_generate": 6, "top_k": 1, "logprobs": True},

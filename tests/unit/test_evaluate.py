@@ -295,6 +295,18 @@ def test_bad_input_is_one_line(run: Path, tmp_path: Path, capsys: pytest.Capture
         assert len(err.strip().splitlines()) == 1, err
 
 
+def test_a_converted_torch_dist_checkpoint_without_data_path_is_not_called_synthetic(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """megatron-core's training arguments come through a torch_dist conversion, a data path of ours does not: the
+    refusal names --data-path and does not say the run trained on synthetic tokens (it did not)."""
+    src = Path(__file__).resolve().parents[1] / "fixtures" / "megatron_core_torch_dist" / "gpt_tp2"
+    assert main(["ckpt", "convert", str(src), "--to", "torch", "--tp", "1", "--out", str(tmp_path / "ck")]) == 0
+    capsys.readouterr()
+    code, _, err = _evaluate(capsys, str(tmp_path / "ck"), "--split", "test")
+    assert code == 1 and "pass --data-path PREFIX" in err and "converted from another trainer" in err, err
+    assert "synthetic" not in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_platform_is_the_runs_or_the_asked_one(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The run's launch.platform decides, falling back to the CPU with a note when this machine lacks its device;
     a --platform this machine cannot run is one line, before the load."""

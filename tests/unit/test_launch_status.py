@@ -113,6 +113,17 @@ def test_cancel_refuses_a_local_run(tmp_path, capsys):
     assert "Ctrl-C" in capsys.readouterr().err
 
 
+def test_cancel_of_a_dry_run_folder_says_it_was_never_submitted(tmp_path, capsys):
+    # A dry run writes no submission.json: it was not a local run, and Ctrl-C is no advice for it.
+    run_dir = tmp_path / "dry"
+    assert main(["submit", "--recipe", "tiny", "--dry-run", "--out", str(run_dir)]) == 0
+    capsys.readouterr()
+    assert main(["cancel", str(run_dir)]) == 1
+    err = capsys.readouterr().err
+    assert "was never submitted" in err and "nothing to cancel" in err and "Ctrl-C" not in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
 def test_without_slurm_answers_the_state_comes_from_the_node_scripts_record(tmp_path, monkeypatch):
     run_dir = make_run(tmp_path, cluster="slurm", jobs=(("run", "42", "SUBMITTED"),))
     # what the node script appended: a requeue after an early stop, then the resumed attempt finishing
