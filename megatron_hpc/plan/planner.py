@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -378,14 +379,21 @@ def _check_tensor_parallel(cfg: RunConfig, platform: Platform, *, per_node: int)
     what = f"parallel.tensor={tp} is invalid for {cfg.name} on {platform.name} ({'; '.join(reasons)})"
     rule = f"these rules allow parallel.tensor=N with N in {{{', '.join(map(str, valid))}}}, of which " if valid else ""
 
+    # Where the node's worker count is a choice (the cpu platform: processes, not devices), the TP asked for can
+    # keep its size with as many workers per node: what a checkpoint imported at TP N needs to fine-tune on CPU.
+    more_workers = (set_fix("launch.workers_per_node", math.lcm(per_node, tp))
+                    if per_node % tp and platform.workers_configurable else None)
+
     def wording(kept: list[Fix]) -> str:
         sizes = sizes_choice("parallel.tensor", kept)
+        workers = f"{more_workers.text()} (keeps TP {tp})" if more_workers in kept else None
         if not sizes:
-            return what
+            return f"{what}; use {workers}" if workers else what
         some = [v for v in values_of(kept, "parallel.tensor") if v] != valid  # the others fail another check
-        return f"{what}; {rule + 'these plan: ' if some else ''}use {sizes}"
+        return f"{what}; {rule + 'these plan: ' if some else ''}use {sizes}" + (f", or {workers}" if workers else "")
 
-    raise FixablePlanError(wording, [set_fix("parallel.tensor", t) for t in [*valid, 0]])
+    raise FixablePlanError(wording, [*([more_workers] if more_workers else []),
+                                     *(set_fix("parallel.tensor", t) for t in [*valid, 0])])
 
 
 NODE_SEARCH_LIMIT = 1024

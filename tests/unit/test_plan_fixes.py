@@ -90,6 +90,8 @@ REFUSALS = {
                                                          "parallel.virtual_pipeline=2", "train.global_batch_size=24"],
                                   "the interleaved schedule needs"),
     "TP not a runtime degree": ("gpt3_6.7b", 16, "trn1", ["parallel.tensor=3"], "parallel.tensor=3 is invalid"),
+    "TP above the cpu platform's workers (a checkpoint imported at TP 2)": (
+        "tiny", 1, "cpu", ["parallel.tensor=2"], ", or --set launch.workers_per_node=2 (keeps TP 2)"),
     "TP vs heads": ("tiny", 1, "cpu", ["launch.workers_per_node=4", "parallel.tensor=3"],
                     "must divide the 4 attention heads"),
     "sequence parallel without TP": ("gpt3_6.7b", 1, "trn1", ["parallel.sequence_parallel=true",
