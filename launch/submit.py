@@ -265,7 +265,7 @@ def submit(req: SubmitRequest, *, wait: bool, echo: Callable[[str], None] | None
     if note and echo:
         echo(note)
     if req.cluster == "local":
-        result = _run_local(req, files.phases, echo=echo)
+        result = run_local(req, files.phases, echo=echo)
     else:
         result = _submit_slurm(req, files.phases)
         if wait:
@@ -279,20 +279,24 @@ def submit(req: SubmitRequest, *, wait: bool, echo: Callable[[str], None] | None
     return result
 
 
-def _run_local(req: SubmitRequest, phases: tuple[PhaseSpec, ...],
-               echo: Callable[[str], None] | None) -> SubmitResult:
+def run_local(req: SubmitRequest, phases: tuple[PhaseSpec, ...], *,
+              echo: Callable[[str], None] | None) -> SubmitResult:
+    """Run the phases one after another on this machine (submitit's local executor), echoing each phase's log."""
     import submitit
 
     executor = submitit.LocalExecutor(folder=str(req.run_dir / SUBMITIT_DIR))
     result = SubmitResult(run_dir=req.run_dir, jobs=[])
     for spec in phases:
         executor.update_parameters(timeout_min=req.options.time_for(spec), nodes=1, tasks_per_node=1)
+        log = node_log(req.run_dir, spec.phase, 0)
+        # A resumed run appends to its log: echo from here, not the earlier attempts' lines (their failure).
+        start = log.stat().st_size if log.exists() else 0
         job = executor.submit(NodeTask(node_script=str(req.run_dir / NODE_SCRIPT), phase=spec.phase))
         # Locally the run phase starts only after the compile job returned successfully: afterok by hand.
         previous = result.jobs[-1].job_id if result.jobs else None
         entry = JobRecord(phase=spec.phase, job_id=str(job.job_id), state="RUNNING", depends_on=previous)
         result.jobs.append(entry)
-        _follow_log(job, node_log(req.run_dir, spec.phase, 0), echo)
+        _follow_log(job, log, echo, start=start)
         try:
             job.result()
             entry.state = _FINISHED_OK
@@ -305,9 +309,9 @@ def _run_local(req: SubmitRequest, phases: tuple[PhaseSpec, ...],
     return result
 
 
-def _follow_log(job: object, log: Path, echo: Callable[[str], None] | None) -> None:
-    """Print the phase's log as it grows, until the job ends."""
-    offset = 0
+def _follow_log(job: object, log: Path, echo: Callable[[str], None] | None, *, start: int = 0) -> None:
+    """Print the phase's log as it grows from byte `start`, until the job ends."""
+    offset = start
     while True:
         done = job.done()  # type: ignore[attr-defined]
         if echo and log.exists():

@@ -27,8 +27,13 @@ WARMUP_STEPS = 2
 def format_iteration_line(rec: IterationRecord, *, now: datetime) -> str:
     """The iteration line exactly as Megatron prints it (log-throughput on, no skipped samples).
 
-    Skipped and NaN iterations are counts within the log interval, as in Megatron.
+    Skipped and NaN iterations are counts within the log interval, as in Megatron. A loss that is not a
+    positive number (an interval of skipped steps only, or a NaN) leaves out the `lm loss` field, as Megatron's
+    `if avg > 0.0` does; a non-finite grad norm (a skipped step: Megatron's optimizer returns None) leaves out
+    `grad norm`. Megatron never prints "NAN" there; the skips and NaNs show in the counts.
     """
+    loss = f" lm loss: {rec.lm_loss:.6E} |" if rec.lm_loss > 0.0 else ""  # False for NaN, as in Megatron
+    grad_norm = f" grad norm: {rec.grad_norm:.3f} |" if math.isfinite(rec.grad_norm) else ""
     return (
         f" [{now.strftime('%Y-%m-%d %H:%M:%S.%f')}]"
         f" iteration {rec.iteration:8d}/{rec.train_iters:8d} |"
@@ -37,9 +42,9 @@ def format_iteration_line(rec: IterationRecord, *, now: datetime) -> str:
         f" throughput per GPU (TFLOP/s/GPU): {rec.tflops_per_worker:.1f} |"
         f" learning rate: {rec.lr:.6E} |"
         f" global batch size: {rec.global_batch_size:5d} |"
-        f" lm loss: {rec.lm_loss:.6E} |"
+        f"{loss}"
         f" loss scale: {rec.loss_scale:.1f} |"
-        f" grad norm: {rec.grad_norm:.3f} |"
+        f"{grad_norm}"
         f" number of skipped iterations: {rec.num_skipped_iterations:3d} |"
         f" number of nan iterations: {rec.num_nan_iterations:3d} |"
     )

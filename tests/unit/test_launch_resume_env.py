@@ -4,8 +4,14 @@ import json
 
 import pytest
 from megatron_hpc.launch import env_checks
+from megatron_hpc.launch.submit import SubmitRequest, run_local
 
 from megatron_hpc.cli.main import main
+from megatron_hpc.config.loader import load_recipe
+from megatron_hpc.config.platforms import get_platform
+from megatron_hpc.plan.jobs import PhaseSpec
+from megatron_hpc.plan.planner import make_plan
+from megatron_hpc.run_folder import NODE_SCRIPT, node_log
 
 MOUNTS = """\
 sysfs /sys sysfs rw 0 0
@@ -113,3 +119,20 @@ def test_a_hang_timeout_shorter_than_the_runs_measured_steps_is_refused_at_resum
     assert "--set launch.hang_timeout_s=60" in err and len(err.strip().splitlines()) == 1
     # Longer than the steps (the warm-up's 90 s does not count): accepted.
     assert main(["submit", "--resume", run, "--dry-run", "--set", "launch.hang_timeout_s=30"]) == 0
+
+
+def test_a_resumed_local_run_echoes_only_its_own_attempt(tmp_path):
+    # A resumed run appends to logs/run-node0.log; `submit --resume --cluster local` echoed the whole file,
+    # replaying the earlier attempt's traceback and "run phase failed" as if this attempt had printed them.
+    cfg = load_recipe("tiny", ["data.source=synthetic"])
+    platform = get_platform("cpu")
+    req = SubmitRequest(cfg=cfg, plan=make_plan(cfg, num_nodes=1, platform=platform), platform=platform,
+                        cluster="local", run_dir=tmp_path)
+    log = node_log(tmp_path, "run", 0)
+    log.parent.mkdir()
+    log.write_text("attempt 1: Traceback\nmegatron-hpc: run phase failed (exit 1)\n")
+    (tmp_path / NODE_SCRIPT).write_text(f'echo "attempt 2: iteration 5/5" >> "{log}"\n')
+    echoed = []
+    result = run_local(req, (PhaseSpec(phase="run", job_name="t", num_nodes=1, nproc_per_node=1),), echo=echoed.append)
+    assert result.ok
+    assert echoed == ["attempt 2: iteration 5/5"]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
+import math
 from datetime import datetime
 from pathlib import Path
 
@@ -31,6 +33,19 @@ def test_line_matches_megatron_layout() -> None:
             " loss scale: 1.0 | grad norm: 1.234 | number of skipped iterations:   0 |"
             " number of nan iterations:   0 |")
     assert format_iteration_line(REC, now=datetime(2025, 1, 2, 3, 4, 5, 6)) == want
+
+
+def test_line_of_skipped_steps_leaves_out_loss_and_grad_norm_as_megatron() -> None:
+    # An fp16 interval whose steps all overflowed: Megatron's training_log prints no lm loss (its average over
+    # zero advanced iterations fails `avg > 0.0`) and no grad norm (the optimizer returned None); never "NAN".
+    rec = dataclasses.replace(REC, lm_loss=math.nan, grad_norm=math.nan, loss_scale=2.0**32,
+                              num_skipped_iterations=1)
+    want = (" [2025-01-02 03:04:05.000006] iteration        5/      20 | consumed samples:           40 |"
+            " elapsed time per iteration (ms): 123.4 | throughput per GPU (TFLOP/s/GPU): 0.1 |"
+            " learning rate: 1.000000E-04 | global batch size:     8 |"
+            " loss scale: 4294967296.0 | number of skipped iterations:   1 |"
+            " number of nan iterations:   0 |")
+    assert format_iteration_line(rec, now=datetime(2025, 1, 2, 3, 4, 5, 6)) == want
 
 
 def test_line_parses_into_fields() -> None:
