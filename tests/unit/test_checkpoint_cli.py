@@ -56,3 +56,16 @@ def test_inspect_shows_what_the_weights_hold(tmp_path: Path, capsys: pytest.Capt
     assert "precision   fp32 (weights hold float32 values)\n" in capsys.readouterr().out
     assert main(["ckpt", "inspect", str(tmp_path / "old.pt"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["precision"] is None  # written before the record existed
+
+
+def test_a_run_folder_is_told_where_its_checkpoints_are(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`evaluate runs/NAME` (or generate, convert) of a run folder, not its checkpoints/ folder: the refusal names
+    the folder that works."""
+    save_checkpoint(tmp_path / "run" / "checkpoints", 4, {"iteration": 4, "model": {"w": torch.ones(2)}},
+                    ranks=RankInfo())
+    assert main(["ckpt", "convert", str(tmp_path / "run"), "--to", "torch", "--out", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].endswith(f"it is a run folder: pass {tmp_path / 'run' / 'checkpoints'}"), err
+    assert not (tmp_path / "out").exists()
+    assert main(["ckpt", "convert", str(tmp_path), "--to", "torch", "--out", str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err.strip().endswith("pass the folder a run saved into")

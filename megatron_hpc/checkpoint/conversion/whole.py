@@ -90,8 +90,13 @@ def _locate(path: Path, *, iteration: int | None) -> FoundCheckpoint:
         raise CheckpointError(f"{path} holds Hugging Face weights ({weights}) but no config.json, which names the "
                               "architecture and its shape; copy the model's config.json beside them")
     if found is None:
+        # A run folder keeps its checkpoints in checkpoints/ (run_folder.CHECKPOINT_DIR, a room this one does not
+        # import): name it when that is what was passed.
+        inner = path / "checkpoints"
+        fix = (f"it is a run folder: pass {inner}" if inner.is_dir() and find_checkpoint(inner) is not None
+               else "pass the folder a run saved into")
         raise CheckpointError(f"{path} holds no complete checkpoint (no {paths.TRACKER} naming a folder with a "
-                              f"{paths.MANIFEST}); pass the folder a run saved into")
+                              f"{paths.MANIFEST}); {fix}")
     return found
 
 
