@@ -152,6 +152,9 @@ class IterationRecord:
     """fp16 dynamic loss scale after the interval's last step; 1.0 for fp32 and bf16."""
     warmup: bool = False
     """The interval holds one of the first steps of a process: its timing is not representative."""
+    applied_lr: float | None = None
+    """The LR the interval's last step applied. `lr` is what Megatron logs: its scheduler's LR after that step, the
+    next step's (the same after a skipped step)."""
 
     _NOT_IN_ROW = ("train_iters", "num_nan_iterations")
 

@@ -143,7 +143,11 @@ def train(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, phase: Pha
             state.advance(global_batch_size=plan.global_batch_size)
             pulse.step_ends()
             skips.add(result, iteration=state.step, lr=lr)
-            log.add(result, iteration=state.step, lr=lr)
+            # Megatron logs the LR its scheduler holds after the step: the next step's (a skipped step leaves it, and
+            # on XLA the step in flight counts as applied until its flag is read, as in skips). The LR the step
+            # applied is logged beside it.
+            after = lr_at_count(state.lr_steps * plan.lr_schedule.per_step, sched=plan.lr_schedule, optim=cfg.optim)
+            log.add(result, iteration=state.step, lr=after, applied_lr=lr)
             step_barrier(device)
             stopped = ends.after_step(state)
             if stopped is not None:
@@ -381,7 +385,7 @@ class _StepLog:
         self.sums = _IntervalSums(device=device.device)
         self.stragglers: Stragglers | None = None
 
-    def add(self, result: StepOutput, *, iteration: int, lr: float) -> None:
+    def add(self, result: StepOutput, *, iteration: int, lr: float, applied_lr: float) -> None:
         self.sums.add(result)
         if not self.metrics.should_log(iteration):
             return
@@ -389,8 +393,8 @@ class _StepLog:
             self.stragglers.log_begins(iteration)
         stats = self.sums.reduced(self.ctx)
         # The values reach the host after this step's graph ran (a step closure on XLA).
-        when_step_done(self.device, _log_step, self.metrics, self.records, iteration, lr, stats, result.grad_norm,
-                       iteration - self.metrics.last_iteration, self.ctx.dp_size, result.loss_scale)
+        when_step_done(self.device, _log_step, self.metrics, self.records, iteration, (lr, applied_lr), stats,
+                       result.grad_norm, iteration - self.metrics.last_iteration, self.ctx.dp_size, result.loss_scale)
         if self.stragglers is not None:  # after the iteration line, which its own line follows
             self.stragglers.at_log(iteration)
         self.sums.reset()
@@ -427,12 +431,12 @@ class _IntervalSums:
         self.skipped.zero_()
 
 
-def _log_step(metrics: MetricsLogger, records: list[IterationRecord], iteration: int, lr: float,
+def _log_step(metrics: MetricsLogger, records: list[IterationRecord], iteration: int, lrs: tuple[float, float],
               stats: torch.Tensor, grad_norm: torch.Tensor, steps: int, dp_size: int, loss_scale: float) -> None:
     """The iteration line and its records, from the interval's reduced sums (host sync: read as numbers)."""
     loss_total, nans, skipped_sum = stats.tolist()
     skipped = round(skipped_sum / dp_size)  # every DP rank skips the same steps
     taken = steps - skipped
     lm_loss = loss_total / (dp_size * taken) if taken else math.nan
-    records.append(metrics.log(iteration, lr=lr, lm_loss=lm_loss, grad_norm=grad_norm.item(),
+    records.append(metrics.log(iteration, lr=lrs[0], applied_lr=lrs[1], lm_loss=lm_loss, grad_norm=grad_norm.item(),
                                num_nan=round(nans / dp_size), num_skipped=skipped, loss_scale=loss_scale))

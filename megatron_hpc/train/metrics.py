@@ -105,7 +105,8 @@ class MetricsLogger:
         self.last_time, self.last_iteration = time.perf_counter(), iteration
 
     def log(self, iteration: int, *, lr: float, lm_loss: float, grad_norm: float,
-            num_nan: int, num_skipped: int = 0, loss_scale: float = 1.0) -> IterationRecord:
+            num_nan: int, num_skipped: int = 0, loss_scale: float = 1.0,
+            applied_lr: float | None = None) -> IterationRecord:
         """Record the interval ending at `iteration`; the caller has synced the device."""
         now = time.perf_counter()
         steps = max(1, iteration - self.last_iteration)
@@ -121,7 +122,8 @@ class MetricsLogger:
             tokens_per_s=self.tokens_per_step / elapsed_s if elapsed_s > 0 else math.inf,
             tflops_per_worker=self.flops_token * self.tokens_per_step / (elapsed_s * 1e12 * self.world_size)
             if elapsed_s > 0 else 0.0,
-            num_nan_iterations=num_nan, phase=self.phase, loss_scale=loss_scale, warmup=warmup)
+            num_nan_iterations=num_nan, phase=self.phase, loss_scale=loss_scale, warmup=warmup,
+            applied_lr=applied_lr)
         if self.enabled:
             print(format_iteration_line(rec, now=datetime.now()), file=self.out, flush=True)
             self._append_jsonl(rec.jsonl())

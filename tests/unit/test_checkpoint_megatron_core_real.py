@@ -200,7 +200,7 @@ def test_training_continues_where_megatron_core_would_have(case: str, tmp_path: 
     data = _fixed_tokens(tmp_path, want["tokens"][0])
     records = _resume(ours, want=want, data=data, saves=tmp_path / "resumed", ctx=ctx)
     assert sorted(records) == [4, 5]  # started at the checkpoint's iteration 3
-    assert records[4].lr == pytest.approx(want["next_lr"], rel=1e-12)
+    assert records[4].applied_lr == pytest.approx(want["next_lr"], rel=1e-12)
     assert records[4].grad_norm == pytest.approx(want["next_grad_norm"], rel=1e-5)  # above clip_grad: clipped
     assert records[4].lm_loss == pytest.approx(want["next_step_loss"], rel=1e-5)
     assert records[5].lm_loss == pytest.approx(want["next_loss"], rel=1e-5)

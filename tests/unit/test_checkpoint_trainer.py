@@ -143,7 +143,7 @@ def test_resume_does_not_draw_the_initial_weights(tmp_path: Path) -> None:
 
 
 def _lrs(run_dir: Path) -> list[float]:
-    return [json.loads(line)["lr"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line)["applied_lr"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_resuming_with_more_steps_keeps_the_decay_horizon_that_submit_pins(tmp_path: Path) -> None:

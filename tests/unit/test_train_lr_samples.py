@@ -137,7 +137,10 @@ def test_skipped_steps_hold_the_lr(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     # warmup 0, 4/10, 8/10 of 3e-3, then linear from 12 samples, r = (n - 10) / 30, to min at 40.
     by_updates = [0.0, 1.2e-3, 2.4e-3, 2.82e-3, 2.46e-3, 2.1e-3, 1.74e-3, 1.38e-3, 1.02e-3, 6.6e-4, 3e-4]
     want = [by_updates[min(i - sum(skipped[:i]), 10)] for i in range(20)]
-    assert [r["lr"] for r in rows] == pytest.approx(want, abs=1e-12)
+    assert [r["applied_lr"] for r in rows] == pytest.approx(want, abs=1e-12)
+    # the iteration line (and the row's lr) says what Megatron prints: the LR after the step, the next step's
+    after = [by_updates[min(i + 1 - sum(skipped[:i + 1]), 10)] for i in range(20)]
+    assert [r["lr"] for r in rows] == pytest.approx(after, abs=1e-12)
 
 
 def test_resume_keeps_the_count_of_applied_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -149,7 +152,7 @@ def test_resume_keeps_the_count_of_applied_steps(tmp_path: Path, monkeypatch: py
     _single_process(monkeypatch)
     straight = _fp16_config()
     assert run_training(plan_for_torchrun(straight), run_dir=tmp_path / "straight") == 0
-    want = [r["lr"] for r in _rows(tmp_path / "straight")]
+    want = [r[key] for r in _rows(tmp_path / "straight") for key in ("lr", "applied_lr")]
 
     first = _fp16_config(save_interval=0)
     first = dataclasses.replace(first, train=dataclasses.replace(first.train, num_steps=17))
@@ -162,7 +165,7 @@ def test_resume_keeps_the_count_of_applied_steps(tmp_path: Path, monkeypatch: py
     assert state["lr_scheduler"]["num_steps"] == (17 - skipped) * 4  # Megatron counts samples
     # The second part keeps num_steps=20 as the schedule's span, as `submit --resume` would.
     assert run_training(plan_for_torchrun(_fp16_config(save_interval=0)), run_dir=tmp_path / "split") == 0
-    assert [r["lr"] for r in _rows(tmp_path / "split")] == pytest.approx(want, abs=1e-12)
+    assert [r[key] for r in _rows(tmp_path / "split") for key in ("lr", "applied_lr")] == pytest.approx(want, abs=1e-12)
 
 
 def _rows(run_dir: Path) -> list[dict]:

@@ -82,7 +82,7 @@ def test_logger_prints_on_last_rank_and_appends_jsonl(tmp_path: Path) -> None:
     assert [r["iteration"] for r in rows] == [2, 3]
     assert set(rows[0]) == {"iteration", "consumed_samples", "elapsed_ms", "lr", "global_batch_size", "lm_loss",
                             "grad_norm", "tokens_per_s", "tflops_per_worker", "num_skipped_iterations", "phase",
-                            "loss_scale", "warmup"}
+                            "loss_scale", "warmup", "applied_lr"}
     assert rows[1]["consumed_samples"] == 12 and rows[1]["phase"] == "compile"
     assert [r["warmup"] for r in rows] == [True, False]  # steps 1-2 are warm-up, step 3 is not
     assert [parse_iteration_line(x)["lm loss"] for x in out.getvalue().splitlines()] == ["2.000000E+00",
