@@ -130,6 +130,9 @@ def _add_layout(p: argparse.ArgumentParser, *, choices: tuple[str, ...] = ("laun
 def _root(args: argparse.Namespace) -> Path:
     """The root to work on; sets `args.layout` when the command line left it open."""
     if args.root is not None:
+        if not args.root.exists():  # every action here reads an existing cache: a root that is not there is a typo
+            raise CompileCacheError(f"--root {args.root} does not exist; pass the cache's folder, or leave --root out "
+                                    "for the shared compile cache of submit")
         if args.layout is None:
             args.layout = "launcher" if _looks_like_launcher(args.root) else "neuron"
             if args.layout == "launcher":

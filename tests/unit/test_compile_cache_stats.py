@@ -43,3 +43,14 @@ def test_stats_counts_a_100k_entry_tree(big_root, capsys):
     assert {v: d["counts"] for v, d in out["versions"].items()} == expected
     assert out["counts"] == {s: NUM_ENTRIES // 4 for s in fake.STATES}
     assert out["bytes"] == 4 * NUM_ENTRIES // 4  # only the complete entries' 4-byte neffs hold data
+
+
+@pytest.mark.parametrize("action", ["ls", "stats", "verify", "clear-locks", "clear-failed"])
+def test_a_root_that_does_not_exist_is_refused_not_listed_empty(action, tmp_path, capsys):
+    """`cache ls --root /typo` said "no entries" (rc 0), as if the cache were empty; every action reads an existing
+    cache, so a --root that is not there is one line with the fix, and nothing is made there."""
+    assert main(["cache", action, "--root", str(tmp_path / "typo")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"megatron-hpc: error: --root {tmp_path / 'typo'} does not exist; pass the cache's folder, or "
+                   "leave --root out for the shared compile cache of submit"]
+    assert not (tmp_path / "typo").exists()
