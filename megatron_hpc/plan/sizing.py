@@ -195,6 +195,8 @@ def check_micro_batches(cfg: RunConfig, *, pp: int, micro_batches: int, data_par
                 if batches else []
             pipelines = values_of(kept, "parallel.pipeline")
             options += [one_of("parallel.pipeline", sorted(pipelines))] if pipelines else []
+            # A recipe's pinned sizes (gpt3_175b's TP 8 x PP 16 at 512 trn1 nodes) may plan as another mesh.
+            options += [_fix_text(f) for f in kept if f.sets == FREE_SIZES.sets]
             use = f"; use {', or '.join(options)}" if options else ""
             return (f"train.global_batch_size={batch} gives {micro_batches} micro-batch(es) per step (micro "
                     f"{cfg.train.micro_batch_size} x DP {data_parallel}), fewer than the {pp} pipeline stages, and "
@@ -202,8 +204,9 @@ def check_micro_batches(cfg: RunConfig, *, pp: int, micro_batches: int, data_par
 
         def candidates() -> list[Fix]:
             smaller = [p for p in range(1, pp) if (data_parallel * pp) % p == 0 and _splits(cfg, p)]
+            free = _free_choice(cfg)
             return [*(set_fix("train.global_batch_size", per_micro * k) for k in range(pp, pp + NEAREST_TRIED)),
-                    *(set_fix("parallel.pipeline", p) for p in reversed(smaller))]
+                    *(set_fix("parallel.pipeline", p) for p in reversed(smaller)), *([free] if free else [])]
 
         raise FixablePlanError(too_few, candidates)
     if cfg.parallel.virtual_pipeline > 1 and micro_batches % pp:

@@ -84,6 +84,8 @@ REFUSALS = {
                                                                        "parallel.virtual_pipeline=3"], "into 12"),
     "fewer micro-batches than stages": ("gpt3_6.7b", 16, "p5", ["parallel.tensor=8", "parallel.pipeline=4",
                                                                "train.global_batch_size=8"], "fewer than the 4"),
+    "fewer micro-batches than the recipe's pinned stages (gpt3_175b at 512 trn1 nodes)": (
+        "gpt3_175b", 512, "trn1", [], "(the planner then picks TP 16 x PP 32)"),
     "virtual stages without a pipeline": ("gpt3_6.7b", 16, "p5", ["parallel.pipeline=1",
                                                                  "parallel.virtual_pipeline=2"], "needs parallel."),
     "interleaved micro-batches": ("gpt3_6.7b", 16, "p5", ["parallel.tensor=8", "parallel.pipeline=2",
