@@ -127,17 +127,21 @@ def _unreadable(folder: Path, exc: OSError, *, mtime: float, file: Path | None =
 
 
 def scan_runs(runs_root: Path) -> list[RunFolder]:
-    """The run folders `<runs_root>/<recipe>/<stamp>/`, newest first; folders that cannot be read are listed
-    (with their problem) rather than silently left out, as a glob would."""
+    """The run folders `<runs_root>/<recipe>/<stamp>/`, and `<runs_root>/<name>/` (`submit --out runs/NAME`), newest
+    first; folders that cannot be read are listed (with their problem) rather than silently left out, as a glob
+    would."""
     try:
         recipes = sorted(os.scandir(runs_root), key=lambda e: e.name)
     except (FileNotFoundError, NotADirectoryError):
         return []
     except OSError as exc:
         raise RunAccessError(runs_root, exc) from None
-    found = []
+    found: list[RunFolder] = []
     for recipe in recipes:
         if recipe.name.startswith(".") or not recipe.is_dir():
+            continue
+        if (Path(recipe.path) / PLAN_FILE).is_file():  # a run folder itself (--out runs/NAME): no runs inside
+            _add_run(found, recipe)
             continue
         try:
             runs = list(os.scandir(recipe.path))
@@ -145,22 +149,26 @@ def scan_runs(runs_root: Path) -> list[RunFolder]:
             found.append(_unreadable(Path(recipe.path), exc, mtime=_mtime(recipe)))
             continue
         for run in runs:
-            if run.name.startswith(".") or not run.is_dir():
-                continue
-            folder = Path(run.path)
-            try:
-                stamp = (folder / PLAN_FILE).stat().st_mtime
-            except (FileNotFoundError, NotADirectoryError):
-                continue  # not a run folder
-            except OSError as exc:
-                found.append(_unreadable(folder, exc, mtime=_mtime(run), file=folder / PLAN_FILE))
-                continue
-            try:
-                stamp, submitted = (folder / SUBMISSION_FILE).stat().st_mtime, True
-            except OSError:
-                submitted = False
-            found.append(RunFolder(path=folder, mtime=stamp, submitted=submitted))
+            if not run.name.startswith(".") and run.is_dir():
+                _add_run(found, run)
     return sorted(found, key=lambda r: r.mtime, reverse=True)
+
+
+def _add_run(found: list[RunFolder], entry: os.DirEntry) -> None:
+    """Append `entry` to `found` when it is a run folder (it holds the plan), or one that cannot be read."""
+    folder = Path(entry.path)
+    try:
+        stamp = (folder / PLAN_FILE).stat().st_mtime
+    except (FileNotFoundError, NotADirectoryError):
+        return  # not a run folder
+    except OSError as exc:
+        found.append(_unreadable(folder, exc, mtime=_mtime(entry), file=folder / PLAN_FILE))
+        return
+    try:
+        stamp, submitted = (folder / SUBMISSION_FILE).stat().st_mtime, True
+    except OSError:
+        submitted = False
+    found.append(RunFolder(path=folder, mtime=stamp, submitted=submitted))
 
 
 def find_run_dir(spec: str | None, *, runs_root: Path = Path("runs")) -> Path:

@@ -166,3 +166,17 @@ def test_the_nodes_named_as_stragglers_are_in_status_and_its_json(tmp_path, caps
     assert shown["straggler_check"] == {k: v for k, v in record.items() if k != "nodes"}
     assert main(["status", str(run_dir)]) == 0
     assert "stragglers gpu-7 1.60x the median node" in capsys.readouterr().out
+
+
+def test_a_run_made_with_out_runs_name_is_found_by_runs_and_status(tmp_path, monkeypatch, capsys):
+    """`submit --out runs/NAME` puts the run one level up from runs/<recipe>/<stamp>/: `runs` listed nothing and
+    `status` (no argument) said there were no runs."""
+    make_run(tmp_path, name="tiny/x", steps=(10,))
+    named = make_run(tmp_path, name="mine", steps=(10, 20, 40))
+    os.utime(named / "submission.json")  # the newest
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert main(["runs"]) == 0
+    rows = [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:]]
+    assert rows == ["mine", "tiny/x"]
+    assert find_run_dir(None) == named.resolve()
