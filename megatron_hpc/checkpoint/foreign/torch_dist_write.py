@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from megatron_hpc.checkpoint.store import zip_crc
+from megatron_hpc.checkpoint.store import torch_crc_off
 
 Box = tuple[tuple[int, ...], torch.Size]
 """(offsets of the part in its key's global tensor, the global tensor's size)."""
@@ -75,7 +75,7 @@ class PartWriter:
         # read by torch.load alone, which never checks it (torch.serialization.set_crc32_options says so), so the
         # writer (one thread: it writes in this one) runs without it. Our own files get theirs filled in instead
         # (store/zip_crc.py); a .distcp is not a zip any tool opens.
-        with warnings.catch_warnings(), zip_crc.torch_crc_off():  # one process on purpose; torch warns anyway
+        with warnings.catch_warnings(), torch_crc_off():  # one process on purpose; torch warns anyway
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             self._results.append(self._writer.write_data(plan, self._planner).value())
         self._planner.part = {}

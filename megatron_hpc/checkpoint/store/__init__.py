@@ -31,6 +31,7 @@ _EXPORTS = {
     "saver": ("commit_save", "save_checkpoint", "write_rank_folder"),
     "staging": ("staged_iteration",),
     "xser": ("Snapshot", "iter_tensors", "read_references", "read_xser", "resolve"),
+    "zip_crc": ("torch_crc_off",),
 }
 _HOME = {name: module for module, names in _EXPORTS.items() for name in names}
 
