@@ -14,7 +14,7 @@ from typing import Literal, TextIO
 import torch
 import torch.distributed as dist
 
-from megatron_hpc.config.schema import ModelConfig, Precision
+from megatron_hpc.config.schema import ModelConfig, Precision, RunConfig
 from megatron_hpc.data.loader import IndexedBatches, build_indexed_batches, check_vocabulary
 from megatron_hpc.data.synthetic import SyntheticTokens
 from megatron_hpc.heartbeat import HeartbeatWriter
@@ -135,19 +135,14 @@ def train(spec: RunSpec, ctx: ParallelContext, *, device: DeviceInfo, phase: Pha
     stopped: StopDecision | None = None
     try:
         for batches in feed:
-            # The schedule (from the plan) always spans the run phase, so a compile trial traces the run's LRs.
-            lr = lr_at_count(state.lr_steps * plan.lr_schedule.per_step, sched=plan.lr_schedule, optim=cfg.optim)
+            lr = _scheduler_lr(state, plan, cfg)
             rank.optimizer.set_lr(lr)
             pulse.step_begins(state.step + 1)
             result = train_step(rank.forward_backward, rank.optimizer, batches, scaler=state.scaler)
             state.advance(global_batch_size=plan.global_batch_size)
             pulse.step_ends()
             skips.add(result, iteration=state.step, lr=lr)
-            # Megatron logs the LR its scheduler holds after the step: the next step's (a skipped step leaves it, and
-            # on XLA the step in flight counts as applied until its flag is read, as in skips). The LR the step
-            # applied is logged beside it.
-            after = lr_at_count(state.lr_steps * plan.lr_schedule.per_step, sched=plan.lr_schedule, optim=cfg.optim)
-            log.add(result, iteration=state.step, lr=after, applied_lr=lr)
+            log.add(result, iteration=state.step, lr=_scheduler_lr(state, plan, cfg), applied_lr=lr)
             step_barrier(device)
             stopped = ends.after_step(state)
             if stopped is not None:
@@ -429,6 +424,15 @@ class _IntervalSums:
         self.loss_sum.zero_()
         self.nan_count.zero_()
         self.skipped.zero_()
+
+
+def _scheduler_lr(state: TrainState, plan: Plan, cfg: RunConfig) -> float:
+    """The LR of Megatron's scheduler after `state.lr_steps` applied steps: the next step's. Read before a step, it
+    is the LR the step applies; read after it, what Megatron logs for the step (its train_step steps the scheduler
+    before training_log reads the param group; a skipped step leaves it, and on XLA the step in flight counts as
+    applied until its flag is read, as in SkipTracker). The schedule (from the plan) always spans the run phase, so a
+    compile trial traces the run's LRs."""
+    return lr_at_count(state.lr_steps * plan.lr_schedule.per_step, sched=plan.lr_schedule, optim=cfg.optim)
 
 
 def _log_step(metrics: MetricsLogger, records: list[IterationRecord], iteration: int, lrs: tuple[float, float],
