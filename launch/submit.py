@@ -151,13 +151,17 @@ def check_spares(req: SubmitRequest, *, echo: Callable[[str], None] | None = Non
             echo(f"warning: launch.spare_nodes={spares} is ignored on --cluster {req.cluster}: hot spares and "
                  "in-job restarts need --cluster slurm")
         return
-    total, partition = partition_size(req.options.partition)
-    wanted = req.plan.num_nodes + spares
+    check_spares_fit(req.plan.num_nodes, spares, partition=req.options.partition)
+
+
+def check_spares_fit(num_nodes: int, spares: int, *, partition: str | None) -> None:
+    """LaunchError when the partition (sinfo) has fewer nodes than --nodes + launch.spare_nodes."""
+    total, name = partition_size(partition)
+    wanted = num_nodes + spares
     if total is not None and wanted > total:
-        fix = (f"--set launch.spare_nodes={total - req.plan.num_nodes}" if total > req.plan.num_nodes
-               else "fewer --nodes")
-        raise LaunchError(f"--nodes {req.plan.num_nodes} + launch.spare_nodes={spares} asks for {wanted} nodes, "
-                          f"but partition {partition} has {total}; use {fix}, or a larger --partition")
+        fix = f"--set launch.spare_nodes={total - num_nodes}" if total > num_nodes else "fewer --nodes"
+        raise LaunchError(f"--nodes {num_nodes} + launch.spare_nodes={spares} asks for {wanted} nodes, "
+                          f"but partition {name} has {total}; use {fix}, or a larger --partition")
 
 
 def partition_size(partition: str | None) -> tuple[int | None, str]:

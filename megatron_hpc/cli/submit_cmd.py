@@ -137,7 +137,10 @@ def run(args: argparse.Namespace) -> int:
     check_pipeline_runtime(resolved.plan, cfg=resolved.cfg)  # ... or pipelines on a runtime that cannot run one
     check_checkpoint_to_load(resolved, resumed_dir=resumed_dir)  # ... or would load a checkpoint of another mesh
     profile = _profile(args, resumed_dir)
-    warnings = _checks_before_writing(args, resolved)
+    options = cluster_profile.slurm_options(profile.profile, partition=args.partition, account=args.account,
+                                            qos=args.qos, exclude=args.exclude, constraint=args.constraint,
+                                            time_limit_min=args.time)
+    warnings = _checks_before_writing(args, resolved, partition=options.partition)
     run_dir = prepare_run_dir(resumed_dir or args.out or default_run_dir(Path("runs"), resolved.cfg.name))
     warnings = env_checks.submit_warnings(os.environ, run_dir=run_dir, cluster=args.cluster,
                                           num_nodes=resolved.plan.num_nodes,
@@ -146,9 +149,6 @@ def run(args: argparse.Namespace) -> int:
     warnings += [space] if space else []
     for warning in warnings:
         print(f"megatron-hpc: warning: {warning}", file=sys.stderr)
-    options = cluster_profile.slurm_options(profile.profile, partition=args.partition, account=args.account,
-                                            qos=args.qos, exclude=args.exclude, constraint=args.constraint,
-                                            time_limit_min=args.time)
     req = SubmitRequest(
         cfg=resolved.cfg, plan=resolved.plan, platform=resolved.platform, cluster=args.cluster,
         run_dir=run_dir, options=options, recompile=args.recompile,
@@ -217,11 +217,11 @@ def _tune_first(args: argparse.Namespace) -> bool:
     return True
 
 
-def _checks_before_writing(args: argparse.Namespace, resolved: Resolved) -> list[str]:
-    """The cluster, the kube context and the data, checked before anything is written (a dry run warns about data
-    these nodes cannot see instead), and the plan's warnings."""
+def _checks_before_writing(args: argparse.Namespace, resolved: Resolved, *, partition: str | None) -> list[str]:
+    """The cluster (and room in the partition for hot spares), the kube context and the data, checked before
+    anything is written (a dry run warns about data these nodes cannot see instead), and the plan's warnings."""
     from megatron_hpc.data.preflight import check_data, check_tokenizer_vocabulary  # numpy once files are read
-    from megatron_hpc.launch.submit import check_cluster
+    from megatron_hpc.launch.submit import check_cluster, check_spares_fit
     from megatron_hpc.plan.planner import distributed_optimizer_warning, idle_workers_warning
 
     source = resolved.plan.data_source
@@ -242,6 +242,8 @@ def _checks_before_writing(args: argparse.Namespace, resolved: Resolved) -> list
             k8s_api.load_kube_config()
     if not args.dry_run and args.cluster != "k8s":
         check_cluster(args.cluster, num_nodes=resolved.plan.num_nodes, platform=resolved.platform)
+        if args.cluster == "slurm" and resolved.cfg.launch.spare_nodes:
+            check_spares_fit(resolved.plan.num_nodes, resolved.cfg.launch.spare_nodes, partition=partition)
         check_data(resolved.cfg.data, source=source)
     else:  # the scripts may be meant for another machine's files (k8s: the claim's): say so, but write them
         try:

@@ -274,7 +274,7 @@ def test_spares_beyond_the_partition_are_refused_before_anything_is_queued(slurm
     assert proc.stderr.strip().splitlines()[-1] == (
         "megatron-hpc: error: --nodes 2 + launch.spare_nodes=3 asks for 5 nodes, but partition debug has 4; use "
         "--set launch.spare_nodes=2, or a larger --partition")
-    assert not (tmp_path / "run" / "submission.json").exists()
+    assert not (tmp_path / "run").exists()  # refused before the run folder is made: nothing is left behind
 
 
 def test_a_stopped_rank_is_caught_as_a_hang_and_restarted_on_the_spare(reference, tmp_path, worker_pids):
