@@ -35,13 +35,19 @@ def _records(path: Path) -> list[tuple[str, int, int, int, bytes]]:
         return [(i.filename, i.header_offset, i.file_size, i.CRC, zf.read(i)) for i in zf.infolist()]
 
 
-def test_record_crcs_are_ours_and_the_zip_is_torchs_own(tmp_path: Path) -> None:
+@pytest.mark.parametrize("combine", [True, False], ids=["one-pass", "without-crc32_combine"])
+def test_record_crcs_are_ours_and_the_zip_is_torchs_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         combine: bool) -> None:
     """torch.save inside write_torch_file computes no record crc32 (its code is 3-4x slower than the write); the
     sink puts ours where torch's go. The file is torch's own save of the object, record for record: the same names,
     offsets, sizes, bytes and crc32s, with every crc32 right (unzip -t and zipfile check them). Among the records:
     an empty one (torch writes it without a data descriptor), one whose 16 bytes look like a data descriptor with
     the sizes counted so far, one that looks like a local header, one over CHUNK, one whose last 16 bytes look like a
-    descriptor after its first CHUNK, and a pickle over 64 KiB."""
+    descriptor after its first CHUNK, and a pickle over 64 KiB. With isal's crc32_combine each data piece is read
+    once for the record's crc32 and the file's; without it (zlib's crc32 only) twice, to the same bytes."""
+    from megatron_hpc.checkpoint.store import zip_crc
+
+    monkeypatch.setattr(zip_crc, "CAN_COMBINE", combine and zip_crc.CAN_COMBINE)
     import subprocess
     from io import BytesIO
 
@@ -207,6 +213,17 @@ def test_checksum_is_zlibs_crc32(nbytes: int) -> None:
     cut = nbytes // 3
     assert crc32(data[cut:], crc32(data[:cut])) == zlib.crc32(data)
     assert crc32(memoryview(data)[cut:], 0x1234abcd) == zlib.crc32(data[cut:], 0x1234abcd)
+
+
+def test_crc32_combine_is_zlibs() -> None:
+    """The file's crc32 is put together from each data piece's own (file_io, zip_crc): the same as over the bytes."""
+    import os
+
+    from megatron_hpc.checkpoint.store.checksum import crc32_combine
+
+    a, b = os.urandom(1001), os.urandom(CHUNK + 7)
+    assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+    assert crc32_combine(0, zlib.crc32(b), len(b)) == zlib.crc32(b)
 
 
 def test_checksum_comes_from_isal() -> None:

@@ -12,14 +12,29 @@ only runs slower.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+_combine: Callable[[int, int, int], int] | None
 try:
     from isal.isal_zlib import crc32 as _crc32
+    from isal.isal_zlib import crc32_combine as _combine
     IMPLEMENTATION = "isal"
 except ImportError:  # an environment installed before isal was a dependency: same values, slower
     from zlib import crc32 as _crc32
+    _combine = None  # Python's zlib has none; computing a crc32 again is then cheaper than combining in Python
     IMPLEMENTATION = "zlib"
+
+CAN_COMBINE = _combine is not None
+"""Whether crc32_combine is at hand (with isal): one pass over a record's bytes then gives the record's crc32 and
+the file's (store/zip_crc.py, file_io.py)."""
 
 
 def crc32(data: bytes | bytearray | memoryview, value: int = 0) -> int:
     """zlib.crc32(data, value): the running crc32 of `value`'s bytes followed by `data`."""
     return _crc32(data, value)
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """zlib's crc32_combine: the crc32 of A followed by B from crc32(A), crc32(B) and len(B). Only with CAN_COMBINE."""
+    assert _combine is not None, "crc32_combine needs isal (CAN_COMBINE)"
+    return _combine(crc1, crc2, len2)

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from megatron_hpc.checkpoint.store import safe_pickle, zip_crc
-from megatron_hpc.checkpoint.store.checksum import crc32
+from megatron_hpc.checkpoint.store.checksum import crc32, crc32_combine
 from megatron_hpc.checkpoint.store.manifest import FileRecord
 from megatron_hpc.checkpoint.store.writeback import WRITEBACK_STEP, start_writeback
 from megatron_hpc.errors import CheckpointAccessError, CheckpointError
@@ -89,29 +89,34 @@ class _WriteSink:
         # a data descriptor is held and found to be data by the filler, as any such write is.)
         chunks = [view[at:at + CHUNK] for at in range(0, view.nbytes, CHUNK)] if view.nbytes >= _SMALL else [view]
         for chunk in chunks:
-            for piece in self._zip.feed(chunk):
-                self._put(memoryview(piece))
+            for piece, crc in self._zip.feed(chunk):
+                self._put(memoryview(piece), crc)
         self.size += view.nbytes
         return view.nbytes
 
     def end_zip(self) -> None:
         """torch.save has returned: its central directory goes out, with the records' crc32 (zip_crc.py)."""
-        self._put(memoryview(self._zip.finish()))
+        self._put(memoryview(self._zip.finish()), None)
         self.drain()
 
-    def _put(self, view: memoryview) -> None:
+    def _put(self, view: memoryview, crc: int | None) -> None:
+        """Write `view` (crc: its crc32 when the filler took it; a view with one is at most a CHUNK)."""
         n = view.nbytes
         if n < _SMALL:
             self._pending += view
             if len(self._pending) >= CHUNK:
                 self.drain()
+        elif crc is not None:
+            self.drain()
+            self._out(view, crc)
         else:
             self.drain()
             for start in range(0, n, CHUNK):
                 self._out(view[start:start + CHUNK])
 
-    def _out(self, view: memoryview) -> None:
-        self.crc = crc32(view, self.crc)
+    def _out(self, view: memoryview, crc: int | None = None) -> None:
+        # The file's crc32 from the piece's own where the filler took it: the bytes are read once for both.
+        self.crc = crc32(view, self.crc) if crc is None else crc32_combine(self.crc, crc, view.nbytes)
         try:
             _write_all(self._fd, view)
         except OSError as exc:

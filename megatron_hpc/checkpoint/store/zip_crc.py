@@ -30,7 +30,7 @@ from contextlib import contextmanager
 
 import torch
 
-from megatron_hpc.checkpoint.store.checksum import crc32
+from megatron_hpc.checkpoint.store.checksum import CAN_COMBINE, crc32, crc32_combine
 from megatron_hpc.errors import CheckpointError
 
 _LOCAL = b"PK\x03\x04"
@@ -38,6 +38,11 @@ _CENTRAL = b"PK\x01\x02"
 _DESCRIPTOR = b"PK\x07\x08"
 _CENTRAL_FIXED = struct.Struct("<4sHHHHHHIIIHHHHHII")  # 46 bytes (APPNOTE 4.3.12)
 _ZIP64_EXTRA = 0x0001
+
+
+Piece = tuple[memoryview | bytes, int | None]
+"""Bytes to write, with their own crc32 where the filler took it (record data, with CAN_COMBINE): the sink then
+combines it into the file's instead of reading the bytes again."""
 
 
 class Filler:
@@ -57,8 +62,8 @@ class Filler:
         self._record_at = 0
         self._tail: bytearray | None = None
 
-    def feed(self, view: memoryview) -> list[memoryview | bytes]:
-        out: list[memoryview | bytes] = []
+    def feed(self, view: memoryview) -> list[Piece]:
+        out: list[Piece] = []
         if not view.nbytes:  # nothing to count (and no sign of what comes next for a held descriptor)
             return out
         if self._tail is not None:
@@ -67,16 +72,14 @@ class Filler:
         if self._held is not None:
             held, self._held = self._held, None
             if bytes(view[:4]) in (_LOCAL, _CENTRAL):
-                out.append(self._close_record(held))
+                out.append((self._close_record(held), None))
             else:  # it looked like a descriptor but no header follows: it was data
-                self._data(memoryview(held))
-                out.append(held)
+                out.append((held, self._data(memoryview(held))))
         if self._in_data:
             if self._looks_like_descriptor(view):
                 self._held = bytes(view)
                 return out
-            self._data(view)
-            out.append(view)
+            out.append((view, self._data(view)))
             return out
         if self._header_left == 0:
             head = bytes(view[:4])
@@ -90,7 +93,7 @@ class Filler:
             self._header_left = -1  # the length is known once the fixed 30 bytes have arrived
             self._header_buf = bytearray()
         self._header(view)
-        out.append(view)
+        out.append((view, None))
         return out
 
     def _header(self, view: memoryview) -> None:
@@ -121,10 +124,16 @@ class Filler:
             if n > take:  # data in the same write as the header: not what torch does, but count it as data
                 self._data(view[take:])
 
-    def _data(self, view: memoryview) -> None:
-        self._crc = crc32(view, self._crc)
+    def _data(self, view: memoryview) -> int | None:
+        """Count record data; its own crc32 where it can be combined (else the record's running crc32 only)."""
         self._count += view.nbytes
         self._offset += view.nbytes
+        if not CAN_COMBINE:
+            self._crc = crc32(view, self._crc)
+            return None
+        own = crc32(view)
+        self._crc = crc32_combine(self._crc, own, view.nbytes)
+        return own
 
     def _looks_like_descriptor(self, view: memoryview) -> bool:
         if view.nbytes not in (16, 24) or bytes(view[:4]) != _DESCRIPTOR:
