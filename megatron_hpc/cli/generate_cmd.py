@@ -51,12 +51,12 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_hpc.data.tokenizer import EOD_TOKEN
     from megatron_hpc.errors import GenerationError
     from megatron_hpc.generate.engine import generate
     from megatron_hpc.generate.loading import (
         TOKENIZER_FLAGS,
         choose_device,
+        end_of_text,
         generation_stops,
         leave_group,
         load_for_generation,
@@ -90,10 +90,9 @@ def run(args: argparse.Namespace) -> int:
     prompts = [tok.encode(p) for p in args.prompt] + id_prompts if tok is not None else id_prompts
     stops = list(args.stop_token)
     if tok is not None and not args.ignore_eos:
-        if hasattr(tok, "vocab"):  # GPT-2's BPE: the EOD token when the vocabulary has one
-            stops += [tok.vocab[EOD_TOKEN]] if EOD_TOKEN in tok.vocab else []
-        else:  # the run's tokenizer.json or SentencePiece model: its end-of-sequence id
-            stops.append(tok.eod)
+        # GPT-2's <|endoftext|>, or the tokenizer.json's / SentencePiece model's end-of-sequence id (serve's too)
+        eod = end_of_text(tok)
+        stops += [eod] if eod is not None else []
         # and every id an imported model's generation_config.json stops at, as transformers' generate does
         stops += [i for i in generation_stops(loaded.resolved_config) if i not in stops]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
