@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -254,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     requeued = False
     message = decision.message
     if decision.action == "requeue":
+        # `scontrol requeue` has SLURM send SIGTERM to every process of the job, this one included, at
+        # once: outlive it (KillWait, then SIGKILL) long enough to record the attempt and say why.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         requeued, why_not = requeue(os.environ["SLURM_JOB_ID"], attempt=outcome.attempt)
         if not requeued:
             message += f"; {why_not}"

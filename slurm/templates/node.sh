@@ -124,7 +124,7 @@ if [ "$PHASE" = tune ] && [ ${#TORCHRUN_WRAPPER[@]} -gt 0 ]; then
     echo "megatron-hpc: error: tune pass 1 (graphs) failed (exit $GRAPHS_STATUS); no timed pass" | tee -a "$LOG" >&2
     [ -n "${REMOVE_LOCAL_CACHE:-}" ] && rm -rf "$LOCAL_CACHE"
     python -m megatron_hpc.launch.requeue --run-dir "$RUN_DIR" --phase "$PHASE" --exit-code "$GRAPHS_STATUS" \
-      --node-rank "$NODE_RANK" 2>&1 | tee -a "$LOG"
+      --node-rank "$NODE_RANK" 2>&1 | ( trap '' TERM; exec tee -a "$LOG" )
     exit "${PIPESTATUS[0]}"
   fi
   TORCHRUN_WRAPPER=()
@@ -174,5 +174,5 @@ fi
 # step, record how it ended here for the driver, which decides.
 python -m megatron_hpc.launch.requeue --run-dir "$RUN_DIR" --phase "$PHASE" --exit-code "$STATUS" \
   --node-rank "$NODE_RANK" 2>&1 \
-  | tee -a "$LOG"
+  | ( trap '' TERM; exec tee -a "$LOG" )  # a requeue's SIGTERM must not cut the line saying why
 exit "${PIPESTATUS[0]}"

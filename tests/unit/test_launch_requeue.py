@@ -100,3 +100,32 @@ def test_the_cli_outside_slurm_passes_the_phase_exit_code_through(tmp_path, code
                            "--phase", "run", "--exit-code", str(code)], env=env, capture_output=True, text=True)
     assert proc.returncode == code
     assert json.loads((tmp_path / "attempts.jsonl").read_text().splitlines()[-1])["exit_code"] == code
+
+
+SCONTROL_STAND_IN = """#!/bin/sh
+# A stand-in for scontrol, named as one: `scontrol requeue` on a real cluster has SLURM send SIGTERM to
+# every process of the job at once, the caller included; this one does that to its caller, then answers.
+case "$1" in
+  show) echo "JobId=123 JobState=RUNNING Restarts=0" ;;
+  requeue) kill -TERM "$PPID"; sleep 0.5 ;;
+esac
+"""
+
+
+def test_the_requeue_sigterm_does_not_cut_the_attempt_record(tmp_path):
+    # CI once lost attempt 0's row: SLURM's SIGTERM of the requeue killed the node task before it appended it.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(SCONTROL_STAND_IN)
+    (bin_dir / "scontrol").chmod(0o755)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")},
+           "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "123", "SLURM_RESTART_COUNT": "0"}
+    proc = subprocess.run([sys.executable, "-m", "megatron_hpc.launch.requeue", "--run-dir", str(run_dir),
+                           "--phase", "run", "--exit-code", "1", "--node-rank", "0"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "requeueing to resume" in proc.stdout
+    rows = [json.loads(line) for line in (run_dir / "attempts.jsonl").read_text().splitlines()]
+    assert [(r["attempt"], r["action"], r["requeued"]) for r in rows] == [(0, "requeue", True)]
