@@ -388,7 +388,10 @@ def _restart_lines(status: RunStatus) -> list[str]:
     """Spares and in-job restarts; nothing for a run without spares."""
     lines = []
     if status.spare_nodes:
-        lost = f"; nodes lost: {', '.join(status.nodes_lost)}" if status.nodes_lost else ""
+        # Not all "lost": a hang or `restart --exclude` leaves out a node that still runs; say why for each.
+        why = {n: r.reason for r in reversed(status.restarts) for n in r.nodes_lost}
+        lost = ("; nodes left out: " + ", ".join(f"{n} ({why[n]})" if n in why else n for n in status.nodes_lost)
+                if status.nodes_lost else "")
         lines.append(f"spares    {status.spare_nodes} hot spare node(s), {len(status.restarts)} in-job "
                      f"restart(s){lost}")
     for r in status.restarts:

@@ -249,7 +249,10 @@ def _stats_lines(s: dict) -> list[str]:
                          + ", ".join(f"{k} {n}" for k, n in vs["counts"].items() if n))
         return lines
     if s["layout"] == "tree":
-        return [f"{folder + '/':<14} {f['entries']} entries, {human(f['bytes'])}" for folder, f in s["folders"].items()]
+        # "??" is the JSON key of Inductor's two-character hash folders, counted together; the text says what they are
+        return [f"{folder + '/':<14} {f['entries']} entries, {human(f['bytes'])}"
+                + ("  (Inductor's generated code, in its two-character hash folders)" if folder == "??" else "")
+                for folder, f in s["folders"].items()]
     return []
 
 

@@ -136,6 +136,11 @@ def test_stats_counts_entries_per_top_level_folder(inductor, capsys):
         "fxgraph": {"entries": 2, "bytes": 17_000},
         "triton": {"entries": 1, "bytes": expected[f"{KERNEL}/"][0]},
     }
+    assert main(["cache", "stats", "--layout", "tree", "--root", str(root)]) == 0
+    text = capsys.readouterr().out.splitlines()
+    (line,) = [t for t in text if t.startswith("??/")]  # the text says what the "??" folders are
+    assert line.endswith("(Inductor's generated code, in its two-character hash folders)")
+    assert line.split()[1] == str(len(buckets))
 
 
 def test_prune_older_than_removes_idle_entries_whole_and_nothing_else(inductor, capsys):

@@ -275,7 +275,7 @@ def test_status_reads_restarts_with_their_cost(tmp_path):
     status = RunStatus(run_dir=str(tmp_path), recipe="tiny", cluster="slurm", plan={}, spare_nodes=1,
                        restarts=[first, second], nodes_lost=["n2", "n1"])
     assert format_status(status).splitlines()[-3:] == [
-        "spares    1 hot spare node(s), 2 in-job restart(s); nodes lost: n2, n1",
+        "spares    1 hot spare node(s), 2 in-job restart(s); nodes left out: n2 (node_lost), n1 (requested)",
         "restart   job 7 step 1: node_lost without n2, now on n1,n3; cost 9.0 s",
         "restart   job 7 step 2: requested without n1, now on n3,n4; no step logged since"]
 
