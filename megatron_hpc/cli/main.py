@@ -65,6 +65,14 @@ def _selected_command(argv: list[str]) -> str | None:
     return None
 
 
+def _say_error(line: str) -> None:
+    """The error line on stderr; under torchrun once per node, not once per local rank (cli/said_once.py)."""
+    from megatron_hpc.cli.said_once import first_to_say
+
+    if first_to_say(line):
+        print(line, file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
@@ -78,15 +86,15 @@ def main(argv: list[str] | None = None) -> int:
     except MegatronHpcError as exc:
         if getattr(args, "debug", False):
             traceback.print_exc()
-        print(f"megatron-hpc: error: {exc}", file=sys.stderr)
+        _say_error(f"megatron-hpc: error: {exc}")
         return 1
     except PermissionError as exc:
         # What the commands do not word themselves (a file written, a folder listed): still one line, naming it
         if getattr(args, "debug", False):
             traceback.print_exc()
         where = f"{exc.filename}: {access_problem(exc.filename, exc)}" if exc.filename else str(exc)
-        print(f"megatron-hpc: error: {where}; change its permissions (chmod, or ask its owner) or run as a user "
-              "who may use it", file=sys.stderr)
+        _say_error(f"megatron-hpc: error: {where}; change its permissions (chmod, or ask its owner) or run as a "
+                   "user who may use it")
         return 1
     except KeyboardInterrupt:
         print("megatron-hpc: interrupted", file=sys.stderr)
