@@ -4,6 +4,7 @@ names the URL, and `scancel` stops the server cleanly."""
 from __future__ import annotations
 
 import os
+import random
 import re
 import socket
 import subprocess
@@ -28,14 +29,24 @@ MODEL = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_head
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now from below the kernel's ephemeral range, which the suite's gloo listeners and torchrun stores
+    (kernel-assigned) draw from: serve.sh binds it seconds later, and a port the kernel had handed out could be
+    taken by then."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    rng = random.Random()
+    while True:
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
 
 
 def test_serve_template_serves_and_stops_on_scancel(slurm_cluster, sacct_job, tmp_path):
     ckpt = tmp_path / "ckpt"
-    args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "--master_port", str(_free_port()),
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
             "-m", "megatron_hpc", "train", "--recipe", "tiny"]
     for item in [*MODEL, f"checkpoint.save={ckpt}"]:
         args += ["--set", item]
