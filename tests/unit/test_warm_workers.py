@@ -19,7 +19,7 @@ from megatron_hpc.launch.stack_dump import find_workers
 from megatron_hpc.launch.step_exit import worker_signal
 
 from megatron_hpc.plan.jobs import PhaseSpec
-from megatron_hpc.warm_protocol import SOCKET_NAME, encode, warm_folder, worker_envs
+from megatron_hpc.warm_protocol import REFUSED_NAME, SOCKET_NAME, encode, warm_folder, worker_envs
 
 PROBE_DIR = Path(__file__).parent / "warm"
 JOB, NODE = "4242", "warmnode"
@@ -182,13 +182,19 @@ def test_a_client_gone_before_its_workers_started_ends_them_and_the_warm_process
         sock.connect(str(folder / SOCKET_NAME))
         assert b'"hello"' in sock.recv(256)  # as the client does: the request goes to a warm process that answers
         socket.send_fds(sock, [encode(message)], [null.fileno(), null.fileno()])
-    time.sleep(1.0)
-    assert Path(f"/proc/{server_pid}").exists() and (folder / SOCKET_NAME).exists()
-    forked = [int(p.read_text()) for p in tmp_path.glob("pid.*") if p.read_text()]
-    assert all(_gone(pid) for pid in forked) and not list(folder.glob("worker-*.json"))  # killed and reaped
+    # The warm process serves one connection at a time: once the next client's workers ran (warm), it has read the
+    # request of the one that left and forked its workers. Their end is then polled for, not slept for: on a loaded
+    # machine the kill and the reap come when they come.
     proc = client(env, "exit", "0")
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0 and "cold" not in err, err
+    assert Path(f"/proc/{server_pid}").exists() and (folder / SOCKET_NAME).exists()
+    deadline = time.monotonic() + 60
+    while list(folder.glob("worker-*.json")):  # killed and reaped: the registry empties
+        assert time.monotonic() < deadline, sorted(p.name for p in folder.glob("worker-*.json"))
+        time.sleep(0.02)
+    forked = [int(p.read_text()) for p in tmp_path.glob("pid.*") if p.read_text()]
+    assert all(_gone(pid) for pid in forked)
 
 
 def test_signals_the_step_gets_reach_the_workers(warm, tmp_path):
@@ -224,14 +230,15 @@ def test_a_draining_warm_process_sends_new_clients_cold_at_once_and_ends_with_it
     running = client(env, "sleep", str(tmp_path / "pid"))
     (pid, _) = _pids(tmp_path / "pid", range(2))
     server.send_signal(signal.SIGTERM)  # a job-level TERM: it serves its running workers to their end
-    deadline = time.monotonic() + 10
-    while (folder / SOCKET_NAME).exists():
+    deadline = time.monotonic() + 60
+    while (folder / SOCKET_NAME).exists() or not (folder / REFUSED_NAME).exists():  # the draining state
         assert time.monotonic() < deadline
         time.sleep(0.02)
-    started = time.monotonic()
     later = client(env, "exit", "0", nproc=1)
     _, err = later.communicate(timeout=60)
-    assert later.returncode == 0 and time.monotonic() - started < 20, err  # not START_WAIT_S for a live process
+    # Not START_WAIT_S for a live process: a client that waited for it would say "no warm process ready ... after
+    # 60 s" (or time out above); the note is read at once. No wall-clock bound: a loaded machine sets those.
+    assert later.returncode == 0, err
     assert err.splitlines()[0].startswith("megatron-hpc: warm workers: the warm process refused to serve: it got "
                                           "SIGTERM"), err
     assert server.poll() is None  # still serving the first request
@@ -260,10 +267,10 @@ def test_a_first_step_waits_for_a_starting_warm_process_but_not_for_one_that_ref
     folder = warm_folder(env)
     folder.mkdir()
     (folder / "refused").write_text("3 threads after importing torch (a fork keeps only one)\n")
-    started = time.monotonic()
     proc = client(env, "exit", "3", nproc=2)
     _, err = proc.communicate(timeout=60)
-    assert time.monotonic() - started < 30 and proc.returncode == 1
+    assert proc.returncode == 1
+    # Not waited for: one that waited START_WAIT_S for a start would say "no warm process ready ... after 60 s".
     assert err.splitlines()[0].startswith("megatron-hpc: warm workers: the warm process refused to serve: 3 threads")
     assert "failed: exitcode  : 3" in err  # the cold workers' failure, named as for warm ones
 
