@@ -14,7 +14,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -79,12 +78,10 @@ def test_a_rank_that_stops_answering_fails_the_run_instead_of_hanging(tmp_path: 
         wait_for_iteration(proc, 2, lines)
         pids = worker_pids(run_dir)
         os.kill(pids[1], signal.SIGSTOP)  # rank 1 hangs; rank 0 waits in its next collective
-        stopped_at = time.monotonic()
-        rest = proc.communicate(timeout=240)[0]
-        waited = time.monotonic() - stopped_at
+        rest = proc.communicate(timeout=240)[0]  # a limit that keeps a broken run from hanging the tier, no more
         assert proc.returncode != 0
-        # The 8 s collective timeout ended it, long before the 30-minute default would have.
-        assert waited < 200, waited
-        assert "timed out" in rest.lower() or "timeout" in rest.lower(), rest[-3000:]
+        # The 8 s collective timeout ended it, not the 30-minute default: gloo names the timeout that expired (read
+        # from the run's output rather than a wall clock, which a loaded machine stretches).
+        assert "Timed out waiting 8000ms" in rest, rest[-3000:]
     finally:
         _kill(proc)

@@ -65,12 +65,12 @@ def test_a_stopped_rank_is_caught_its_stacks_saved_and_the_node_fails(tmp_path: 
         assert json.loads((run_dir / "stragglers.json").read_text())["nodes"] == []
         pids = worker_pids(run_dir)
         os.kill(pids[1], signal.SIGSTOP)  # rank 1 hangs; rank 0 waits in its next collective
-        stopped_at = time.monotonic()
+        # communicate's limit only keeps a broken run from hanging the tier; what ended the run is read from its
+        # records below (the report, the log's watchdog line, no collective timeout), never from a wall clock.
         rest = proc.communicate(timeout=200)[0]
-        waited = time.monotonic() - stopped_at
         # The watchdog, not the 300 s collective timeout: 5 s, a poll and the stacks.
         assert proc.returncode != 0, rest[-3000:]
-        assert waited < 90, waited
+        assert "Timed out waiting" not in rest, rest[-3000:]
         reports = list((run_dir / "hangs").glob("*.json"))
         assert len(reports) == 1, reports
         report = json.loads(reports[0].read_text())
