@@ -118,9 +118,15 @@ def read_sacct(job_id: str) -> dict[str, str] | None:
     return None
 
 
+SACCT_TIMEOUT_S = 60.0
+"""The default wait for a job's record: slurmctld hands a job's end to slurmdbd through a queue, and slurmdbd writes
+it to MariaDB, each a process among the suite's busy tiers; a record seconds late is no failure. Polled: a record
+that is there returns at once."""
+
+
 def wait_sacct(
     job_id: str,
-    timeout: float = 10.0,
+    timeout: float = SACCT_TIMEOUT_S,
     final: bool = False,
     until: Callable[[dict[str, str]], bool] | None = None,
 ) -> dict[str, str]:
@@ -150,7 +156,7 @@ def wait_sacct(
 
 @pytest.fixture
 def sacct_job(slurm_cluster: LocalCluster) -> Callable[..., dict[str, str]]:
-    """``sacct_job(job_id, timeout=10.0, final=False, until=None)`` -> dict with the keys
+    """``sacct_job(job_id, timeout=SACCT_TIMEOUT_S, final=False, until=None)`` -> dict with the keys
     JobID, State, Start, End, ExitCode, NodeList (see ``wait_sacct``)."""
     return wait_sacct
 

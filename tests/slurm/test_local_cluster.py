@@ -28,9 +28,15 @@ def sacct_time(value: str) -> datetime:
     return datetime.strptime(value, "%Y-%m-%dT%H:%M:%S")
 
 
+IDLE_TIMEOUT_S = 300
+"""How long every node may take to be idle: this module runs after test_in_job_slurm.py, which takes nodes DOWN and
+kills workers; a node back in service can stay out of reach (completing, not responding) for over a minute on a
+loaded machine. Polled: idle nodes return at once."""
+
+
 def test_all_nodes_idle(slurm_cluster):
     expected = {f"node{i}" for i in range(1, slurm_cluster.num_nodes + 1)}
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + IDLE_TIMEOUT_S
     while True:
         lines = run(["sinfo", "-h", "-N", "-p", slurm_cluster.partition, "-o", "%N %T"]).split()
         states = dict(zip(lines[::2], lines[1::2]))
@@ -58,16 +64,20 @@ def test_two_node_job_sees_two_hostnames(slurm_cluster, sacct_job, tmp_path: Pat
 
 
 def test_afterok_starts_after_parent_ended(slurm_cluster, sacct_job, tmp_path: Path):
-    marker = tmp_path / "parent-done"
-    parent = sbatch("-o", "/dev/null", "--wrap", f"sleep 3; touch {marker}")
+    marker, go = tmp_path / "parent-done", tmp_path / "go"
+    # The parent ends only once the test has seen the child wait (not after a fixed sleep, which a loaded machine's
+    # slow sbatch and squeue could outlast); it gives up after 10 minutes, failing, rather than hold a node forever.
+    parent = sbatch("-o", "/dev/null", "--wrap",
+                    f"for i in $(seq 3000); do [ -e {go} ] && break; sleep 0.2; done; [ -e {go} ] && touch {marker}")
     child = sbatch(
         f"--dependency=afterok:{parent}", "-o", "/dev/null",
         "--wrap", f"test -e {marker}",  # fails if the parent has not finished
     )
     reason = run(["squeue", "-h", "-j", child, "-o", "%T %r"]).strip()
+    go.touch()
     assert reason == "PENDING Dependency"
-    parent_rec = sacct_job(parent, timeout=30, final=True)
-    child_rec = sacct_job(child, timeout=30, final=True)
+    parent_rec = sacct_job(parent, timeout=120, final=True)
+    child_rec = sacct_job(child, timeout=120, final=True)
     assert parent_rec["State"] == "COMPLETED", parent_rec
     assert child_rec["State"] == "COMPLETED", child_rec
     assert sacct_time(child_rec["Start"]) >= sacct_time(parent_rec["End"])
