@@ -30,6 +30,9 @@ NUM_STEPS = 16
 SETS = ["data.source=synthetic", f"train.num_steps={NUM_STEPS}", "train.log_interval=1", "compile.enabled=false",
         "checkpoint.save_interval=4", "train.tensorboard=false", "launch.exclusive=true"]
 RUN_TIMEOUT_S = 300
+NODE_BACK_TIMEOUT_S = 300
+"""How long a node set DOWN may take to come back idle: its slurmd is busy tearing a step down and the controller
+pings it on its own schedule, each slower on a loaded machine. Polled: a node back at once returns at once."""
 
 
 def submit(run_dir: Path, *, spares: int, extra: Sequence[str] = ()) -> str:
@@ -92,7 +95,9 @@ def check_restarted_on_the_spare(run_dir: Path, job_id: str, reference: Path, *,
 
     assert wait_job_end(job_id) == "COMPLETED", driver_log(run_dir)[-3000:]
     assert job_fields(job_id)["Restarts"] == "0", driver_log(run_dir)[-3000:]  # never left the allocation
-    (line,) = [json.loads(x) for x in (run_dir / "restarts.jsonl").read_text().splitlines() if '"reason"' in x]
+    records = [json.loads(x) for x in (run_dir / "restarts.jsonl").read_text().splitlines()]
+    (line,) = [x for x in records if "reason" in x]
+    (done_at,) = [x["first_step_done_at"] for x in records if "first_step_done_at" in x]
     assert (line["reason"], line["nodes_lost"], line["step"]) == (reason, [lost], 1)
     assert lost not in line["nodes"] and len(line["nodes"]) == 2
     node0 = (run_dir / "logs" / "run-node0.log").read_text(errors="replace")
@@ -106,12 +111,14 @@ def check_restarted_on_the_spare(run_dir: Path, job_id: str, reference: Path, *,
                                        capture_output=True, text=True, env=_env(), check=True).stdout)
     (restart,) = status["restarts"]
     assert status["nodes_lost"] == [lost] and status["spare_nodes"] == 1
-    assert restart["cost_s"] is not None and 0 < restart["cost_s"] < 120
+    # The cost status reports is the records' span, from the failure to the new step's first logged step; how long
+    # that takes is benchmarks/in_job_restart.py's business (a loaded machine stretches it), not a bound here.
+    assert restart["cost_s"] == pytest.approx(done_at - line["failed_at"]) and restart["cost_s"] > 0
     return line
 
 
 def _return_to_service(node: str) -> None:
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + NODE_BACK_TIMEOUT_S
     while time.monotonic() < deadline:
         state = subprocess.run(["sinfo", "-h", "-n", node, "-o", "%t"], capture_output=True, text=True).stdout.strip()
         if state in ("idle", "mix", "alloc"):
@@ -131,8 +138,13 @@ def test_exclude_stragglers_leaves_the_named_node_out_of_the_restart(reference, 
     job_id = submit(run_dir, spares=2, extra=["launch.exclude_stragglers=true"])
     first, second = first_step_nodes(run_dir)
     wait_for_iteration(run_dir, 6)
+    # Rank 1, the last rank, rewrites stragglers.json at a gather that names or stops naming a node (a busy machine
+    # makes one slow now and then): stopped, it cannot overwrite the file between this write and its kill (the
+    # lookup of its pid alone takes a /proc scan, as long as a step on a loaded machine).
+    pid = worker_pids(run_dir)[1]
+    os.kill(pid, signal.SIGSTOP)
     (run_dir / "stragglers.json").write_text(json.dumps({"nodes": [{"node": first, "ratio": 1.6}]}))
-    os.kill(worker_pids(run_dir)[1], 9)
+    os.kill(pid, 9)
     assert wait_job_end(job_id) == "COMPLETED", driver_log(run_dir)[-3000:]
     (line,) = [json.loads(x) for x in (run_dir / "restarts.jsonl").read_text().splitlines() if '"reason"' in x]
     assert line["nodes_lost"] == [second] and first not in line["nodes"] and second not in line["nodes"]

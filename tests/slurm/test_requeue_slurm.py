@@ -107,7 +107,9 @@ def _restart_slurmd(node: str, conf_dir: Path) -> None:
     with log.open("a") as fh:
         subprocess.run(["unshare", "--uts", "sh", "-c", f"hostname {node} && exec slurmd -N {node}"],
                        stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT, check=True)
-    deadline = time.monotonic() + 60
+    # Polled with room for a loaded machine: the daemon registers with the controller, which then takes the node
+    # back on its own schedule (test_in_job_slurm.py's nodes wait as long).
+    deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], capture_output=True)
         state = subprocess.run(["sinfo", "-h", "-n", node, "-o", "%t"], capture_output=True, text=True).stdout
