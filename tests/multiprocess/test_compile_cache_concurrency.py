@@ -29,6 +29,9 @@ pytestmark = pytest.mark.multiprocess
 
 NUM_NODES, NUM_SHARED, NUM_OWN = 8, 4, 3
 WORKERS = Path(__file__).with_name("compile_cache_workers.py")
+WAIT_S = 120
+"""The limit on each process's end (its twin, test_compile_tree_publish.py, gives as long): 8 sync loops and a reader
+share two cores with the publishers and the suite's other tiers."""
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
 
 
@@ -99,22 +102,27 @@ def test_concurrent_publish_and_sync_with_kills(tmp_path, capsys):
                                     str(tmp_path / f"sync{n}"), str(stop)], env=ENV, stdout=subprocess.DEVNULL)
                for n in range(NUM_NODES)}
     victims = [("pub", n) for n in rng.sample(range(NUM_NODES), 3)] + [("sync", n) for n in rng.sample(range(8), 3)]
+    # Kill once publishing is under way, as test_compile_tree_publish.py does: 17 processes starting at once on a
+    # busy machine take a while, and kills before any import would leave nothing half-done to recover from.
+    deadline = time.monotonic() + 60
+    while not any(not p.is_symlink() for p in shared.glob("neuronxcc-*/MODULE_*")) and time.monotonic() < deadline:
+        time.sleep(0.01)
     start = time.monotonic()
     for when, (kind, n) in sorted(zip(sorted(rng.uniform(0.2, 1.2) for _ in victims), victims)):
         time.sleep(max(0.0, start + when - time.monotonic()))
         (publishers if kind == "pub" else syncers)[n].send_signal(signal.SIGKILL)
     for n, proc in publishers.items():
-        assert proc.wait(timeout=60) in (0, -signal.SIGKILL), f"seed {seed}: publisher {n}: {proc.stderr.read()}"
+        assert proc.wait(timeout=WAIT_S) in (0, -signal.SIGKILL), f"seed {seed}: publisher {n}: {proc.stderr.read()}"
     # requeue the killed publishers: afterwards every complete entry of every node is shared
     requeued = [_cli("publish", "--from", str(tmp_path / f"node{n}"), "--to", str(shared))
                 for n, proc in publishers.items() if proc.returncode == -signal.SIGKILL]
     for again in requeued:
-        assert again.wait(timeout=60) == 0, again.stderr.read()
+        assert again.wait(timeout=WAIT_S) == 0, again.stderr.read()
     time.sleep(0.3)  # let the surviving sync loops and the reader see the final state
     stop.touch()
     for n, proc in syncers.items():
-        assert proc.wait(timeout=60) in (0, -signal.SIGKILL), f"seed {seed}: syncer {n}"
-    assert reader.wait(timeout=60) == 0
+        assert proc.wait(timeout=WAIT_S) in (0, -signal.SIGKILL), f"seed {seed}: syncer {n}"
+    assert reader.wait(timeout=WAIT_S) == 0
     seen = json.loads((tmp_path / "reader.json").read_text())
     assert seen["violations"] == [], f"seed {seed}"
     assert seen["checks"] > 0 and seen["polls"] > 1
