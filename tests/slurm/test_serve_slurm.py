@@ -16,6 +16,7 @@ from urllib.error import URLError
 import pytest
 
 from megatron_hpc.generate.client import put_api
+from megatron_hpc.plan.jobs import MASTER_PORT_BASE
 
 pytestmark = pytest.mark.slurm
 
@@ -28,14 +29,21 @@ MODEL = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_head
          "train.tensorboard=false"]
 
 
+SERVE_PORTS = range(MASTER_PORT_BASE - 2000, MASTER_PORT_BASE)
+"""Where the serve port is drawn. serve.sh binds it a queue wait and an import later (tens of seconds on a loaded
+machine), so the port must be one nothing else on the machine draws meanwhile: not the kernel's ephemeral range (the
+suite's gloo listeners, torchrun --standalone stores), not the master ports node.sh derives from a job id or a pid
+([MASTER_PORT_BASE, + MASTER_PORT_SPAN): the SLURM jobs, every tier's local runs), not the ports the multiprocess
+tier's spawns draw at random (mp_workers.free_ports: the 12000 below the ephemeral range, which reach down into the
+derived ones), and above the local cluster's slurmd ports (17001-17099) and the store port torch_xla takes
+without MASTER_PORT (12355: the xla tier's xla:// runs)."""
+
+
 def _free_port() -> int:
-    """A port free now from below the kernel's ephemeral range, which the suite's gloo listeners and torchrun stores
-    (kernel-assigned) draw from: serve.sh binds it seconds later, and a port the kernel had handed out could be
-    taken by then."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    """A port of SERVE_PORTS free now."""
     rng = random.Random()
     while True:
-        port = rng.randrange(max(1024, low - 12000), low)
+        port = rng.randrange(SERVE_PORTS.start, SERVE_PORTS.stop)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
