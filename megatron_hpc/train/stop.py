@@ -33,6 +33,8 @@ from megatron_hpc.run_markers import (
 )
 
 HANDLED_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+NODE_TASK_SIGNALS = ("USR2", "TERM")
+"""What node.sh's traps write into the stop-request file (without the SIG prefix)."""
 
 _NONE, _BUDGET, _SIGNAL = 0, 1, 2
 
@@ -76,14 +78,20 @@ class StopWatch:
     def _local(self) -> tuple[int, str]:
         if self.signal_name:
             return _SIGNAL, f"signal {self.signal_name}"
-        if self.is_first_rank and self._stop_requested():
-            return _SIGNAL, "stop request"
+        if self.is_first_rank and (requested := self._stop_request()) is not None:
+            return _SIGNAL, requested
         if self.budget_s > 0 and self.clock() - self.started >= self.budget_s:
             return _BUDGET, f"time budget of {self.budget_s / 60:g} min"
         return _NONE, ""
 
-    def _stop_requested(self) -> bool:
-        return self.run_dir is not None and read_marker(self.run_dir, STOP_REQUEST_FILE) is not None
+    def _stop_request(self) -> str | None:
+        """The stop-request file's reason: the signal the node task got (node.sh writes USR2 or TERM), which
+        often comes before this rank's own copy of it is handled, else `stop request` (the in-job driver's)."""
+        marker = None if self.run_dir is None else read_marker(self.run_dir, STOP_REQUEST_FILE)
+        if marker is None:
+            return None
+        name = str(marker.get("signal") or "")
+        return f"signal SIG{name}" if name in NODE_TASK_SIGNALS else "stop request"
 
     def check(self, iteration: int) -> StopDecision | None:
         """Collective over the world on every `check_every`-th iteration; the same answer on every rank."""
