@@ -43,7 +43,8 @@ _NONE, _BUDGET, _SIGNAL = 0, 1, 2
 class StopDecision:
     iteration: int
     reason: str
-    """`signal SIGUSR2`, `signal SIGTERM`, `stop request` or `time budget of N min`."""
+    """`signal SIGUSR2`, `signal SIGTERM`, `signal SIGUSR2 on another rank`, `stop request` or `time budget of N
+    min`."""
 
 
 class StopWatch:
@@ -75,36 +76,42 @@ class StopWatch:
             signal.signal(sig, handler)
         self._previous.clear()
 
-    def _local(self) -> tuple[int, str]:
+    def _local(self) -> tuple[int, str, int]:
+        """This rank's code, reason and signal number (0 when no signal is behind it)."""
         if self.signal_name:
-            return _SIGNAL, f"signal {self.signal_name}"
+            return _SIGNAL, f"signal {self.signal_name}", int(signal.Signals[self.signal_name])
         if self.is_first_rank and (requested := self._stop_request()) is not None:
-            return _SIGNAL, requested
+            return _SIGNAL, *requested
         if self.budget_s > 0 and self.clock() - self.started >= self.budget_s:
-            return _BUDGET, f"time budget of {self.budget_s / 60:g} min"
-        return _NONE, ""
+            return _BUDGET, f"time budget of {self.budget_s / 60:g} min", 0
+        return _NONE, "", 0
 
-    def _stop_request(self) -> str | None:
-        """The stop-request file's reason: the signal the node task got (node.sh writes USR2 or TERM), which
-        often comes before this rank's own copy of it is handled, else `stop request` (the in-job driver's)."""
+    def _stop_request(self) -> tuple[str, int] | None:
+        """The stop-request file's reason and signal: the one the node task got (node.sh writes USR2 or TERM), which
+        often comes before this rank's own copy of it is handled; else `stop request` (the in-job driver's)."""
         marker = None if self.run_dir is None else read_marker(self.run_dir, STOP_REQUEST_FILE)
         if marker is None:
             return None
         name = str(marker.get("signal") or "")
-        return f"signal SIG{name}" if name in NODE_TASK_SIGNALS else "stop request"
+        if name not in NODE_TASK_SIGNALS:
+            return "stop request", 0
+        return f"signal SIG{name}", int(signal.Signals["SIG" + name])
 
     def check(self, iteration: int) -> StopDecision | None:
         """Collective over the world on every `check_every`-th iteration; the same answer on every rank."""
         if iteration % self.check_every:
             return None
-        code, reason = self._local()
-        flag = torch.tensor([code], dtype=torch.int32, device=self.device)
+        code, reason, signum = self._local()
+        # The signal's number travels with the code: a rank it has not reached yet still names it.
+        flag = torch.tensor([code, signum], dtype=torch.int32, device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        agreed = int(flag.item())
+        agreed, agreed_signum = (int(v) for v in flag.tolist())
         if agreed == _NONE:
             return None
         if agreed != code:  # another rank saw it first
-            reason = "signal on another rank" if agreed == _SIGNAL else f"time budget of {self.budget_s / 60:g} min"
+            name = f" {signal.Signals(agreed_signum).name}" if agreed_signum else ""
+            reason = (f"signal{name} on another rank" if agreed == _SIGNAL
+                      else f"time budget of {self.budget_s / 60:g} min")
         return StopDecision(iteration=iteration, reason=reason)
 
 

@@ -73,7 +73,7 @@ def test_signal_to_one_rank_stops_all_at_one_iteration_and_resume_matches(tmp_pa
     stopped = json.loads((interrupted / "stopped.json").read_text())
     k = stopped["iteration"]
     assert 5 <= k < NUM_STEPS, log[-3000:]
-    assert stopped["reason"] == "signal on another rank"  # rank 0 writes it and was not signalled
+    assert stopped["reason"] == "signal SIGUSR2 on another rank"  # rank 0 writes it and was not signalled
     assert code != 0 and "submit --resume" in log  # outside SLURM nobody requeues: it says how to go on
     ckpts = interrupted / "checkpoints"
     assert (ckpts / "latest_checkpointed_iteration.txt").read_text().strip() == str(k)
