@@ -123,8 +123,8 @@ if [ "$PHASE" = tune ] && [ ${#TORCHRUN_WRAPPER[@]} -gt 0 ]; then
   if [ "$GRAPHS_STATUS" -ne 0 ]; then  # no timed pass: it would compile what pass 1 could not
     echo "megatron-hpc: error: tune pass 1 (graphs) failed (exit $GRAPHS_STATUS); no timed pass" | tee -a "$LOG" >&2
     [ -n "${REMOVE_LOCAL_CACHE:-}" ] && rm -rf "$LOCAL_CACHE"
-    python -m megatron_hpc.launch.requeue --run-dir "$RUN_DIR" --phase "$PHASE" --exit-code "$GRAPHS_STATUS" \
-      --node-rank "$NODE_RANK" 2>&1 | ( trap '' TERM; exec tee -a "$LOG" )
+    ( trap '' TERM; exec python -m megatron_hpc.launch.requeue --run-dir "$RUN_DIR" --phase "$PHASE" \
+      --exit-code "$GRAPHS_STATUS" --node-rank "$NODE_RANK" ) 2>&1 | ( trap '' TERM; exec tee -a "$LOG" )
     exit "${PIPESTATUS[0]}"
   fi
   TORCHRUN_WRAPPER=()
@@ -171,8 +171,10 @@ fi
 [ -n "${REMOVE_LOCAL_CACHE:-}" ] && rm -rf "$LOCAL_CACHE"
 
 # Finish, fail, or requeue the job to resume from its checkpoint (launch/requeue.py says which); in an in-job
-# step, record how it ended here for the driver, which decides.
-python -m megatron_hpc.launch.requeue --run-dir "$RUN_DIR" --phase "$PHASE" --exit-code "$STATUS" \
-  --node-rank "$NODE_RANK" 2>&1 \
-  | ( trap '' TERM; exec tee -a "$LOG" )  # a requeue's SIGTERM must not cut the line saying why
+# step, record how it ended here for the driver, which decides. Any node's requeue has SLURM send SIGTERM to
+# every process of the job at once: neither this node's record nor the line saying why may be cut by it, even
+# when another node's requeue lands while this interpreter is still starting.
+( trap '' TERM; exec python -m megatron_hpc.launch.requeue --run-dir "$RUN_DIR" --phase "$PHASE" \
+    --exit-code "$STATUS" --node-rank "$NODE_RANK" ) 2>&1 \
+  | ( trap '' TERM; exec tee -a "$LOG" )
 exit "${PIPESTATUS[0]}"
