@@ -111,7 +111,7 @@ if [ "$PHASE" = tune ] && [ ${#TORCHRUN_WRAPPER[@]} -gt 0 ]; then
       --nproc_per_node={{nproc_per_node}} \
       --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT" \
       -m megatron_hpc train --run-dir "$RUN_DIR" --phase "$PHASE" ) 2>&1 \
-    | ( trap '' USR2 TERM; exec tee -a "$LOG" ) &
+    | ( trap '' USR2 TERM INT; exec tee -a "$LOG" ) &
   GRAPHS_PID=$!
   wait "$GRAPHS_PID"; GRAPHS_STATUS=$?
   while kill -0 "$GRAPHS_PID" 2>/dev/null; do wait "$GRAPHS_PID"; GRAPHS_STATUS=$?; done
@@ -134,13 +134,14 @@ fi
 # The workers' output stays on torchrun's stdout, where a neuron_parallel_compile around it parses the graph
 # list (never torchrun --redirect); tee logs what reaches it. In the background so that the traps run at
 # once; `wait` returns early on each trapped signal. torchrun (and a wrapper) ignore USR2 (its default would
-# kill them under the saving workers, which install their own handler); tee ignores both signals, or the
-# workers' next print would hit a closed pipe.
+# kill them under the saving workers, which install their own handler); tee ignores both signals and a terminal's
+# Ctrl-C (INT, to the whole group on a local run), or the workers' next print would hit a closed pipe and the log
+# would lose what every process said as it ended.
 ( trap '' USR2; exec {{warm_client}}"${TORCHRUN_WRAPPER[@]}" torchrun --nnodes="$NNODES" --node_rank="$NODE_RANK" \
     --nproc_per_node={{nproc_per_node}} \
     --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT" \
     -m megatron_hpc train --run-dir "$RUN_DIR" --phase "$PHASE" ) 2>&1 \
-  | ( trap '' USR2 TERM; exec tee -a "$LOG" ) &
+  | ( trap '' USR2 TERM INT; exec tee -a "$LOG" ) &
 PHASE_PID=$!
 # The node watchdog (launch/watchdog.py), run phase only: when no rank here moved for the hang timeout, it saves
 # the workers' stacks and a report in the run folder and kills them, so that this phase fails and restarts.
