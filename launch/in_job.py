@@ -185,6 +185,13 @@ class Driver:
     warm: bool = False
     """launch.warm_restart: one warm process per node (megatron_hpc/warm_server.py) forks each step's workers."""
     warm_proc: subprocess.Popen | None = None
+    job_ending: bool = False
+    """SIGTERM came: SLURM is ending the job and signals every process of it, this one too (on_term)."""
+
+    def on_term(self, signum: int, frame: object) -> None:
+        # Not fatal: the step's nodes save and exit on the same signal, and the attempt must still be recorded once
+        # they have (node.sh does the same on each node). Only a flag: the loop is between two calls.
+        self.job_ending = True
 
     def say(self, text: str) -> None:
         print(f"megatron-hpc: in-job: {text}", flush=True)
@@ -265,7 +272,8 @@ class Driver:
                        not_responding=frozenset(n for n, s in states.items() if only_not_responding(s)),
                        exits=read_node_exits(folder), hang_suspects=suspects, hang_detected_at=hang_at,
                        stopped=marker_new(self.run_dir, STOPPED_FILE, seen.stopped),
-                       fatal=marker_new(self.run_dir, FATAL_FILE, seen.fatal), requested=requested)
+                       fatal=marker_new(self.run_dir, FATAL_FILE, seen.fatal), requested=requested,
+                       job_ending=self.job_ending)
 
     def take_request(self, step: int) -> tuple[str, ...] | None:
         """A restart request for this job: ask the workers to stop (they save first); the nodes to exclude."""
@@ -379,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
     driver = Driver(run_dir=args.run_dir, num_nodes=args.nodes, max_restarts=args.max_restarts,
                     max_requeues=args.max_requeues, exclude_stragglers=args.exclude_stragglers, srun_tail=tail,
                     warm=args.warm, job_id=str(who["job_id"] or ""), attempt=who["attempt"])
+    # SLURM's SIGTERM (scancel, preemption, the time limit) reaches the driver with its step: by default it would die
+    # at once, and the attempt would go unrecorded while the step's workers save.
+    signal.signal(signal.SIGTERM, driver.on_term)
     driver.say(f"job {driver.job_id} attempt {driver.attempt} on {socket.gethostname()}: steps of {args.nodes} "
                f"node(s), up to {args.max_restarts} restart(s) in the job")
     return driver.loop()

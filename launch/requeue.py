@@ -246,6 +246,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--node-rank", type=int, default=None,
                         help="this node's rank (node.sh's NODE_RANK; a PyTorchJob pod has no SLURM_NODEID)")
     args = parser.parse_args(argv)
+    # Any node's `scontrol requeue` has SLURM send SIGTERM to every process of the job at once, this one included,
+    # and a failed run is requeued by whichever node gets there first: node 0 may still be reading the markers
+    # when another node's requeue lands. Outlive it (KillWait, then SIGKILL) to record the attempt and say why.
+    # (node.sh starts this process with SIGTERM ignored already, which also covers the interpreter's start.)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     step = os.environ.get(IN_JOB_STEP_ENV, "")
     if step.isdigit() and args.phase == "run":
         return record_step_exit(args.run_dir, step=int(step), exit_code=args.exit_code,
@@ -255,9 +260,6 @@ def main(argv: list[str] | None = None) -> int:
     requeued = False
     message = decision.message
     if decision.action == "requeue":
-        # `scontrol requeue` has SLURM send SIGTERM to every process of the job, this one included, at
-        # once: outlive it (KillWait, then SIGKILL) long enough to record the attempt and say why.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         requeued, why_not = requeue(os.environ["SLURM_JOB_ID"], attempt=outcome.attempt)
         if not requeued:
             message += f"; {why_not}"

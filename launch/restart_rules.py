@@ -69,6 +69,8 @@ class StepEnd:
     """The trainer failed on an error a retry cannot fix (fatal.json of this step)."""
     requested: tuple[str, ...] | None = None
     """The nodes a restart request excluded, when one was acted on during this step."""
+    job_ending: bool = False
+    """The driver got SIGTERM during the step: SLURM is ending the job (scancel, preemption, the time limit)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -165,6 +167,10 @@ def decide(end: StepEnd, state: DriverState) -> Next:
     what = f"step {end.step} on {','.join(end.nodes)}: {failure.reason.replace('_', ' ')}" + (
         f" ({','.join(failure.nodes_lost)})" if failure.nodes_lost else "")
     healthy = healthy_nodes(end.allocation, unusable=end.unusable, excluded=excluded)
+    if end.job_ending:  # a step started now would be killed with the job; requeue.requeue leaves an ended job alone
+        return Next(action="requeue", failure=failure, excluded=excluded,
+                    message=f"{what}; the job got SIGTERM (cancelled, preempted or at its time limit): not restarted "
+                            "in it")
     if state.restarts_done >= state.max_restarts:
         return Next(action="requeue", failure=failure, excluded=excluded,
                     message=f"{what}; launch.max_in_job_restarts={state.max_restarts} restarts done in this job: "

@@ -196,7 +196,10 @@ def render_sbatch(spec: PhaseSpec, plan: Plan, *, node_script: str, log_dir: str
 def in_job_command(spec: PhaseSpec, *, run_dir: str, srun: list[str]) -> str:
     """The batch script's line with hot spares: the in-job driver (launch/in_job.py) runs `srun SRUN` as steps on
     spec.num_nodes healthy nodes of the allocation and restarts in the job when one fails. It runs with the
-    Python megatron-hpc was submitted from, as node.sh does."""
+    Python megatron-hpc was submitted from, as node.sh does. `exec`: the driver is the batch step's own process. SLURM
+    sends SIGTERM to the whole batch step (scancel, preemption, the time limit, the driver's own scontrol requeue); a
+    shell above the driver would die of it at once, and with it the batch step, whose leftover processes SLURM then
+    kills, the driver among them, before it recorded the attempt."""
     argv = [f"{python_bin_dir()}/python", "-m", "megatron_hpc.launch.in_job", "--run-dir", run_dir,
             "--nodes", str(spec.num_nodes), "--max-restarts", str(spec.max_in_job_restarts),
             "--max-requeues", spec.env.get(MAX_REQUEUES_ENV, str(DEFAULT_MAX_REQUEUES))]
@@ -204,7 +207,7 @@ def in_job_command(spec: PhaseSpec, *, run_dir: str, srun: list[str]) -> str:
         argv.append("--exclude-stragglers")
     if spec.warm_restart:
         argv.append("--warm")
-    return shlex.join([*argv, "--", *srun])
+    return "exec " + shlex.join([*argv, "--", *srun])
 
 
 def sbatch_command(script: str, *, after: str | None = None) -> list[str]:

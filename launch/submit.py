@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from megatron_hpc.compile_cache import fingerprint
 from megatron_hpc.compile_cache.paths import default_cache_root, warm_start_env
@@ -268,19 +268,27 @@ def submit(req: SubmitRequest, *, wait: bool, echo: Callable[[str], None] | None
     note = files.compile_message(req.cache_root)
     if note and echo:
         echo(note)
+    history = previous_submissions(req.run_dir)  # a resumed run keeps its earlier job ids; read before ours replaces it
     if req.cluster == "local":
         result = run_local(req, files.phases, echo=echo)
     else:
         result = _submit_slurm(req, files.phases)
         if wait:
+            # Recorded before the wait too: a Ctrl-C or a lost terminal there must not leave queued jobs that
+            # `status`, `cancel` and a resume's still-active check know nothing of.
+            _record_submission(req, result, files, history=history)
             _wait_slurm(result, req)
     result.files = files
-    history = previous_submissions(req.run_dir)  # a resumed run keeps its earlier job ids
+    _record_submission(req, result, files, history=history)
+    return result
+
+
+def _record_submission(req: SubmitRequest, result: SubmitResult, files: RunFiles, *,
+                       history: list[dict[str, Any]]) -> None:
     write_json(req.run_dir / SUBMISSION_FILE, SubmissionRecord(
         cluster=req.cluster, jobs=result.jobs, ok=result.ok, reason=result.reason,
         compile_skipped=files.compile_skipped_by is not None, compile_left_out=files.compile_left_out,
         fingerprint=files.fingerprint, history=history).to_json())
-    return result
 
 
 def run_local(req: SubmitRequest, phases: tuple[PhaseSpec, ...], *,

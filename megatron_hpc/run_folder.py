@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -99,8 +100,20 @@ def read_json(path: Path) -> Any:
 
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
     """Append one JSON line in a single write (atomic enough for short lines, also on NFS)."""
-    with path.open("a") as fh:
-        fh.write(json.dumps(record) + "\n")
+    append_line(path, json.dumps(record))
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append `line` and a newline in one write, on a line of its own.
+
+    A writer killed mid-write (SIGKILL is checked between the pages a write spans: the watchdog's, torchrun's or
+    SLURM's after KillWait, the OOM killer) leaves a line without its newline. The next attempt's first row would
+    be glued to it and lost with it; it starts a new line instead, and readers skip the cut one.
+    """
+    with path.open("a+b") as fh:  # "a": every write goes to the end, wherever the last byte was read
+        end = fh.seek(0, os.SEEK_END)
+        cut = end > 0 and fh.seek(end - 1) >= 0 and fh.read(1) != b"\n"
+        fh.write((b"\n" if cut else b"") + line.encode("utf-8") + b"\n")
 
 
 def write_spec(run_dir: Path, spec: RunSpec) -> None:

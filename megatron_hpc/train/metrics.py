@@ -17,7 +17,7 @@ from typing import TextIO
 from megatron_hpc.config.schema import ModelConfig
 from megatron_hpc.evaluate.perplexity import capped_ppl
 from megatron_hpc.plan.model_math import flops_per_token
-from megatron_hpc.run_folder import METRICS_FILE, IterationRecord, ValidationRecord
+from megatron_hpc.run_folder import METRICS_FILE, IterationRecord, ValidationRecord, append_line
 from megatron_hpc.train.tensorboard import TensorBoardWriter
 
 WARMUP_STEPS = 2
@@ -157,5 +157,4 @@ class MetricsLogger:
 
     def _append_jsonl(self, row: str) -> None:
         if self.jsonl_path is not None:
-            with self.jsonl_path.open("a", encoding="ascii") as fh:
-                fh.write(row + "\n")
+            append_line(self.jsonl_path, row)

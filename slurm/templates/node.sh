@@ -111,7 +111,7 @@ if [ "$PHASE" = tune ] && [ ${#TORCHRUN_WRAPPER[@]} -gt 0 ]; then
       --nproc_per_node={{nproc_per_node}} \
       --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT" \
       -m megatron_hpc train --run-dir "$RUN_DIR" --phase "$PHASE" ) 2>&1 \
-    | ( trap '' USR2 TERM; exec tee -a "$LOG" ) &
+    | ( trap '' USR2 TERM INT; exec tee -a "$LOG" ) &
   GRAPHS_PID=$!
   wait "$GRAPHS_PID"; GRAPHS_STATUS=$?
   while kill -0 "$GRAPHS_PID" 2>/dev/null; do wait "$GRAPHS_PID"; GRAPHS_STATUS=$?; done
@@ -123,8 +123,8 @@ if [ "$PHASE" = tune ] && [ ${#TORCHRUN_WRAPPER[@]} -gt 0 ]; then
   if [ "$GRAPHS_STATUS" -ne 0 ]; then  # no timed pass: it would compile what pass 1 could not
     echo "megatron-hpc: error: tune pass 1 (graphs) failed (exit $GRAPHS_STATUS); no timed pass" | tee -a "$LOG" >&2
     [ -n "${REMOVE_LOCAL_CACHE:-}" ] && rm -rf "$LOCAL_CACHE"
-    python -m megatron_hpc.launch.requeue --run-dir "$RUN_DIR" --phase "$PHASE" --exit-code "$GRAPHS_STATUS" \
-      --node-rank "$NODE_RANK" 2>&1 | ( trap '' TERM; exec tee -a "$LOG" )
+    ( trap '' TERM; exec python -m megatron_hpc.launch.requeue --run-dir "$RUN_DIR" --phase "$PHASE" \
+      --exit-code "$GRAPHS_STATUS" --node-rank "$NODE_RANK" ) 2>&1 | ( trap '' TERM; exec tee -a "$LOG" )
     exit "${PIPESTATUS[0]}"
   fi
   TORCHRUN_WRAPPER=()
@@ -134,13 +134,14 @@ fi
 # The workers' output stays on torchrun's stdout, where a neuron_parallel_compile around it parses the graph
 # list (never torchrun --redirect); tee logs what reaches it. In the background so that the traps run at
 # once; `wait` returns early on each trapped signal. torchrun (and a wrapper) ignore USR2 (its default would
-# kill them under the saving workers, which install their own handler); tee ignores both signals, or the
-# workers' next print would hit a closed pipe.
+# kill them under the saving workers, which install their own handler); tee ignores both signals and a terminal's
+# Ctrl-C (INT, to the whole group on a local run), or the workers' next print would hit a closed pipe and the log
+# would lose what every process said as it ended.
 ( trap '' USR2; exec {{warm_client}}"${TORCHRUN_WRAPPER[@]}" torchrun --nnodes="$NNODES" --node_rank="$NODE_RANK" \
     --nproc_per_node={{nproc_per_node}} \
     --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT" \
     -m megatron_hpc train --run-dir "$RUN_DIR" --phase "$PHASE" ) 2>&1 \
-  | ( trap '' USR2 TERM; exec tee -a "$LOG" ) &
+  | ( trap '' USR2 TERM INT; exec tee -a "$LOG" ) &
 PHASE_PID=$!
 # The node watchdog (launch/watchdog.py), run phase only: when no rank here moved for the hang timeout, it saves
 # the workers' stacks and a report in the run folder and kills them, so that this phase fails and restarts.
@@ -171,8 +172,10 @@ fi
 [ -n "${REMOVE_LOCAL_CACHE:-}" ] && rm -rf "$LOCAL_CACHE"
 
 # Finish, fail, or requeue the job to resume from its checkpoint (launch/requeue.py says which); in an in-job
-# step, record how it ended here for the driver, which decides.
-python -m megatron_hpc.launch.requeue --run-dir "$RUN_DIR" --phase "$PHASE" --exit-code "$STATUS" \
-  --node-rank "$NODE_RANK" 2>&1 \
-  | ( trap '' TERM; exec tee -a "$LOG" )  # a requeue's SIGTERM must not cut the line saying why
+# step, record how it ended here for the driver, which decides. Any node's requeue has SLURM send SIGTERM to
+# every process of the job at once: neither this node's record nor the line saying why may be cut by it, even
+# when another node's requeue lands while this interpreter is still starting.
+( trap '' TERM; exec python -m megatron_hpc.launch.requeue --run-dir "$RUN_DIR" --phase "$PHASE" \
+    --exit-code "$STATUS" --node-rank "$NODE_RANK" ) 2>&1 \
+  | ( trap '' TERM; exec tee -a "$LOG" )
 exit "${PIPESTATUS[0]}"

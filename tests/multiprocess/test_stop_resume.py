@@ -105,3 +105,21 @@ def test_time_budget_stops_and_saves(tmp_path):
     k = stopped["iteration"]
     assert 1 <= k < NUM_STEPS
     assert (run / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == str(k)
+
+
+def test_ctrl_c_on_a_local_run_keeps_the_workers_last_words_in_the_node_log(tmp_path, worker_pids):
+    # A terminal's Ctrl-C sends SIGINT to every process of the foreground group: node.sh, torchrun, the workers and
+    # the tee that writes the node log. A tee dying of it loses everything said after it (why each process ended)
+    # and turns the workers' next print into a broken pipe.
+    run = _dry_run(tmp_path / "ctrl-c", ["launch.workers_per_node=1", "parallel.tensor=1", "train.num_steps=100000"])
+    proc = _node_script(run)  # its own session: the group a terminal would signal
+    for line in proc.stdout:
+        if "iteration        3/" in line:
+            break
+    os.killpg(proc.pid, signal.SIGINT)
+    proc.communicate(timeout=300)
+    deadline = time.monotonic() + 120
+    while worker_pids(run) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    log = (run / "logs" / "run-node0.log").read_text()
+    assert "megatron-hpc: interrupted" in log, log[-3000:]  # the worker's own last line, after the Ctrl-C

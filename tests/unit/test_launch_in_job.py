@@ -4,8 +4,11 @@ request's refusals, restarts in `status`, and the plan and sbatch text of a run 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -211,6 +214,8 @@ def test_decide_restarts_in_the_job_until_spares_or_the_bound_run_out():
     assert fewer.action == "requeue" and "1 healthy node(s) left" in fewer.message
     bound = decide(end(unusable=frozenset({"n2"})), DriverState(num_nodes=2, max_restarts=1, restarts_done=1))
     assert bound.action == "requeue" and "launch.max_in_job_restarts=1" in bound.message
+    ending = decide(end(unusable=frozenset({"n2"}), job_ending=True), STATE)  # SLURM is ending the job
+    assert ending.action == "requeue" and "got SIGTERM" in ending.message
 
 
 def test_decide_done_stopped_and_fatal_behave_as_without_spares():
@@ -289,9 +294,9 @@ def test_plan_counts_the_spares_and_the_sbatch_runs_the_driver(tmp_path, cli_in_
                           "--cluster", "slurm", "--out", str(out), *sets).returncode == 0
     sbatch = (out / "run.sbatch").read_text().splitlines()
     assert "#SBATCH --nodes=4" in sbatch and "#SBATCH --no-kill" in sbatch
-    assert sbatch[-1] == (f"{sys.executable.rsplit('/', 1)[0]}/python -m megatron_hpc.launch.in_job --run-dir {out} "
-                          "--nodes 2 --max-restarts 3 --max-requeues 3 --warm -- --kill-on-bad-exit=1 --cpu-bind=none "
-                          f"bash {out}/node.sh run")
+    assert sbatch[-1] == (f"exec {sys.executable.rsplit('/', 1)[0]}/python -m megatron_hpc.launch.in_job "
+                          f"--run-dir {out} --nodes 2 --max-restarts 3 --max-requeues 3 --warm -- --kill-on-bad-exit=1 "
+                          f"--cpu-bind=none bash {out}/node.sh run")
 
 
 def test_spares_may_change_on_resume():
@@ -301,3 +306,60 @@ def test_spares_may_change_on_resume():
                      "launch.warm_restart=false"])
     with pytest.raises(ConfigError, match=r"parallel\.tensor cannot change on --resume"):
         check_overrides(["launch.spare_nodes=1", "parallel.tensor=2"])
+
+
+
+ENDING_SCONTROL = """#!/usr/bin/env bash
+# A stand-in for scontrol: job 77 on n1,n2,n3 is RUNNING until the test cancels it (the file `cancelled`).
+state=RUNNING; [ -e {dir}/cancelled ] && state=CANCELLED
+case "$1 $2" in
+  "show job") echo "JobId=77 JobState=$state Restarts=0 NodeList=n1,n2,n3";;
+  "show hostnames") echo "$3" | tr , '\\n';;
+  "show node") for n in $(echo "$4" | tr , ' '); do echo "NodeName=$n State=ALLOCATED"; done;;
+  "requeue 77") exit 1;;
+esac
+"""
+# A stand-in for srun: the step runs until SLURM's SIGTERM, then its nodes' tasks fail (exit 1) a moment later.
+ENDING_SRUN = """#!/usr/bin/env bash
+echo $$ >> {dir}/steps
+trap 'sleep 0.5; exit 1' TERM
+while :; do sleep 0.1; done
+"""
+
+
+def test_the_batch_script_outlives_slurms_sigterm_to_record_the_attempt_and_starts_no_step_after_it(
+        tmp_path, cli_in_process):
+    # scancel, a preemption or the time limit: SLURM signals every process of the batch step at once, and once the
+    # batch script's own process has exited it kills what is left of the step. That process must be the driver, and
+    # the driver must wait for its step to end, not restart in a dying job, and record the attempt before it exits.
+    out, bin_dir = tmp_path / "run", tmp_path / "bin"
+    assert cli_in_process("submit", "--recipe", "tiny", "--nodes", "2", "--platform", "cpu", "--dry-run", "--cluster",
+                          "slurm", "--out", str(out), "--set", "launch.spare_nodes=1", "--set", "data.source=synthetic",
+                          "--set", "compile.enabled=false", "--set", "launch.warm_restart=false").returncode == 0
+    bin_dir.mkdir()
+    for tool, text in (("scontrol", ENDING_SCONTROL), ("srun", ENDING_SRUN)):
+        (bin_dir / tool).write_text(text.format(dir=tmp_path))
+        (bin_dir / tool).chmod(0o755)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")},
+           "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "0"}
+    # Its own process group stands for the batch step's processes, as SLURM's process tracking sees them.
+    batch = subprocess.Popen(["bash", str(out / "run.sbatch")], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    steps, deadline = tmp_path / "steps", time.monotonic() + 60
+    try:
+        while not steps.exists() or not steps.read_text().strip():
+            assert batch.poll() is None and time.monotonic() < deadline, "no step started"
+            time.sleep(0.1)
+        (tmp_path / "cancelled").touch()
+        os.killpg(batch.pid, signal.SIGTERM)  # scancel: every process of the batch step
+        batch.wait(timeout=60)
+    finally:  # the batch script's process has ended: SLURM kills what is left of its step
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(batch.pid, signal.SIGKILL)
+    stdout, _ = batch.communicate(timeout=60)
+    rows = (out / ATTEMPTS_FILE).read_text().splitlines() if (out / ATTEMPTS_FILE).exists() else []
+    assert batch.returncode == 1 and len(rows) == 1, (batch.returncode, rows, stdout)
+    assert len(steps.read_text().split()) == 1, stdout  # no step started in the ending job
+    row = json.loads(rows[0])
+    assert (row["attempt"], row["action"], row["requeued"]) == (0, "requeue", False)
+    assert "the job got SIGTERM" in stdout and "CANCELLED, not RUNNING: left as it is" in stdout, stdout

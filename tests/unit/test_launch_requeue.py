@@ -1,9 +1,12 @@
 """What happens to a SLURM job after its phase ended on a node (launch/requeue.py decide)."""
 
+import errno
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from megatron_hpc.launch.requeue import Outcome, decide, read_outcome
@@ -129,3 +132,41 @@ def test_the_requeue_sigterm_does_not_cut_the_attempt_record(tmp_path):
     assert "requeueing to resume" in proc.stdout
     rows = [json.loads(line) for line in (run_dir / "attempts.jsonl").read_text().splitlines()]
     assert [(r["attempt"], r["action"], r["requeued"]) for r in rows] == [(0, "requeue", True)]
+
+
+def _open_fifo_for_writing(path, proc, *, timeout_s: float = 60.0) -> int:
+    """The writing end once `proc` opened the FIFO to read (it then waits for what is written); never hangs."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as exc:  # ENXIO: no reader yet
+            if exc.errno != errno.ENXIO or proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"the node task never opened {path}: {proc.communicate()}") from exc
+            time.sleep(0.05)
+
+
+def test_another_nodes_requeue_while_node_0_reads_the_markers_does_not_cut_its_record(tmp_path):
+    # On a failed run every failing node requeues, and whichever gets there first has SLURM send SIGTERM to every
+    # process of the job: node 0's task may still be reading this attempt's markers. Here stopped.json is a FIFO,
+    # so the task is held in the middle of that read while the SIGTERM arrives; then it reads on.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(SCONTROL_STAND_IN)
+    (bin_dir / "scontrol").chmod(0o755)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    os.mkfifo(run_dir / STOPPED_FILE)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")},
+           "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "123", "SLURM_RESTART_COUNT": "0"}
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_hpc.launch.requeue", "--run-dir", str(run_dir),
+                             "--phase", "run", "--exit-code", "1", "--node-rank", "0"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    fd = _open_fifo_for_writing(run_dir / STOPPED_FILE, proc)
+    proc.send_signal(signal.SIGTERM)  # another node's requeue
+    os.close(fd)  # an empty file: no stopped.json of this attempt
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, (proc.returncode, err)
+    assert "requeueing to resume" in out
+    rows = [json.loads(line) for line in (run_dir / "attempts.jsonl").read_text().splitlines()]
+    assert [(r["attempt"], r["action"], r["exit_code"]) for r in rows] == [(0, "requeue", 1)]

@@ -52,6 +52,17 @@ def test_attempts_append_and_a_line_being_written_is_skipped(tmp_path: Path):
     assert parse_attempts(text) == [rec, rec]
 
 
+def test_an_attempt_appended_after_a_cut_line_is_kept(tmp_path: Path):
+    # A node task killed in the middle of its write leaves a line without its newline; the next attempt's row
+    # must start a line of its own, or status loses it with the cut one.
+    rec = AttemptRecord(time=1.0, phase="run", job_id="5", attempt=1, exit_code=1, action="requeue", requeued=True,
+                        message="requeueing", iteration=40)
+    (tmp_path / ATTEMPTS_FILE).write_text('{"time": 0.5, "phase": "ru')
+    append_attempt(tmp_path, rec)
+    append_attempt(tmp_path, rec)
+    assert parse_attempts((tmp_path / ATTEMPTS_FILE).read_text()) == [rec, rec]
+
+
 def test_metrics_rows_are_the_trainers_records(tmp_path: Path):
     it = IterationRecord(iteration=10, train_iters=100, consumed_samples=80, elapsed_ms=12.5, lr=1e-4,
                          global_batch_size=8, lm_loss=math.nan, grad_norm=1.5, tokens_per_s=1e3,

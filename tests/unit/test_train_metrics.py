@@ -13,6 +13,7 @@ import pytest
 
 from megatron_hpc.config.schema import ModelConfig
 from megatron_hpc.plan.model_math import flops_per_token
+from megatron_hpc.run_folder import read_metrics
 from megatron_hpc.train.metrics import (
     IterationRecord,
     MetricsLogger,
@@ -91,3 +92,15 @@ def test_logger_prints_on_last_rank_and_appends_jsonl(tmp_path: Path) -> None:
                           phase="run", log_interval=1, enabled=False, run_dir=tmp_path / "x", out=out)
     quiet.log(1, lr=0.5, lm_loss=2.0, grad_norm=0.25, num_nan=0)
     assert len(out.getvalue().splitlines()) == 2 and not (tmp_path / "x").exists()
+
+
+def test_a_row_cut_by_a_killed_writer_does_not_take_the_resumed_runs_first_row_with_it(tmp_path: Path) -> None:
+    # What a rank 0 killed in the middle of its write leaves (SIGKILL lands between the pages a write spans): a row
+    # without its newline. The resumed attempt's first row must not be glued to it.
+    m = ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=1, seq_length=4, max_position_embeddings=4)
+    (tmp_path / "metrics.jsonl").write_text('{"iteration": 1, "phase": "run", "lm_loss": 2.5}\n{"iteration": 2, "ph')
+    logger = MetricsLogger(model=m, padded_vocab=16, world_size=1, train_iters=3, global_batch_size=4, phase="run",
+                           log_interval=1, enabled=True, run_dir=tmp_path, out=io.StringIO())
+    logger.log(2, lr=0.5, lm_loss=2.0, grad_norm=0.25, num_nan=0)
+    logger.log(3, lr=0.5, lm_loss=1.5, grad_norm=0.25, num_nan=0)
+    assert [r.iteration for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
