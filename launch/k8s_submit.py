@@ -22,6 +22,7 @@ import yaml
 from megatron_hpc.launch import k8s_objects as ko
 from megatron_hpc.launch.k8s_api import load_kube_config, wait_for
 from megatron_hpc.launch.requeue import DEFAULT_MAX_REQUEUES, MAX_REQUEUES_ENV
+from megatron_hpc.launch.resume import previous_submissions
 from megatron_hpc.launch.scripts import render_node_script
 from megatron_hpc.launch.submit import RunFiles, SubmitRequest, decide_phases
 
@@ -218,17 +219,18 @@ def submit_k8s(req: SubmitRequest, *, wait: bool,
     ns = req.cfg.k8s.namespace
     _create_or_replace_config_map(core, cmap, ns)
     jobs: list[JobRecord] = []
+    history = previous_submissions(req.run_dir)  # a resumed run keeps its earlier jobs; read before ours replaces it
     for i, stage in enumerate(stages):
         _create(stage, batch=batch, custom=custom, namespace=ns, run_dir=req.run_dir)
         record = JobRecord(phase=stage.phase, job_id=stage.job_id, state="PENDING",
                            depends_on=jobs[-1].job_id if jobs else None)
         jobs.append(record)
-        _record(req, files, jobs)
+        _record(req, files, jobs, history=history)
         if echo:
             echo(f"{stage.phase:<10} {stage.job_id} created in namespace {ns}")
         if i < len(stages) - 1 or wait:
             record.state = wait_for(stage.kind, stage.name, namespace=ns)
-            _record(req, files, jobs)
+            _record(req, files, jobs, history=history)
             if record.state != "COMPLETED":
                 raise LaunchError(f"{stage.phase} {stage.job_id} ended {record.state}; see `kubectl describe "
                                   f"{stage.job_id} -n {ns}` and `megatron-hpc logs {req.run_dir}`")
@@ -266,7 +268,7 @@ def _create_or_replace_config_map(core: Any, cmap: Any, ns: str) -> None:
         core.replace_namespaced_config_map(cmap.metadata.name, ns, cmap)
 
 
-def _record(req: SubmitRequest, files: RunFiles, jobs: list[JobRecord]) -> None:
+def _record(req: SubmitRequest, files: RunFiles, jobs: list[JobRecord], *, history: list[dict[str, Any]]) -> None:
     write_json(req.run_dir / SUBMISSION_FILE, SubmissionRecord(
         cluster="k8s", jobs=jobs, compile_skipped=files.compile_skipped_by is not None,
-        compile_left_out=files.compile_left_out, fingerprint=files.fingerprint).to_json())
+        compile_left_out=files.compile_left_out, fingerprint=files.fingerprint, history=history).to_json())
