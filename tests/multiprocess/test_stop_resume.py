@@ -50,7 +50,14 @@ def _losses(run_dir: Path) -> dict[int, float]:
 
 def _node_script(run_dir: Path) -> subprocess.Popen:
     return subprocess.Popen(["bash", str(run_dir / "node.sh"), "run"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=_env(), start_new_session=True)
+                            stderr=subprocess.STDOUT, text=True, env=_env(), start_new_session=True,
+                            preexec_fn=_terminal_sigint)
+
+
+def _terminal_sigint() -> None:
+    # SIGINT at its default, as a terminal's shell starts commands: the multiprocess tier runs in the background of
+    # tests/run.sh, whose children inherit SIGINT ignored, and the Ctrl-C test's signal would not arrive.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def test_signal_to_one_rank_stops_all_at_one_iteration_and_resume_matches(tmp_path, worker_pids):

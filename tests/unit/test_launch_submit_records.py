@@ -40,11 +40,19 @@ def _stand_ins(tmp_path: Path) -> dict[str, str]:
             "MEGATRON_HPC_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
 
 
+def _terminal_sigint() -> None:
+    # A terminal's shell starts commands with SIGINT at its default; a suite run in the background (a non-interactive
+    # shell's `&`, as tests/run.sh runs tiers and CI may run it) hands its children SIGINT ignored, and Python then
+    # never raises KeyboardInterrupt: the Ctrl-C under test would not arrive.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_an_interrupted_submit_wait_leaves_the_queued_jobs_recorded(tmp_path):
     env, run_dir = _stand_ins(tmp_path), tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "megatron_hpc", "submit", "--recipe", "tiny", "--cluster", "slurm",
                              "--wait", "--set", "data.source=synthetic", "--out", str(run_dir)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_terminal_sigint)
     deadline = time.monotonic() + 120
     while not (tmp_path / "followed").exists():  # queued; now following the jobs
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
