@@ -115,8 +115,8 @@ esac
 """
 
 
-def test_the_requeue_sigterm_does_not_cut_the_attempt_record(tmp_path):
-    # CI once lost attempt 0's row: SLURM's SIGTERM of the requeue killed the node task before it appended it.
+def _job_with_scontrol_stand_in(tmp_path) -> tuple:
+    """A run folder and the environment of node 0's task in job 123's first attempt, scontrol the stand-in."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "scontrol").write_text(SCONTROL_STAND_IN)
@@ -125,9 +125,19 @@ def test_the_requeue_sigterm_does_not_cut_the_attempt_record(tmp_path):
     run_dir.mkdir()
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")},
            "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "123", "SLURM_RESTART_COUNT": "0"}
-    proc = subprocess.run([sys.executable, "-m", "megatron_hpc.launch.requeue", "--run-dir", str(run_dir),
-                           "--phase", "run", "--exit-code", "1", "--node-rank", "0"],
-                          env=env, capture_output=True, text=True, timeout=60)
+    return run_dir, env
+
+
+def _node_0_failed_run(run_dir) -> list[str]:
+    """The command node.sh runs on node 0 after a run phase that failed with exit 1."""
+    return [sys.executable, "-m", "megatron_hpc.launch.requeue", "--run-dir", str(run_dir), "--phase", "run",
+            "--exit-code", "1", "--node-rank", "0"]
+
+
+def test_the_requeue_sigterm_does_not_cut_the_attempt_record(tmp_path):
+    # CI once lost attempt 0's row: SLURM's SIGTERM of the requeue killed the node task before it appended it.
+    run_dir, env = _job_with_scontrol_stand_in(tmp_path)
+    proc = subprocess.run(_node_0_failed_run(run_dir), env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "requeueing to resume" in proc.stdout
     rows = [json.loads(line) for line in (run_dir / "attempts.jsonl").read_text().splitlines()]
@@ -150,18 +160,10 @@ def test_another_nodes_requeue_while_node_0_reads_the_markers_does_not_cut_its_r
     # On a failed run every failing node requeues, and whichever gets there first has SLURM send SIGTERM to every
     # process of the job: node 0's task may still be reading this attempt's markers. Here stopped.json is a FIFO,
     # so the task is held in the middle of that read while the SIGTERM arrives; then it reads on.
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text(SCONTROL_STAND_IN)
-    (bin_dir / "scontrol").chmod(0o755)
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
+    run_dir, env = _job_with_scontrol_stand_in(tmp_path)
     os.mkfifo(run_dir / STOPPED_FILE)
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_")},
-           "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "123", "SLURM_RESTART_COUNT": "0"}
-    proc = subprocess.Popen([sys.executable, "-m", "megatron_hpc.launch.requeue", "--run-dir", str(run_dir),
-                             "--phase", "run", "--exit-code", "1", "--node-rank", "0"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(_node_0_failed_run(run_dir), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
     fd = _open_fifo_for_writing(run_dir / STOPPED_FILE, proc)
     proc.send_signal(signal.SIGTERM)  # another node's requeue
     os.close(fd)  # an empty file: no stopped.json of this attempt
