@@ -112,7 +112,10 @@ def append_line(path: Path, line: str) -> None:
     """
     with path.open("a+b") as fh:  # "a": every write goes to the end, wherever the last byte was read
         end = fh.seek(0, os.SEEK_END)
-        cut = end > 0 and fh.seek(end - 1) >= 0 and fh.read(1) != b"\n"
+        cut = False
+        if end:
+            fh.seek(end - 1)
+            cut = fh.read(1) != b"\n"
         fh.write((b"\n" if cut else b"") + line.encode("utf-8") + b"\n")
 
 

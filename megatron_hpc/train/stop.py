@@ -33,8 +33,8 @@ from megatron_hpc.run_markers import (
 )
 
 HANDLED_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
-NODE_TASK_SIGNALS = ("USR2", "TERM")
-"""What node.sh's traps write into the stop-request file (without the SIG prefix)."""
+NODE_TASK_SIGNALS = tuple(s.name.removeprefix("SIG") for s in HANDLED_SIGNALS)
+"""What node.sh's traps write into the stop-request file: the same signals, without the SIG prefix."""
 
 _NONE, _BUDGET, _SIGNAL = 0, 1, 2
 
